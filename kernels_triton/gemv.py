@@ -1,0 +1,195 @@
+"""Triton GEMV family: y[M, N] = x[M, K] @ W[N, K]^T for decode (M = 1..8).
+
+BF16 in and out, FP32 accumulation, each weight element read once per call.
+The caller passes an explicit ``GemvConfig`` (no ``@triton.autotune``: tuning
+is tunekit's job); ``DEFAULT`` is valid for every shape and M.
+
+Design, for a memory-bound problem:
+- one program owns BLOCK_N rows of W and streams them along K in BLOCK_K
+  steps; the product is accumulated element-wise in a [.., BLOCK_N, BLOCK_K]
+  fp32 register tile and reduced over K once after the loop, so the loop body
+  is loads + FMAs with no cross-lane traffic;
+- rows past N are *clamped* (re-read row N-1) instead of masked, so W loads
+  stay unmasked and vectorised; only the store is masked;
+- SPLIT_K > 1 gives small-N problems (N=96) enough programs to fill the GPU:
+  each split writes fp32 partials to a workspace and a second kernel sums the
+  splits in a fixed order (deterministic: no atomics on outputs);
+- M > 1 keeps one [BLOCK_M, BLOCK_N, BLOCK_K] tile, BLOCK_M = next_pow2(M),
+  so W is still read once for all M rows of x.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    BLOCK_N: int = 4
+    BLOCK_K: int = 256
+    num_warps: int = 4
+    num_stages: int = 2
+    SPLIT_K: int = 1
+    W_EVICT: str = ""  # "" (default policy) or "evict_first" / "evict_last"
+
+    @classmethod
+    def from_params(cls, params: dict) -> GemvConfig:
+        return cls(**{k: v for k, v in params.items() if k in cls.__dataclass_fields__})
+
+    def as_params(self) -> dict:
+        return asdict(self)
+
+
+#: Valid for every shape and M = 1..8 (the fallback / "tactic -1" config).
+DEFAULT = GemvConfig()
+
+#: Register budget of the accumulator tile per thread. Past ~128 fp32 values
+#: Triton spills to local memory and the kernel falls far below bandwidth.
+_MAX_ACC_PER_THREAD = 128
+
+
+def _next_pow2(value: int) -> int:
+    return 1 << (max(value, 1) - 1).bit_length()
+
+
+def invalid_reason(config: GemvConfig, m: int, n: int, k: int) -> str | None:
+    """None if ``config`` can run (m, n, k), else a short reason. Pure predicate."""
+    for name in ("BLOCK_N", "BLOCK_K", "num_warps", "SPLIT_K"):
+        value = getattr(config, name)
+        if value < 1 or value & (value - 1):
+            return f"{name}={value} is not a power of two"
+    if not 1 <= m <= 8:
+        return f"M={m} outside 1..8"
+    if config.W_EVICT not in ("", "evict_first", "evict_last"):
+        return f"unknown W_EVICT {config.W_EVICT!r}"
+    threads = 32 * config.num_warps
+    block_m = _next_pow2(m)
+    if block_m * config.BLOCK_N * config.BLOCK_K > _MAX_ACC_PER_THREAD * threads:
+        return "accumulator tile exceeds the register budget"
+    if config.BLOCK_N * config.BLOCK_K < threads:
+        return "fewer tile elements than threads"
+    if config.SPLIT_K > 1 and config.BLOCK_K * config.SPLIT_K > k:
+        return "SPLIT_K * BLOCK_K exceeds K (empty splits)"
+    if config.BLOCK_K > 2 * _next_pow2(k):
+        return "BLOCK_K far larger than K"
+    return None
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, y_ptr,
+    M, N, K, K_PER_SPLIT,
+    stride_xm, stride_wn, stride_ym, stride_ys,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, SPLIT_OUT: tl.constexpr, W_EVICT: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Clamp rows past N onto row N-1: unmasked (vectorised) W loads; the
+    # duplicate rows are dropped by the masked store.
+    rows = tl.minimum(offs_n, N - 1)
+    offs_m = tl.arange(0, BLOCK_M)
+    k_start = pid_k * K_PER_SPLIT
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    m_mask = offs_m[:, None] < M
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K_PER_SPLIT, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, eviction_policy=W_EVICT)
+            x = tl.load(x_ptrs, mask=m_mask, other=0.0)
+        else:
+            k_mask = (offs_k + k0) < K
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy=W_EVICT)
+            x = tl.load(x_ptrs, mask=m_mask & k_mask[None, :], other=0.0)
+        if BLOCK_M == 1:
+            acc += w.to(tl.float32) * x.to(tl.float32)
+        else:
+            acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if BLOCK_M == 1:
+        out = tl.sum(acc, axis=1)[None, :]
+    else:
+        out = tl.sum(acc, axis=2)
+    y_ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
+    y_mask = m_mask & (offs_n[None, :] < N)
+    if SPLIT_OUT:
+        tl.store(y_ptrs, out, mask=y_mask)
+    else:
+        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+@triton.jit
+def _split_k_reduce_kernel(
+    p_ptr, y_ptr, M, N, stride_ps, stride_pm, stride_ym,
+    SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # Sums the SPLIT_K fp32 partials in a fixed order: bitwise reproducible.
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    m = offs // N
+    n = offs % N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(p_ptr + s * stride_ps + m * stride_pm + n, mask=mask, other=0.0)
+    tl.store(y_ptr + m * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def gemv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    config: GemvConfig = DEFAULT,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y = x @ w.T with an explicit config. x [M, K], w [N, K] (unit stride on K)."""
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k:
+        raise ValueError(f"x is [{m}, {k}] but w is {list(w.shape)}")
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError("gemv needs unit stride along K for x and w")
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block_m = _next_pow2(m)
+    split = config.SPLIT_K
+    k_per_split = triton.cdiv(triton.cdiv(k, split), config.BLOCK_K) * config.BLOCK_K
+    even_k = k % config.BLOCK_K == 0 and k_per_split * split == k
+    grid = (triton.cdiv(n, config.BLOCK_N), split)
+    if split == 1:
+        target, stride_ym, stride_ys = out, out.stride(0), 0
+    else:
+        # fp32 partials [SPLIT_K, M, N]; torch's allocator makes this
+        # graph-capturable (a private pool while capturing).
+        target = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        stride_ym, stride_ys = target.stride(1), target.stride(0)
+    _gemv_kernel[grid](
+        x, w, target,
+        m, n, k, k_per_split,
+        x.stride(0), w.stride(0), stride_ym, stride_ys,
+        BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
+        EVEN_K=even_k, SPLIT_OUT=split > 1, W_EVICT=config.W_EVICT,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if split > 1:
+        block = 256
+        _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
+            target, out, m, n, target.stride(0), target.stride(1), out.stride(0),
+            SPLIT_K=split, BLOCK=block, num_warps=4,
+        )
+    return out
+
+
+def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """fp64 reference on the same (BF16) values."""
+    return x.double() @ w.double().T

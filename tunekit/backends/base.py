@@ -1,0 +1,97 @@
+"""The Backend protocol: one family of implementations of tunekit's ops.
+
+A backend turns a parameter set (sampled by the search from
+``search_spaces/<op>.toml``) into a callable kernel for one problem.
+
+Call protocol (what the search worker does, in this order)::
+
+    backend = tunekit.backends.get("triton")
+    why = backend.unavailable_reason(device)      # None -> usable here
+    space = backend.space(problem)                # SearchSpace: domains + default
+    reason = backend.invalid_reason(problem, params)  # None -> buildable
+    kernel = backend.build(problem, params, device)   # compile; BuildError on failure
+    kernel(inputs, out)                           # writes the op's result into `out`
+
+``build`` must do all compilation, so that the first ``kernel(...)`` call after
+it is cheap and graph-capturable (launch on torch's current stream, allocate
+only through torch). ``inputs`` is the tuple an ``OpSpec.make_inputs`` returns
+(for GEMV: ``(x[M,K], w[N,K])``); ``out`` is a preallocated output tensor that
+the kernel must fill completely (verification poisons it first).
+
+Backends never import optuna: search code adapts ``SearchSpace`` to samplers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from tunekit.device import DeviceInfo
+from tunekit.shapes import Problem
+
+Params = dict[str, Any]
+Kernel = Callable[[tuple[torch.Tensor, ...], torch.Tensor], None]
+
+
+class BuildError(RuntimeError):
+    """A candidate could not be compiled; ``log`` holds the compiler's output."""
+
+    def __init__(self, message: str, log: str = "") -> None:
+        super().__init__(message)
+        self.log = log
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Domains of one backend's tunables for one op, as read from TOML.
+
+    ``domains`` maps a parameter name (equal to the kernel's constexpr/define
+    name) to the list of its allowed values; ``default`` is a parameter set
+    valid for every problem of the op (the fallback config, enqueued first).
+    ``reference`` is the designated config whose output bits define the
+    ``exact`` numerics policy for this family.
+    """
+
+    op: str
+    backend: str
+    domains: dict[str, list[Any]]
+    default: Params
+    reference: Params
+    fixed: Params = field(default_factory=dict)
+
+    def is_empty(self) -> bool:
+        return not self.domains
+
+
+class Backend(Protocol):
+    """A family of implementations (Triton kernels, HIP kernels, vendor BLAS)."""
+
+    name: str
+    #: "vendor" for the baseline backend, "tuned" for searchable families.
+    kind: str
+    #: ops this backend implements (keys of tunekit.opspec.OPS).
+    ops: tuple[str, ...]
+
+    def unavailable_reason(self, device: DeviceInfo) -> str | None:
+        """None if the backend can run on ``device``, else a one-line reason."""
+
+    def space(self, problem: Problem) -> SearchSpace:
+        """The parameter domains for ``problem.op`` (may be empty for vendor)."""
+
+    def invalid_reason(self, problem: Problem, params: Params) -> str | None:
+        """None if ``params`` can be built for ``problem``, else why not.
+
+        A pure predicate: no compilation, no device work.
+        """
+
+    def build(self, problem: Problem, params: Params, device: DeviceInfo) -> Kernel:
+        """Compile (and cache) the candidate; raise BuildError on failure."""
+
+    def source_hash(self) -> str:
+        """Hash of the kernel sources this backend builds from (table stamp)."""
+
+    def kernel_name(self, problem: Problem) -> str:
+        """Name of the kernel function that serves ``problem`` (for reports)."""

@@ -1,0 +1,234 @@
+"""Thin CLI verbs; the library does the work.
+
+User errors (unknown model, malformed config, corrupt table, bad option) are
+one line on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tunekit.errors import UserError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="tunekit: tune decode GEMVs per real model shape and serve the winners.")
+console = Console()
+err_console = Console(stderr=True)
+
+
+def _problems(model: str | None, shape: list[str], tp: int, m: str, config: Path | None):
+    from tunekit import shapes
+    from tunekit.models import load_model
+
+    m_list = shapes.parse_m_list(m)
+    problems = []
+    spec = None
+    if model and config:
+        raise UserError("give either --model or --config, not both")
+    if model or config:
+        spec = load_model(str(config) if config else model)
+        spec.check_tp(tp)
+        problems.extend(spec.problems(tp=tp, m_list=m_list))
+    if shape:
+        problems.extend(shapes.adhoc_problems(shape, m_list))
+    if not problems:
+        raise UserError("no problems: give --model NAME, --config PATH or --shape NxK")
+    unique = {}
+    for p in problems:
+        if p.key in unique:
+            old = unique[p.key]
+            unique[p.key] = type(p)(p.op, p.dtype, p.m, p.n, p.k, old.count + p.count, old.names + p.names)
+        else:
+            unique[p.key] = p
+    return spec, list(unique.values())
+
+
+@app.command()
+def models() -> None:
+    """List the built-in models."""
+    from tunekit.models import list_models
+
+    table = Table("model", "family", "hf id", "layers", "hidden")
+    for spec in list_models():
+        table.add_row(spec.name, spec.family, spec.hf_id or "", str(spec.num_layers), str(spec.hidden_size))
+    console.print(table)
+
+
+@app.command()
+def shapes(
+    model: Annotated[str | None, typer.Option(help="built-in model name")] = None,
+    config: Annotated[Path | None, typer.Option(help="path to a Hugging Face config.json")] = None,
+    shape: Annotated[list[str], typer.Option(help="ad-hoc NxK problem (repeatable)")] = [],  # noqa: B006
+    tp: Annotated[int, typer.Option(help="tensor-parallel size")] = 1,
+    m: Annotated[str, typer.Option(help="decode batch sizes, e.g. 1,2,4,8")] = "1",
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """List the per-token problems of a model as vLLM executes them."""
+    _, problems = _problems(model, shape, tp, m, config)
+    if as_json:
+        rows = [p.as_dict() | {"bytes_per_token": p.weight_bytes * p.count} for p in problems]
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table("op", "dtype", "M", "N", "K", "count/token", "MB/token", "layers")
+    total_calls = total_bytes = 0
+    for p in problems:
+        per_token = p.weight_bytes * p.count
+        table.add_row(p.op, p.dtype, str(p.m), str(p.n), str(p.k), str(p.count), f"{per_token / 1e6:.1f}",
+                      ", ".join(p.names))
+        if p.m == problems[0].m:
+            total_calls += p.count
+            total_bytes += per_token
+    console.print(table)
+    console.print(f"per token at M={problems[0].m}: {total_calls} GEMV calls, {total_bytes / 1e9:.2f} GB of weights")
+
+
+@app.command()
+def search(
+    model: Annotated[str | None, typer.Option(help="built-in model name")] = None,
+    config: Annotated[Path | None, typer.Option(help="path to a Hugging Face config.json")] = None,
+    shape: Annotated[list[str], typer.Option(help="ad-hoc NxK problem (repeatable)")] = [],  # noqa: B006
+    tp: Annotated[int, typer.Option(help="tensor-parallel size")] = 1,
+    m: Annotated[str, typer.Option(help="decode batch sizes, e.g. 1,2,4,8")] = "1",
+    backend: Annotated[str | None, typer.Option(
+        help="comma list of backends (default: every tuned backend available here)")] = None,
+    trials: Annotated[int, typer.Option(help="measured trials per (problem, backend) study")] = 40,
+    timeout: Annotated[float | None, typer.Option(help="seconds for the trial phase of the whole run")] = None,
+    sampler: Annotated[str, typer.Option(help="tpe, random or grid")] = "tpe",
+    numerics: Annotated[str, typer.Option(help="bounded (fp64 reference + BF16 bound) or exact")] = "bounded",
+    storage: Annotated[str | None, typer.Option(help="Optuna RDB URL (default: SQLite in --out)")] = None,
+    out: Annotated[Path | None, typer.Option(help="run folder (default runs/<model or shapes>)")] = None,
+    min_gain: Annotated[float, typer.Option(help="minimum speedup over vendor to enter the table")] = 0.01,
+    seed: Annotated[int, typer.Option(help="sampler and input seed")] = 0,
+    trial_timeout: Annotated[float, typer.Option(help="seconds before a stuck candidate is killed")] = 180.0,
+    progress: Annotated[bool, typer.Option(help="show progress bars")] = True,
+) -> None:
+    """Search the best verified kernel per problem; write trials and the dispatch table."""
+    from tunekit import backends as registry
+    from tunekit.report import print_summary
+    from tunekit.search.engine import SearchConfig, run_search
+    from tunekit.verify import NUMERICS
+
+    spec, problems = _problems(model, shape, tp, m, config)
+    if numerics not in NUMERICS:
+        raise UserError(f"--numerics must be one of {', '.join(NUMERICS)}")
+    names = [b.strip() for b in backend.split(",") if b.strip()] if backend else _default_backends()
+    if "vendor" in names:
+        raise UserError("the vendor baseline is always measured; --backend takes tuned families (triton, hip)")
+    for name in names:
+        if name not in registry.BUILTIN and ":" not in name:
+            raise UserError(f"unknown backend {name!r} (known: {', '.join(registry.TUNED)})")
+    run_name = spec.name if spec else "shapes"
+    out_dir = out or Path("runs") / run_name
+    cfg = SearchConfig(
+        problems=problems, backends=names, out_dir=out_dir, trials=trials, timeout_s=timeout,
+        sampler=sampler, numerics=numerics, storage=storage, seed=seed, min_gain=min_gain,
+        trial_timeout_s=trial_timeout, command=shlex.join(["tunekit"] + sys.argv[1:]),
+        model=spec.name if spec else None,
+    )
+    outcome = run_search(cfg, progress=progress and sys.stderr.isatty(), log=lambda s: console.print(s))
+    print_summary(console, outcome)
+
+
+def _default_backends() -> list[str]:
+    """Every tuned family usable on this machine (decided in the worker's device)."""
+    from tunekit import backends as registry
+    from tunekit.device import detect
+
+    device = detect()
+    usable = []
+    for name in registry.TUNED:
+        try:
+            backend = registry.get(name)
+        except ImportError:
+            continue
+        if backend.unavailable_reason(device) is None:
+            usable.append(name)
+    if not usable:
+        raise UserError("no tuned backend can run here (no GPU? set TRITON_INTERPRET=1 for the CPU interpreter)")
+    return usable
+
+
+@app.command()
+def export(
+    run: Annotated[Path, typer.Argument(help="run folder written by `tunekit search`")],
+    min_gain: Annotated[float | None, typer.Option(help="minimum speedup over vendor (default: the run's)")] = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="table (default RUN/table.json)")] = None,
+) -> None:
+    """(Re)write the dispatch table of a run from its re-measured results."""
+    from tunekit import table as table_mod
+    from tunekit.search import results
+
+    meta = results.read_run_json(run)
+    rows = results.read_final(run)
+    gain = meta.get("min_gain", 0.01) if min_gain is None else min_gain
+    table = table_mod.build_table(rows, meta["device"], meta["probe"], gain, meta["backends"])
+    path = table_mod.save(table, output or run / "table.json")
+    console.print(f"wrote {path}: {len(table['entries'])} entries (min gain {gain:.1%})")
+
+
+@app.command()
+def show(
+    table_path: Annotated[Path, typer.Argument(metavar="TABLE", help="dispatch table JSON")],
+    check: Annotated[bool, typer.Option(help="fail if the table was tuned for another device/software")] = False,
+) -> None:
+    """Validate and print a dispatch table."""
+    from tunekit import table as table_mod
+
+    table = table_mod.load(table_path)
+    env = table["environment"]
+    console.print(f"{table_path}: {table['format']}, {len(table['entries'])} entries, tuned on {env['gpu']} "
+                  f"({env['arch']}, {env['runtime']}, torch {env['torch']}, triton {env['triton']})")
+    if check:
+        from tunekit.device import detect
+
+        diffs = table_mod.environment_mismatch(table, detect().as_dict())
+        if diffs:
+            raise UserError(f"{table_path} does not match this environment: " + "; ".join(diffs))
+    rows = Table("op", "M", "N", "K", "backend", "params", "us", "vendor us", "speedup", "GB/s", "% limit")
+    for e in table["entries"]:
+        pct = e.get("pct_of_limit")
+        rows.add_row(e["op"], str(e["m"]), str(e["n"]), str(e["k"]), e["backend"],
+                     json.dumps(e["params"], sort_keys=True), f"{e['time_us']:.2f}", f"{e['baseline_us']:.2f}",
+                     f"{e['speedup']:.3f}", f"{e['gbps']:.0f}", "-" if pct is None else f"{pct:.1f}")
+    console.print(rows)
+
+
+@app.command()
+def probe() -> None:
+    """Describe the device and measure its read-bandwidth limit."""
+    from tunekit.search.worker import Worker
+
+    with Worker() as worker:
+        dev = worker.call({"kind": "device"})
+        res = worker.call({"kind": "probe"}, timeout=600)
+    if res.get("status") != "ok":
+        raise UserError(f"probe failed: {res.get('error')}")
+    console.print(json.dumps({"device": dev.get("device"), "probe": res["probe"]}, indent=2))
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except UserError as exc:
+        err_console.print(f"error: {exc}", highlight=False, markup=False)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        err_console.print("interrupted: finished trials are stored; rerun the same command to resume")
+        sys.exit(130)
+    except Exception as exc:  # click's usage errors arrive here in non-standalone mode
+        import click
+
+        if isinstance(exc, click.exceptions.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        if isinstance(exc, click.exceptions.Abort):
+            sys.exit(1)
+        raise

@@ -1,0 +1,382 @@
+"""One Optuna study per (problem, backend); every trial stored; winners re-measured.
+
+Flow of ``run_search``::
+
+    run folder + storage (SQLite in the folder unless --storage URL)
+    worker: describe device, probe the read-bandwidth limit (once per run)
+    for each problem, for each backend:
+        study (resumed if it exists; interrupted trials marked failed)
+        enqueue the default config first
+        ask -> skip duplicates / invalid -> worker builds, verifies, times -> tell
+    for each problem: top candidates of every backend + the vendor baseline
+        re-measured interleaved in one graph session (the ranking that counts)
+    write trials.csv, final.csv, run.json, table.json
+
+"Measured" trials are those the worker evaluated (ok or failed); a resumed
+study only adds trials until ``trials`` of them exist, so nothing finished is
+measured again. A parameter set already evaluated in the study is never sent
+to the worker again: the new trial is told the stored outcome and marked
+``duplicate_of``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.distributions import CategoricalDistribution
+from optuna.trial import TrialState
+
+from tunekit import backends as backend_registry
+from tunekit.errors import UserError
+from tunekit.search.worker import DEFAULT_TIMEOUT_S, Worker
+from tunekit.shapes import Problem
+
+SAMPLERS = ("tpe", "random", "grid")
+#: Candidates per backend carried into the interleaved final re-measure.
+FINAL_TOP_K = 3
+FINAL_REPEATS = 30
+#: Stop asking a study for new parameter sets after this many attempts per
+#: wanted trial (duplicates and invalid sets are cheap but not free).
+MAX_ATTEMPTS_PER_TRIAL = 25
+
+
+@dataclass
+class SearchConfig:
+    problems: list[Problem]
+    backends: list[str]
+    out_dir: Path
+    trials: int = 40
+    timeout_s: float | None = None  # whole-run budget for the trial phase
+    sampler: str = "tpe"
+    numerics: str = "bounded"
+    storage: str | None = None
+    seed: int = 0
+    min_gain: float = 0.01
+    trial_timeout_s: float = DEFAULT_TIMEOUT_S
+    command: str = ""
+    model: str | None = None
+
+
+@dataclass
+class StudyStats:
+    problem: Problem
+    backend: str
+    measured_before: int = 0
+    measured_now: int = 0
+    ok: int = 0
+    failed: int = 0
+    invalid: int = 0
+    duplicates: int = 0
+    best_us: float | None = None
+
+
+@dataclass
+class SearchOutcome:
+    run_dir: Path
+    stats: list[StudyStats] = field(default_factory=list)
+    final_rows: list[dict[str, Any]] = field(default_factory=list)
+    table_path: Path | None = None
+    trials_path: Path | None = None
+    probe: dict[str, Any] = field(default_factory=dict)
+    device: dict[str, Any] = field(default_factory=dict)
+
+
+def storage_url(out_dir: Path, storage: str | None) -> str:
+    return storage or f"sqlite:///{(out_dir / 'optuna.db').resolve()}"
+
+
+def study_name(arch: str, problem: Problem, backend: str, numerics: str) -> str:
+    return f"{arch}|{problem.key}|{backend}|{numerics}"
+
+
+def _params_key(params: dict[str, Any]) -> str:
+    return json.dumps(params, sort_keys=True)
+
+
+def _make_sampler(name: str, space_domains: dict[str, list[Any]], seed: int) -> optuna.samplers.BaseSampler:
+    if name == "tpe":
+        # multivariate: the tunables interact (tile size x warps x split).
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=8)
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if name == "grid":
+        return optuna.samplers.GridSampler(space_domains, seed=seed)
+    raise UserError(f"unknown sampler {name!r} (choose from {', '.join(SAMPLERS)})")
+
+
+class _Progress:
+    """Thin adapter over rich.progress; silent when not attached to a console."""
+
+    def __init__(self, enabled: bool) -> None:
+        self._progress = None
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._progress = Progress(
+                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                TextColumn("{task.fields[best]}"),
+            )
+            self._progress.start()
+
+    def add(self, description: str, total: int, done: int) -> Any:
+        if self._progress is None:
+            return None
+        return self._progress.add_task(description, total=total, completed=done, best="")
+
+    def update(self, task: Any, advance: int = 0, best: str = "") -> None:
+        if self._progress is not None and task is not None:
+            self._progress.update(task, advance=advance, best=best)
+
+    def log(self, message: str) -> None:
+        if self._progress is not None:
+            self._progress.console.log(message)
+
+    def stop(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+def run_search(cfg: SearchConfig, progress: bool = True, log: Callable[[str], None] = print) -> SearchOutcome:
+    """Run (or resume) the search described by ``cfg``; see the module docstring."""
+    from tunekit import table as table_mod
+    from tunekit.search import results
+
+    if cfg.sampler not in SAMPLERS:
+        raise UserError(f"unknown sampler {cfg.sampler!r} (choose from {', '.join(SAMPLERS)})")
+    if cfg.trials < 1:
+        raise UserError("--trials must be at least 1")
+    out_dir = cfg.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    url = storage_url(out_dir, cfg.storage)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        storage = optuna.storages.RDBStorage(url)
+    except Exception as exc:  # bad URL, unreachable DB, missing driver
+        raise UserError(f"cannot open storage {url}: {exc}") from None
+
+    outcome = SearchOutcome(run_dir=out_dir)
+    started = time.monotonic()
+    with Worker() as worker:
+        reply = worker.call({"kind": "device"})
+        if reply["status"] != "ok":
+            raise UserError(f"the worker could not start: {reply.get('error')}")
+        device = reply["device"]
+        outcome.device = device
+        usable = _usable_backends(cfg.backends, device)
+        log(f"device: {device['name']} ({device['arch']}, {device['cu_count']} CUs, "
+            f"wave {device['wave_size']}, L2 {device['l2_bytes'] >> 20} MiB); backends: {', '.join(usable)}")
+        reply = worker.call({"kind": "probe"}, timeout=600)
+        if reply["status"] != "ok":
+            raise UserError(f"bandwidth probe failed: {reply.get('error')}")
+        probe = reply["probe"]
+        outcome.probe = probe
+        log(f"read-bandwidth limit: {probe['read_gbps']:.0f} GB/s (copy {probe['copy_gbps']:.0f} GB/s, "
+            f"{probe['kind']} timing)")
+        results.write_run_json(out_dir, cfg, url, device, probe, usable)
+
+        bar = _Progress(progress)
+        try:
+            for problem in cfg.problems:
+                for backend in usable:
+                    remaining = None
+                    if cfg.timeout_s is not None:
+                        remaining = cfg.timeout_s - (time.monotonic() - started)
+                    stats = _run_study(cfg, storage, worker, device, probe, problem, backend, bar, remaining)
+                    outcome.stats.append(stats)
+            for problem in cfg.problems:
+                outcome.final_rows.extend(
+                    _final_remeasure(cfg, storage, worker, device, probe, problem, usable, bar)
+                )
+        finally:
+            bar.stop()
+
+    outcome.trials_path = results.write_trials(out_dir, storage, cfg, device, probe)
+    results.write_final(out_dir, outcome.final_rows)
+    table = table_mod.build_table(outcome.final_rows, device, probe, cfg.min_gain, usable)
+    outcome.table_path = table_mod.save(table, out_dir / "table.json")
+    return outcome
+
+
+def _usable_backends(requested: Sequence[str], device: dict[str, Any]) -> list[str]:
+    from tunekit.device import DeviceInfo
+
+    info = DeviceInfo(**device)
+    usable = []
+    for name in requested:
+        try:
+            backend = backend_registry.get(name)
+        except (KeyError, ImportError, AttributeError) as exc:
+            raise UserError(f"backend {name!r}: {exc}") from None
+        reason = backend.unavailable_reason(info)
+        if reason:
+            raise UserError(f"backend {name!r} cannot run here: {reason}")
+        usable.append(name)
+    return usable
+
+
+def _mark_interrupted(study: optuna.Study, storage: optuna.storages.BaseStorage) -> None:
+    """Trials left RUNNING by a killed run never finished: record them as failed."""
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING)):
+        if trial.state == TrialState.WAITING:
+            continue  # an enqueued default that was never asked: keep it queued
+        storage.set_trial_user_attr(trial._trial_id, "status", "interrupted")
+        storage.set_trial_user_attr(trial._trial_id, "error", "interrupted (the search process stopped)")
+        storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+
+
+def _run_study(cfg, storage, worker, device, probe, problem, backend_name, bar, remaining_s) -> StudyStats:
+    backend = backend_registry.get(backend_name)
+    space = backend.space(problem)
+    stats = StudyStats(problem=problem, backend=backend_name)
+    name = study_name(device["arch"], problem, backend_name, cfg.numerics)
+    domains = {k: v for k, v in space.domains.items()}
+    sampler = _make_sampler(cfg.sampler, domains, cfg.seed)
+    study = optuna.create_study(study_name=name, storage=storage, sampler=sampler, direction="minimize",
+                                load_if_exists=True)
+    study.set_user_attr("problem", problem.as_dict())
+    study.set_user_attr("backend", backend_name)
+    study.set_user_attr("numerics", cfg.numerics)
+    _mark_interrupted(study, storage)
+
+    seen: dict[str, Any] = {}
+    for trial in study.get_trials(deepcopy=False):
+        if trial.user_attrs.get("measured"):
+            seen.setdefault(_params_key(trial.params), trial)
+    measured = len(seen)
+    stats.measured_before = measured
+    if not study.get_trials(deepcopy=False):
+        study.enqueue_trial(space.default)
+    distributions = {k: CategoricalDistribution(v) for k, v in domains.items()}
+    wanted = cfg.trials if domains else 1
+    task = bar.add(f"{problem.op} m{problem.m} {problem.n}x{problem.k} {backend_name}", wanted, min(measured, wanted))
+    attempts = 0
+    deadline = None if remaining_s is None else time.monotonic() + max(remaining_s, 0.0)
+    while measured < wanted and attempts < wanted * MAX_ATTEMPTS_PER_TRIAL:
+        if deadline is not None and time.monotonic() > deadline:
+            bar.log(f"--timeout reached: {name} stops at {measured} measured trials")
+            break
+        if isinstance(study.sampler, optuna.samplers.GridSampler) and study.sampler.is_exhausted(study):
+            break
+        attempts += 1
+        trial = study.ask(distributions)
+        params = dict(space.fixed) | dict(trial.params)
+        key = _params_key(trial.params)
+        if key in seen:
+            previous = seen[key]
+            trial.set_user_attr("status", "duplicate")
+            trial.set_user_attr("duplicate_of", previous.number)
+            stats.duplicates += 1
+            if previous.state == TrialState.COMPLETE:
+                study.tell(trial, previous.value)
+            else:
+                study.tell(trial, state=TrialState.PRUNED)
+            continue
+        reason = backend.invalid_reason(problem, params)
+        if reason:
+            # PRUNED (not FAIL): TPE then ranks the point as bad and steers away.
+            trial.set_user_attr("status", "invalid")
+            trial.set_user_attr("error", reason)
+            study.tell(trial, state=TrialState.PRUNED)
+            stats.invalid += 1
+            continue
+        reply = worker.call(
+            {"kind": "trial", "problem": problem.as_dict(), "backend": backend_name, "params": params,
+             "numerics": cfg.numerics, "seed": cfg.seed * 100003 + trial.number},
+            timeout=cfg.trial_timeout_s,
+        )
+        measured += 1
+        stats.measured_now += 1
+        _store_reply(trial, reply, probe)
+        if reply.get("status") == "ok":
+            study.tell(trial, reply["time_us"])
+            stats.ok += 1
+        else:
+            study.tell(trial, state=TrialState.FAIL)
+            stats.failed += 1
+        seen[key] = study.get_trials(deepcopy=False)[trial.number]
+        best = _best_us(study)
+        stats.best_us = best
+        bar.update(task, advance=1, best=f"best {best:.2f} us" if best else "")
+    if stats.best_us is None:
+        stats.best_us = _best_us(study)
+    return stats
+
+
+def _best_us(study: optuna.Study) -> float | None:
+    done = [t.value for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if t.user_attrs.get("measured")]
+    return min(done) if done else None
+
+
+def _store_reply(trial: optuna.Trial, reply: dict[str, Any], probe: dict[str, Any]) -> None:
+    trial.set_user_attr("measured", True)
+    status = reply.get("status", "fail")
+    trial.set_user_attr("status", status)
+    trial.set_user_attr("error", str(reply.get("error", ""))[:2000])
+    for key in ("compile_s", "max_abs_err", "err_ratio", "time_us", "time_min_us", "time_p25_us",
+                "time_p75_us", "spread", "repeats", "launches", "copies", "timing_kind", "gbps"):
+        value = reply.get(key)
+        if value is not None and not (isinstance(value, float) and math.isnan(value)):
+            trial.set_user_attr(key, value)
+    if reply.get("build_log"):
+        trial.set_user_attr("build_log", reply["build_log"])
+    if reply.get("gbps") and probe.get("read_gbps"):
+        trial.set_user_attr("pct_of_limit", 100.0 * reply["gbps"] / probe["read_gbps"])
+
+
+def _final_remeasure(cfg, storage, worker, device, probe, problem, backends, bar) -> list[dict[str, Any]]:
+    """Top candidates of each backend and the vendor path, timed interleaved."""
+    candidates = [{"label": "vendor", "backend": "vendor", "params": {}}]
+    for backend_name in backends:
+        name = study_name(device["arch"], problem, backend_name, cfg.numerics)
+        study = optuna.load_study(study_name=name, storage=storage)
+        fixed = backend_registry.get(backend_name).space(problem).fixed
+        done = sorted(
+            (t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+             if t.user_attrs.get("measured") and t.user_attrs.get("status") == "ok"),
+            key=lambda t: t.value,
+        )
+        for rank, trial in enumerate(done[:FINAL_TOP_K]):
+            candidates.append({
+                "label": f"{backend_name}#{trial.number}", "backend": backend_name,
+                "params": dict(fixed) | dict(trial.params), "trial": trial.number, "rank": rank,
+                "max_abs_err": trial.user_attrs.get("max_abs_err"), "err_ratio": trial.user_attrs.get("err_ratio"),
+            })
+    reply = worker.call({"kind": "final", "problem": problem.as_dict(), "candidates": candidates,
+                         "repeats": FINAL_REPEATS}, timeout=max(cfg.trial_timeout_s, 300))
+    if reply.get("status") != "ok":
+        bar.log(f"final re-measure of {problem.key} failed: {reply.get('error')}")
+        return []
+    timings = reply["timings"]
+    base = timings["vendor"]
+    rows = []
+    for cand in candidates:
+        t = timings[cand["label"]]
+        rows.append({
+            **problem.as_dict(),
+            "names": ";".join(problem.names),
+            "label": cand["label"],
+            "backend": cand["backend"],
+            "trial": cand.get("trial"),
+            "params": json.dumps(cand["params"], sort_keys=True),
+            "time_us": t["time_us"],
+            "time_p25_us": t["time_p25_us"],
+            "time_p75_us": t["time_p75_us"],
+            "spread": t["spread"],
+            "baseline_us": base["time_us"],
+            "speedup": base["time_us"] / t["time_us"] if t["time_us"] > 0 else 0.0,
+            "gbps": t["gbps"],
+            "pct_of_limit": 100.0 * t["gbps"] / probe["read_gbps"] if probe.get("read_gbps") else None,
+            "max_abs_err": cand.get("max_abs_err"),
+            "err_ratio": cand.get("err_ratio"),
+            "timing_kind": t["timing_kind"],
+            "numerics": cfg.numerics,
+        })
+    return rows

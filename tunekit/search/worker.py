@@ -1,0 +1,244 @@
+"""Candidates are compiled, verified and timed in a worker process.
+
+A kernel that crashes the process (illegal address, abort in a compiler),
+hangs, or exhausts a resource must not take the search down: the parent
+records the trial as failed with the error text and starts a fresh worker.
+
+Call protocol (parent side)::
+
+    with Worker(device_index=0) as worker:
+        reply = worker.call({"kind": "trial", ...}, timeout=120)
+        # reply["status"] in {"ok", "fail", "crash", "timeout"}
+
+Task kinds handled in the child: ``device`` (describe the device), ``probe``
+(bandwidth limit), ``trial`` (build + verify + time one candidate),
+``final`` (interleaved re-measure of several verified candidates + vendor).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+import traceback
+from typing import Any
+
+#: Hard cap for one reply; a first Triton compile takes a few seconds, a big
+#: problem's verification (fp64 reference of a 2.5 GB weight) well under one.
+DEFAULT_TIMEOUT_S = 180.0
+
+
+class Worker:
+    """A child process that evaluates tasks; restarted after a crash or hang."""
+
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        self._ctx = mp.get_context("spawn")
+        self._env = env or {}
+        self._proc: mp.process.BaseProcess | None = None
+        self._conn = None
+        self.restarts = 0
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _start(self) -> None:
+        parent, child = self._ctx.Pipe()
+        self._proc = self._ctx.Process(target=_child_main, args=(child, self._env), daemon=True)
+        self._proc.start()
+        child.close()
+        self._conn = parent
+
+    def _kill(self) -> None:
+        if self._proc is not None:
+            if self._proc.is_alive():
+                self._proc.kill()
+            self._proc.join(timeout=10)
+        if self._conn is not None:
+            self._conn.close()
+        self._proc = None
+        self._conn = None
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.is_alive() and self._conn is not None:
+            try:
+                self._conn.send(None)  # polite shutdown
+                self._proc.join(timeout=5)
+            except (OSError, BrokenPipeError):
+                pass
+        self._kill()
+
+    def call(self, task: dict[str, Any], timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+        """Run ``task`` in the child; a dead or stuck child becomes a failed reply."""
+        if self._proc is None or not self._proc.is_alive():
+            self._start()
+        assert self._conn is not None and self._proc is not None
+        t0 = time.perf_counter()
+        try:
+            self._conn.send(task)
+            if self._conn.poll(timeout):
+                return self._conn.recv()
+            reply = {"status": "timeout", "error": f"no reply within {timeout:.0f} s (hang?); worker restarted"}
+        except (EOFError, OSError, BrokenPipeError):
+            self._proc.join(timeout=10)
+            code = self._proc.exitcode
+            reply = {"status": "crash", "error": f"worker process died (exit code {code}); worker restarted"}
+        reply["wall_s"] = time.perf_counter() - t0
+        self._kill()
+        self.restarts += 1
+        return reply
+
+
+def _child_main(conn, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    state = _ChildState()
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:
+            return
+        if task is None:
+            return
+        try:
+            reply = state.handle(task)
+        except Exception as exc:  # a candidate's error is data, not a worker failure
+            reply = {"status": "fail", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        conn.send(reply)
+
+
+class _ChildState:
+    """Lives in the worker: keeps the device, rotation buffers and built kernels."""
+
+    def __init__(self) -> None:
+        from tunekit import device as device_mod
+
+        self.device = device_mod.detect()
+        self._rotation_key: str | None = None
+        self._rotation = None
+        self._kernels: dict[str, Any] = {}
+
+    def handle(self, task: dict[str, Any]) -> dict[str, Any]:
+        kind = task["kind"]
+        if kind == "device":
+            return {"status": "ok", "device": self.device.as_dict()}
+        if kind == "probe":
+            from tunekit.bench import probe_bandwidth
+
+            return {"status": "ok", "probe": probe_bandwidth(self.device).as_dict()}
+        if kind == "trial":
+            return self._trial(task)
+        if kind == "final":
+            return self._final(task)
+        raise ValueError(f"unknown task kind {kind!r}")
+
+    # -- helpers -----------------------------------------------------------
+    def _problem(self, task):
+        from tunekit.shapes import Problem
+
+        p = task["problem"]
+        return Problem(p["op"], p["dtype"], p["m"], p["n"], p["k"], p.get("count", 1))
+
+    def _rotation_for(self, problem):
+        from tunekit import opspec
+        from tunekit.bench import Rotation
+
+        if self._rotation_key != problem.key:
+            # one problem's buffers at a time: lm_head copies are GBs
+            self._rotation = None
+            self._kernels.clear()
+            self._sync_free()
+            self._rotation = Rotation(opspec.get(problem.op), problem, self.device)
+            self._rotation_key = problem.key
+        return self._rotation
+
+    def _sync_free(self) -> None:
+        import torch
+
+        if self.device.is_gpu:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    def _build(self, backend_name: str, problem, params: dict):
+        import json
+
+        from tunekit import backends
+
+        key = f"{backend_name}|{json.dumps(params, sort_keys=True)}"
+        if key not in self._kernels:
+            backend = backends.get(backend_name)
+            self._kernels[key] = backend.build(problem, params, self.device)
+        return self._kernels[key]
+
+    def _trial(self, task: dict[str, Any]) -> dict[str, Any]:
+        import torch
+
+        from tunekit import backends, opspec, verify
+        from tunekit.backends.base import BuildError
+        from tunekit.bench import time_kernel
+
+        problem = self._problem(task)
+        spec = opspec.get(problem.op)
+        rotation = self._rotation_for(problem)
+        tdev = torch.device(self.device.torch_device)
+        record: dict[str, Any] = {"status": "fail"}
+        t0 = time.perf_counter()
+        try:
+            kernel = self._build(task["backend"], problem, task["params"])
+            # The first call compiles (Triton JITs at first launch).
+            kernel(rotation.inputs[0], rotation.outputs[0])
+            if self.device.is_gpu:
+                torch.cuda.synchronize()
+        except BuildError as exc:
+            record.update(error=f"build failed: {exc}", build_log=exc.log[-4000:])
+            return record
+        record["compile_s"] = time.perf_counter() - t0
+
+        reference_kernel = None
+        if task.get("numerics") == "exact":
+            backend = backends.get(task["backend"])
+            reference_kernel = self._build(task["backend"], problem, backend.space(problem).reference)
+        result = verify.verify(
+            kernel, spec, problem, tdev, seed=int(task.get("seed", 0)),
+            numerics=task.get("numerics", "bounded"), reference_kernel=reference_kernel,
+        )
+        record.update(max_abs_err=result.max_abs_err, err_ratio=result.err_ratio)
+        if not result.ok:
+            record["error"] = f"verification failed: {result.reason}"
+            return record
+        timing = time_kernel(kernel, rotation)
+        record.update(status="ok", error="", **_timing_fields(timing, spec.bytes_moved(problem)))
+        return record
+
+    def _final(self, task: dict[str, Any]) -> dict[str, Any]:
+        from tunekit import opspec
+        from tunekit.bench import time_interleaved
+
+        problem = self._problem(task)
+        spec = opspec.get(problem.op)
+        rotation = self._rotation_for(problem)
+        kernels = {
+            cand["label"]: self._build(cand["backend"], problem, cand["params"]) for cand in task["candidates"]
+        }
+        timings = time_interleaved(kernels, rotation, repeats=task.get("repeats"))
+        nbytes = spec.bytes_moved(problem)
+        return {
+            "status": "ok",
+            "timings": {label: _timing_fields(t, nbytes) for label, t in timings.items()},
+        }
+
+
+def _timing_fields(timing, nbytes: int) -> dict[str, Any]:
+    return {
+        "time_us": timing.median_us,
+        "time_min_us": timing.min_us,
+        "time_p25_us": timing.p25_us,
+        "time_p75_us": timing.p75_us,
+        "spread": timing.spread,
+        "repeats": timing.repeats,
+        "launches": timing.launches,
+        "copies": timing.copies,
+        "timing_kind": timing.kind,
+        "gbps": nbytes / (timing.median_us * 1e-6) / 1e9 if timing.median_us > 0 else 0.0,
+    }
