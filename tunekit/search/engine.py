@@ -183,13 +183,16 @@ def run_search(cfg: SearchConfig, progress: bool = True, log: Callable[[str], No
 
         bar = _Progress(progress)
         try:
-            for problem in cfg.problems:
-                for backend in usable:
-                    remaining = None
-                    if cfg.timeout_s is not None:
-                        remaining = cfg.timeout_s - (time.monotonic() - started)
-                    stats = _run_study(cfg, storage, worker, device, probe, problem, backend, bar, remaining)
-                    outcome.stats.append(stats)
+            studies = [(problem, backend) for problem in cfg.problems for backend in usable]
+            for index, (problem, backend) in enumerate(studies):
+                share = None
+                if cfg.timeout_s is not None:
+                    # split what is left evenly over the studies still to run, so
+                    # a budget cut never starves the last problems
+                    remaining = cfg.timeout_s - (time.monotonic() - started)
+                    share = remaining / (len(studies) - index)
+                stats = _run_study(cfg, storage, worker, device, probe, problem, backend, bar, share)
+                outcome.stats.append(stats)
             for problem in cfg.problems:
                 outcome.final_rows.extend(
                     _final_remeasure(cfg, storage, worker, device, probe, problem, usable, bar)
