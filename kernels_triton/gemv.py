@@ -12,8 +12,10 @@ Design, for a memory-bound problem:
 - rows past N are *clamped* (re-read row N-1) instead of masked, so W loads
   stay unmasked and vectorised; only the store is masked;
 - SPLIT_K > 1 gives small-N problems (N=96) enough programs to fill the GPU:
-  each split writes fp32 partials to a workspace and a second kernel sums the
-  splits in a fixed order (deterministic: no atomics on outputs);
+  each split writes fp32 partials to a workspace and the splits are summed in
+  a fixed order (deterministic: no atomics on outputs), either by a second
+  kernel or, SPLIT_REDUCE="fused", by the last split program of each row
+  block (a ticket counter decides which; saves a launch at ~3 us sizes);
 - M > 1 keeps one [BLOCK_M, BLOCK_N, BLOCK_K] tile, BLOCK_M = next_pow2(M),
   so W is still read once for all M rows of x.
 """
@@ -35,6 +37,7 @@ class GemvConfig:
     num_stages: int = 2
     SPLIT_K: int = 1
     W_EVICT: str = ""  # "" (default policy) or "evict_first" / "evict_last"
+    SPLIT_REDUCE: str = "kernel"  # SPLIT_K > 1: "kernel" (2nd launch) or "fused" (last split sums)
 
     @classmethod
     def from_params(cls, params: dict) -> GemvConfig:
@@ -66,6 +69,10 @@ def invalid_reason(config: GemvConfig, m: int, n: int, k: int) -> str | None:
         return f"M={m} outside 1..8"
     if config.W_EVICT not in ("", "evict_first", "evict_last"):
         return f"unknown W_EVICT {config.W_EVICT!r}"
+    if config.SPLIT_REDUCE not in ("kernel", "fused"):
+        return f"unknown SPLIT_REDUCE {config.SPLIT_REDUCE!r}"
+    if config.SPLIT_K == 1 and config.SPLIT_REDUCE != "kernel":
+        return "SPLIT_REDUCE only applies to SPLIT_K > 1"
     threads = 32 * config.num_warps
     block_m = _next_pow2(m)
     if block_m * config.BLOCK_N * config.BLOCK_K > _MAX_ACC_PER_THREAD * threads:
@@ -81,11 +88,12 @@ def invalid_reason(config: GemvConfig, m: int, n: int, k: int) -> str | None:
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, y_ptr,
+    x_ptr, w_ptr, y_ptr, p_ptr, count_ptr,
     M, N, K, K_PER_SPLIT,
-    stride_xm, stride_wn, stride_ym, stride_ys,
+    stride_xm, stride_wn, stride_ym, stride_ps, stride_pm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, SPLIT_OUT: tl.constexpr, W_EVICT: tl.constexpr,
+    SPLIT_K: tl.constexpr, FUSED_REDUCE: tl.constexpr,
+    EVEN_K: tl.constexpr, W_EVICT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -121,12 +129,25 @@ def _gemv_kernel(
         out = tl.sum(acc, axis=1)[None, :]
     else:
         out = tl.sum(acc, axis=2)
-    y_ptrs = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
     y_mask = m_mask & (offs_n[None, :] < N)
-    if SPLIT_OUT:
-        tl.store(y_ptrs, out, mask=y_mask)
-    else:
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    if SPLIT_K == 1:
         tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
+    else:
+        p_tile = p_ptr + offs_m[:, None] * stride_pm + offs_n[None, :]
+        tl.store(p_tile + pid_k * stride_ps, out, mask=y_mask)
+        if FUSED_REDUCE:
+            # The last split to finish sums all partials of this row block in
+            # split order (same bits as the separate reduce kernel), then
+            # re-arms the counter: one launch instead of two. acq_rel makes
+            # the other splits' partial stores visible to the last one.
+            ticket = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+            if ticket == SPLIT_K - 1:
+                total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for s in tl.static_range(SPLIT_K):
+                    total += tl.load(p_tile + s * stride_ps, mask=y_mask, other=0.0, cache_modifier=".cg")
+                tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+                tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
 @triton.jit
@@ -144,6 +165,18 @@ def _split_k_reduce_kernel(
     for s in tl.static_range(SPLIT_K):
         acc += tl.load(p_ptr + s * stride_ps + m * stride_pm + n, mask=mask, other=0.0)
     tl.store(y_ptr + m * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+#: Zeroed split-K tickets per (device, row blocks); each fused-reduce call
+#: leaves them zero again, so one allocation serves every call and graph.
+_TICKETS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _tickets(device: torch.device, blocks: int) -> torch.Tensor:
+    key = (str(device), blocks)
+    if key not in _TICKETS:
+        _TICKETS[key] = torch.zeros(blocks, dtype=torch.int32, device=device)
+    return _TICKETS[key]
 
 
 def gemv(
@@ -165,26 +198,28 @@ def gemv(
     split = config.SPLIT_K
     k_per_split = triton.cdiv(triton.cdiv(k, split), config.BLOCK_K) * config.BLOCK_K
     even_k = k % config.BLOCK_K == 0 and k_per_split * split == k
-    grid = (triton.cdiv(n, config.BLOCK_N), split)
+    blocks_n = triton.cdiv(n, config.BLOCK_N)
+    fused = split > 1 and config.SPLIT_REDUCE == "fused"
     if split == 1:
-        target, stride_ym, stride_ys = out, out.stride(0), 0
+        partials, tickets = out, out  # unused by the kernel
     else:
         # fp32 partials [SPLIT_K, M, N]; torch's allocator makes this
         # graph-capturable (a private pool while capturing).
-        target = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        stride_ym, stride_ys = target.stride(1), target.stride(0)
-    _gemv_kernel[grid](
-        x, w, target,
+        partials = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        tickets = _tickets(x.device, blocks_n) if fused else partials
+    _gemv_kernel[(blocks_n, split)](
+        x, w, out, partials, tickets,
         m, n, k, k_per_split,
-        x.stride(0), w.stride(0), stride_ym, stride_ys,
+        x.stride(0), w.stride(0), out.stride(0), partials.stride(0) if split > 1 else 0,
+        partials.stride(1) if split > 1 else 0,
         BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
-        EVEN_K=even_k, SPLIT_OUT=split > 1, W_EVICT=config.W_EVICT,
+        SPLIT_K=split, FUSED_REDUCE=fused, EVEN_K=even_k, W_EVICT=config.W_EVICT,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if split > 1:
+    if split > 1 and not fused:
         block = 256
         _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
-            target, out, m, n, target.stride(0), target.stride(1), out.stride(0),
+            partials, out, m, n, partials.stride(0), partials.stride(1), out.stride(0),
             SPLIT_K=split, BLOCK=block, num_warps=4,
         )
     return out
