@@ -61,10 +61,12 @@ def _next_pow2(value: int) -> int:
 
 def invalid_reason(config: GemvConfig, m: int, n: int, k: int) -> str | None:
     """None if ``config`` can run (m, n, k), else a short reason. Pure predicate."""
-    for name in ("BLOCK_N", "BLOCK_K", "num_warps", "SPLIT_K"):
+    for name in ("BLOCK_N", "BLOCK_K", "num_warps"):
         value = getattr(config, name)
         if value < 1 or value & (value - 1):
             return f"{name}={value} is not a power of two"
+    if config.SPLIT_K < 1:
+        return f"SPLIT_K={config.SPLIT_K} < 1"
     if not 1 <= m <= 8:
         return f"M={m} outside 1..8"
     if config.W_EVICT not in ("", "evict_first", "evict_last"):
@@ -79,8 +81,9 @@ def invalid_reason(config: GemvConfig, m: int, n: int, k: int) -> str | None:
         return "accumulator tile exceeds the register budget"
     if config.BLOCK_N * config.BLOCK_K < threads:
         return "fewer tile elements than threads"
-    if config.SPLIT_K > 1 and config.BLOCK_K * config.SPLIT_K > k:
-        return "SPLIT_K * BLOCK_K exceeds K (empty splits)"
+    k_per_split = -(-(-(-k // config.SPLIT_K)) // config.BLOCK_K) * config.BLOCK_K
+    if k_per_split * (config.SPLIT_K - 1) >= k:
+        return "the last K split would be empty"
     if config.BLOCK_K > 2 * _next_pow2(k):
         return "BLOCK_K far larger than K"
     return None
