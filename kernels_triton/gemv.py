@@ -55,6 +55,10 @@ DEFAULT = GemvConfig()
 _MAX_ACC_PER_THREAD = 128
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(a // -b)
+
+
 def _next_pow2(value: int) -> int:
     return 1 << (max(value, 1) - 1).bit_length()
 
@@ -81,7 +85,7 @@ def invalid_reason(config: GemvConfig, m: int, n: int, k: int) -> str | None:
         return "accumulator tile exceeds the register budget"
     if config.BLOCK_N * config.BLOCK_K < threads:
         return "fewer tile elements than threads"
-    k_per_split = -(-(-(-k // config.SPLIT_K)) // config.BLOCK_K) * config.BLOCK_K
+    k_per_split = _cdiv(_cdiv(k, config.SPLIT_K), config.BLOCK_K) * config.BLOCK_K
     if k_per_split * (config.SPLIT_K - 1) >= k:
         return "the last K split would be empty"
     if config.BLOCK_K > 2 * _next_pow2(k):

@@ -107,6 +107,8 @@ def search(
     out: Annotated[Path | None, typer.Option(help="run folder (default runs/<model or shapes>)")] = None,
     min_gain: Annotated[float, typer.Option(help="minimum speedup over vendor to enter the table")] = 0.01,
     seed: Annotated[int, typer.Option(help="sampler and input seed")] = 0,
+    warm_start: Annotated[int, typer.Option(
+        help="first measure the N best configs of every other study of the op in the storage")] = 3,
     trial_timeout: Annotated[float, typer.Option(help="seconds before a stuck candidate is killed")] = 180.0,
     progress: Annotated[bool, typer.Option(help="show progress bars")] = True,
 ) -> None:
@@ -129,7 +131,7 @@ def search(
     out_dir = out or Path("runs") / run_name
     cfg = SearchConfig(
         problems=problems, backends=names, out_dir=out_dir, trials=trials, timeout_s=timeout,
-        sampler=sampler, numerics=numerics, storage=storage, seed=seed, min_gain=min_gain,
+        sampler=sampler, numerics=numerics, storage=storage, seed=seed, min_gain=min_gain, warm_start=warm_start,
         trial_timeout_s=trial_timeout, command=shlex.join(["tunekit"] + sys.argv[1:]),
         model=spec.name if spec else None,
     )

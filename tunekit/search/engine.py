@@ -59,6 +59,7 @@ class SearchConfig:
     storage: str | None = None
     seed: int = 0
     min_gain: float = 0.01
+    warm_start: int = 3  # best configs taken from each other study of the op (0: off)
     trial_timeout_s: float = DEFAULT_TIMEOUT_S
     command: str = ""
     model: str | None = None
@@ -256,6 +257,8 @@ def _run_study(cfg, storage, worker, device, probe, problem, backend_name, bar, 
     stats.measured_before = measured
     if not study.get_trials(deepcopy=False):
         study.enqueue_trial(space.default)
+        for params in _warm_start(storage, name, backend_name, problem, domains, cfg.warm_start):
+            study.enqueue_trial(params)
     distributions = {k: CategoricalDistribution(v) for k, v in domains.items()}
     wanted = cfg.trials if domains else 1
     task = bar.add(f"{problem.op} m{problem.m} {problem.n}x{problem.k} {backend_name}", wanted, min(measured, wanted))
@@ -310,6 +313,38 @@ def _run_study(cfg, storage, worker, device, probe, problem, backend_name, bar, 
     if stats.best_us is None:
         stats.best_us = _best_us(study)
     return stats
+
+
+def _warm_start(storage, name: str, backend: str, problem: Problem, domains: dict[str, list[Any]],
+                per_study: int) -> list[dict[str, Any]]:
+    """The best verified configs of the other studies of this op and backend in the storage.
+
+    Good GEMV configs transfer between shapes (on the H200 the M=1 winners of
+    all seven Qwen3.5-27B shapes came from a few small tiles), so each new
+    study first measures them: a prior for TPE and a floor for short budgets.
+    """
+    if per_study <= 0:
+        return []
+    seeds: list[dict[str, Any]] = []
+    keys: set[str] = set()
+    for summary in optuna.get_all_study_summaries(storage, include_best_trial=False):
+        attrs = summary.user_attrs
+        if summary.study_name == name or attrs.get("backend") != backend:
+            continue
+        if attrs.get("problem", {}).get("op") != problem.op:
+            continue
+        other = optuna.load_study(study_name=summary.study_name, storage=storage)
+        done = sorted((t for t in other.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                       if t.user_attrs.get("status") == "ok"), key=lambda t: t.value)
+        for trial in done[:per_study]:
+            params = {k: v for k, v in trial.params.items() if k in domains}
+            if set(params) != set(domains) or any(params[k] not in domains[k] for k in domains):
+                continue
+            key = _params_key(params)
+            if key not in keys:
+                keys.add(key)
+                seeds.append(params)
+    return seeds
 
 
 def _best_us(study: optuna.Study) -> float | None:
