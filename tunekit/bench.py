@@ -76,6 +76,11 @@ def _summarise(samples: list[float], launches: int, copies: int, kind: str) -> T
     )
 
 
+def rotation_copies(operand_bytes: int, l2_bytes: int) -> int:
+    """Copies of the large operand so that their sum is >= 4x L2 (at least 2)."""
+    return max(2, math.ceil(L2_ROTATION_FACTOR * l2_bytes / max(operand_bytes, 1)))
+
+
 class Rotation:
     """Fresh random inputs for one problem with the large operand in ``copies`` copies."""
 
@@ -85,10 +90,7 @@ class Rotation:
         base = spec.make_inputs(problem, tdev, gen)
         big = base[spec.rotated_input]
         big_bytes = big.numel() * big.element_size()
-        if device.is_gpu:
-            copies = max(2, math.ceil(L2_ROTATION_FACTOR * device.l2_bytes / max(big_bytes, 1)))
-        else:
-            copies = 2
+        copies = rotation_copies(big_bytes, device.l2_bytes) if device.is_gpu else 2
         self.copies = copies
         self.inputs: list[tuple[torch.Tensor, ...]] = []
         for i in range(copies):

@@ -21,7 +21,6 @@ from tunekit.errors import UserError
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="tunekit: tune decode GEMVs per real model shape and serve the winners.")
 console = Console()
-err_console = Console(stderr=True)
 
 
 def _problems(model: str | None, shape: list[str], tp: int, m: str, config: Path | None):
@@ -220,10 +219,11 @@ def main() -> None:
     try:
         app(standalone_mode=False)
     except UserError as exc:
-        err_console.print(f"error: {exc}", highlight=False, markup=False)
+        # plain write: rich would wrap a long message over several lines
+        sys.stderr.write(f"error: {exc}\n")
         sys.exit(2)
     except KeyboardInterrupt:
-        err_console.print("interrupted: finished trials are stored; rerun the same command to resume")
+        sys.stderr.write("interrupted: finished trials are stored; rerun the same command to resume\n")
         sys.exit(130)
     except Exception as exc:  # click's usage errors arrive here in non-standalone mode
         import click

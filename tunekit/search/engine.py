@@ -280,16 +280,16 @@ def _run_study(cfg, storage, worker, device, probe, problem, backend_name, bar, 
             trial.set_user_attr("duplicate_of", previous.number)
             stats.duplicates += 1
             if previous.state == TrialState.COMPLETE:
-                study.tell(trial, previous.value)
+                _tell(study, trial, previous.value)
             else:
-                study.tell(trial, state=TrialState.PRUNED)
+                _tell(study, trial, state=TrialState.PRUNED)
             continue
         reason = backend.invalid_reason(problem, params)
         if reason:
             # PRUNED (not FAIL): TPE then ranks the point as bad and steers away.
             trial.set_user_attr("status", "invalid")
             trial.set_user_attr("error", reason)
-            study.tell(trial, state=TrialState.PRUNED)
+            _tell(study, trial, state=TrialState.PRUNED)
             stats.invalid += 1
             continue
         reply = worker.call(
@@ -301,10 +301,10 @@ def _run_study(cfg, storage, worker, device, probe, problem, backend_name, bar, 
         stats.measured_now += 1
         _store_reply(trial, reply, probe)
         if reply.get("status") == "ok":
-            study.tell(trial, reply["time_us"])
+            _tell(study, trial, reply["time_us"])
             stats.ok += 1
         else:
-            study.tell(trial, state=TrialState.FAIL)
+            _tell(study, trial, state=TrialState.FAIL)
             stats.failed += 1
         seen[key] = study.get_trials(deepcopy=False)[trial.number]
         best = _best_us(study)
@@ -313,6 +313,21 @@ def _run_study(cfg, storage, worker, device, probe, problem, backend_name, bar, 
     if stats.best_us is None:
         stats.best_us = _best_us(study)
     return stats
+
+
+def _tell(study: optuna.Study, trial: optuna.Trial, value: float | None = None,
+          state: TrialState | None = None) -> None:
+    """study.tell, tolerating GridSampler's stop() request outside optimize().
+
+    GridSampler asks the study to stop from after_trial once the grid is
+    exhausted, which raises under ask/tell; the trial is stored regardless
+    (Optuna writes it in a ``finally``) and the loop checks exhaustion itself.
+    """
+    try:
+        study.tell(trial, value, state=state)
+    except RuntimeError as exc:
+        if "Study.stop" not in str(exc):
+            raise
 
 
 def _warm_start(storage, name: str, backend: str, problem: Problem, domains: dict[str, list[Any]],

@@ -1,0 +1,15 @@
+"""CPU test tier: Triton kernels run on the interpreter (TRITON_INTERPRET=1)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+# Must be set before triton is imported anywhere in the test process, and is
+# inherited by the search worker processes the tests start.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))

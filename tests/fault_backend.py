@@ -1,0 +1,48 @@
+"""A backend whose candidates fail in every way a real one can (test-only).
+
+Loaded by name as ``fault_backend:BACKEND`` (the registry imports any
+``module:ATTR``), in the search worker too. BLOCK_N selects the fault:
+2 -> the process dies, 4 -> a correct Triton kernel, 8 -> it hangs,
+16 -> the build fails with a compiler log, 32 -> wrong results.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from tunekit.backends.base import BuildError, SearchSpace
+from tunekit.backends.triton import TritonBackend
+
+
+class FaultBackend(TritonBackend):
+    name = "fault"
+
+    def space(self, problem):
+        return SearchSpace(
+            op="gemv", backend=self.name,
+            domains={"BLOCK_N": [2, 4, 8, 16, 32]},
+            default={"BLOCK_N": 4},
+            reference={"BLOCK_N": 4},
+            fixed={"BLOCK_K": 64, "num_warps": 1, "num_stages": 1, "SPLIT_K": 1},
+        )
+
+    def build(self, problem, params, device):
+        block_n = params["BLOCK_N"]
+        if block_n == 16:
+            raise BuildError("compile failed", log="gemv.hip:12: error: injected compiler error")
+        good = super().build(problem, dict(params, BLOCK_N=4), device)
+
+        def kernel(inputs, out):
+            if block_n == 2:
+                os._exit(3)  # like an illegal memory access killing the process
+            if block_n == 8:
+                time.sleep(3600)
+            good(inputs, out)
+            if block_n == 32:
+                out.mul_(1.5)
+
+        return kernel
+
+
+BACKEND = FaultBackend()

@@ -1,0 +1,126 @@
+"""Search engine: CPU pipeline end to end, worker isolation, resume after a kill."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pandas as pd
+
+from tunekit import table as table_mod
+from tunekit.search.engine import SearchConfig, run_search
+from tunekit.shapes import Problem
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}")
+    return env
+
+
+def _tunekit(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tunekit", *args], cwd=cwd, env=_env(),
+                          capture_output=True, text=True, timeout=900)
+
+
+def test_cli_search_leaves_trials_and_a_table_that_show_accepts(tmp_path) -> None:
+    out = tmp_path / "run"
+    res = _tunekit("search", "--shape", "96x256", "--backend", "triton", "--trials", "4", "--out", str(out),
+                   cwd=tmp_path)
+    assert res.returncode == 0, res.stderr + res.stdout
+    trials = pd.read_csv(out / "trials.csv")
+    measured = trials[trials["measured"] == True]  # noqa: E712
+    assert len(measured) == 4
+    ok = measured[measured["status"] == "ok"]
+    assert len(ok) >= 1
+    assert (ok["err_ratio"] <= 1).all() and (ok["time_us"] > 0).all()
+    assert set(ok["timing_kind"]) == {"cpu"}
+    assert (out / "table.json").is_file() and (out / "final.csv").is_file()
+    shown = _tunekit("show", str(out / "table.json"), cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert "tunekit.dispatch/1" in shown.stdout
+    table = table_mod.load(out / "table.json")
+    final = pd.read_csv(out / "final.csv")
+    assert set(final["backend"]) >= {"vendor", "triton"}
+    # an entry exists exactly when a tuned candidate beat vendor by >= 1% in the re-measure
+    beat = (final[final["backend"] == "triton"]["speedup"] >= 1.01).any()
+    assert bool(table["entries"]) == bool(beat)
+
+
+def test_worker_isolation_records_every_fault_and_completes(tmp_path) -> None:
+    cfg = SearchConfig(
+        problems=[Problem("gemv", "bf16", 1, 24, 64)], backends=["fault_backend:BACKEND"], out_dir=tmp_path,
+        trials=5, sampler="grid", trial_timeout_s=20, warm_start=0,
+    )
+    outcome = run_search(cfg, progress=False, log=lambda s: None)
+    trials = pd.read_csv(outcome.trials_path)
+    by_block = {int(r.p_BLOCK_N): r for r in trials.itertuples() if r.measured is True}
+    assert set(by_block) == {2, 4, 8, 16, 32}
+    assert by_block[2].status == "crash" and "exit code 3" in by_block[2].error
+    assert by_block[8].status == "timeout"
+    assert by_block[16].status == "fail" and "build failed" in by_block[16].error
+    assert by_block[32].status == "fail" and "exceeds the bound" in by_block[32].error
+    assert by_block[4].status == "ok" and by_block[4].state == "COMPLETE"
+    assert (outcome.stats[0].ok, outcome.stats[0].failed) == (1, 4)
+    # the crash and the hang each cost one worker; the study still re-measured its winner
+    assert any(r["backend"] == "fault_backend:BACKEND" for r in outcome.final_rows)
+
+
+def _measured(db: Path) -> list[tuple[int, str]]:
+    storage = f"sqlite:///{db}"
+    out = []
+    for summary in optuna.get_all_study_summaries(storage):
+        study = optuna.load_study(study_name=summary.study_name, storage=storage)
+        for t in study.get_trials(deepcopy=False):
+            if t.user_attrs.get("measured"):
+                out.append((t.number, json.dumps(t.params, sort_keys=True)))
+    return out
+
+
+def _count_measured(db: Path) -> int:
+    if not db.exists():
+        return 0
+    try:
+        con = sqlite3.connect(db, timeout=1)
+        rows = con.execute("select count(*) from trial_user_attributes where key='measured'").fetchone()
+        con.close()
+        return rows[0]
+    except sqlite3.Error:
+        return 0
+
+
+def test_resume_after_kill_never_remeasures_a_finished_trial(tmp_path) -> None:
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "tunekit", "search", "--shape", "64x128", "--backend", "triton",
+            "--trials", "6", "--sampler", "random", "--out", str(out), "--no-progress"]
+    proc = subprocess.Popen(args, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    db = out / "optuna.db"
+    deadline = time.monotonic() + 600
+    while _count_measured(db) < 2:
+        assert proc.poll() is None, proc.stdout.read().decode()
+        assert time.monotonic() < deadline, "search made no progress"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # the search and its worker, mid-study
+    proc.wait()
+    before = _measured(db)
+    assert 2 <= len(before) < 6
+
+    res = subprocess.run(args, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout + res.stderr
+    after = _measured(db)
+    assert len(after) == 6
+    assert set(before) <= set(after)  # finished trials kept as they were
+    params = [p for _, p in after]
+    assert len(params) == len(set(params))  # no parameter set measured twice
+    trials = pd.read_csv(out / "trials.csv")
+    if (trials["status"] == "interrupted").any():  # the trial in flight at the kill
+        assert (trials[trials["status"] == "interrupted"]["state"] == "FAIL").all()

@@ -1,0 +1,102 @@
+"""Dispatch table: schema round-trip, rejection of corrupt tables, lookup rule."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tunekit import table as table_mod
+
+DEVICE = {"name": "NVIDIA H200", "arch": "sm_90", "cu_count": 132, "wave_size": 32, "l2_bytes": 62914560,
+          "memory_bytes": 1, "runtime": "cuda 13.0", "vendor": "nvidia", "torch_device": "cuda:0"}
+PROBE = {"read_gbps": 4600.0}
+
+
+def _row(m, n, k, backend, time_us, baseline_us, params=None):
+    return {"op": "gemv", "dtype": "bf16", "m": m, "n": n, "k": k, "count": 48, "backend": backend,
+            "label": backend, "params": json.dumps(params or {}), "time_us": time_us, "baseline_us": baseline_us,
+            "speedup": baseline_us / time_us, "gbps": n * k * 2 / (time_us * 1e-6) / 1e9,
+            "pct_of_limit": 90.0, "max_abs_err": 0.01, "err_ratio": 0.2, "timing_kind": "gpu"}
+
+
+ROWS = [
+    _row(1, 96, 5120, "vendor", 7.2, 7.2),
+    _row(1, 96, 5120, "triton", 2.5, 7.2, {"BLOCK_N": 2}),
+    _row(1, 96, 5120, "triton", 2.6, 7.2, {"BLOCK_N": 1}),
+    _row(1, 5120, 6144, "vendor", 18.0, 18.0),
+    _row(1, 5120, 6144, "triton", 17.9, 18.0, {"BLOCK_N": 8}),  # < 1% gain: stays out
+    _row(4, 96, 5120, "vendor", 8.0, 8.0),
+    _row(4, 96, 5120, "triton", 3.0, 8.0, {"BLOCK_N": 4}),
+]
+
+
+def _table():
+    return table_mod.build_table(ROWS, DEVICE, PROBE, min_gain=0.01, backends=["triton"])
+
+
+def test_round_trip(tmp_path) -> None:
+    table = _table()
+    path = table_mod.save(table, tmp_path / "table.json")
+    loaded = table_mod.load(path)
+    assert loaded == json.loads(json.dumps(table))
+    assert loaded["format"] == table_mod.FORMAT
+    keys = {(e["m"], e["n"], e["k"]) for e in loaded["entries"]}
+    assert keys == {(1, 96, 5120), (4, 96, 5120)}  # 5120x6144 gained < min_gain
+    best = next(e for e in loaded["entries"] if e["m"] == 1)
+    assert best["params"] == {"BLOCK_N": 2} and best["time_us"] == 2.5
+    env = loaded["environment"]
+    assert env["gpu"] == "NVIDIA H200" and env["arch"] == "sm_90" and "triton" in env["kernel_hash"]
+
+
+def test_min_gain_zero_admits_the_marginal_winner() -> None:
+    table = table_mod.build_table(ROWS, DEVICE, PROBE, min_gain=0.0, backends=["triton"])
+    assert any(e["n"] == 5120 for e in table["entries"])
+
+
+@pytest.mark.parametrize(
+    ("mutate", "fragment"),
+    [
+        (lambda t: t.update(format="other/9"), "unknown format"),
+        (lambda t: t.pop("environment"), "environment"),
+        (lambda t: t["environment"].pop("arch"), "lacks"),
+        (lambda t: t["entries"][0].pop("params"), "params"),
+        (lambda t: t["entries"][0].update(time_us=-1.0), "time_us"),
+        (lambda t: t["entries"][0].update(m="1"), "'m'"),
+        (lambda t: t["entries"].append(dict(t["entries"][0])), "duplicate"),
+        (lambda t: t.update(entries={}), "list"),
+    ],
+)
+def test_invalid_tables_are_refused(tmp_path, mutate, fragment) -> None:
+    table = _table()
+    mutate(table)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(table))
+    with pytest.raises(table_mod.TableError) as err:
+        table_mod.load(path)
+    assert fragment in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_corrupt_json_is_one_clear_error(tmp_path) -> None:
+    path = tmp_path / "t.json"
+    path.write_text('{"format": "tunekit.dispatch/1", "entr')
+    with pytest.raises(table_mod.TableError, match="corrupt table"):
+        table_mod.load(path)
+    with pytest.raises(table_mod.TableError, match="no such table"):
+        table_mod.load(tmp_path / "missing.json")
+
+
+def test_lookup_takes_exact_m_then_the_smallest_larger_m() -> None:
+    table = _table()
+    assert table_mod.lookup(table, "gemv", "bf16", 1, 96, 5120)["m"] == 1
+    assert table_mod.lookup(table, "gemv", "bf16", 2, 96, 5120)["m"] == 4
+    assert table_mod.lookup(table, "gemv", "bf16", 5, 96, 5120) is None
+    assert table_mod.lookup(table, "gemv", "bf16", 1, 97, 5120) is None
+
+
+def test_environment_mismatch_names_the_fields() -> None:
+    table = _table()
+    other = dict(DEVICE, name="AMD Instinct MI250X", arch="gfx90a", wave_size=64)
+    diffs = table_mod.environment_mismatch(table, other)
+    assert any(d.startswith("gpu") for d in diffs) and any(d.startswith("arch") for d in diffs)

@@ -1,0 +1,302 @@
+"""HIP backend: the ``kernels_hip`` sources, compiled at run time per config.
+
+One source serves both vendors: NVRTC builds it for NVIDIA (WAVE=32), hipRTC
+for AMD/DCU (WAVE=64 on gfx9). Search-space keys are the kernel's compile-time
+defines (``ROWS_PER_BLOCK``, ``ROWS_PER_THREAD``, ``THREADS_PER_ROW``, ``VEC``, ``UNROLL``,
+``SPLIT_K``, ``FUSED_REDUCE``, ``NONTEMPORAL``, ``X_IN_SHARED``, ``REDUCE_DPP``); the backend
+adds ``WAVE`` (from the device) and ``MAX_M`` (= problem.m, so the M loops are
+fully unrolled for the M being tuned).
+
+Call protocol (see ``tunekit.backends.base``)::
+
+    backend = tunekit.backends.get("hip")
+    backend.unavailable_reason(device)            # None on nvidia/amd with cuda.core/hip-python
+    space = backend.space(problem)                # [hip] table of search_spaces/gemv.toml
+    backend.invalid_reason(problem, params)       # pure predicate, no compile
+    kernel = backend.build(problem, params, device)   # compile (disk-cached) + load
+    kernel((x, w), y)                             # y[M,N] = x[M,K] @ w[N,K]^T, async, graph-capturable
+
+``kernel.compile_s`` and ``kernel.cache_hit`` tell how the build went.
+
+Notes: ``REDUCE_DPP`` only changes AMD code (the NVIDIA build is the shuffle
+path, the same kernel as REDUCE_DPP=0). Every config is bit-identical to the
+reference config when it shares THREADS_PER_ROW, VEC and SPLIT_K with it
+(the K-reduction order); the others differ in the last bits only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import search_spaces
+from tunekit import rtc
+from tunekit.backends.base import BuildError, Kernel, Params, SearchSpace
+from tunekit.device import DeviceInfo
+from tunekit.shapes import Problem
+
+#: Tunable defines of kernels_hip/gemv.hip and their allowed values (any config
+#: outside these is refused before compiling).
+GEMV_PARAMS: tuple[str, ...] = (
+    "ROWS_PER_BLOCK",
+    "ROWS_PER_THREAD",
+    "THREADS_PER_ROW",
+    "VEC",
+    "UNROLL",
+    "SPLIT_K",
+    "NONTEMPORAL",
+    "X_IN_SHARED",
+    "REDUCE_DPP",
+    "FUSED_REDUCE",
+)
+#: Defines the backend sets itself; a params dict may not override them.
+_DERIVED = ("WAVE", "MAX_M")
+#: Largest MAX_M the kernel accepts (static_assert in gemv.hip).
+MAX_M_LIMIT = 16
+#: Threads of a block must fill whole waves on every target: 64 is the wave of
+#: AMD gfx9/DCU and a multiple of NVIDIA's 32 (full-mask shuffles need whole warps).
+_BLOCK_MULTIPLE = 64
+#: Staged-x budget: NVIDIA allows 48 KiB of static shared memory without
+#: opt-in; 16 KiB stay for the two-stage reduction buffer (<= 8 KiB).
+_SMEM_LIMIT = 32 * 1024
+#: Must match X_SMEM_BYTES / TK_REDUCE_THREADS defaults in gemv.hip.
+_X_SMEM_BYTES = 16384
+_REDUCE_THREADS = 256
+#: Accumulators plus W words in flight a thread may hold; past this the
+#: compilers spill (AMD: 128 VGPRs keep 4 waves/SIMD; NVIDIA: 255 max).
+_MAX_LIVE_REGS = 96
+#: More splits than this only multiply the partials traffic (M*N*4 bytes each).
+_MAX_SPLIT_K = 64
+
+
+def _pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+def split_k_chunk(k: int, split_k: int, vec: int, threads_per_row: int) -> int:
+    """K elements per split: ceil(K / SPLIT_K) rounded up to whole row-group vector rows.
+
+    The rounding keeps every split's start VEC-aligned (vector loads) and makes
+    all but the last split run whole lane rows.
+    """
+    if split_k <= 1:
+        return k
+    quantum = vec * threads_per_row
+    per_split = -(-k // split_k)
+    return -(-per_split // quantum) * quantum
+
+
+def gemv_invalid_reason(params: Params, m: int, n: int, k: int) -> str | None:
+    """None if ``params`` build a correct gemv.hip kernel for (m, n, k), else why not.
+
+    Pure: mirrors the kernel's #error / static_assert checks and refuses
+    configs that are legal but pointless (a step several times longer than K,
+    splits that would get no full step).
+    """
+    unknown = sorted(set(params) - set(GEMV_PARAMS))
+    if unknown:
+        return f"unknown parameter(s) {unknown} (known: {', '.join(GEMV_PARAMS)})"
+    missing = [name for name in GEMV_PARAMS if name not in params]
+    if missing:
+        return f"missing parameter(s) {missing}"
+    try:
+        p = {name: int(params[name]) for name in GEMV_PARAMS}
+    except (TypeError, ValueError):
+        return f"non-integer parameter in {params}"
+    rpb, rpt, tpr = p["ROWS_PER_BLOCK"], p["ROWS_PER_THREAD"], p["THREADS_PER_ROW"]
+    vec, unroll = p["VEC"], p["UNROLL"]
+    split = p["SPLIT_K"]
+    if not 1 <= m <= MAX_M_LIMIT:
+        return f"M={m} outside 1..{MAX_M_LIMIT}"
+    if n < 1 or k < 1:
+        return f"empty problem (N={n}, K={k})"
+    if vec not in (2, 4, 8):
+        return f"VEC={vec}: must be 2, 4 or 8 (4-, 8- or 16-byte loads)"
+    if not _pow2(tpr) or tpr > 1024:
+        return f"THREADS_PER_ROW={tpr}: must be a power of two <= 1024"
+    if rpt < 1 or rpb < 1 or rpb % rpt:
+        return f"ROWS_PER_BLOCK={rpb} must be a positive multiple of ROWS_PER_THREAD={rpt}"
+    threads = rpb // rpt * tpr
+    if threads > 1024:
+        return f"block of {threads} threads (ROWS_PER_BLOCK/ROWS_PER_THREAD*THREADS_PER_ROW) exceeds 1024"
+    if threads % _BLOCK_MULTIPLE:
+        return f"block of {threads} threads is not a multiple of {_BLOCK_MULTIPLE} (whole waves everywhere)"
+    if not 1 <= unroll <= 16:
+        return f"UNROLL={unroll}: must be 1..16"
+    # Live registers per thread: accumulators + W vectors in flight (32-bit words).
+    regs = rpt * m + unroll * rpt * vec // 2
+    if regs > _MAX_LIVE_REGS:
+        return f"{regs} live accumulator/load registers per thread > {_MAX_LIVE_REGS}"
+    for flag in ("NONTEMPORAL", "X_IN_SHARED", "REDUCE_DPP", "FUSED_REDUCE"):
+        if p[flag] not in (0, 1):
+            return f"{flag}={p[flag]}: must be 0 or 1"
+    if split < 1:
+        return f"SPLIT_K={split}: must be >= 1"
+    if split == 1 and p["FUSED_REDUCE"]:
+        return "FUSED_REDUCE only applies to SPLIT_K > 1"
+    step = vec * tpr * unroll
+    if split == 1:
+        if vec * tpr > k:
+            return f"VEC*THREADS_PER_ROW={vec * tpr} > K={k}: lanes without a single load"
+        if step > 2 * k:
+            return f"VEC*THREADS_PER_ROW*UNROLL={step} > 2*K={2 * k}: most unrolled loads would be masked off"
+    else:
+        if split > _MAX_SPLIT_K:
+            return f"SPLIT_K={split} > {_MAX_SPLIT_K}"
+        per_split = -(-k // split)
+        if per_split < step:
+            return (
+                f"SPLIT_K={split}: K/SPLIT_K={per_split} is shorter than one step "
+                f"(VEC*THREADS_PER_ROW*UNROLL={step})"
+            )
+        chunk = split_k_chunk(k, split, vec, tpr)
+        if chunk * (split - 1) >= k:
+            return f"SPLIT_K={split}: with {chunk}-element chunks the last split would be empty"
+    if p["X_IN_SHARED"]:
+        # gemv.hip stages at least one step of x per row: MAX_M * step bf16.
+        chunk_steps = max(1, _X_SMEM_BYTES // (2 * m * step))
+        smem = 2 * m * step * chunk_steps
+        if smem > _SMEM_LIMIT:
+            return f"X_IN_SHARED: staging {smem} bytes of x exceeds {_SMEM_LIMIT} (lower the step)"
+    return None
+
+
+class HipBackend:
+    name = "hip"
+    kind = "tuned"
+    ops: tuple[str, ...] = ("gemv",)
+
+    def unavailable_reason(self, device: DeviceInfo) -> str | None:
+        if not device.is_gpu:
+            return f"no GPU ({device.vendor}): HIP kernels run on NVIDIA (NVRTC) or AMD/DCU (hipRTC) GPUs"
+        return rtc.unavailable_reason(device.vendor)
+
+    def space(self, problem: Problem) -> SearchSpace:
+        self._check_op(problem.op)
+        return search_spaces.load(problem.op, self.name)
+
+    def invalid_reason(self, problem: Problem, params: Params) -> str | None:
+        if problem.op not in self.ops:
+            return f"hip backend has no kernel for op {problem.op!r}"
+        if problem.dtype != "bf16":
+            return f"gemv.hip is BF16 only (got {problem.dtype})"
+        return gemv_invalid_reason(params, problem.m, problem.n, problem.k)
+
+    def defines(self, problem: Problem, params: Params, device: DeviceInfo) -> dict[str, int]:
+        """The full define set a build of ``params`` compiles with (tunables + WAVE + MAX_M)."""
+        overridden = sorted(set(params) & set(_DERIVED))
+        if overridden:
+            raise BuildError(f"{overridden} are set by the backend (device wave, problem M), not by params")
+        wave = device.wave_size if device.wave_size in (32, 64) else (64 if device.vendor == "amd" else 32)
+        return {name: int(params[name]) for name in GEMV_PARAMS} | {"WAVE": wave, "MAX_M": problem.m}
+
+    def build(self, problem: Problem, params: Params, device: DeviceInfo) -> Kernel:
+        self._check_op(problem.op)
+        why = self.unavailable_reason(device)
+        if why:
+            raise BuildError(why)
+        reason = self.invalid_reason(problem, params)
+        if reason:
+            raise BuildError(f"invalid config: {reason}")
+        defines = self.defines(problem, params, device)
+        module = rtc.compile_kernel(problem.op, defines, device)
+        index = torch.device(device.torch_device).index or 0
+        launcher = _GemvLauncher(module, defines, index)
+        return launcher
+
+    def source_hash(self) -> str:
+        return rtc.sources_hash()[:16]
+
+    def kernel_name(self, problem: Problem) -> str:
+        return "kernels_hip/gemv.hip:tunekit_gemv"
+
+    def _check_op(self, op: str) -> None:
+        if op not in self.ops:
+            raise BuildError(f"hip backend has no kernel for op {op!r}")
+
+
+class _GemvLauncher:
+    """The built kernel: ``launcher((x, w), y)`` writes y = x @ w^T on torch's current stream.
+
+    No host-device copies, no syncs: the split-K workspace comes from torch's
+    caching allocator (a graph's private pool under capture); the fused
+    reduction's ticket counters are allocated zeroed at the first call and
+    left zero by every call.
+    """
+
+    def __init__(self, module: rtc.CompiledModule, defines: dict[str, int], device_index: int) -> None:
+        self.module = module
+        self.defines = defines
+        self.compile_s = module.compile_s
+        self.cache_hit = module.cache_hit
+        self._rows = defines["ROWS_PER_BLOCK"]
+        self._threads = defines["ROWS_PER_BLOCK"] // defines["ROWS_PER_THREAD"] * defines["THREADS_PER_ROW"]
+        self._split = defines["SPLIT_K"]
+        self._vec = defines["VEC"]
+        self._tpr = defines["THREADS_PER_ROW"]
+        self._max_m = defines["MAX_M"]
+        self._main = module.kernel("tunekit_gemv", device_index)
+        self._fused = self._split > 1 and bool(defines["FUSED_REDUCE"])
+        self._reduce = module.kernel("tunekit_gemv_reduce", device_index)
+        self._ticket_cache: dict[tuple[str, int], torch.Tensor] = {}
+
+    def __call__(self, inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+        x, w = inputs[0], inputs[1]
+        m, k = x.shape
+        n = w.shape[0]
+        self._check(x, w, out, m, n, k)
+        if m == 0 or n == 0:
+            return
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        # With one row the row stride is never used; 0 keeps the alignment test happy for any view.
+        stride_xm = x.stride(0) if m > 1 else 0
+        blocks_n = -(-n // self._rows)
+        grid = (blocks_n, self._split, 1)
+        block = (self._threads, 1, 1)
+        strides = [stride_xm, w.stride(0), out.stride(0)]
+        if self._split == 1:
+            args = [x.data_ptr(), w.data_ptr(), out.data_ptr(), 0, 0, m, n, k, *strides, k]
+            self._main(grid, block, args, stream)
+            return
+        ws = torch.empty((self._split, m, n), dtype=torch.float32, device=x.device)
+        chunk = split_k_chunk(k, self._split, self._vec, self._tpr)
+        tickets = self._tickets(x.device, blocks_n).data_ptr() if self._fused else 0
+        args = [x.data_ptr(), w.data_ptr(), out.data_ptr(), ws.data_ptr(), tickets, m, n, k, *strides, chunk]
+        self._main(grid, block, args, stream)
+        if self._fused:
+            return
+        total = m * n
+        self._reduce(
+            (-(-total // _REDUCE_THREADS), 1, 1),
+            (_REDUCE_THREADS, 1, 1),
+            [ws.data_ptr(), out.data_ptr(), m, n, out.stride(0)],
+            stream,
+        )
+
+    def _tickets(self, device: torch.device, blocks: int) -> torch.Tensor:
+        # Zeroed once per (device, row tiles); every fused call leaves them zero,
+        # so one allocation serves all calls and graph replays. The first call
+        # (warm-up, before capture) makes it.
+        key = (str(device), blocks)
+        tickets = self._ticket_cache.get(key)
+        if tickets is None:
+            tickets = torch.zeros(blocks, dtype=torch.int32, device=device)
+            self._ticket_cache[key] = tickets
+        return tickets
+
+    def _check(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, m: int, n: int, k: int) -> None:
+        if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
+            raise ValueError(f"gemv.hip takes bf16 tensors (x {x.dtype}, w {w.dtype}, out {out.dtype})")
+        if w.shape[1] != k or tuple(out.shape) != (m, n):
+            raise ValueError(f"shape mismatch: x {tuple(x.shape)}, w {tuple(w.shape)}, y {tuple(out.shape)}")
+        if m > self._max_m:
+            raise ValueError(f"M={m} exceeds MAX_M={self._max_m} this kernel was built for")
+        if (k > 1 and (x.stride(1) != 1 or w.stride(1) != 1)) or (n > 1 and out.stride(1) != 1):
+            raise ValueError("gemv.hip needs unit stride along K (x, w) and N (out)")
+        if not (x.is_cuda and w.is_cuda and out.is_cuda):
+            raise ValueError("gemv.hip runs on GPU tensors")
+
+    def __repr__(self) -> str:
+        return f"hip gemv {self.defines}"
+
+
+BACKEND = HipBackend()
