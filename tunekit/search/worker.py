@@ -193,7 +193,11 @@ class _ChildState:
         except BuildError as exc:
             record.update(error=f"build failed: {exc}", build_log=exc.log[-4000:])
             return record
+        # build + first launch: covers Triton's JIT (at first launch) and run-time compiled HIP alike
         record["compile_s"] = time.perf_counter() - t0
+        if getattr(kernel, "compile_s", None) is not None:
+            record["rtc_compile_s"] = kernel.compile_s
+            record["rtc_cache_hit"] = bool(getattr(kernel, "cache_hit", False))
 
         reference_kernel = None
         if task.get("numerics") == "exact":
