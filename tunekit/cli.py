@@ -113,7 +113,7 @@ def search(
 ) -> None:
     """Search the best verified kernel per problem; write trials and the dispatch table."""
     from tunekit import backends as registry
-    from tunekit.report import print_summary
+    from tunekit.report import print_summary, report_after_search
     from tunekit.search.engine import SearchConfig, run_search
     from tunekit.verify import NUMERICS
 
@@ -136,6 +136,7 @@ def search(
     )
     outcome = run_search(cfg, progress=progress and sys.stderr.isatty(), log=lambda s: console.print(s))
     print_summary(console, outcome)
+    report_after_search(console, outcome.run_dir)
 
 
 def _default_backends() -> list[str]:
@@ -173,6 +174,16 @@ def export(
     table = table_mod.build_table(rows, meta["device"], meta["probe"], gain, meta["backends"])
     path = table_mod.save(table, output or run / "table.json")
     console.print(f"wrote {path}: {len(table['entries'])} entries (min gain {gain:.1%})")
+
+
+@app.command()
+def compare(
+    run: Annotated[Path, typer.Argument(help="run folder written by `tunekit search`")],
+) -> None:
+    """Vendor vs Triton vs HIP per problem and per token; writes RUN/report.md and PNG plots."""
+    from tunekit.report import compare_run
+
+    compare_run(run, console)
 
 
 @app.command()
