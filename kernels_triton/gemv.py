@@ -16,12 +16,16 @@ Design, for a memory-bound problem:
   a fixed order (deterministic: no atomics on outputs), either by a second
   kernel or, SPLIT_REDUCE="fused", by the last split program of each row
   block (a ticket counter decides which; saves a launch at ~3 us sizes);
-- M > 1 keeps one [BLOCK_M, BLOCK_N, BLOCK_K] tile, BLOCK_M = next_pow2(M),
-  so W is still read once for all M rows of x.
+- M > 1 either keeps one [BLOCK_M, BLOCK_N, BLOCK_K] fp32 tile (BLOCK_M =
+  next_pow2(M)) or, USE_DOT=1, runs tl.dot on tensor cores with M padded to
+  16: on the H200 the CUDA-core tile lost to cuBLAS by 1.1-2.8x at M = 2..8
+  (FMAs and layout shuffles grow with M), so the MMA path exists. Either way W
+  is read once for all M rows of x.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 
 import torch
@@ -38,6 +42,7 @@ class GemvConfig:
     SPLIT_K: int = 1
     W_EVICT: str = ""  # "" (default policy) or "evict_first" / "evict_last"
     SPLIT_REDUCE: str = "kernel"  # SPLIT_K > 1: "kernel" (2nd launch) or "fused" (last split sums)
+    USE_DOT: int = 0  # 1: tensor-core tl.dot with M padded to 16 (small M > 1)
 
     @classmethod
     def from_params(cls, params: dict) -> GemvConfig:
@@ -49,6 +54,14 @@ class GemvConfig:
 
 #: Valid for every shape and M = 1..8 (the fallback / "tactic -1" config).
 DEFAULT = GemvConfig()
+
+#: Smallest tile dimension tl.dot takes (M is padded up to it).
+_DOT_MIN = 16
+
+#: Triton 3.6's CPU interpreter multiplies the raw bits of BF16 operands in
+#: tl.dot; there the operands go through fp32 (exact for BF16 values, so the
+#: products and the fp32 accumulation are the same math). GPUs use BF16 MMA.
+_DOT_IN_FP32 = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 #: Register budget of the accumulator tile per thread. Past ~128 fp32 values
 #: Triton spills to local memory and the kernel falls far below bandwidth.
@@ -80,8 +93,15 @@ def invalid_reason(config: GemvConfig, m: int, n: int, k: int) -> str | None:
     if config.SPLIT_K == 1 and config.SPLIT_REDUCE != "kernel":
         return "SPLIT_REDUCE only applies to SPLIT_K > 1"
     threads = 32 * config.num_warps
-    block_m = _next_pow2(m)
-    if block_m * config.BLOCK_N * config.BLOCK_K > _MAX_ACC_PER_THREAD * threads:
+    if config.USE_DOT not in (0, 1):
+        return f"USE_DOT={config.USE_DOT} is not 0 or 1"
+    if config.USE_DOT:
+        if config.BLOCK_N < _DOT_MIN or config.BLOCK_K < _DOT_MIN:
+            return f"tl.dot needs BLOCK_N and BLOCK_K >= {_DOT_MIN}"
+        # the W tile (bf16) and the [16, BLOCK_N] accumulator live in registers
+        if config.BLOCK_N * config.BLOCK_K > 2 * _MAX_ACC_PER_THREAD * threads:
+            return "W tile exceeds the register budget"
+    elif _next_pow2(m) * config.BLOCK_N * config.BLOCK_K > _MAX_ACC_PER_THREAD * threads:
         return "accumulator tile exceeds the register budget"
     if config.BLOCK_N * config.BLOCK_K < threads:
         return "fewer tile elements than threads"
@@ -100,7 +120,7 @@ def _gemv_kernel(
     stride_xm, stride_wn, stride_ym, stride_ps, stride_pm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, FUSED_REDUCE: tl.constexpr,
-    EVEN_K: tl.constexpr, W_EVICT: tl.constexpr,
+    EVEN_K: tl.constexpr, W_EVICT: tl.constexpr, USE_DOT: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -114,7 +134,9 @@ def _gemv_kernel(
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     m_mask = offs_m[:, None] < M
-    if BLOCK_M == 1:
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    elif BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -126,13 +148,22 @@ def _gemv_kernel(
             k_mask = (offs_k + k0) < K
             w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy=W_EVICT)
             x = tl.load(x_ptrs, mask=m_mask & k_mask[None, :], other=0.0)
-        if BLOCK_M == 1:
+        if USE_DOT:
+            # [BLOCK_M(>=16), BLOCK_K] x [BLOCK_K, BLOCK_N] on tensor cores; the
+            # padded rows of x are zeros (masked), so they cost MMA work only.
+            if DOT_IN_FP32:
+                acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
+        elif BLOCK_M == 1:
             acc += w.to(tl.float32) * x.to(tl.float32)
         else:
             acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if BLOCK_M == 1:
+    if USE_DOT:
+        out = acc
+    elif BLOCK_M == 1:
         out = tl.sum(acc, axis=1)[None, :]
     else:
         out = tl.sum(acc, axis=2)
@@ -201,7 +232,7 @@ def gemv(
         raise ValueError("gemv needs unit stride along K for x and w")
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_m = _next_pow2(m)
+    block_m = max(_DOT_MIN, _next_pow2(m)) if config.USE_DOT else _next_pow2(m)
     split = config.SPLIT_K
     k_per_split = triton.cdiv(triton.cdiv(k, split), config.BLOCK_K) * config.BLOCK_K
     even_k = k % config.BLOCK_K == 0 and k_per_split * split == k
@@ -220,7 +251,8 @@ def gemv(
         x.stride(0), w.stride(0), out.stride(0), partials.stride(0) if split > 1 else 0,
         partials.stride(1) if split > 1 else 0,
         BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
-        SPLIT_K=split, FUSED_REDUCE=fused, EVEN_K=even_k, W_EVICT=config.W_EVICT,
+        SPLIT_K=split, FUSED_REDUCE=fused, EVEN_K=even_k, W_EVICT=config.W_EVICT, USE_DOT=bool(config.USE_DOT),
+        DOT_IN_FP32=_DOT_IN_FP32,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split > 1 and not fused:

@@ -89,3 +89,17 @@ def test_invalid_configs_are_refused_with_a_reason(config, m, n, k, fragment) ->
 def test_launcher_rejects_mismatched_operands() -> None:
     with pytest.raises(ValueError):
         gemv(torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(4, 16, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+def test_tensor_core_path_every_m_with_tails(m: int) -> None:
+    _check(m, 37, 200, GemvConfig(BLOCK_N=16, BLOCK_K=64, num_warps=1, USE_DOT=1), seed=10 + m)
+
+
+def test_tensor_core_path_with_split_k() -> None:
+    _check(4, 40, 330, GemvConfig(BLOCK_N=16, BLOCK_K=16, num_warps=1, USE_DOT=1, SPLIT_K=3,
+                                  SPLIT_REDUCE="fused"))
+
+
+def test_tensor_core_path_needs_16_wide_tiles() -> None:
+    assert "tl.dot" in invalid_reason(GemvConfig(BLOCK_N=8, USE_DOT=1), 2, 64, 512)

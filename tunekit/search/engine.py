@@ -257,7 +257,8 @@ def _run_study(cfg, storage, worker, device, probe, problem, backend_name, bar, 
     stats.measured_before = measured
     if not study.get_trials(deepcopy=False):
         study.enqueue_trial(space.default)
-        for params in _warm_start(storage, name, backend_name, problem, domains, cfg.warm_start):
+        for params in _warm_start(storage, name, backend_name, problem, domains, space.default,
+                                  cfg.warm_start):
             study.enqueue_trial(params)
     distributions = {k: CategoricalDistribution(v) for k, v in domains.items()}
     wanted = cfg.trials if domains else 1
@@ -331,7 +332,7 @@ def _tell(study: optuna.Study, trial: optuna.Trial, value: float | None = None,
 
 
 def _warm_start(storage, name: str, backend: str, problem: Problem, domains: dict[str, list[Any]],
-                per_study: int) -> list[dict[str, Any]]:
+                default: dict[str, Any], per_study: int) -> list[dict[str, Any]]:
     """The best verified configs of the other studies of this op and backend in the storage.
 
     Good GEMV configs transfer between shapes (on the H200 the M=1 winners of
@@ -352,7 +353,9 @@ def _warm_start(storage, name: str, backend: str, problem: Problem, domains: dic
         done = sorted((t for t in other.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
                        if t.user_attrs.get("status") == "ok"), key=lambda t: t.value)
         for trial in done[:per_study]:
-            params = {k: v for k, v in trial.params.items() if k in domains}
+            # a parameter added to the space after that trial ran takes its
+            # default, which keeps the kernel the trial measured
+            params = {k: v for k, v in (default | trial.params).items() if k in domains}
             if set(params) != set(domains) or any(params[k] not in domains[k] for k in domains):
                 continue
             key = _params_key(params)
