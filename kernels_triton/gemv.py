@@ -16,11 +16,14 @@ Design, for a memory-bound problem:
   a fixed order (deterministic: no atomics on outputs), either by a second
   kernel or, SPLIT_REDUCE="fused", by the last split program of each row
   block (a ticket counter decides which; saves a launch at ~3 us sizes);
-- M > 1 either keeps one [BLOCK_M, BLOCK_N, BLOCK_K] fp32 tile (BLOCK_M =
-  next_pow2(M)) or, USE_DOT=1, runs tl.dot on tensor cores with M padded to
-  16: on the H200 the CUDA-core tile lost to cuBLAS by 1.1-2.8x at M = 2..8
-  (FMAs and layout shuffles grow with M), so the MMA path exists. Either way W
-  is read once for all M rows of x.
+- M > 1, three ways to share each W tile among the M rows of x (W is read
+  once in all of them), chosen by M_MODE:
+  "tile": one [BLOCK_M, BLOCK_N, BLOCK_K] fp32 tile, BLOCK_M = next_pow2(M);
+  on the H200 it lost to cuBLAS by 1.1-2.8x at M = 2..8;
+  "rows": one [BLOCK_N, BLOCK_K] accumulator per row of x, each exactly the
+  M=1 kernel's 2D tile and layout (the M=1 path reaches 92-101% of the read
+  limit), so no 3D broadcast or layout conversion;
+  "dot": tl.dot on tensor cores with M padded to 16.
 """
 
 from __future__ import annotations
@@ -42,10 +45,15 @@ class GemvConfig:
     SPLIT_K: int = 1
     W_EVICT: str = ""  # "" (default policy) or "evict_first" / "evict_last"
     SPLIT_REDUCE: str = "kernel"  # SPLIT_K > 1: "kernel" (2nd launch) or "fused" (last split sums)
-    USE_DOT: int = 0  # 1: tensor-core tl.dot with M padded to 16 (small M > 1)
+    M_MODE: str = "tile"  # how M > 1 rows share a W tile: "tile", "rows" or "dot" (see module doc)
 
     @classmethod
     def from_params(cls, params: dict) -> GemvConfig:
+        params = dict(params)
+        # USE_DOT (0/1) was the first name of the tensor-core choice; configs
+        # recorded with it (benchmarks/results) still load.
+        if "USE_DOT" in params:
+            params.setdefault("M_MODE", "dot" if params.pop("USE_DOT") else "tile")
         return cls(**{k: v for k, v in params.items() if k in cls.__dataclass_fields__})
 
     def as_params(self) -> dict:
@@ -93,9 +101,11 @@ def invalid_reason(config: GemvConfig, m: int, n: int, k: int) -> str | None:
     if config.SPLIT_K == 1 and config.SPLIT_REDUCE != "kernel":
         return "SPLIT_REDUCE only applies to SPLIT_K > 1"
     threads = 32 * config.num_warps
-    if config.USE_DOT not in (0, 1):
-        return f"USE_DOT={config.USE_DOT} is not 0 or 1"
-    if config.USE_DOT:
+    if config.M_MODE not in ("tile", "rows", "dot"):
+        return f"unknown M_MODE {config.M_MODE!r}"
+    if config.M_MODE == "rows" and m == 1:
+        return 'M_MODE="rows" is the "tile" kernel at M=1'
+    if config.M_MODE == "dot":
         if config.BLOCK_N < _DOT_MIN or config.BLOCK_K < _DOT_MIN:
             return f"tl.dot needs BLOCK_N and BLOCK_K >= {_DOT_MIN}"
         # the W tile (bf16) and the [16, BLOCK_N] accumulator live in registers
@@ -120,7 +130,8 @@ def _gemv_kernel(
     stride_xm, stride_wn, stride_ym, stride_ps, stride_pm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, FUSED_REDUCE: tl.constexpr,
-    EVEN_K: tl.constexpr, W_EVICT: tl.constexpr, USE_DOT: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    EVEN_K: tl.constexpr, W_EVICT: tl.constexpr, USE_DOT: tl.constexpr, ROWS: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -134,9 +145,18 @@ def _gemv_kernel(
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     m_mask = offs_m[:, None] < M
+    # per-row accumulators of the "rows" mode (dead code, removed, otherwise)
+    acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc4 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc5 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc6 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc7 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    elif BLOCK_M == 1:
+    elif BLOCK_M == 1 or ROWS:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -148,7 +168,22 @@ def _gemv_kernel(
             k_mask = (offs_k + k0) < K
             w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy=W_EVICT)
             x = tl.load(x_ptrs, mask=m_mask & k_mask[None, :], other=0.0)
-        if USE_DOT:
+        if ROWS:
+            # each row of x is a [1, BLOCK_K] load in W's own layout
+            wf = w.to(tl.float32)
+            xk = x_ptr + (offs_k + k0)[None, :]
+            km = (offs_k + k0)[None, :] < K
+            acc0 += wf * tl.load(xk, mask=km, other=0.0).to(tl.float32)
+            acc1 += wf * tl.load(xk + stride_xm, mask=km & (1 < M), other=0.0).to(tl.float32)
+            if BLOCK_M > 2:
+                acc2 += wf * tl.load(xk + 2 * stride_xm, mask=km & (2 < M), other=0.0).to(tl.float32)
+                acc3 += wf * tl.load(xk + 3 * stride_xm, mask=km & (3 < M), other=0.0).to(tl.float32)
+            if BLOCK_M > 4:
+                acc4 += wf * tl.load(xk + 4 * stride_xm, mask=km & (4 < M), other=0.0).to(tl.float32)
+                acc5 += wf * tl.load(xk + 5 * stride_xm, mask=km & (5 < M), other=0.0).to(tl.float32)
+                acc6 += wf * tl.load(xk + 6 * stride_xm, mask=km & (6 < M), other=0.0).to(tl.float32)
+                acc7 += wf * tl.load(xk + 7 * stride_xm, mask=km & (7 < M), other=0.0).to(tl.float32)
+        elif USE_DOT:
             # [BLOCK_M(>=16), BLOCK_K] x [BLOCK_K, BLOCK_N] on tensor cores; the
             # padded rows of x are zeros (masked), so they cost MMA work only.
             if DOT_IN_FP32:
@@ -161,7 +196,19 @@ def _gemv_kernel(
             acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if USE_DOT:
+    if ROWS:
+        rows_m = offs_m[:, None]
+        out = tl.where(rows_m == 0, tl.sum(acc0, axis=1)[None, :], 0.0)
+        out = tl.where(rows_m == 1, tl.sum(acc1, axis=1)[None, :], out)
+        if BLOCK_M > 2:
+            out = tl.where(rows_m == 2, tl.sum(acc2, axis=1)[None, :], out)
+            out = tl.where(rows_m == 3, tl.sum(acc3, axis=1)[None, :], out)
+        if BLOCK_M > 4:
+            out = tl.where(rows_m == 4, tl.sum(acc4, axis=1)[None, :], out)
+            out = tl.where(rows_m == 5, tl.sum(acc5, axis=1)[None, :], out)
+            out = tl.where(rows_m == 6, tl.sum(acc6, axis=1)[None, :], out)
+            out = tl.where(rows_m == 7, tl.sum(acc7, axis=1)[None, :], out)
+    elif USE_DOT:
         out = acc
     elif BLOCK_M == 1:
         out = tl.sum(acc, axis=1)[None, :]
@@ -232,7 +279,9 @@ def gemv(
         raise ValueError("gemv needs unit stride along K for x and w")
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_m = max(_DOT_MIN, _next_pow2(m)) if config.USE_DOT else _next_pow2(m)
+    use_dot = config.M_MODE == "dot"
+    rows = config.M_MODE == "rows" and m > 1
+    block_m = max(_DOT_MIN, _next_pow2(m)) if use_dot else _next_pow2(m)
     split = config.SPLIT_K
     k_per_split = triton.cdiv(triton.cdiv(k, split), config.BLOCK_K) * config.BLOCK_K
     even_k = k % config.BLOCK_K == 0 and k_per_split * split == k
@@ -251,7 +300,7 @@ def gemv(
         x.stride(0), w.stride(0), out.stride(0), partials.stride(0) if split > 1 else 0,
         partials.stride(1) if split > 1 else 0,
         BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
-        SPLIT_K=split, FUSED_REDUCE=fused, EVEN_K=even_k, W_EVICT=config.W_EVICT, USE_DOT=bool(config.USE_DOT),
+        SPLIT_K=split, FUSED_REDUCE=fused, EVEN_K=even_k, W_EVICT=config.W_EVICT, USE_DOT=use_dot, ROWS=rows,
         DOT_IN_FP32=_DOT_IN_FP32,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

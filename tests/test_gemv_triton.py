@@ -93,13 +93,32 @@ def test_launcher_rejects_mismatched_operands() -> None:
 
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
 def test_tensor_core_path_every_m_with_tails(m: int) -> None:
-    _check(m, 37, 200, GemvConfig(BLOCK_N=16, BLOCK_K=64, num_warps=1, USE_DOT=1), seed=10 + m)
+    _check(m, 37, 200, GemvConfig(BLOCK_N=16, BLOCK_K=64, num_warps=1, M_MODE="dot"), seed=10 + m)
 
 
 def test_tensor_core_path_with_split_k() -> None:
-    _check(4, 40, 330, GemvConfig(BLOCK_N=16, BLOCK_K=16, num_warps=1, USE_DOT=1, SPLIT_K=3,
+    _check(4, 40, 330, GemvConfig(BLOCK_N=16, BLOCK_K=16, num_warps=1, M_MODE="dot", SPLIT_K=3,
                                   SPLIT_REDUCE="fused"))
 
 
 def test_tensor_core_path_needs_16_wide_tiles() -> None:
-    assert "tl.dot" in invalid_reason(GemvConfig(BLOCK_N=8, USE_DOT=1), 2, 64, 512)
+    assert "tl.dot" in invalid_reason(GemvConfig(BLOCK_N=8, M_MODE="dot"), 2, 64, 512)
+
+
+@pytest.mark.parametrize("m", [2, 3, 4, 5, 8])
+def test_per_row_accumulator_path_every_m_with_tails(m: int) -> None:
+    _check(m, 37, 200, GemvConfig(BLOCK_N=2, BLOCK_K=64, num_warps=1, M_MODE="rows"), seed=20 + m)
+
+
+def test_per_row_path_with_fused_split_k() -> None:
+    _check(6, 21, 330, GemvConfig(BLOCK_N=2, BLOCK_K=16, num_warps=1, M_MODE="rows", SPLIT_K=3,
+                                  SPLIT_REDUCE="fused"))
+
+
+def test_rows_mode_is_refused_at_m1_where_it_is_the_tile_kernel() -> None:
+    assert "M=1" in invalid_reason(GemvConfig(M_MODE="rows"), 1, 64, 512)
+
+
+def test_recorded_configs_with_the_old_use_dot_name_still_load() -> None:
+    assert GemvConfig.from_params({"BLOCK_N": 16, "USE_DOT": 1}).M_MODE == "dot"
+    assert GemvConfig.from_params({"BLOCK_N": 16, "USE_DOT": 0}).M_MODE == "tile"
