@@ -3,13 +3,17 @@
 Loaded by name as ``fault_backend:BACKEND`` (the registry imports any
 ``module:ATTR``), in the search worker too. BLOCK_N selects the fault:
 2 -> the process dies, 4 -> a correct Triton kernel, 8 -> it hangs,
-16 -> the build fails with a compiler log, 32 -> wrong results.
+16 -> the build fails with a compiler log, 32 -> wrong results,
+64 -> correct within the BF16 bound but one element rounded the other way
+(passes "bounded", fails "exact").
 """
 
 from __future__ import annotations
 
 import os
 import time
+
+import torch
 
 from tunekit.backends.base import BuildError, SearchSpace
 from tunekit.backends.triton import TritonBackend
@@ -18,10 +22,13 @@ from tunekit.backends.triton import TritonBackend
 class FaultBackend(TritonBackend):
     name = "fault"
 
+    def __init__(self, block_ns: list[int]) -> None:
+        self.block_ns = block_ns
+
     def space(self, problem):
         return SearchSpace(
             op="gemv", backend=self.name,
-            domains={"BLOCK_N": [2, 4, 8, 16, 32]},
+            domains={"BLOCK_N": list(self.block_ns)},
             default={"BLOCK_N": 4},
             reference={"BLOCK_N": 4},
             fixed={"BLOCK_K": 64, "num_warps": 1, "num_stages": 1, "SPLIT_K": 1},
@@ -41,8 +48,23 @@ class FaultBackend(TritonBackend):
             good(inputs, out)
             if block_n == 32:
                 out.mul_(1.5)
+            if block_n == 64:
+                _round_the_other_way(inputs, out)
 
         return kernel
 
 
-BACKEND = FaultBackend()
+def _round_the_other_way(inputs, out) -> None:
+    """Replace y[0, 0] by the other BF16 neighbour of its exact value: still
+    within one ulp (inside the bound) but different bits."""
+    x, w = inputs
+    exact = float(x[0].double() @ w[0].double())
+    y = float(out[0, 0])
+    step_up = y <= exact
+    out.view(torch.int16)[0, 0] += 1 if (y >= 0) == step_up else -1
+
+
+#: every fault; for the isolation test
+BACKEND = FaultBackend([2, 4, 8, 16, 32])
+#: the reference config and its 1-ulp twin; for the numerics test
+EXACT = FaultBackend([4, 64])

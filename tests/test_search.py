@@ -124,3 +124,20 @@ def test_resume_after_kill_never_remeasures_a_finished_trial(tmp_path) -> None:
     trials = pd.read_csv(out / "trials.csv")
     if (trials["status"] == "interrupted").any():  # the trial in flight at the kill
         assert (trials[trials["status"] == "interrupted"]["state"] == "FAIL").all()
+
+
+def test_exact_numerics_refuses_a_one_ulp_difference_that_bounded_accepts(tmp_path) -> None:
+    def run(numerics: str) -> dict[int, str]:
+        cfg = SearchConfig(
+            problems=[Problem("gemv", "bf16", 1, 24, 64)], backends=["fault_backend:EXACT"],
+            out_dir=tmp_path / numerics, trials=2, sampler="grid", numerics=numerics, warm_start=0,
+        )
+        outcome = run_search(cfg, progress=False, log=lambda s: None)
+        trials = pd.read_csv(outcome.trials_path)
+        return {int(r.p_BLOCK_N): (r.status, str(r.error)) for r in trials.itertuples() if r.measured is True}
+
+    bounded = run("bounded")
+    assert bounded[4][0] == "ok" and bounded[64][0] == "ok"
+    exact = run("exact")
+    assert exact[4][0] == "ok"
+    assert exact[64][0] == "fail" and "bit-identical" in exact[64][1]

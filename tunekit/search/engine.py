@@ -8,8 +8,10 @@ Flow of ``run_search``::
         study (resumed if it exists; interrupted trials marked failed)
         enqueue the default config first
         ask -> skip duplicates / invalid -> worker builds, verifies, times -> tell
-    for each problem: top candidates of every backend + the vendor baseline
-        re-measured interleaved in one graph session (the ranking that counts)
+    for each problem: top candidates of every backend + the baselines (vendor;
+        for elementwise ops also Inductor where it runs) re-measured interleaved
+        in one graph session (the ranking that counts); speedups are against the
+        faster baseline
     write trials.csv, final.csv, run.json, table.json
 
 "Measured" trials are those the worker evaluated (ok or failed); a resumed
@@ -181,6 +183,7 @@ def run_search(cfg: SearchConfig, progress: bool = True, log: Callable[[str], No
         log(f"read-bandwidth limit: {probe['read_gbps']:.0f} GB/s (copy {probe['copy_gbps']:.0f} GB/s, "
             f"{probe['kind']} timing)")
         results.write_run_json(out_dir, cfg, url, device, probe, usable)
+        extra = _extra_baselines(cfg.problems, device, log)
 
         bar = _Progress(progress)
         try:
@@ -196,7 +199,7 @@ def run_search(cfg: SearchConfig, progress: bool = True, log: Callable[[str], No
                 outcome.stats.append(stats)
             for problem in cfg.problems:
                 outcome.final_rows.extend(
-                    _final_remeasure(cfg, storage, worker, device, probe, problem, usable, bar)
+                    _final_remeasure(cfg, storage, worker, device, probe, problem, usable, bar, extra)
                 )
         finally:
             bar.stop()
@@ -225,6 +228,33 @@ def _usable_backends(requested: Sequence[str], device: dict[str, Any]) -> list[s
     return usable
 
 
+def _extra_baselines(problems: Sequence[Problem], device: dict[str, Any], log: Callable[[str], None]) -> list[str]:
+    """Baselines besides vendor that join the final re-measure of the problems they serve here."""
+    from tunekit.device import DeviceInfo
+
+    info = DeviceInfo(**device)
+    usable = []
+    for name in backend_registry.BASELINES:
+        if name == "vendor":
+            continue
+        backend = backend_registry.get(name)
+        if not any(p.op in backend.ops for p in problems):
+            continue
+        reason = backend.unavailable_reason(info)
+        if reason:
+            log(f"{name} baseline: not measured ({reason})")
+        else:
+            usable.append(name)
+    return usable
+
+
+def _limit_gbps(problem: Problem, probe: dict[str, Any]) -> float | None:
+    """The measured bandwidth this op's % of limit refers to (read for GEMV, copy for elementwise)."""
+    from tunekit import opspec
+
+    return probe.get(f"{opspec.get(problem.op).limit}_gbps") or None
+
+
 def _mark_interrupted(study: optuna.Study, storage: optuna.storages.BaseStorage) -> None:
     """Trials left RUNNING by a killed run never finished: record them as failed."""
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING)):
@@ -240,7 +270,7 @@ def _run_study(cfg, storage, worker, device, probe, problem, backend_name, bar, 
     space = backend.space(problem)
     stats = StudyStats(problem=problem, backend=backend_name)
     name = study_name(device["arch"], problem, backend_name, cfg.numerics)
-    domains = {k: v for k, v in space.domains.items()}
+    domains = _prune_domains(backend, problem, space.domains, space.fixed)
     sampler = _make_sampler(cfg.sampler, domains, cfg.seed)
     study = optuna.create_study(study_name=name, storage=storage, sampler=sampler, direction="minimize",
                                 load_if_exists=True)
@@ -300,7 +330,7 @@ def _run_study(cfg, storage, worker, device, probe, problem, backend_name, bar, 
         )
         measured += 1
         stats.measured_now += 1
-        _store_reply(trial, reply, probe)
+        _store_reply(trial, reply, _limit_gbps(problem, probe))
         if reply.get("status") == "ok":
             _tell(study, trial, reply["time_us"])
             stats.ok += 1
@@ -314,6 +344,38 @@ def _run_study(cfg, storage, worker, device, probe, problem, backend_name, bar, 
     if stats.best_us is None:
         stats.best_us = _best_us(study)
     return stats
+
+
+#: Largest search space whose valid points are enumerated to prune domains.
+_PRUNE_LIMIT = 300_000
+
+
+def _prune_domains(backend, problem: Problem, domains: dict[str, list[Any]],
+                   fixed: dict[str, Any]) -> dict[str, list[Any]]:
+    """Drop the values of each parameter that no valid config of ``problem`` uses.
+
+    Small problems make most of the space invalid (BLOCK_K = 8192 at K = 128):
+    without pruning a sampler spends its attempts on them (each is cheap but
+    the budget of attempts is finite). The predicate is pure Python, so the
+    whole product is enumerated when it is small enough.
+    """
+    import itertools
+
+    names = list(domains)
+    size = 1
+    for name in names:
+        size *= len(domains[name])
+    if not names or size > _PRUNE_LIMIT:
+        return dict(domains)
+    used: dict[str, set] = {name: set() for name in names}
+    for values in itertools.product(*(domains[n] for n in names)):
+        params = dict(fixed) | dict(zip(names, values, strict=True))
+        if backend.invalid_reason(problem, params) is None:
+            for name, value in zip(names, values, strict=True):
+                used[name].add(repr(value))
+    if not any(used.values()):
+        return dict(domains)  # nothing valid: let the trials record why
+    return {name: [v for v in domains[name] if repr(v) in used[name]] for name in names}
 
 
 def _tell(study: optuna.Study, trial: optuna.Trial, value: float | None = None,
@@ -371,7 +433,7 @@ def _best_us(study: optuna.Study) -> float | None:
     return min(done) if done else None
 
 
-def _store_reply(trial: optuna.Trial, reply: dict[str, Any], probe: dict[str, Any]) -> None:
+def _store_reply(trial: optuna.Trial, reply: dict[str, Any], limit_gbps: float | None) -> None:
     trial.set_user_attr("measured", True)
     status = reply.get("status", "fail")
     trial.set_user_attr("status", status)
@@ -384,13 +446,23 @@ def _store_reply(trial: optuna.Trial, reply: dict[str, Any], probe: dict[str, An
             trial.set_user_attr(key, value)
     if reply.get("build_log"):
         trial.set_user_attr("build_log", reply["build_log"])
-    if reply.get("gbps") and probe.get("read_gbps"):
-        trial.set_user_attr("pct_of_limit", 100.0 * reply["gbps"] / probe["read_gbps"])
+    if reply.get("gbps") and limit_gbps:
+        trial.set_user_attr("pct_of_limit", 100.0 * reply["gbps"] / limit_gbps)
 
 
-def _final_remeasure(cfg, storage, worker, device, probe, problem, backends, bar) -> list[dict[str, Any]]:
-    """Top candidates of each backend and the vendor path, timed interleaved."""
+def _final_remeasure(cfg, storage, worker, device, probe, problem, backends, bar,
+                     extra_baselines: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Top candidates of each backend and the baselines, timed interleaved.
+
+    Baselines: vendor always; each of ``extra_baselines`` (Inductor) that
+    implements the op, as an optional candidate the worker may drop (a failed
+    compile costs that baseline, not the re-measure). ``baseline_us`` and
+    ``speedup`` of every row refer to the fastest baseline measured.
+    """
     candidates = [{"label": "vendor", "backend": "vendor", "params": {}}]
+    for name in extra_baselines:
+        if problem.op in backend_registry.get(name).ops:
+            candidates.append({"label": name, "backend": name, "params": {}, "optional": True})
     for backend_name in backends:
         name = study_name(device["arch"], problem, backend_name, cfg.numerics)
         study = optuna.load_study(study_name=name, storage=storage)
@@ -412,9 +484,15 @@ def _final_remeasure(cfg, storage, worker, device, probe, problem, backends, bar
         bar.log(f"final re-measure of {problem.key} failed: {reply.get('error')}")
         return []
     timings = reply["timings"]
-    base = timings["vendor"]
+    for label, error in reply.get("dropped", {}).items():
+        bar.log(f"final re-measure of {problem.key}: baseline {label} dropped ({error})")
+    measured = [c for c in candidates if c["label"] in timings]
+    baselines = [c["label"] for c in measured if c["backend"] in backend_registry.BASELINES]
+    base_label = min(baselines, key=lambda label: timings[label]["time_us"])
+    base = timings[base_label]
+    limit = _limit_gbps(problem, probe)
     rows = []
-    for cand in candidates:
+    for cand in measured:
         t = timings[cand["label"]]
         rows.append({
             **problem.as_dict(),
@@ -428,9 +506,10 @@ def _final_remeasure(cfg, storage, worker, device, probe, problem, backends, bar
             "time_p75_us": t["time_p75_us"],
             "spread": t["spread"],
             "baseline_us": base["time_us"],
+            "baseline": base_label,
             "speedup": base["time_us"] / t["time_us"] if t["time_us"] > 0 else 0.0,
             "gbps": t["gbps"],
-            "pct_of_limit": 100.0 * t["gbps"] / probe["read_gbps"] if probe.get("read_gbps") else None,
+            "pct_of_limit": 100.0 * t["gbps"] / limit if limit else None,
             "max_abs_err": cand.get("max_abs_err"),
             "err_ratio": cand.get("err_ratio"),
             "timing_kind": t["timing_kind"],
