@@ -277,6 +277,14 @@ def _run_study(cfg, storage, worker, device, probe, problem, backend_name, bar, 
     study.set_user_attr("problem", problem.as_dict())
     study.set_user_attr("backend", backend_name)
     study.set_user_attr("numerics", cfg.numerics)
+    source = backend.source_hash()
+    previous_source = study.user_attrs.get("source_hash")
+    if previous_source and previous_source != source:
+        # resuming keeps finished trials as measured; say so when they timed other kernel sources
+        bar.log(f"warning: {name}: the {backend_name} kernel sources changed since this study's "
+                f"trials ran ({previous_source} -> {source}); they are kept, not re-measured "
+                "(use a new --out to start over)")
+    study.set_user_attr("source_hash", source)
     _mark_interrupted(study, storage)
 
     seen: dict[str, Any] = {}
