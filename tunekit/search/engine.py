@@ -117,8 +117,9 @@ def _make_sampler(name: str, space_domains: dict[str, list[Any]], seed: int) -> 
 class _Progress:
     """Thin adapter over rich.progress; silent when not attached to a console."""
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, log: Callable[[str], None] = print) -> None:
         self._progress = None
+        self._log = log
         if enabled:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -140,6 +141,8 @@ class _Progress:
     def log(self, message: str) -> None:
         if self._progress is not None:
             self._progress.console.log(message)
+        else:
+            self._log(message)
 
     def stop(self) -> None:
         if self._progress is not None:
@@ -185,7 +188,7 @@ def run_search(cfg: SearchConfig, progress: bool = True, log: Callable[[str], No
         results.write_run_json(out_dir, cfg, url, device, probe, usable)
         extra = _extra_baselines(cfg.problems, device, log)
 
-        bar = _Progress(progress)
+        bar = _Progress(progress, log)
         try:
             studies = [(problem, backend) for problem in cfg.problems for backend in usable]
             for index, (problem, backend) in enumerate(studies):
