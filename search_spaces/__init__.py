@@ -3,6 +3,8 @@
 ``load(op, backend)`` returns a ``tunekit.backends.base.SearchSpace``. The
 TOML holds domains, the default (fallback) config and the exact-numerics
 reference config; validity predicates live in Python next to each kernel.
+The Gemma-weight norms share the file of their plain-weight op (``FILES``):
+one kernel serves both conventions, the op name tells it which.
 """
 
 from __future__ import annotations
@@ -12,6 +14,12 @@ from importlib import resources
 from typing import Any
 
 import tomllib
+
+#: op -> TOML file stem, where they differ (same kernels, same tunables).
+FILES: dict[str, str] = {
+    "gemma_rms_norm": "rms_norm",
+    "gemma_fused_add_rms_norm": "fused_add_rms_norm",
+}
 
 
 class SpaceError(ValueError):
@@ -33,9 +41,10 @@ def load(op: str, backend: str):
     """The ``SearchSpace`` of ``backend`` for ``op``; checks default/reference lie in the domains."""
     from tunekit.backends.base import SearchSpace
 
-    data = _read(op)
+    stem = FILES.get(op, op)
+    data = _read(stem)
     if backend not in data:
-        raise SpaceError(f"search_spaces/{op}.toml has no [{backend}] table")
+        raise SpaceError(f"search_spaces/{stem}.toml has no [{backend}] table")
     table = data[backend]
     domains = {name: list(values) for name, values in table.get("domains", {}).items()}
     default = dict(table.get("default", {}))
@@ -43,7 +52,7 @@ def load(op: str, backend: str):
     for label, params in (("default", default), ("reference", reference)):
         missing = set(domains) - set(params)
         if missing:
-            raise SpaceError(f"[{backend}.{label}] of {op}.toml lacks {sorted(missing)}")
+            raise SpaceError(f"[{backend}.{label}] of {stem}.toml lacks {sorted(missing)}")
         for name, value in params.items():
             if name in domains and value not in domains[name]:
                 raise SpaceError(f"[{backend}.{label}] {name}={value!r} is outside its domain {domains[name]}")

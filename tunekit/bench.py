@@ -30,7 +30,7 @@ from tunekit.device import DeviceInfo
 from tunekit.opspec import OpSpec
 from tunekit.shapes import Problem
 
-Kernel = Callable[[tuple[torch.Tensor, ...], torch.Tensor], None]
+Kernel = Callable[[tuple[torch.Tensor, ...], torch.Tensor | tuple[torch.Tensor, ...]], None]
 
 #: Working set of rotated operands, in multiples of L2.
 L2_ROTATION_FACTOR = 4
@@ -82,24 +82,31 @@ def rotation_copies(operand_bytes: int, l2_bytes: int) -> int:
 
 
 class Rotation:
-    """Fresh random inputs for one problem with the large operand in ``copies`` copies."""
+    """Fresh random inputs for one problem with the large operands in ``copies`` copies.
+
+    The rotated inputs are ``OpSpec.rotated_inputs`` (the GEMV weight; the
+    activations of an elementwise op); their bytes together set the copies
+    (>= 4x L2), capped by ``OpSpec.max_copies`` when the op sets one. Every copy
+    has its own outputs (a tensor, or a tuple for a multi-output op).
+    """
 
     def __init__(self, spec: OpSpec, problem: Problem, device: DeviceInfo, seed: int = 1234) -> None:
         tdev = torch.device(device.torch_device)
         gen = torch.Generator(device=tdev).manual_seed(seed)
         base = spec.make_inputs(problem, tdev, gen)
-        big = base[spec.rotated_input]
-        big_bytes = big.numel() * big.element_size()
+        rotated = spec.rotated_inputs
+        big_bytes = sum(base[i].numel() * base[i].element_size() for i in rotated)
         copies = rotation_copies(big_bytes, device.l2_bytes) if device.is_gpu else 2
+        if spec.max_copies is not None:
+            copies = max(2, min(copies, spec.max_copies))
         self.copies = copies
         self.inputs: list[tuple[torch.Tensor, ...]] = []
         for i in range(copies):
-            if i == 0:
-                operand = big
-            else:
-                operand = spec.make_inputs(problem, tdev, gen)[spec.rotated_input]
             items = list(base)
-            items[spec.rotated_input] = operand
+            if i > 0:
+                fresh = spec.make_inputs(problem, tdev, gen)
+                for index in rotated:
+                    items[index] = fresh[index]
             self.inputs.append(tuple(items))
         self.outputs = [spec.make_output(problem, tdev) for _ in range(copies)]
         self.device = device

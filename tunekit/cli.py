@@ -23,11 +23,14 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 console = Console()
 
 
-def _problems(model: str | None, shape: list[str], tp: int, m: str, config: Path | None):
+def _problems(model: str | None, shape: list[str], tp: int, m: str, config: Path | None, ops: str = "gemv"):
     from tunekit import shapes
     from tunekit.models import load_model
 
-    m_list = shapes.parse_m_list(m)
+    selected = shapes.parse_ops(ops)
+    # the M limits depend on the ops that will get problems: GEMV takes 1..8
+    in_play = (selected if (model or config) else ()) + tuple(shapes.shape_op(text) for text in shape)
+    m_list = shapes.parse_m_list(m, in_play or selected)
     problems = []
     spec = None
     if model and config:
@@ -35,10 +38,13 @@ def _problems(model: str | None, shape: list[str], tp: int, m: str, config: Path
     if model or config:
         spec = load_model(str(config) if config else model)
         spec.check_tp(tp)
-        problems.extend(spec.problems(tp=tp, m_list=m_list))
+        problems.extend(spec.problems(tp=tp, m_list=m_list, ops=selected))
     if shape:
         problems.extend(shapes.adhoc_problems(shape, m_list))
     if not problems:
+        if spec is not None:
+            raise UserError(f"no problems: {spec.name} runs none of --ops {ops} "
+                            "(bias_gelu: use --shape bias_gelu:SIZE)")
         raise UserError("no problems: give --model NAME, --config PATH or --shape NxK")
     unique = {}
     for p in problems:
@@ -61,41 +67,76 @@ def models() -> None:
     console.print(table)
 
 
+_SHAPE_HELP = ("ad-hoc problem (repeatable): NxK is a GEMV; OP:SIZE an elementwise op, e.g. bias_gelu:4096, "
+               "gemma_rms_norm:5120, silu_and_mul:17408, gated_rms_norm:48x128 (groups x size)")
+_OPS_HELP = ("ops of the model to list / tune: gemv, rms_norm, fused_add_rms_norm, gated_rms_norm, silu_and_mul, "
+             "bias_gelu (norm families follow the model's weight convention)")
+_M_HELP = "batch sizes (tokens per step), e.g. 1,2,4,8; gemv takes 1..8, elementwise ops up to 65536"
+
+
 @app.command()
 def shapes(
     model: Annotated[str | None, typer.Option(help="built-in model name")] = None,
     config: Annotated[Path | None, typer.Option(help="path to a Hugging Face config.json")] = None,
-    shape: Annotated[list[str], typer.Option(help="ad-hoc NxK problem (repeatable)")] = [],  # noqa: B006
+    shape: Annotated[list[str], typer.Option(help=_SHAPE_HELP)] = [],  # noqa: B006
     tp: Annotated[int, typer.Option(help="tensor-parallel size")] = 1,
-    m: Annotated[str, typer.Option(help="decode batch sizes, e.g. 1,2,4,8")] = "1",
+    m: Annotated[str, typer.Option(help=_M_HELP)] = "1",
+    ops: Annotated[str, typer.Option(help=_OPS_HELP)] = "gemv",
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """List the per-token problems of a model as vLLM executes them."""
-    _, problems = _problems(model, shape, tp, m, config)
+    _, problems = _problems(model, shape, tp, m, config, ops)
+    gemvs = [p for p in problems if p.op == "gemv"]
+    others = [p for p in problems if p.op != "gemv"]
+    moved = _moved_bytes(others)
     if as_json:
-        rows = [p.as_dict() | {"bytes_per_token": p.weight_bytes * p.count} for p in problems]
+        rows = [p.as_dict() | {"bytes_per_token": p.weight_bytes * p.count}
+                | ({"bytes_moved_per_call": moved[p.key]} if p.key in moved else {}) for p in problems]
         print(json.dumps(rows, indent=2))
         return
-    table = Table("op", "dtype", "M", "N", "K", "count/token", "MB/token", "layers")
-    total_calls = total_bytes = 0
-    for p in problems:
-        per_token = p.weight_bytes * p.count
-        table.add_row(p.op, p.dtype, str(p.m), str(p.n), str(p.k), str(p.count), f"{per_token / 1e6:.1f}",
-                      ", ".join(p.names))
-        if p.m == problems[0].m:
-            total_calls += p.count
-            total_bytes += per_token
-    console.print(table)
-    console.print(f"per token at M={problems[0].m}: {total_calls} GEMV calls, {total_bytes / 1e9:.2f} GB of weights")
+    if gemvs:
+        table = Table("op", "dtype", "M", "N", "K", "count/token", "MB/token", "layers")
+        total_calls = total_bytes = 0
+        for p in gemvs:
+            per_token = p.weight_bytes * p.count
+            table.add_row(p.op, p.dtype, str(p.m), str(p.n), str(p.k), str(p.count), f"{per_token / 1e6:.1f}",
+                          ", ".join(p.names))
+            if p.m == gemvs[0].m:
+                total_calls += p.count
+                total_bytes += per_token
+        console.print(table)
+        console.print(f"per token at M={gemvs[0].m}: {total_calls} GEMV calls, {total_bytes / 1e9:.2f} GB of weights")
+    if others:
+        table = Table("op", "dtype", "M", "shape", "count/token", "MB/call", "layers",
+                      title="elementwise ops (shape: N; GROUPSxSIZE for gated_rms_norm; 2N->N for silu_and_mul; "
+                            "MB/call: bytes moved, the roofline numerator)")
+        for p in others:
+            table.add_row(p.op, p.dtype, str(p.m), p.shape_text, str(p.count), f"{moved[p.key] / 1e6:.3f}",
+                          ", ".join(p.names))
+        console.print(table)
+        first = [p for p in others if p.m == others[0].m]
+        total = sum(p.count * moved[p.key] for p in first)
+        console.print(f"per token at M={others[0].m}: {sum(p.count for p in first)} elementwise calls, "
+                      f"{total / 1e6:.2f} MB moved")
+
+
+def _moved_bytes(problems: list) -> dict[str, int]:
+    """Bytes one call must move (tunekit.opspec's roofline numerator), by problem key."""
+    if not problems:
+        return {}
+    from tunekit import opspec  # imports torch: only when elementwise problems are listed
+
+    return {p.key: opspec.get(p.op).bytes_moved(p) for p in problems}
 
 
 @app.command()
 def search(
     model: Annotated[str | None, typer.Option(help="built-in model name")] = None,
     config: Annotated[Path | None, typer.Option(help="path to a Hugging Face config.json")] = None,
-    shape: Annotated[list[str], typer.Option(help="ad-hoc NxK problem (repeatable)")] = [],  # noqa: B006
+    shape: Annotated[list[str], typer.Option(help=_SHAPE_HELP)] = [],  # noqa: B006
     tp: Annotated[int, typer.Option(help="tensor-parallel size")] = 1,
-    m: Annotated[str, typer.Option(help="decode batch sizes, e.g. 1,2,4,8")] = "1",
+    m: Annotated[str, typer.Option(help=_M_HELP)] = "1",
+    ops: Annotated[str, typer.Option(help=_OPS_HELP)] = "gemv",
     backend: Annotated[str | None, typer.Option(
         help="comma list of backends (default: every tuned backend available here)")] = None,
     trials: Annotated[int, typer.Option(help="measured trials per (problem, backend) study")] = 40,
@@ -117,12 +158,15 @@ def search(
     from tunekit.search.engine import SearchConfig, run_search
     from tunekit.verify import NUMERICS
 
-    spec, problems = _problems(model, shape, tp, m, config)
+    spec, problems = _problems(model, shape, tp, m, config, ops)
     if numerics not in NUMERICS:
         raise UserError(f"--numerics must be one of {', '.join(NUMERICS)}")
     names = [b.strip() for b in backend.split(",") if b.strip()] if backend else _default_backends()
     if "vendor" in names:
         raise UserError("the vendor baseline is always measured; --backend takes tuned families (triton, hip)")
+    if any(name in registry.BASELINES for name in names):
+        raise UserError("baselines (vendor, inductor) are measured with every problem they serve; "
+                        "--backend takes tuned families (triton, hip)")
     for name in names:
         if name not in registry.BUILTIN and ":" not in name:
             raise UserError(f"unknown backend {name!r} (known: {', '.join(registry.TUNED)})")

@@ -17,7 +17,7 @@ def print_summary(console: Console, outcome) -> None:
     stats = Table("problem", "backend", "measured", "ok", "failed", "invalid", "dup", "best us (search)")
     for s in outcome.stats:
         p = s.problem
-        stats.add_row(f"m{p.m} {p.n}x{p.k}", s.backend, f"{s.measured_before + s.measured_now}"
+        stats.add_row(_problem_label(p.op, p.m, p.n, p.k), s.backend, f"{s.measured_before + s.measured_now}"
                       f" (+{s.measured_now})", str(s.ok), str(s.failed), str(s.invalid), str(s.duplicates),
                       "-" if s.best_us is None else f"{s.best_us:.2f}")
     console.print(stats)
@@ -27,18 +27,34 @@ def print_summary(console: Console, outcome) -> None:
                         f"read limit {limit:.0f} GB/s)" if limit else "interleaved re-measure")
     by_problem: dict[tuple, list[dict]] = {}
     for row in outcome.final_rows:
-        by_problem.setdefault((row["m"], row["n"], row["k"]), []).append(row)
-    for (m, n, k), rows in by_problem.items():
-        tuned = [r for r in rows if r["backend"] != "vendor"]
+        by_problem.setdefault((row["op"], row["m"], row["n"], row["k"]), []).append(row)
+    for (op, m, n, k), rows in by_problem.items():
+        tuned = [r for r in rows if r["backend"] not in _baseline_names()]
         vendor = next(r for r in rows if r["backend"] == "vendor")
         best = min(tuned, key=lambda r: r["time_us"]) if tuned else vendor
         pct = best.get("pct_of_limit")
-        final.add_row(f"m{m} {n}x{k}", str(vendor["count"]), f"{vendor['time_us']:.2f}", best["label"],
+        # speedup: over the faster baseline (vendor, or Inductor for elementwise ops)
+        final.add_row(_problem_label(op, m, n, k), str(vendor["count"]), f"{vendor['time_us']:.2f}", best["label"],
                       f"{best['time_us']:.2f}", f"{best['speedup']:.3f}", f"{best['gbps']:.0f}",
                       "-" if pct is None else f"{pct:.1f}")
     console.print(final)
     if outcome.table_path:
         console.print(f"dispatch table: {outcome.table_path}; trials: {outcome.trials_path}")
+
+
+def _baseline_names() -> tuple[str, ...]:
+    from tunekit.backends import BASELINES
+
+    return BASELINES
+
+
+def _problem_label(op: str, m: int, n: int, k: int) -> str:
+    """``m1 96x5120`` for a GEMV; ``<op> m1 <shape>`` for an elementwise op."""
+    from tunekit.shapes import Problem
+
+    if op == "gemv":
+        return f"m{m} {n}x{k}"
+    return f"{op} m{m} {Problem(op, 'bf16', m, n, k).shape_text}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -64,12 +80,19 @@ class Measure:
     time_us: float
     gbps: float
     pct_of_limit: float | None
-    speedup: float  # vendor time / this time, same interleaved session
+    speedup: float  # baseline time / this time, same interleaved session (baseline: ProblemResult.baseline)
 
 
 @dataclass(frozen=True)
 class ProblemResult:
-    """A problem's vendor baseline and the best candidate of each tuned backend."""
+    """A problem's baselines and the best candidate of each tuned backend.
+
+    ``vendor`` is the vendor path (cuBLAS; the eager composition for elementwise
+    ops); ``baselines`` the other baselines measured (Inductor); ``baseline``
+    the fastest of them all, against which speedups are taken and which the
+    dispatch table must beat (as tunekit.table does). For GEMV runs there is
+    only vendor, so ``baseline`` is ``vendor``.
+    """
 
     op: str
     dtype: str
@@ -82,20 +105,31 @@ class ProblemResult:
     bytes_moved: int  # bytes one call must move (the GB/s numerator)
     vendor: Measure
     best: dict[str, Measure]  # tuned backend -> its fastest candidate
+    baselines: dict[str, Measure] = field(default_factory=dict)  # other baselines (Inductor) -> time
+    limit_gbps: float | None = None  # the measured limit of this op (read for GEMV, copy for elementwise)
 
     @property
     def label(self) -> str:
-        return f"m{self.m} {self.n}x{self.k}"
+        if self.op == "gemv":
+            return f"m{self.m} {self.n}x{self.k}"
+        from tunekit.shapes import Problem
+
+        return f"m{self.m} {Problem(self.op, self.dtype, self.m, self.n, self.k).shape_text}"
+
+    @property
+    def baseline(self) -> Measure:
+        """The fastest baseline (vendor wins ties)."""
+        return min([self.vendor, *self.baselines.values()], key=lambda x: x.time_us)
 
     @property
     def winner(self) -> Measure:
-        """Fastest of all candidates, vendor included (vendor wins ties)."""
-        return min([self.vendor, *self.best.values()], key=lambda x: x.time_us)
+        """Fastest of all candidates, baselines included (vendor wins ties)."""
+        return min([self.vendor, *self.baselines.values(), *self.best.values()], key=lambda x: x.time_us)
 
     def served_us(self, backend: str | None = None) -> float:
-        """What a dispatch table serves: min(best tuned, vendor), over all backends or one."""
+        """What a dispatch table serves: min(best tuned, fastest baseline), over all backends or one."""
         tuned = [m.time_us for b, m in self.best.items() if backend is None or b == backend]
-        return min([self.vendor.time_us, *tuned])
+        return min([self.baseline.time_us, *tuned])
 
 
 @dataclass(frozen=True)
@@ -151,13 +185,13 @@ def amdahl(f: float, s: float) -> float:
     return 1.0 / ((1.0 - f) + f / s)
 
 
-def _measure(row: dict[str, Any], read_gbps: float | None, vendor_us: float) -> Measure:
+def _measure(row: dict[str, Any], limit_gbps: float | None, base_us: float) -> Measure:
     pct = row.get("pct_of_limit")
-    if pct is None and read_gbps:
-        pct = 100.0 * float(row["gbps"]) / read_gbps
+    if pct is None and limit_gbps:
+        pct = 100.0 * float(row["gbps"]) / limit_gbps
     time_us = float(row["time_us"])
     return Measure(str(row["label"]), str(row["backend"]), time_us, float(row["gbps"]),
-                   None if pct is None else float(pct), vendor_us / time_us)
+                   None if pct is None else float(pct), base_us / time_us)
 
 
 def _read_rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -201,39 +235,50 @@ def load_comparison(run_dir: Path) -> Comparison:
         if missing:
             notes.append(f"{len(missing)} problem(s) of run.json have no final re-measure: not in the sums")
         groups = {key: value for key, value in groups.items() if key in wanted}
-    read_gbps = meta.get("probe", {}).get("read_gbps") or None
+    probe = meta.get("probe", {})
+    baseline_names = _baseline_names()
     problems = []
     for (op, dtype, m, n, k), group in groups.items():
         vendor_row = next((r for r in group if r["backend"] == "vendor"), None)
         if vendor_row is None:
             raise UserError(f"{run_dir}/final.csv: problem {op} m{m} {n}x{k} has no vendor row")
-        vendor_us = float(vendor_row["time_us"])
-        best: dict[str, Measure] = {}
-        for row in group:
-            if row["backend"] != "vendor":
-                cand = _measure(row, read_gbps, vendor_us)
-                if cand.backend not in best or cand.time_us < best[cand.backend].time_us:
-                    best[cand.backend] = cand
         try:
-            nbytes = opspec.get(op).bytes_moved(Problem(op, dtype, m, n, k))
+            spec = opspec.get(op)
         except KeyError as exc:
             raise UserError(f"{run_dir}/final.csv: {exc.args[0]}") from None
+        # % of limit against the op's own limit: read bandwidth for GEMV, copy for elementwise
+        limit_gbps = probe.get(f"{spec.limit}_gbps") or None
+        # speedups against the fastest baseline, as the engine and the dispatch table take them
+        base_us = min(float(r["time_us"]) for r in group if r["backend"] in baseline_names)
+        best: dict[str, Measure] = {}
+        others: dict[str, Measure] = {}
+        for row in group:
+            if row["backend"] == "vendor":
+                continue
+            cand = _measure(row, limit_gbps, base_us)
+            pool = others if cand.backend in baseline_names else best
+            if cand.backend not in pool or cand.time_us < pool[cand.backend].time_us:
+                pool[cand.backend] = cand
+        nbytes = spec.bytes_moved(Problem(op, dtype, m, n, k))
         problems.append(ProblemResult(op, dtype, m, n, k, int(vendor_row["count"] or 1),
                                       str(vendor_row.get("names") or ""), Problem(op, dtype, m, n, k).weight_bytes,
-                                      nbytes, _measure(vendor_row, read_gbps, vendor_us), best))
+                                      nbytes, _measure(vendor_row, limit_gbps, base_us), best, others, limit_gbps))
     found = {b for p in problems for b in p.best}
     backends = list(REPORT_BACKENDS) + sorted(found - set(REPORT_BACKENDS))
     kinds = sorted({str(r.get("timing_kind") or "?") for g in groups.values() for r in g})
     comp = Comparison(run_dir, meta, "+".join(kinds), backends, problems, [], notes)
-    comp.tokens = [_token(m, [p for p in problems if p.m == m], comp.present, read_gbps)
+    comp.tokens = [_token(m, [p for p in problems if p.m == m], comp.present)
                    for m in sorted({p.m for p in problems})]
     return comp
 
 
-def _token(m: int, problems: list[ProblemResult], backends: list[str], read_gbps: float | None) -> TokenPrediction:
+def _token(m: int, problems: list[ProblemResult], backends: list[str]) -> TokenPrediction:
     only = {b: sum(p.count * p.served_us(b) for p in problems) for b in backends}
-    floor = sum(p.count * p.bytes_moved for p in problems) / (read_gbps * 1e3) if read_gbps else None
-    return TokenPrediction(m, sum(p.count for p in problems), sum(p.count * p.vendor.time_us for p in problems),
+    # each problem at its own limit (read for GEMV, copy for elementwise ops)
+    limits = [p.limit_gbps for p in problems]
+    floor = (sum(p.count * p.bytes_moved / (p.limit_gbps * 1e3) for p in problems)
+             if problems and all(limits) else None)
+    return TokenPrediction(m, sum(p.count for p in problems), sum(p.count * p.baseline.time_us for p in problems),
                            sum(p.count * p.served_us() for p in problems), only, floor)
 
 
@@ -258,10 +303,14 @@ def problem_table(comp: Comparison, compact: bool = False) -> tuple[list[str], l
     The markdown form has one column per figure; ``compact`` (the console) puts
     each backend's time, speedup, GB/s and % of limit in one two-line cell.
     """
+    # baselines besides vendor (Inductor, elementwise ops) get columns only when measured
+    extra = sorted({b for p in comp.problems for b in p.baselines})
     if compact:
-        head = ["problem", "count", "weight MB", "vendor", *comp.backends, "winner"]
+        head = ["problem", "count", "weight MB", "vendor", *extra, *comp.backends, "winner"]
     else:
         head = ["op", "M", "N", "K", "count/token", "weight MB", "vendor µs", "vendor GB/s (% limit)"]
+        for b in extra:
+            head += [f"{b} µs", f"{b} GB/s (% limit)"]
         for b in comp.backends:
             head += [f"{b} µs", f"{b} GB/s (% limit)", f"{b} speedup"]
         head.append("winner")
@@ -271,6 +320,10 @@ def problem_table(comp: Comparison, compact: bool = False) -> tuple[list[str], l
         if compact:
             row = [f"{p.op} {p.label}", str(p.count), f"{p.weight_bytes / 1e6:.2f}",
                    f"{v.time_us:.2f} µs\n{_gbps(v.gbps)} GB/s {_f(v.pct_of_limit, '.1f', '%')}"]
+            for b in extra:
+                x = p.baselines.get(b)
+                row.append("-" if x is None else f"{x.time_us:.2f} µs\n{_gbps(x.gbps)} GB/s "
+                                                 f"{_f(x.pct_of_limit, '.1f', '%')}")
             for b in comp.backends:
                 x = p.best.get(b)
                 row.append("-" if x is None else f"{x.time_us:.2f} µs {x.speedup:.3f}x\n"
@@ -278,6 +331,9 @@ def problem_table(comp: Comparison, compact: bool = False) -> tuple[list[str], l
         else:
             row = [p.op, str(p.m), str(p.n), str(p.k), str(p.count), f"{p.weight_bytes / 1e6:.2f}",
                    f"{v.time_us:.2f}", _bw(v)]
+            for b in extra:
+                x = p.baselines.get(b)
+                row += ["-", "-"] if x is None else [f"{x.time_us:.2f}", _bw(x)]
             for b in comp.backends:
                 x = p.best.get(b)
                 row += ["-", "-", "-"] if x is None else [f"{x.time_us:.2f}", _bw(x), f"{x.speedup:.3f}x"]
@@ -288,7 +344,8 @@ def problem_table(comp: Comparison, compact: bool = False) -> tuple[list[str], l
 
 def token_table(comp: Comparison) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the per-token prediction, one row per M (times in ms)."""
-    head = ["M", "GEMV calls", "vendor ms", "tuned ms", "s (tuned)",
+    calls = "GEMV calls" if all(p.op == "gemv" for p in comp.problems) else "calls"
+    head = ["M", calls, "vendor ms", "tuned ms", "s (tuned)",
             *(f"{b} only ms (s)" for b in comp.backends), "floor ms", "% of limit vendor / tuned"]
     rows = []
     for t in comp.tokens:
@@ -374,9 +431,13 @@ def write_markdown(comp: Comparison, plots: list[Path], path: Path | None = None
     if comp.is_interpreter:
         out += [f"> **WARNING — {_CPU_WARNING}**", ""]
     out += [f"> note: {note}" for note in comp.notes] + ([""] if comp.notes else [])
+    elementwise = any(p.op != "gemv" for p in comp.problems)
+    baseline_note = (" Elementwise ops: % of the measured copy bandwidth, and speedups over the faster baseline "
+                     "(PyTorch eager = vendor, or Inductor where measured), as the dispatch table gates them."
+                     if elementwise else "")
     out += ["## Per problem", "", "Best candidate of each backend; GB/s over the bytes one call must move, "
             "% of the measured read limit; speedup over vendor in the same session; winner = fastest incl. "
-            "vendor.", "", _md_table(*problem_table(comp)), ""]
+            "vendor." + baseline_note, "", _md_table(*problem_table(comp)), ""]
     out += ["## Per token", "", f"Sum over problems of count x time per decoded token. tuned = per problem "
             f"min(best tuned, vendor), what the dispatch table serves (the table also requires a gain of at least "
             f"min_gain = {_f(comp.meta.get('min_gain'), '.1%')}); floor = every call at the read limit. "

@@ -3,6 +3,12 @@
 A ``Problem`` is one distinct (op, dtype, m, n, k); ``count`` is how many times
 per decoded token the model executes it (layers sharing a shape are merged, as
 out_proj and o_proj of Qwen3.5 are: both 5120x6144).
+
+Ops: ``gemv`` and the fused elementwise decode ops (``ELEMENTWISE_OPS``). The
+weight convention of a norm is part of the op name (``gemma_rms_norm``:
+y = x/rms * (1 + w), ``rms_norm``: y = x/rms * w), so ``Problem.key`` keeps its
+form ``op|dtype|mM|nN|kK`` and stays unique. What n and k mean per op is in
+the ``Problem`` docstring.
 """
 
 from __future__ import annotations
@@ -15,12 +21,46 @@ from tunekit.errors import UserError
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
+#: Largest decode batch the GEMV kernels take (MAX_M of gemv.hip, M loops unrolled).
+GEMV_MAX_M = 8
+#: Largest M the elementwise ops take: prefill-sized chunks (4096) with headroom.
+ELEMENTWISE_MAX_M = 65536
+
+#: Hidden-size norms: n = k = the normalised row length.
+NORM_OPS = ("rms_norm", "gemma_rms_norm", "fused_add_rms_norm", "gemma_fused_add_rms_norm")
+ELEMENTWISE_OPS = NORM_OPS + ("gated_rms_norm", "silu_and_mul", "bias_gelu")
+OPS = ("gemv",) + ELEMENTWISE_OPS
+#: ``--ops`` names -> the ops they select (a family selects both weight conventions;
+#: the model's norm style decides which one its problems use).
+OP_FAMILIES: dict[str, tuple[str, ...]] = {
+    "gemv": ("gemv",),
+    "rms_norm": ("rms_norm", "gemma_rms_norm"),
+    "fused_add_rms_norm": ("fused_add_rms_norm", "gemma_fused_add_rms_norm"),
+    "gated_rms_norm": ("gated_rms_norm",),
+    "silu_and_mul": ("silu_and_mul",),
+    "bias_gelu": ("bias_gelu",),
+    "gemma_rms_norm": ("gemma_rms_norm",),
+    "gemma_fused_add_rms_norm": ("gemma_fused_add_rms_norm",),
+}
+
 
 @dataclass(frozen=True, order=True)
 class Problem:
     """One distinct per-token problem.
 
-    For ``op == "gemv"``: y[m, n] = x[m, k] @ W[n, k]^T, W in ``dtype``.
+    What n and k mean, per op (activations are [m, ...] rows, one per token):
+
+    * ``gemv``: y[m, n] = x[m, k] @ W[n, k]^T, W in ``dtype``;
+    * ``rms_norm`` / ``gemma_rms_norm``: y[m, n] = x / rms(x) * w (gemma: * (1 + w)),
+      w[n]; k = n (the normalised length);
+    * ``fused_add_rms_norm`` / ``gemma_...``: s = x + residual, then the same norm of
+      s; outputs y[m, n] and the updated residual s[m, n]; k = n;
+    * ``gated_rms_norm``: x, z, y [m, n]; each group of k elements normalised on its
+      own, y = x / rms_group(x) * w * silu(z), w[k] shared by the n / k groups
+      (vLLM RMSNormGated, norm_before_gate=True);
+    * ``silu_and_mul``: x[m, k] with k = 2n -> y[m, n] = silu(x[:, :n]) * x[:, n:];
+    * ``bias_gelu``: y[m, n] = gelu_tanh(x[m, n] + b[n]); k = n.
+
     ``names`` lists the model layers that execute it (for reports).
     """
 
@@ -39,8 +79,28 @@ class Problem:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of weight streamed per call (the GEMV roofline numerator)."""
-        return self.n * self.k * DTYPE_BYTES[self.dtype]
+        """Bytes of weight read per call (GEMV: the matrix, its roofline numerator;
+        norms: the weight vector; bias_gelu: the bias; silu_and_mul: none)."""
+        size = DTYPE_BYTES[self.dtype]
+        if self.op == "gemv":
+            return self.n * self.k * size
+        if self.op == "silu_and_mul":
+            return 0
+        if self.op == "gated_rms_norm":
+            return self.k * size
+        return self.n * size
+
+    @property
+    def shape_text(self) -> str:
+        """Human form of the per-token shape: ``NxK`` (gemv), ``GROUPSxSIZE`` (gated
+        norm), ``2N->N`` (silu_and_mul), ``N`` (the other elementwise ops)."""
+        if self.op == "gemv":
+            return f"{self.n}x{self.k}"
+        if self.op == "gated_rms_norm":
+            return f"{self.n // self.k}x{self.k}"
+        if self.op == "silu_and_mul":
+            return f"{self.k}->{self.n}"
+        return str(self.n)
 
     def as_dict(self) -> dict:
         return {
@@ -68,8 +128,13 @@ def parse_shape(text: str) -> tuple[int, int]:
     return n, k
 
 
-def parse_m_list(text: str | Sequence[int]) -> list[int]:
-    """``"1,2,4,8"`` -> [1, 2, 4, 8]; M must be 1..8 (decode batch sizes)."""
+def parse_m_list(text: str | Sequence[int], ops: Iterable[str] = ("gemv",)) -> list[int]:
+    """``"1,2,4,8"`` -> [1, 2, 4, 8].
+
+    With ``gemv`` among ``ops`` M must be 1..8 (decode batch sizes, the unrolled M
+    loops of the GEMV kernels); the elementwise ops take M up to
+    ``ELEMENTWISE_MAX_M`` (one row per token, also prefill-sized chunks).
+    """
     if isinstance(text, str):
         try:
             values = [int(part) for part in text.split(",") if part.strip()]
@@ -79,10 +144,31 @@ def parse_m_list(text: str | Sequence[int]) -> list[int]:
         values = list(text)
     if not values:
         raise UserError("bad --m: the list is empty")
-    bad = [m for m in values if not 1 <= m <= 8]
+    ops = tuple(ops)
+    if "gemv" in ops:
+        bad = [m for m in values if not 1 <= m <= GEMV_MAX_M]
+        if bad:
+            extra = " (elementwise ops take larger M: leave gemv out of --ops)" if len(ops) > 1 else ""
+            raise UserError(f"bad --m: {bad} outside 1..{GEMV_MAX_M} (decode batch sizes tunekit tunes "
+                            f"for gemv){extra}")
+    bad = [m for m in values if not 1 <= m <= ELEMENTWISE_MAX_M]
     if bad:
-        raise UserError(f"bad --m: {bad} outside 1..8 (decode batch sizes tunekit tunes)")
+        raise UserError(f"bad --m: {bad} outside 1..{ELEMENTWISE_MAX_M}")
     return sorted(set(values))
+
+
+def parse_ops(text: str | Sequence[str]) -> tuple[str, ...]:
+    """``"gemv,rms_norm"`` -> the op names selected (families expand to both weight conventions)."""
+    parts = [p.strip() for p in text.split(",")] if isinstance(text, str) else [str(p).strip() for p in text]
+    parts = [p for p in parts if p]
+    if not parts:
+        raise UserError("bad --ops: the list is empty")
+    selected: list[str] = []
+    for part in parts:
+        if part not in OP_FAMILIES:
+            raise UserError(f"bad --ops: unknown op {part!r} (known: {', '.join(OP_FAMILIES)})")
+        selected.extend(op for op in OP_FAMILIES[part] if op not in selected)
+    return tuple(selected)
 
 
 def gemv_problems(
@@ -103,10 +189,92 @@ def gemv_problems(
     return problems
 
 
+def elementwise_dims(op: str, size: int, group: int | None = None) -> tuple[int, int]:
+    """(n, k) of an elementwise problem from its natural sizes (see ``Problem``).
+
+    ``size`` is the per-token output width (norms: hidden size; silu_and_mul: d);
+    ``group`` the gated norm's group size (``size`` must be a multiple of it).
+    """
+    if op not in ELEMENTWISE_OPS:
+        raise UserError(f"unknown elementwise op {op!r} (known: {', '.join(ELEMENTWISE_OPS)})")
+    if size < 1:
+        raise UserError(f"{op}: size must be positive, got {size}")
+    if op == "gated_rms_norm":
+        if group is None or group < 1 or size % group:
+            raise UserError(f"gated_rms_norm: width {size} is not a whole number of groups of {group}")
+        return size, group
+    if group is not None:
+        raise UserError(f"{op} takes no group size")
+    if op == "silu_and_mul":
+        return size, 2 * size
+    return size, size
+
+
+def elementwise_problems(
+    items: Iterable[tuple[str, str, int, int, int]],
+    m_list: Sequence[int],
+    dtype: str = "bf16",
+) -> list[Problem]:
+    """Merge (name, op, n, k, count) elementwise calls by (op, n, k) and expand over ``m_list``."""
+    merged: dict[tuple[str, int, int], tuple[int, list[str]]] = {}
+    for name, op, n, k, count in items:
+        total, names = merged.get((op, n, k), (0, []))
+        merged[(op, n, k)] = (total + count, names + ([name] if name not in names else []))
+    return [
+        Problem(op, dtype, m, n, k, count, tuple(names))
+        for m in m_list
+        for (op, n, k), (count, names) in merged.items()
+    ]
+
+
+_OP_SHAPE_RE = re.compile(r"^\s*([a-z_]+)\s*:\s*(\d+)\s*(?:[xX]\s*(\d+)\s*)?$")
+
+
+def parse_op_shape(text: str) -> tuple[str, int, int]:
+    """``OP:SIZE`` (``gated_rms_norm:GROUPSxSIZE``) -> (op, n, k) of an ad-hoc elementwise problem.
+
+    Examples: ``bias_gelu:4096``, ``gemma_rms_norm:5120``, ``silu_and_mul:17408``
+    (the output width d), ``gated_rms_norm:48x128`` (48 groups of 128).
+    """
+    match = _OP_SHAPE_RE.match(text)
+    if not match:
+        raise UserError(f"bad --shape {text!r}: expected NxK (gemv) or OP:SIZE, for example bias_gelu:4096 "
+                        "or gated_rms_norm:48x128")
+    op, first, second = match.group(1), int(match.group(2)), match.group(3)
+    if op not in ELEMENTWISE_OPS:
+        raise UserError(f"bad --shape {text!r}: unknown op {op!r} (known: {', '.join(ELEMENTWISE_OPS)})")
+    if op == "gated_rms_norm":
+        if second is None:
+            raise UserError(f"bad --shape {text!r}: gated_rms_norm takes GROUPSxSIZE, for example 48x128")
+        groups, size = first, int(second)
+        if groups < 1 or size < 1:
+            raise UserError(f"bad --shape {text!r}: groups and group size must be positive")
+        n, k = elementwise_dims(op, groups * size, size)
+        return op, n, k
+    if second is not None:
+        raise UserError(f"bad --shape {text!r}: {op} takes one size (OP:SIZE)")
+    if first < 1:
+        raise UserError(f"bad --shape {text!r}: the size must be positive")
+    n, k = elementwise_dims(op, first)
+    return op, n, k
+
+
+def shape_op(text: str) -> str:
+    """The op an ad-hoc ``--shape`` argument is for (``gemv`` for ``NxK``)."""
+    return "gemv" if ":" not in text else text.split(":", 1)[0].strip()
+
+
 def adhoc_problems(shapes: Sequence[str], m_list: Sequence[int], dtype: str = "bf16") -> list[Problem]:
-    """Problems for ``--shape NxK`` arguments (count 1 per token)."""
+    """Problems for ``--shape`` arguments (count 1 per token): ``NxK`` is a GEMV,
+    ``OP:SIZE`` an elementwise op (see ``parse_op_shape``; bias_gelu, which no
+    built-in model uses, is tuned this way)."""
     linears = []
+    items = []
     for text in shapes:
-        n, k = parse_shape(text)
-        linears.append((f"shape {n}x{k}", n, k, 1))
-    return gemv_problems(linears, m_list, dtype)
+        if ":" in text:
+            op, n, k = parse_op_shape(text)
+            items.append((f"shape {text.strip()}", op, n, k, 1))
+        else:
+            n, k = parse_shape(text)
+            linears.append((f"shape {n}x{k}", n, k, 1))
+    return gemv_problems(linears, m_list, dtype) + elementwise_problems(items, m_list, dtype)

@@ -8,6 +8,12 @@ Checks, in order, on fresh random inputs (never zeros):
 4. a second run on the same inputs gives the same bits (determinism);
 5. under ``numerics="exact"``: the bits equal those of the family's
    designated reference kernel on the same inputs.
+
+An op with several outputs (``fused_add_rms_norm``: the normalised rows and
+the updated residual) gets every check on every output: all are poisoned, each
+is compared with its own reference under its own bound, and the recorded
+error is the worst over all of them; messages name the output
+(``OpSpec.output_names``) whenever there is more than one.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ import torch
 from tunekit.opspec import OpSpec
 from tunekit.shapes import Problem
 
-Kernel = Callable[[tuple[torch.Tensor, ...], torch.Tensor], None]
+#: ``kernel(inputs, out)``: ``out`` is a tensor, or a tuple for multi-output ops (see tunekit.opspec).
+Kernel = Callable[[tuple[torch.Tensor, ...], torch.Tensor | tuple[torch.Tensor, ...]], None]
 NUMERICS = ("bounded", "exact")
 
 
@@ -40,10 +47,23 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _poisoned(spec: OpSpec, problem: Problem, device: torch.device) -> torch.Tensor:
+def _poisoned(spec: OpSpec, problem: Problem, device: torch.device) -> torch.Tensor | tuple[torch.Tensor, ...]:
     out = spec.make_output(problem, device)
-    out.fill_(float("nan"))
+    for tensor in _as_tuple(out):
+        tensor.fill_(float("nan"))
     return out
+
+
+def _as_tuple(value: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _labels(spec: OpSpec, count: int) -> list[str]:
+    """Message prefixes per output: empty for a single-output op (messages unchanged)."""
+    if count == 1:
+        return [""]
+    names = list(spec.output_names) + [f"output {i}" for i in range(len(spec.output_names), count)]
+    return [f"{name}: " for name in names[:count]]
 
 
 def verify(
@@ -64,46 +84,56 @@ def verify(
     inputs = spec.make_inputs(problem, device, gen)
 
     out = _poisoned(spec, problem, device)
-    expected = spec.make_output(problem, device)
+    expected = _as_tuple(spec.make_output(problem, device))
     kernel(inputs, out)
     _synchronize(device)
-    if out.shape != expected.shape or out.dtype != expected.dtype or out.stride() != expected.stride():
-        return VerifyResult(False, f"output layout {tuple(out.shape)}/{out.stride()} changed")
-    unwritten = torch.isnan(out)
-    if unwritten.any():
-        return VerifyResult(False, f"{int(unwritten.sum())} output elements not written (NaN poison left)")
-    if not torch.isfinite(out).all():
-        return VerifyResult(False, "non-finite output")
+    outs = _as_tuple(out)
+    labels = _labels(spec, len(expected))
+    if len(outs) != len(expected):
+        return VerifyResult(False, f"kernel returned {len(outs)} outputs, expected {len(expected)}")
+    for label, o, e in zip(labels, outs, expected, strict=True):
+        if o.shape != e.shape or o.dtype != e.dtype or o.stride() != e.stride():
+            return VerifyResult(False, f"{label}output layout {tuple(o.shape)}/{o.stride()} changed")
+    for label, o in zip(labels, outs, strict=True):
+        unwritten = torch.isnan(o)
+        if unwritten.any():
+            return VerifyResult(False, f"{label}{int(unwritten.sum())} output elements not written (NaN poison left)")
+        if not torch.isfinite(o).all():
+            return VerifyResult(False, f"{label}non-finite output")
 
-    ref = spec.reference(inputs)
-    err = (out.double() - ref).abs()
-    bound = spec.error_bound(problem, inputs, ref)
-    ratio = float((err / bound).max())
-    max_err = float(err.max())
+    ref_value = spec.reference(inputs)
+    refs = _as_tuple(ref_value)
+    bounds = _as_tuple(spec.error_bound(problem, inputs, ref_value))
+    ratio, max_err, failure = float("-inf"), 0.0, ""
+    for label, o, ref, bound in zip(labels, outs, refs, bounds, strict=True):
+        err = (o.double() - ref).abs()
+        rel = err / bound
+        this_ratio, this_err = float(rel.max()), float(err.max())
+        max_err = max(max_err, this_err)
+        if this_ratio > ratio:  # the message names the output with the worst ratio
+            ratio = this_ratio
+            failure = f"{label}error {this_err:.3g} exceeds the bound (ratio {this_ratio:.3g}, flat index " \
+                      f"{int(rel.argmax())})"
     if ratio > 1.0:
-        worst = int((err / bound).argmax())
-        return VerifyResult(
-            False,
-            f"error {max_err:.3g} exceeds the bound (ratio {ratio:.3g}, flat index {worst})",
-            max_err,
-            ratio,
-        )
+        return VerifyResult(False, failure, max_err, ratio)
 
     again = _poisoned(spec, problem, device)
     kernel(inputs, again)
     _synchronize(device)
-    if not torch.equal(_bits(out), _bits(again)):
-        return VerifyResult(False, "two runs on the same inputs differ (nondeterministic)", max_err, ratio)
+    for label, o, a in zip(labels, outs, _as_tuple(again), strict=True):
+        if not torch.equal(_bits(o), _bits(a)):
+            return VerifyResult(False, f"{label}two runs on the same inputs differ (nondeterministic)", max_err, ratio)
 
     if numerics == "exact":
         assert reference_kernel is not None
         golden = _poisoned(spec, problem, device)
         reference_kernel(inputs, golden)
         _synchronize(device)
-        if not torch.equal(_bits(out), _bits(golden)):
-            differ = int((_bits(out) != _bits(golden)).sum())
-            return VerifyResult(False, f"not bit-identical to the reference config ({differ} elements differ)",
-                                max_err, ratio)
+        for label, o, g in zip(labels, outs, _as_tuple(golden), strict=True):
+            if not torch.equal(_bits(o), _bits(g)):
+                differ = int((_bits(o) != _bits(g)).sum())
+                return VerifyResult(False, f"{label}not bit-identical to the reference config "
+                                           f"({differ} elements differ)", max_err, ratio)
     return VerifyResult(True, "", max_err, ratio)
 
 

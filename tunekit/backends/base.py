@@ -15,8 +15,10 @@ Call protocol (what the search worker does, in this order)::
 ``build`` must do all compilation, so that the first ``kernel(...)`` call after
 it is cheap and graph-capturable (launch on torch's current stream, allocate
 only through torch). ``inputs`` is the tuple an ``OpSpec.make_inputs`` returns
-(for GEMV: ``(x[M,K], w[N,K])``); ``out`` is a preallocated output tensor that
-the kernel must fill completely (verification poisons it first).
+(for GEMV: ``(x[M,K], w[N,K])``); ``out`` is what ``OpSpec.make_output``
+returns: a preallocated output tensor, or a tuple of them for a multi-output
+op (``fused_add_rms_norm``: ``(y, residual_out)``), that the kernel must fill
+completely (verification poisons every output first).
 
 Backends never import optuna: search code adapts ``SearchSpace`` to samplers.
 """
@@ -33,7 +35,7 @@ from tunekit.device import DeviceInfo
 from tunekit.shapes import Problem
 
 Params = dict[str, Any]
-Kernel = Callable[[tuple[torch.Tensor, ...], torch.Tensor], None]
+Kernel = Callable[[tuple[torch.Tensor, ...], torch.Tensor | tuple[torch.Tensor, ...]], None]
 
 
 class BuildError(RuntimeError):

@@ -1,5 +1,9 @@
 """HIP backend: the ``kernels_hip`` sources, compiled at run time per config.
 
+Ops: ``gemv`` (below) and the elementwise families of
+``tunekit.backends.hip_elementwise`` (``FAMILIES``: op -> kernels_hip source,
+kernel, tunable defines, predicate, launcher), which this backend routes to.
+
 One source serves both vendors: NVRTC builds it for NVIDIA (WAVE=32), hipRTC
 for AMD/DCU (WAVE=64 on gfx9). Search-space keys are the kernel's compile-time
 defines (``ROWS_PER_BLOCK``, ``ROWS_PER_THREAD``, ``THREADS_PER_ROW``, ``VEC``, ``UNROLL``,
@@ -31,6 +35,7 @@ import torch
 import search_spaces
 from tunekit import rtc
 from tunekit.backends.base import BuildError, Kernel, Params, SearchSpace
+from tunekit.backends.hip_elementwise import FAMILIES, ElementwiseLauncher
 from tunekit.device import DeviceInfo
 from tunekit.shapes import Problem
 
@@ -163,7 +168,7 @@ def gemv_invalid_reason(params: Params, m: int, n: int, k: int) -> str | None:
 class HipBackend:
     name = "hip"
     kind = "tuned"
-    ops: tuple[str, ...] = ("gemv",)
+    ops: tuple[str, ...] = ("gemv", *FAMILIES)
 
     def unavailable_reason(self, device: DeviceInfo) -> str | None:
         if not device.is_gpu:
@@ -178,15 +183,21 @@ class HipBackend:
         if problem.op not in self.ops:
             return f"hip backend has no kernel for op {problem.op!r}"
         if problem.dtype != "bf16":
-            return f"gemv.hip is BF16 only (got {problem.dtype})"
+            source = "gemv" if problem.op == "gemv" else FAMILIES[problem.op].source
+            return f"{source}.hip is BF16 only (got {problem.dtype})"
+        if problem.op != "gemv":
+            return FAMILIES[problem.op].invalid_reason(params, problem)
         return gemv_invalid_reason(params, problem.m, problem.n, problem.k)
 
     def defines(self, problem: Problem, params: Params, device: DeviceInfo) -> dict[str, int]:
-        """The full define set a build of ``params`` compiles with (tunables + WAVE + MAX_M)."""
+        """The full define set a build of ``params`` compiles with (tunables + WAVE + MAX_M,
+        or for an elementwise op + the shape-derived defines of its family)."""
+        wave = device.wave_size if device.wave_size in (32, 64) else (64 if device.vendor == "amd" else 32)
+        if problem.op != "gemv":
+            return FAMILIES[problem.op].defines(params, problem, wave)
         overridden = sorted(set(params) & set(_DERIVED))
         if overridden:
             raise BuildError(f"{overridden} are set by the backend (device wave, problem M), not by params")
-        wave = device.wave_size if device.wave_size in (32, 64) else (64 if device.vendor == "amd" else 32)
         return {name: int(params[name]) for name in GEMV_PARAMS} | {"WAVE": wave, "MAX_M": problem.m}
 
     def build(self, problem: Problem, params: Params, device: DeviceInfo) -> Kernel:
@@ -198,8 +209,12 @@ class HipBackend:
         if reason:
             raise BuildError(f"invalid config: {reason}")
         defines = self.defines(problem, params, device)
-        module = rtc.compile_kernel(problem.op, defines, device)
         index = torch.device(device.torch_device).index or 0
+        if problem.op != "gemv":
+            family = FAMILIES[problem.op]
+            module = rtc.compile_kernel(family.source, defines, device)
+            return ElementwiseLauncher(family, module, defines, index, problem)
+        module = rtc.compile_kernel(problem.op, defines, device)
         launcher = _GemvLauncher(module, defines, index)
         return launcher
 
@@ -207,6 +222,9 @@ class HipBackend:
         return rtc.sources_hash()[:16]
 
     def kernel_name(self, problem: Problem) -> str:
+        if problem.op in FAMILIES:
+            family = FAMILIES[problem.op]
+            return f"kernels_hip/{family.source}.hip:{family.kernel}"
         return "kernels_hip/gemv.hip:tunekit_gemv"
 
     def _check_op(self, op: str) -> None:

@@ -1,4 +1,12 @@
-"""Triton backend: the kernels of ``kernels_triton`` with explicit configs."""
+"""Triton backend: the kernels of ``kernels_triton`` with explicit configs.
+
+``_OP_MODULES`` maps each op to its kernel module. ``gemv`` is served through
+``kernels_triton.gemv`` (GemvConfig, gemv(x, w, config, out)); every
+elementwise module offers one protocol: ``Config.from_params``,
+``invalid_reason(config, m, n, k)`` and ``launch(op, inputs, out, config,
+eps)`` taking ``tunekit.opspec``'s inputs and outputs (the op name picks the
+weight convention of a norm).
+"""
 
 from __future__ import annotations
 
@@ -15,7 +23,18 @@ from tunekit.device import DeviceInfo, interpret_mode
 from tunekit.shapes import Problem
 
 #: op -> module in kernels_triton holding its kernel, config and predicate.
-_OP_MODULES = {"gemv": "kernels_triton.gemv"}
+_OP_MODULES = {
+    "gemv": "kernels_triton.gemv",
+    "rms_norm": "kernels_triton.rms_norm",
+    "gemma_rms_norm": "kernels_triton.rms_norm",
+    "fused_add_rms_norm": "kernels_triton.fused_add_rms_norm",
+    "gemma_fused_add_rms_norm": "kernels_triton.fused_add_rms_norm",
+    "gated_rms_norm": "kernels_triton.gated_rms_norm",
+    "silu_and_mul": "kernels_triton.silu_and_mul",
+    "bias_gelu": "kernels_triton.bias_gelu",
+}
+#: Modules the elementwise kernels import (part of the source hash).
+_HELPER_MODULES = ("kernels_triton.rounding",)
 
 
 class TritonBackend:
@@ -41,20 +60,36 @@ class TritonBackend:
     def space(self, problem: Problem) -> SearchSpace:
         return search_spaces.load(problem.op, self.name)
 
+    @staticmethod
+    def _config_class(module, op: str):
+        return module.GemvConfig if op == "gemv" else module.Config
+
     def invalid_reason(self, problem: Problem, params: Params) -> str | None:
         module = self._module(problem.op)
         try:
-            config = module.GemvConfig.from_params(params)
+            config = self._config_class(module, problem.op).from_params(params)
         except TypeError as exc:
             return f"bad params: {exc}"
         return module.invalid_reason(config, problem.m, problem.n, problem.k)
 
     def build(self, problem: Problem, params: Params, device: DeviceInfo) -> Kernel:
         module = self._module(problem.op)
-        config = module.GemvConfig.from_params(params)
+        try:
+            config = self._config_class(module, problem.op).from_params(params)
+        except TypeError as exc:
+            raise BuildError(f"bad params: {exc}") from None
         reason = module.invalid_reason(config, problem.m, problem.n, problem.k)
         if reason:
             raise BuildError(f"invalid config: {reason}")
+        if problem.op != "gemv":
+            from tunekit.opspec import EPS
+
+            op = problem.op
+
+            def elementwise(inputs: tuple[torch.Tensor, ...], out) -> None:
+                module.launch(op, inputs, out, config, EPS)
+
+            return elementwise
 
         def kernel(inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
             x, w = inputs
@@ -63,7 +98,7 @@ class TritonBackend:
         return kernel
 
     def source_hash(self) -> str:
-        return _sources_hash(tuple(sorted(_OP_MODULES.values())))
+        return _sources_hash(tuple(sorted(set(_OP_MODULES.values()) | set(_HELPER_MODULES))))
 
     def kernel_name(self, problem: Problem) -> str:
         return _OP_MODULES.get(problem.op, "?")

@@ -2,21 +2,107 @@
 
 Timed in the same process and the same way as every candidate, so speedups
 are same-run ratios.
+
+For the elementwise ops the baseline is the PyTorch eager composition, written
+as vLLM writes it when its custom ops are off (``forward_native`` /
+``forward_static`` of RMSNorm, GemmaRMSNorm, RMSNormGated, SiluAndMul; eager
+``F.gelu(x + b)`` for bias + GELU): several kernels per call. Outputs are
+written with ``out=`` where an op has that form, so no copy kernel is added
+that vLLM would not run. ``tunekit.backends.inductor`` compiles the same
+functions (``ELEMENTWISE``) with torch.compile.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 
 from tunekit.backends.base import BuildError, Kernel, Params, SearchSpace
 from tunekit.device import DeviceInfo
+from tunekit.opspec import EPS
 from tunekit.shapes import Problem
+
+Tensors = tuple[torch.Tensor, ...]
+
+
+def rms_norm(inputs: Tensors, out: torch.Tensor) -> None:
+    """vLLM RMSNorm.forward_native: fp32 variance, normalised rows rounded to BF16, then * w in BF16."""
+    x, w = inputs
+    xf = x.float()
+    variance = xf.pow(2).mean(dim=-1, keepdim=True)
+    torch.mul((xf * torch.rsqrt(variance + EPS)).to(x.dtype), w, out=out)
+
+
+def gemma_rms_norm(inputs: Tensors, out: torch.Tensor) -> None:
+    """vLLM GemmaRMSNorm.forward_static: (x / rms * (1 + w)) in fp32, rounded once."""
+    x, w = inputs
+    xf = x.float()
+    variance = xf.pow(2).mean(dim=-1, keepdim=True)
+    out.copy_(xf * torch.rsqrt(variance + EPS) * (1.0 + w.float()))
+
+
+def fused_add_rms_norm(inputs: Tensors, out: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """vLLM RMSNorm.forward_native with a residual: the fp32 sum (not rounded before the variance)."""
+    x, residual, w = inputs
+    y, residual_out = out
+    s = x.float() + residual
+    residual_out.copy_(s)
+    variance = s.pow(2).mean(dim=-1, keepdim=True)
+    torch.mul((s * torch.rsqrt(variance + EPS)).to(x.dtype), w, out=y)
+
+
+def gemma_fused_add_rms_norm(inputs: Tensors, out: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """vLLM GemmaRMSNorm.forward_static with a residual: a BF16 add (rounded), then the norm in fp32."""
+    x, residual, w = inputs
+    y, residual_out = out
+    torch.add(x, residual, out=residual_out)
+    s = residual_out.float()
+    variance = s.pow(2).mean(dim=-1, keepdim=True)
+    y.copy_(s * torch.rsqrt(variance + EPS) * (1.0 + w.float()))
+
+
+def gated_rms_norm(inputs: Tensors, out: torch.Tensor) -> None:
+    """vLLM RMSNormGated.forward_native (norm_before_gate): per-group norm * w * silu(z) in fp32."""
+    x, z, w = inputs
+    m, n = x.shape
+    k = w.shape[0]
+    xf = x.float().view(m, n // k, k)
+    variance = xf.pow(2).mean(dim=-1, keepdim=True)
+    normed = (xf * torch.rsqrt(variance + EPS) * w.float()).view(m, n)
+    out.copy_(normed * F.silu(z.float()))
+
+
+def silu_and_mul(inputs: Tensors, out: torch.Tensor) -> None:
+    """vLLM SiluAndMul.forward_native: F.silu(a) * b, two BF16 ops."""
+    (x,) = inputs
+    d = x.shape[-1] // 2
+    torch.mul(F.silu(x[:, :d]), x[:, d:], out=out)
+
+
+def bias_gelu(inputs: Tensors, out: torch.Tensor) -> None:
+    """Eager F.gelu(x + b, approximate="tanh"): a BF16 add, then GELU into ``out``."""
+    x, b = inputs
+    torch.ops.aten.gelu.out(x + b, approximate="tanh", out=out)
+
+
+#: op -> eager composition ``fn(inputs, out)`` (tunekit.opspec's inputs and outputs).
+ELEMENTWISE: dict[str, Callable[..., None]] = {
+    "rms_norm": rms_norm,
+    "gemma_rms_norm": gemma_rms_norm,
+    "fused_add_rms_norm": fused_add_rms_norm,
+    "gemma_fused_add_rms_norm": gemma_fused_add_rms_norm,
+    "gated_rms_norm": gated_rms_norm,
+    "silu_and_mul": silu_and_mul,
+    "bias_gelu": bias_gelu,
+}
 
 
 class VendorBackend:
     name = "vendor"
     kind = "vendor"
-    ops = ("gemv",)
+    ops = ("gemv", *ELEMENTWISE)
 
     def unavailable_reason(self, device: DeviceInfo) -> str | None:
         return None
@@ -28,6 +114,8 @@ class VendorBackend:
         return None if problem.op in self.ops else f"no vendor path for op {problem.op!r}"
 
     def build(self, problem: Problem, params: Params, device: DeviceInfo) -> Kernel:
+        if problem.op in ELEMENTWISE:
+            return ELEMENTWISE[problem.op]
         if problem.op != "gemv":
             raise BuildError(f"no vendor path for op {problem.op!r}")
 
@@ -45,6 +133,8 @@ class VendorBackend:
         return f"torch-{torch.__version__}"
 
     def kernel_name(self, problem: Problem) -> str:
+        if problem.op in ELEMENTWISE:
+            return f"tunekit.backends.vendor:{ELEMENTWISE[problem.op].__name__} (PyTorch eager)"
         return "torch.nn.functional.linear"
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from tunekit.errors import UserError
-from tunekit.shapes import DTYPE_BYTES, Problem, gemv_problems
+from tunekit.shapes import DTYPE_BYTES, OPS, Problem, elementwise_problems, gemv_problems
 
 #: Model types whose decoder layer is attention + gated MLP (vLLM llama.py / qwen2.py / qwen3.py).
 DENSE_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
@@ -292,14 +292,62 @@ class ModelSpec:
         out.append(("lm_head", self.padded_vocab_size // tp, h, 1))
         return out
 
-    def problems(self, tp: int = 1, m_list: Sequence[int] = (1,), dtype: str = "bf16") -> list[Problem]:
-        """Distinct GEMV problems per token: ``linears(tp)`` merged by shape, one per M."""
+    def elementwise(self, tp: int = 1) -> list[tuple[str, str, int, int, int]]:
+        """The fused elementwise ops one rank executes per decoded token at ``tp``.
+
+        Each entry is (layer name, op, n, k, count per token) with n, k as in
+        ``tunekit.shapes.Problem``. As vLLM runs the decoder: layer 0's
+        input_layernorm is a plain norm (no residual yet); every later
+        input_layernorm, every post_attention_layernorm and the final norm add
+        the residual (fused_add_rms_norm): 2 * layers - 1 + 1 calls. Qwen3.5
+        norms are Gemma-style (x * (1 + w)). Hidden-size norms stay full size on
+        every rank; the gated norm (one group per linear-attention value head)
+        and silu_and_mul (intermediate / tp) shrink with tp. silu_and_mul is
+        listed for SiLU MLPs (hidden_act silu/swish) only. No built-in model
+        runs bias + GELU, so ``bias_gelu`` never appears here (tune it with an
+        ad-hoc ``--shape bias_gelu:SIZE``).
+        """
+        self.check_tp(tp)
+        h, layers = self.hidden_size, self.num_layers
+        prefix = "gemma_" if self.norm_style == "gemma" else ""
+        out: list[tuple[str, str, int, int, int]] = [("input_layernorm", f"{prefix}rms_norm", h, h, 1)]
+        if layers > 1:
+            out.append(("input_layernorm", f"{prefix}fused_add_rms_norm", h, h, layers - 1))
+        out.append(("post_attention_layernorm", f"{prefix}fused_add_rms_norm", h, h, layers))
+        out.append(("norm (final)", f"{prefix}fused_add_rms_norm", h, h, 1))
+        groups = self.gated_norm_groups
+        n_lin = self.num_linear_attention_layers
+        if groups is not None and n_lin:
+            count, size = groups
+            out.append(("linear_attn.norm", "gated_rms_norm", count // tp * size, size, n_lin))
+        if str(self.config.get("hidden_act", "silu")) in ("silu", "swish"):
+            mlp = "mlp." if self.family == "qwen3_5" else ""
+            d = self.intermediate_size // tp
+            out.append((f"{mlp}act_fn", "silu_and_mul", d, 2 * d, layers))
+        return out
+
+    def problems(
+        self,
+        tp: int = 1,
+        m_list: Sequence[int] = (1,),
+        dtype: str = "bf16",
+        ops: Sequence[str] = ("gemv",),
+    ) -> list[Problem]:
+        """Distinct problems per token, one per M: GEMVs (``linears(tp)`` merged by
+        shape) when ``"gemv"`` is in ``ops``, then the elementwise ops of
+        ``elementwise(tp)`` whose op name is in ``ops`` (merged by (op, n, k))."""
         if dtype not in DTYPE_BYTES:
             raise UserError(f"unknown dtype {dtype!r} (known: {', '.join(DTYPE_BYTES)})")
         ms = list(m_list)
         if not ms or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in ms):
             raise UserError(f"bad m_list {m_list!r}: expected positive integers")
-        return gemv_problems(self.linears(tp), sorted(set(ms)), dtype)
+        unknown = sorted(set(ops) - set(OPS))
+        if unknown:
+            raise UserError(f"unknown op(s) {unknown} (known: {', '.join(OPS)})")
+        ms = sorted(set(ms))
+        out = gemv_problems(self.linears(tp), ms, dtype) if "gemv" in ops else []
+        wanted = [item for item in self.elementwise(tp) if item[1] in ops]
+        return out + elementwise_problems(wanted, ms, dtype)
 
 
 # ---------------------------------------------------------------- config parsing

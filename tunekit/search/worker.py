@@ -202,7 +202,9 @@ class _ChildState:
         reference_kernel = None
         if task.get("numerics") == "exact":
             backend = backends.get(task["backend"])
-            reference_kernel = self._build(task["backend"], problem, backend.space(problem).reference)
+            space = backend.space(problem)
+            # the fixed values (numerics choices such as VLLM_ROUNDING) belong to the reference too
+            reference_kernel = self._build(task["backend"], problem, dict(space.fixed) | space.reference)
         result = verify.verify(
             kernel, spec, problem, tdev, seed=int(task.get("seed", 0)),
             numerics=task.get("numerics", "bounded"), reference_kernel=reference_kernel,
@@ -222,14 +224,28 @@ class _ChildState:
         problem = self._problem(task)
         spec = opspec.get(problem.op)
         rotation = self._rotation_for(problem)
-        kernels = {
-            cand["label"]: self._build(cand["backend"], problem, cand["params"]) for cand in task["candidates"]
-        }
+        kernels = {}
+        dropped = {}
+        for cand in task["candidates"]:
+            if not cand.get("optional"):
+                kernels[cand["label"]] = self._build(cand["backend"], problem, cand["params"])
+                continue
+            # An optional baseline (Inductor) compiles at its first call: do that
+            # here, so a failure drops it instead of the whole re-measure.
+            try:
+                kernel = self._build(cand["backend"], problem, cand["params"])
+                kernel(rotation.inputs[0], rotation.outputs[0])
+                self._sync_free()
+            except Exception as exc:  # noqa: BLE001 - any compile error: record it, go on
+                dropped[cand["label"]] = f"{type(exc).__name__}: {str(exc)[:500]}"
+                continue
+            kernels[cand["label"]] = kernel
         timings = time_interleaved(kernels, rotation, repeats=task.get("repeats"))
         nbytes = spec.bytes_moved(problem)
         return {
             "status": "ok",
             "timings": {label: _timing_fields(t, nbytes) for label, t in timings.items()},
+            "dropped": dropped,
         }
 
 
