@@ -4,8 +4,39 @@ Main use::
 
     tunekit search --model qwen3.5-27b      # verified, timed winners -> runs/qwen3.5-27b/table.json
     tunekit show runs/qwen3.5-27b/table.json
+
+Serving the table (imported on first use, so ``import tunekit`` stays light)::
+
+    tunekit.patch(model, table="runs/qwen3.5-27b/table.json")   # nn.Linear & co. -> torch.ops.tunekit.*
+    tunekit.dispatch_stats()                                     # which kernel served which call
+    tunekit.unpatch(model)
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 __version__ = "0.1.0"
+
+__all__ = ["__version__", "dispatch_stats", "patch", "unpatch"]
+
+
+def patch(model: Any, table: Any = None) -> dict[str, int]:
+    """Route ``model`` through the tunekit ops; see ``tunekit.integrations.torch_patch.patch``."""
+    from tunekit.integrations.torch_patch import patch as _patch
+
+    return _patch(model, table)
+
+
+def unpatch(model: Any) -> int:
+    """Undo :func:`patch`; see ``tunekit.integrations.torch_patch.unpatch``."""
+    from tunekit.integrations.torch_patch import unpatch as _unpatch
+
+    return _unpatch(model)
+
+
+def dispatch_stats(reset: bool = False) -> list[dict[str, Any]]:
+    """The dispatch markers of this process; see ``tunekit.ops.dispatch_stats``."""
+    from tunekit.ops import dispatch_stats as _stats
+
+    return _stats(reset)

@@ -1,0 +1,487 @@
+"""tunekit.ops on the CPU tier: custom ops, table hits (Triton interpreter) and misses, markers, capture, logs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tunekit
+from tunekit import ops, opspec
+from tunekit import table as table_mod
+from tunekit.device import detect
+from tunekit.shapes import Problem
+
+REPO = Path(__file__).resolve().parents[1]
+
+#: A small Triton config valid for the test shapes (interpreter: 1 warp, short K steps).
+PARAMS = {"BLOCK_N": 4, "BLOCK_K": 64, "num_warps": 1, "num_stages": 1}
+N, K = 24, 192
+
+
+def _entry(op: str, m: int, n: int, k: int, backend: str = "triton", params: dict | None = None,
+           dtype: str = "bf16") -> dict:
+    return {"op": op, "dtype": dtype, "m": m, "n": n, "k": k, "backend": backend,
+            "params": json.dumps(PARAMS if params is None else params),
+            "time_us": 1.0, "baseline_us": 2.0, "speedup": 2.0, "gbps": 1.0}
+
+
+def make_table(path: Path, rows: list[dict], device: dict | None = None) -> Path:
+    """A table stamped for this machine (CPU under the interpreter) unless ``device`` says otherwise."""
+    # built as Triton rows, then the backend names put back: build_table asks
+    # each backend for its kernel name, which test backends need not have.
+    backends = {(r["op"], r["m"], r["n"], r["k"]): r["backend"] for r in rows}
+    table = table_mod.build_table([{**r, "backend": "triton"} for r in rows], device or detect().as_dict(), {},
+                                  0.0, ["triton"])
+    for e in table["entries"]:
+        e["backend"] = backends[(e["op"], e["m"], e["n"], e["k"])]
+    return table_mod.save(table, path)
+
+
+@pytest.fixture(autouse=True)
+def _clean_ops():
+    ops.load_tables([])
+    ops.reset_stats()
+    ops.set_vendor_gemm(None)
+    yield
+    ops.load_tables([])
+    ops.reset_stats()
+    ops.set_vendor_gemm(None)
+
+
+@pytest.fixture
+def gemv_table(tmp_path: Path) -> Path:
+    # M=1 and M=4 tabulated for N x K: M=2..4 use the M=4 entry, M=5+ has none.
+    path = make_table(tmp_path / "table.json", [_entry("gemv", 1, N, K), _entry("gemv", 4, N, K)])
+    ops.load_tables(str(path))
+    return path
+
+
+def _rows(**match) -> list[dict]:
+    return [r for r in ops.dispatch_stats() if all(r[k] == v for k, v in match.items())]
+
+
+def _within_bound(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> bool:
+    x2 = x.reshape(-1, x.shape[-1])
+    problem = Problem("gemv", "bf16", x2.shape[0], w.shape[0], w.shape[1])
+    ref = opspec.GEMV.reference((x2, w))
+    bound = opspec.GEMV.error_bound(problem, (x2, w), ref)
+    return bool(((y.reshape(ref.shape).double() - ref).abs() <= bound).all())
+
+
+def _xw(m: int, n: int = N, k: int = K, seed: int = 0, dtype=torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn((m, k), generator=gen).to(dtype)
+    w = (torch.randn((n, k), generator=gen) * k**-0.5).to(dtype)
+    return x, w
+
+
+# ----------------------------------------------------------------------------- registration
+
+
+def test_ops_are_registered_with_fake_impls() -> None:
+    for op in ("gemv", *ops.ELEMENTWISE_SCHEMAS):
+        assert hasattr(torch.ops.tunekit, op), op
+    meta = torch.device("meta")
+    y = torch.ops.tunekit.gemv(torch.empty(3, 5, K, device=meta), torch.empty(N, K, device=meta), None)
+    assert y.shape == (3, 5, N) and y.device.type == "meta"
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(2, 64, dtype=torch.bfloat16)
+        w = torch.empty(64, dtype=torch.bfloat16)
+        assert torch.ops.tunekit.rms_norm(x, w, 1e-6).shape == (2, 64)
+        y, r = torch.ops.tunekit.fused_add_rms_norm(x, x, w, 1e-6)
+        assert y.shape == r.shape == (2, 64)
+        assert torch.ops.tunekit.silu_and_mul(x).shape == (2, 32)
+        assert torch.ops.tunekit.gated_rms_norm(x, x, w[:32], 1e-6).shape == (2, 64)
+        assert torch.ops.tunekit.bias_gelu(x, w).shape == (2, 64)
+
+
+def test_import_tunekit_stays_light() -> None:
+    code = "import sys, tunekit; print('torch' in sys.modules, 'tunekit.ops' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+# ----------------------------------------------------------------------------- table hits and misses
+
+
+def test_table_hit_runs_the_tuned_triton_kernel_with_the_m_rule(gemv_table: Path) -> None:
+    for m in (1, 2, 3, 4):
+        x, w = _xw(m, seed=m)
+        y = torch.ops.tunekit.gemv(x, w, None)
+        assert y.shape == (m, N) and y.dtype == torch.bfloat16
+        assert _within_bound(y, x, w), m
+    x, w = _xw(5)
+    assert torch.equal(torch.ops.tunekit.gemv(x, w, None), F.linear(x, w))  # vendor path: same bits
+    x, w = _xw(2, n=32)
+    torch.ops.tunekit.gemv(x, w, None)
+    shape = f"{N}x{K}"
+    assert [(r["m"], r["impl"], r["calls"]) for r in _rows(shape=shape)] == [
+        (1, "tuned:triton", 1), (2, "tuned:triton", 1), (3, "tuned:triton", 1), (4, "tuned:triton", 1),
+        (5, "fallback:m_above_table", 1)]
+    assert _rows(shape=f"32x{K}")[0]["impl"] == "fallback:no_entry"
+    assert all(r["counted_at"] == "call" for r in ops.dispatch_stats())
+    assert tunekit.dispatch_stats() == ops.dispatch_stats()
+
+
+def test_leading_dims_bias_and_padded_weight_rows(gemv_table: Path) -> None:
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn((1, 3, K), generator=gen).bfloat16()
+    w = (torch.randn((N, K), generator=gen) * K**-0.5).bfloat16()
+    b = torch.randn(N, generator=gen).bfloat16()
+    y = torch.ops.tunekit.gemv(x, w, b)
+    assert y.shape == (1, 3, N)
+    ref = opspec.GEMV.reference((x.reshape(3, K), w)) + b.double()
+    assert (y.reshape(3, N).double() - ref).abs().max() < 0.05
+    # vLLM pads weight rows on ROCm (stride(0) > K, unit stride along K): still tuned
+    padded = torch.zeros((N, K + 8), dtype=torch.bfloat16)
+    padded[:, :K] = w
+    y2 = torch.ops.tunekit.gemv(x, padded[:, :K], None)
+    assert _within_bound(y2, x, w)
+    assert {r["impl"] for r in _rows(m=3)} == {"tuned:triton"}
+    assert {r["bias"] for r in _rows(m=3)} == {True, False}
+
+
+@pytest.mark.parametrize(
+    ("make", "reason"),
+    [
+        (lambda x, w: (x.half(), w.half(), None), "no_entry"),  # fp16 is servable but not tabulated
+        (lambda x, w: (x, w.float(), None), "dtype"),
+        (lambda x, w: (x.to(torch.int32), w.to(torch.int32), None), "dtype"),
+        (lambda x, w: (torch.cat([x, x], 1)[:, ::2], w, None), "strided"),
+        (lambda x, w: (x, w.t().contiguous().t(), None), "strided"),
+        (lambda x, w: (x, w, torch.zeros(N, dtype=torch.float32)), "bias"),
+        (lambda x, w: (x, w, torch.zeros(N + 1, dtype=torch.bfloat16)), "bias"),
+        (lambda x, w: (x[:0], w, None), "empty"),
+    ],
+)
+def test_unsupported_inputs_take_the_vendor_path(gemv_table: Path, make, reason: str) -> None:
+    x, w = _xw(2)
+    xa, wa, ba = make(x, w)
+    try:
+        expected = F.linear(xa, wa, ba)
+    except RuntimeError as vendor_error:  # mixed dtypes: F.linear refuses them, and so does the op
+        with pytest.raises(RuntimeError) as err:
+            torch.ops.tunekit.gemv(xa, wa, ba)
+        assert str(err.value) == str(vendor_error)
+    else:
+        assert torch.equal(torch.ops.tunekit.gemv(xa, wa, ba), expected)
+    rows = ops.dispatch_stats()
+    assert [r["impl"] for r in rows] == [f"fallback:{reason}"]
+
+
+def test_shape_errors_are_the_vendor_paths_own(gemv_table: Path) -> None:
+    x, w = _xw(2)
+    with pytest.raises(RuntimeError):
+        torch.ops.tunekit.gemv(x[:, :-1], w, None)
+    assert ops.dispatch_stats()[0]["impl"] == "fallback:bad_input"
+
+
+def test_no_table_and_unreadable_table(tmp_path: Path, caplog) -> None:
+    x, w = _xw(1)
+    assert torch.equal(torch.ops.tunekit.gemv(x, w, None), F.linear(x, w))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with caplog.at_level(logging.ERROR, logger="tunekit.ops"):
+        rows = ops.load_tables(f"{bad}{os.pathsep}{tmp_path / 'missing.json'}")
+        for _ in range(3):
+            torch.ops.tunekit.gemv(x, w, None)
+    assert all("error" in r for r in rows)
+    assert [r["impl"] for r in ops.dispatch_stats()] == ["fallback:no_table", "fallback:table_error"]
+    errors = [r for r in caplog.records if r.name == "tunekit.ops" and r.levelno == logging.ERROR]
+    assert len(errors) == 2  # once per file, not per call
+
+
+def test_environment_mismatch_warns_once_and_falls_back(tmp_path: Path, caplog) -> None:
+    h200 = {"name": "NVIDIA H200", "arch": "sm_90", "cu_count": 132, "wave_size": 32, "l2_bytes": 1,
+            "memory_bytes": 1, "runtime": "cuda 13.0", "vendor": "nvidia", "torch_device": "cuda:0"}
+    path = make_table(tmp_path / "h200.json", [_entry("gemv", 1, N, K)], device=h200)
+    ops.load_tables(str(path))
+    x, w = _xw(1)
+    with caplog.at_level(logging.WARNING, logger="tunekit.ops"):
+        for _ in range(4):
+            assert torch.equal(torch.ops.tunekit.gemv(x, w, None), F.linear(x, w))
+    warnings = [r for r in caplog.records if r.name == "tunekit.ops" and r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "another environment" in warnings[0].getMessage()
+    assert "gpu: table 'NVIDIA H200'" in warnings[0].getMessage()
+    assert [(r["impl"], r["calls"]) for r in ops.dispatch_stats()] == [("fallback:env_mismatch", 4)]
+    # the CLI refuses the same table loudly
+    from tunekit import cli
+
+    out = subprocess.run([sys.executable, "-m", "tunekit", "show", "--check", str(path)], cwd=REPO,
+                         capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert out.returncode == 2 and "does not match this environment" in out.stderr, out.stderr
+    assert cli  # imported: the command exists
+
+
+def test_cpu_tensors_without_the_interpreter_fall_back(gemv_table: Path, monkeypatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    ops.load_tables(str(gemv_table))  # forget decisions made under the interpreter
+    x, w = _xw(1)
+    assert torch.equal(torch.ops.tunekit.gemv(x, w, None), F.linear(x, w))
+    assert ops.dispatch_stats()[0]["impl"] == "fallback:interpreter_off"
+
+
+def test_build_and_launch_failures_become_counted_fallbacks(tmp_path: Path, caplog) -> None:
+    rows = [
+        _entry("gemv", 1, N, K, params={"BLOCK_N": 3}),  # not a power of two: build refuses
+        _entry("gemv", 1, 32, K, backend="test_ops:RAISING"),  # builds, raises at launch
+        _entry("gemv", 1, 40, K, backend="no_such_module:X"),
+    ]
+    ops.load_tables(str(make_table(tmp_path / "t.json", rows)))
+    with caplog.at_level(logging.WARNING, logger="tunekit.ops"):
+        for n, impl in ((N, "build_error"), (32, "kernel_error"), (40, "build_error")):
+            x, w = _xw(1, n=n)
+            for _ in range(2):
+                assert torch.equal(torch.ops.tunekit.gemv(x, w, None), F.linear(x, w))
+            assert _rows(shape=f"{n}x{K}")[0] == {**_rows(shape=f"{n}x{K}")[0], "impl": f"fallback:{impl}",
+                                                   "calls": 2}
+    assert len([r for r in caplog.records if r.name == "tunekit.ops"]) == 3
+
+
+class _RaisingBackend:
+    """A backend whose kernels build and then fail at launch (test-only: ``test_ops:RAISING``)."""
+
+    name, kind, ops = "raising", "tuned", ("gemv",)
+
+    def unavailable_reason(self, device):
+        return None
+
+    def build(self, problem, params, device):
+        def kernel(inputs, out):
+            raise RuntimeError("injected launch failure")
+
+        return kernel
+
+
+RAISING = _RaisingBackend()
+
+
+# ----------------------------------------------------------------------------- capture and markers
+
+
+def test_capture_counts_at_capture_and_never_builds_there(gemv_table: Path, monkeypatch) -> None:
+    capturing = {"on": True}
+    monkeypatch.setattr(ops, "_capturing", lambda x: capturing["on"])
+    x, w = _xw(1)
+    assert torch.equal(torch.ops.tunekit.gemv(x, w, None), F.linear(x, w))  # unbuilt under capture
+    capturing["on"] = False
+    torch.ops.tunekit.gemv(x, w, None)  # eager warm-up builds it
+    capturing["on"] = True
+    assert _within_bound(torch.ops.tunekit.gemv(x, w, None), x, w)
+    rows = {(r["impl"], r["counted_at"]): r for r in ops.dispatch_stats()}
+    assert set(rows) == {("fallback:not_built_at_capture", "capture"), ("tuned:triton", "call"),
+                         ("tuned:triton", "capture")}
+    assert "not counted" in rows[("tuned:triton", "capture")]["note"]
+    assert "note" not in rows[("tuned:triton", "call")]
+    assert "replays" in ops.dispatch_log()["note"]
+
+
+def test_prepare_builds_every_served_m_without_counting(gemv_table: Path, monkeypatch) -> None:
+    summary = ops.prepare("cpu")
+    assert summary["keys"] == 4 and summary["tuned"] == 4 and not summary["errors"], summary
+    assert ops.dispatch_stats() == []
+    monkeypatch.setattr(ops, "_capturing", lambda x: True)
+    x, w = _xw(3)
+    torch.ops.tunekit.gemv(x, w, None)
+    assert [(r["impl"], r["counted_at"]) for r in ops.dispatch_stats()] == [("tuned:triton", "capture")]
+
+
+def test_dispatch_log_is_written_at_exit(gemv_table: Path, tmp_path: Path) -> None:
+    log = tmp_path / "dispatch-{pid}.json"
+    code = (
+        "import torch, tunekit.ops\n"
+        f"x = torch.randn(1, {K}).bfloat16(); w = torch.randn({N}, {K}).bfloat16()\n"
+        "for _ in range(3): torch.ops.tunekit.gemv(x, w, None)\n"
+        "torch.ops.tunekit.gemv(x.half(), w.half(), None)\n"
+        "print(__import__('os').getpid())\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1", "TUNEKIT_TABLE": str(gemv_table),
+           "TUNEKIT_DISPATCH_LOG": str(log), "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    written = json.loads((tmp_path / f"dispatch-{out.stdout.strip()}.json").read_text())
+    assert written["format"] == ops.STATS_FORMAT and "replays" in written["note"]
+    assert written["tables"][0]["path"] == str(gemv_table) and written["tables"][0]["entries"] == 2
+    assert {(c["impl"], c["calls"]) for c in written["calls"]} == {("tuned:triton", 3), ("fallback:no_entry", 1)}
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+
+def _graphs_of(fn, *args):
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=backend, fullgraph=True)
+    return compiled(*args), graphs
+
+
+def test_gemv_stays_one_opaque_node_under_torch_compile(gemv_table: Path) -> None:
+    x, w = _xw(2)
+    b = torch.randn(N).bfloat16()
+
+    def f(x):
+        return torch.ops.tunekit.gemv(x, w, b).relu()
+
+    with torch.no_grad():
+        y, graphs = _graphs_of(f, x)
+        assert torch.equal(y, f(x))
+        targets = [node.target for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
+        assert sum(str(t).startswith("tunekit.gemv") for t in targets) == 1
+        assert not any("linear" in str(t) or "mm" in str(t) for t in targets)
+        torch._dynamo.reset()
+        aot = torch.compile(f, backend="aot_eager", dynamic=True)
+        for m in (2, 3, 5):  # one graph, the choice of kernel happens inside the op, per M
+            x, _ = _xw(m, seed=m)
+            assert torch.equal(aot(x), f(x))
+    impls = {(r["m"], r["impl"]) for r in ops.dispatch_stats()}
+    assert (3, "tuned:triton") in impls and (5, "fallback:m_above_table") in impls
+
+
+def test_elementwise_ops_stay_opaque_under_torch_compile() -> None:
+    x = torch.randn(3, 64).bfloat16()
+    w = torch.randn(64).bfloat16()
+
+    def f(x):
+        y, r = torch.ops.tunekit.fused_add_rms_norm(x, x, w, 1e-6)
+        return torch.ops.tunekit.silu_and_mul(torch.ops.tunekit.rms_norm(y + r, w, 1e-6))
+
+    y, graphs = _graphs_of(f, x)
+    assert torch.equal(y, f(x))
+    targets = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert sum(t.startswith("tunekit.") for t in targets) == 3
+
+
+# ----------------------------------------------------------------------------- elementwise
+
+
+def _hf_rms(x, w, eps, gemma=False):
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + w.float())).to(x.dtype) if gemma else w * xf.to(x.dtype)
+
+
+def test_elementwise_vendor_paths_match_the_reference_math() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 64, generator=gen).bfloat16()
+    r = torch.randn(2, 3, 64, generator=gen).bfloat16()
+    w = torch.randn(64, generator=gen).bfloat16()
+    eps = 1e-5
+    assert torch.equal(torch.ops.tunekit.rms_norm(x, w, eps), _hf_rms(x, w, eps))
+    assert torch.equal(torch.ops.tunekit.gemma_rms_norm(x, w, eps), _hf_rms(x, w, eps, gemma=True))
+    y, res = torch.ops.tunekit.fused_add_rms_norm(x, r, w, eps)
+    s = (x.float() + r.float()).to(x.dtype)
+    assert torch.equal(res, s)
+    assert (y.float() - _hf_rms(x.float() + r.float(), w.float(), eps)).abs().max() < 0.05
+    assert torch.equal(torch.ops.tunekit.silu_and_mul(x), F.silu(x[..., :32]) * x[..., 32:])
+    assert torch.equal(torch.ops.tunekit.bias_gelu(x, w), F.gelu(x + w, approximate="tanh"))
+    z = torch.randn(2, 3, 64, generator=gen).bfloat16()
+    g = torch.ops.tunekit.gated_rms_norm(x, z, w[:32], eps)
+    ref = opspec.get("gated_rms_norm").reference((x.reshape(6, 64), z.reshape(6, 64), w[:32]))
+    assert (g.reshape(6, 64).double() - ref).abs().max() < 0.05
+    y2, _ = torch.ops.tunekit.gemma_fused_add_rms_norm(x, r, w, eps)
+    assert (y2.float() - _hf_rms(x.float() + r.float(), w.float(), eps, gemma=True)).abs().max() < 0.05
+    impls = {r["op"]: r["impl"] for r in ops.dispatch_stats()}
+    assert impls == {op: "fallback:no_table" for op in ops.ELEMENTWISE_SCHEMAS}
+    assert {r["shape"] for r in ops.dispatch_stats() if r["op"] == "gated_rms_norm"} == {"192x32"}
+
+
+class _TorchNormBackend:
+    """Test backend (``test_ops:TORCH_NORM``): rms_norm kernels in torch, taking eps like the real ones."""
+
+    name, kind, ops = "torchnorm", "tuned", ("rms_norm", "fused_add_rms_norm")
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def unavailable_reason(self, device):
+        return None
+
+    def build(self, problem, params, device):
+        def kernel(inputs, out, eps=1e-6):
+            self.calls.append((problem.op, problem.m, eps))
+            if problem.op == "rms_norm":
+                out.copy_(_hf_rms(inputs[0], inputs[1], eps))
+            else:
+                x, r, w = inputs
+                out[1].copy_(x + r)
+                out[0].copy_(_hf_rms(out[1], w, eps))
+
+        return kernel
+
+
+TORCH_NORM = _TorchNormBackend()
+
+
+def test_elementwise_tuned_path_passes_eps_and_the_rows(tmp_path: Path) -> None:
+    rows = [_entry("rms_norm", 8, 64, 64, backend="test_ops:TORCH_NORM", params={}),
+            _entry("fused_add_rms_norm", 8, 64, 64, backend="test_ops:TORCH_NORM", params={})]
+    ops.load_tables(str(make_table(tmp_path / "ew.json", rows)))
+    TORCH_NORM.calls.clear()
+    x = torch.randn(2, 3, 64).bfloat16()
+    w = torch.randn(64).bfloat16()
+    assert torch.equal(torch.ops.tunekit.rms_norm(x, w, 1e-5), _hf_rms(x, w, 1e-5))
+    y, s = torch.ops.tunekit.fused_add_rms_norm(x, x, w, 1e-5)
+    assert y.shape == s.shape == x.shape and torch.equal(s, x + x)
+    assert TORCH_NORM.calls == [("rms_norm", 6, 1e-5), ("fused_add_rms_norm", 6, 1e-5)]
+    assert {r["impl"] for r in ops.dispatch_stats()} == {"tuned:test_ops:TORCH_NORM"}
+    torch.ops.tunekit.rms_norm(x[:, :, :32].contiguous(), w[:32], 1e-5)  # a width the table does not hold
+    assert _rows(op="rms_norm", shape="32x32")[0]["impl"] == "fallback:no_entry"
+
+
+def test_strided_elementwise_inputs_fall_back_to_dense_results() -> None:
+    x = torch.randn(3, 128).bfloat16()[:, :64]  # rows 128 apart: not contiguous
+    w = torch.randn(64).bfloat16()
+    y = torch.ops.tunekit.rms_norm(x, w, 1e-6)
+    assert y.is_contiguous() and torch.equal(y, _hf_rms(x.contiguous(), w, 1e-6))
+    t = torch.randn(4, 3, 64).bfloat16().transpose(0, 1)
+    assert torch.ops.tunekit.silu_and_mul(t).is_contiguous()
+    assert [r["impl"] for r in ops.dispatch_stats()] == ["fallback:strided", "fallback:strided"]
+
+
+def _triton_has(op: str) -> bool:
+    from tunekit import backends
+
+    return op in backends.get("triton").ops
+
+
+@pytest.mark.skipif(not _triton_has("rms_norm"), reason="kernels_triton has no elementwise kernels yet")
+def test_elementwise_ops_launch_the_real_triton_kernels(tmp_path: Path) -> None:
+    shapes = (("rms_norm", 64, 64), ("fused_add_rms_norm", 64, 64), ("gemma_rms_norm", 64, 64),
+              ("gated_rms_norm", 128, 32), ("silu_and_mul", 48, 96), ("bias_gelu", 64, 64))
+    ops.load_tables(str(make_table(tmp_path / "ew.json", [_entry(op, 4, n, k, params={}) for op, n, k in shapes])))
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 64, generator=gen).bfloat16()
+    w = torch.randn(64, generator=gen).bfloat16()
+    h = torch.randn(3, 4, 32, generator=gen).bfloat16()  # [tokens, heads, head_dim]
+    a = torch.randn(3, 96, generator=gen).bfloat16()
+
+    def close(got: torch.Tensor, want: torch.Tensor) -> bool:  # BF16 results, a rounding or two apart
+        return bool(((got.float() - want.float()).abs() <= 2**-6 * want.float().abs() + 1e-3).all())
+
+    assert close(torch.ops.tunekit.rms_norm(x, w, 1e-6), ops._vendor_rms_norm(x, w, 1e-6, False))
+    assert close(torch.ops.tunekit.gemma_rms_norm(x, w, 1e-6), ops._vendor_rms_norm(x, w, 1e-6, True))
+    y, s = torch.ops.tunekit.fused_add_rms_norm(x, x, w, 1e-6)
+    assert torch.equal(s, x + x) and close(y, ops._vendor_fused_add(x, x, w, 1e-6, False)[0])
+    assert close(torch.ops.tunekit.gated_rms_norm(h, h, w[:32], 1e-6), ops._vendor_gated(h, h, w[:32], 1e-6))
+    assert close(torch.ops.tunekit.silu_and_mul(a), ops._vendor_silu_and_mul(a))
+    assert close(torch.ops.tunekit.bias_gelu(x, w), ops._vendor_bias_gelu(x, w))
+    # the kernels take a fixed eps: another one is served by the vendor path
+    torch.ops.tunekit.rms_norm(x, w, 1e-5)
+    impls = {(r["op"], r["impl"]) for r in ops.dispatch_stats()}
+    assert {impl for _, impl in impls} == {"tuned:triton", "fallback:eps"}
+    assert {op for op, impl in impls if impl == "tuned:triton"} == {op for op, _, _ in shapes}

@@ -1,0 +1,218 @@
+"""tunekit.patch / unpatch: nn.Linear and HF norm modules routed through torch.ops.tunekit (CPU tier)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_ops import _entry, make_table  # the sibling test module's table helpers (tests/ is on sys.path)
+from torch import nn
+
+import tunekit
+from tunekit import ops
+from tunekit.integrations import torch_patch
+
+HIDDEN, INTER = 64, 96
+
+
+class LlamaRMSNorm(nn.Module):
+    """Hugging Face's LlamaRMSNorm, verbatim (the patch matches the class name)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class TinyBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = LlamaRMSNorm(HIDDEN)
+        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN, bias=True)  # Qwen2-style bias
+        self.o_proj = nn.Linear(3 * HIDDEN, HIDDEN, bias=False)
+        self.up = nn.Linear(HIDDEN, INTER, bias=False)
+        self.down = nn.Linear(INTER, HIDDEN, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.o_proj(self.qkv(self.norm(x)))
+        return h + self.down(F.silu(self.up(self.norm(h))))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(TinyBlock(), TinyBlock()).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    return model
+
+
+@pytest.fixture(autouse=True)
+def _clean_ops():
+    ops.load_tables([])
+    ops.reset_stats()
+    yield
+    ops.load_tables([])
+    ops.reset_stats()
+
+
+@pytest.fixture
+def table(tmp_path: Path) -> Path:
+    # Tuned: o_proj (64x192) and down (64x96) at M=4; the rest stays vendor.
+    return make_table(tmp_path / "t.json", [_entry("gemv", 4, HIDDEN, 3 * HIDDEN), _entry("gemv", 4, HIDDEN, INTER)])
+
+
+def test_patch_routes_linears_and_norms_and_unpatch_restores(table: Path) -> None:
+    model = _model()
+    x = torch.randn(1, 3, HIDDEN).bfloat16()
+    with torch.no_grad():
+        before = model(x)
+        counts = tunekit.patch(model, table=table)
+        assert counts == {"linear": 8, "rms_norm": 2}
+        assert tunekit.patch(model) == {}  # already patched: nothing twice
+        patched = model(x)
+    assert (patched.float() - before.float()).abs().max() < 0.1
+    rows = tunekit.dispatch_stats()
+    by = {(r["op"], r["shape"], r["impl"]): r["calls"] for r in rows}
+    assert by[("gemv", f"{HIDDEN}x{3 * HIDDEN}", "tuned:triton")] == 2
+    assert by[("gemv", f"{HIDDEN}x{INTER}", "tuned:triton")] == 2
+    assert by[("gemv", f"{3 * HIDDEN}x{HIDDEN}", "fallback:no_entry")] == 2
+    assert by[("rms_norm", f"{HIDDEN}x{HIDDEN}", "fallback:no_entry")] == 4
+    assert all(r["m"] == 3 for r in rows)
+    assert tunekit.unpatch(model) == 10
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    ops.reset_stats()
+    with torch.no_grad():
+        assert torch.equal(model(x), before)
+    assert tunekit.dispatch_stats() == []
+
+
+def test_calls_that_need_autograd_keep_the_original_path(table: Path) -> None:
+    model = _model()
+    tunekit.patch(model, table=table)
+    x = torch.randn(1, 1, HIDDEN).bfloat16()
+    model(x).float().sum().backward()  # grad mode, parameters require grad: no tunekit op (no backward)
+    assert tunekit.dispatch_stats() == []
+    assert model[0].o_proj.weight.grad is not None
+
+
+def test_an_existing_instance_forward_is_restored() -> None:
+    lin = nn.Linear(8, 4)
+    hooked = lin.forward  # what accelerate-style hooks leave as an instance attribute
+    lin.forward = lambda x: hooked(x) * 2
+    previous = lin.__dict__["forward"]
+    tunekit.patch(lin)
+    assert lin.__dict__["forward"] is not previous
+    tunekit.unpatch(lin)
+    assert lin.__dict__["forward"] is previous
+
+
+def test_patch_with_an_unreadable_table_raises_at_set_up(tmp_path: Path) -> None:
+    from tunekit.table import TableError
+
+    with pytest.raises(TableError):
+        tunekit.patch(_model(), table=tmp_path / "missing.json")
+
+
+def test_patched_model_compiles_to_opaque_tunekit_nodes(table: Path) -> None:
+    model = _model()
+    tunekit.patch(model, table=table)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    x = torch.randn(1, 4, HIDDEN).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(compiled(x), model(x))
+    targets = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert sum(t.startswith("tunekit.gemv") for t in targets) == 8
+    assert sum(t.startswith("tunekit.rms_norm") for t in targets) == 4
+    torch._dynamo.reset()
+
+
+def test_linear_shapes_lists_what_to_tune() -> None:
+    rows = torch_patch.linear_shapes(_model())
+    assert [(r["n"], r["k"], r["count"]) for r in rows][:2] == [(HIDDEN, 3 * HIDDEN, 2), (3 * HIDDEN, HIDDEN, 2)]
+    assert {r["dtype"] for r in rows} == {"bf16"}
+
+
+# ----------------------------------------------------------------------------- real Hugging Face classes
+
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+
+def _tiny_qwen3_5():
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
+
+    config = Qwen3_5TextConfig(
+        vocab_size=128, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+        layer_types=["linear_attention", "full_attention"], full_attention_interval=2,
+        max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return Qwen3_5ForCausalLM(config).to(torch.bfloat16).eval()
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
+def test_hugging_face_qwen3_5_patched_gives_the_same_logits_and_tokens(tmp_path: Path) -> None:
+    model = _tiny_qwen3_5()
+    with torch.no_grad():  # zero-centred norm weights are all zero at init: make them count
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.3)
+    # A table for the lm_head and the down projections (HF's own, unmerged shapes), M = 1.
+    shapes = {(r["n"], r["k"]) for r in torch_patch.linear_shapes(model)}
+    assert (128, HIDDEN) in shapes and (HIDDEN, INTER) in shapes
+    path = make_table(tmp_path / "hf.json", [_entry("gemv", 1, 128, HIDDEN), _entry("gemv", 1, HIDDEN, INTER)])
+    ids = torch.tensor([[3, 17, 42, 5, 99]])
+    with torch.no_grad():
+        ref = model(ids).logits
+        counts = tunekit.patch(model, table=path)
+        assert counts["linear"] == len([m for m in model.modules() if isinstance(m, nn.Linear)])
+        assert counts["gemma_rms_norm"] >= 5 and counts["gated_rms_norm"] == 1
+        out = model(ids).logits
+        step = model(ids[:, -1:]).logits  # a decode-like M=1 call: hits the M=1 entries
+    assert (out.float() - ref.float()).abs().max() < 0.05
+    assert torch.equal(out.argmax(-1), ref.argmax(-1))
+    impls = {(r["op"], r["shape"], r["m"]): r["impl"] for r in tunekit.dispatch_stats()}
+    assert impls[("gemv", f"128x{HIDDEN}", 1)] == "tuned:triton"
+    assert impls[("gemv", f"{HIDDEN}x{INTER}", 1)] == "tuned:triton"
+    assert impls[("gemv", f"128x{HIDDEN}", 5)] == "fallback:m_above_table"
+    assert any(op == "gated_rms_norm" for op, _, _ in impls)
+    assert step.shape == (1, 1, 128)
+    tunekit.unpatch(model)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref)
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
+def test_hugging_face_llama_norms_are_routed() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=96, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        ref = model(ids).logits
+        assert tunekit.patch(model) == {"linear": 8, "rms_norm": 3}
+        assert torch.equal(model(ids).logits, ref)  # vendor paths (no table): the same math, same bits
+    assert {r["impl"] for r in tunekit.dispatch_stats()} == {"fallback:no_table"}

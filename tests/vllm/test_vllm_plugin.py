@@ -1,0 +1,330 @@
+"""The tunekit vLLM plugin against real vLLM 0.33 on the CPU (run in the vLLM virtualenv).
+
+What is checked: the entry point is found and loads once; vLLM's
+UnquantizedLinearMethod (bind-at-construction) and ParallelLMHead (per-call
+dispatch) reach ``tunekit::gemv``; RMSNorm, GemmaRMSNorm, RMSNormGated and
+SiluAndMul built by vLLM are the plugin's subclasses and reach the tunekit
+elementwise ops for the widths the table covers, and vLLM's own path
+otherwise; table misses fall back; the ops are single opaque nodes under
+torch.compile and under vLLM's compile backend (one graph serves every M).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import vllm
+import vllm.plugins
+from torch import nn
+
+PARAMS = {"BLOCK_N": 4, "BLOCK_K": 64, "num_warps": 1, "num_stages": 1}
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+PLUGIN_LOG = _Records()
+logging.getLogger("tunekit.vllm").addHandler(PLUGIN_LOG)
+logging.getLogger("tunekit.vllm").setLevel(logging.INFO)
+
+
+def _entry(op: str, m: int, n: int, k: int, backend: str = "triton", params: dict | None = None) -> dict:
+    return {"op": op, "dtype": "bf16", "m": m, "n": n, "k": k, "backend": backend,
+            "params": params if params is not None else dict(PARAMS), "kernel": "test",
+            "time_us": 1.0, "baseline_us": 2.0, "speedup": 2.0, "gbps": 1.0}
+
+
+def _table(path: Path, entries: list[dict]) -> Path:
+    from tunekit import table as table_mod
+    from tunekit.device import detect
+
+    table = {"format": table_mod.FORMAT, "created": "test", "environment": table_mod.environment_stamp(
+        detect().as_dict(), []), "read_limit_gbps": None, "entries": entries}
+    return table_mod.save(table, path)
+
+
+@pytest.fixture(scope="module")
+def plugin():
+    """Load vLLM's general plugins the way vLLM does (once per process)."""
+    assert vllm.__version__.startswith("0.33"), vllm.__version__
+    vllm.plugins.load_general_plugins()
+    from tunekit.integrations import vllm_plugin
+
+    return vllm_plugin
+
+
+@pytest.fixture(autouse=True)
+def _fresh_ops():
+    from tunekit import ops
+
+    ops.load_tables([])
+    ops.reset_stats()
+    yield ops
+    ops.load_tables([])
+    ops.reset_stats()
+
+
+def _impls(**match) -> list[tuple]:
+    from tunekit import ops
+
+    return [(r["op"], r["shape"], r["m"], r["impl"]) for r in ops.dispatch_stats()
+            if all(r[k] == v for k, v in match.items())]
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def test_entry_point_loads_once_and_installs_every_hook(plugin) -> None:
+    eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "tunekit"]
+    assert [ep.value for ep in eps] == ["tunekit.integrations.vllm_plugin:register"]
+    assert set(plugin.installed()) == {"linear", "RMSNorm", "GemmaRMSNorm", "RMSNormGated", "SiluAndMul"}
+    assert plugin.skipped() == {}
+    import vllm.model_executor.layers.linear as linear
+    import vllm.model_executor.layers.utils as utils
+    import vllm.model_executor.layers.vocab_parallel_embedding as vocab
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    wrapped = utils.dispatch_unquantized_gemm
+    assert getattr(wrapped, "_tunekit_wrapped", False)
+    assert linear.dispatch_unquantized_gemm is wrapped and vocab.dispatch_unquantized_gemm is wrapped
+    registered = {name: op_registry_oot[name] for name in ("RMSNorm", "GemmaRMSNorm", "RMSNormGated", "SiluAndMul")}
+    installed_logs = [r for r in PLUGIN_LOG.records if "installed" in r.getMessage()]
+    assert len(installed_logs) == 1
+    # a second load, by vLLM or by hand, changes nothing and logs nothing
+    vllm.plugins.plugins_loaded = False
+    vllm.plugins.load_general_plugins()
+    plugin.register()
+    assert utils.dispatch_unquantized_gemm is wrapped
+    assert {name: op_registry_oot[name] for name in registered} == registered
+    assert len([r for r in PLUGIN_LOG.records if "installed" in r.getMessage()]) == 1
+    assert not torch.cuda.is_initialized()  # no GPU work at load
+
+
+# ----------------------------------------------------------------------------- linear
+
+
+def test_unquantized_linear_and_lm_head_route_to_tunekit_gemv(plugin, vllm_config, tmp_path: Path) -> None:
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    from tunekit import ops
+
+    ops.load_tables(str(_table(tmp_path / "t.json", [_entry("gemv", 2, 48, 64)])))
+    torch.manual_seed(0)
+    layer = MergedColumnParallelLinear(64, [32, 16], bias=False, params_dtype=torch.bfloat16)
+    assert isinstance(layer.quant_method, UnquantizedLinearMethod)
+    assert getattr(layer.quant_method._gemm_impl, "_tunekit_wrapped", False)
+    layer.weight.data.normal_(0, 64**-0.5)
+    for m in (1, 2, 3):
+        x = torch.randn(m, 64).bfloat16()
+        y, _ = layer(x)
+        ref = x.double() @ layer.weight.data.double().T
+        assert y.shape == (m, 48) and (y.double() - ref).abs().max() < 0.05
+        if m == 3:  # the vendor path: F.linear's own bits
+            assert torch.equal(y, F.linear(x, layer.weight))
+    assert _impls(shape="48x64") == [("gemv", "48x64", 1, "tuned:triton"), ("gemv", "48x64", 2, "tuned:triton"),
+                                     ("gemv", "48x64", 3, "fallback:m_above_table")]
+    head = ParallelLMHead(96, 64, params_dtype=torch.bfloat16)
+    head.weight.data.normal_()
+    x = torch.randn(2, 64).bfloat16()
+    assert torch.equal(head.quant_method.apply(head, x), F.linear(x, head.weight))
+    shape = "x".join(map(str, head.weight.shape))  # the vocabulary padded to a multiple of 64
+    assert _impls(shape=shape) == [("gemv", shape, 2, "fallback:no_entry")]
+
+
+def test_linear_hook_respects_rocm_aiter_and_older_forks(plugin, monkeypatch) -> None:
+    import vllm.model_executor.layers.utils as utils
+
+    from tunekit import ops
+
+    monkeypatch.setattr(torch.version, "hip", "6.3.0")
+    monkeypatch.setenv("VLLM_ROCM_USE_AITER", "1")
+    done, why = plugin._install_linear()
+    assert not done and "AITER" in why
+    monkeypatch.setenv("VLLM_ROCM_USE_AITER", "0")
+    try:
+        done, why = plugin._install_linear()  # ROCm without AITER: vLLM's rocm gemm is the fallback
+        assert done and "rocm_unquantized_gemm" in why
+        assert ops._STATE.vendor_gemm is not None
+        assert getattr(utils.dispatch_unquantized_gemm, "_tunekit_wrapped", False)
+    finally:
+        ops.set_vendor_gemm(None)
+    monkeypatch.delattr(utils, "dispatch_unquantized_gemm")
+    done, why = plugin._install_linear()
+    assert not done and "older fork" in why
+
+
+def test_non_plain_gemms_are_left_to_vllm(plugin) -> None:
+    def flashinfer_like(layer, x, weight, bias=None):
+        return F.linear(x, weight, bias)
+
+    assert plugin._wrap_gemm(flashinfer_like, ()) is flashinfer_like
+
+
+# ----------------------------------------------------------------------------- norms and activation
+
+
+@pytest.fixture
+def elementwise_table(tmp_path: Path) -> Path:
+    from tunekit import ops
+
+    backend = "serving_backend:BACKEND"
+    entries = [_entry(op, 4, n, k, backend=backend, params={}) for op, n, k in (
+        ("rms_norm", 64, 64), ("fused_add_rms_norm", 64, 64), ("gemma_rms_norm", 64, 64),
+        ("gemma_fused_add_rms_norm", 64, 64), ("gated_rms_norm", 128, 32), ("silu_and_mul", 48, 96))]
+    path = _table(tmp_path / "ew.json", entries)
+    ops.load_tables(str(path))
+    return path
+
+
+def test_norms_and_activation_route_to_tunekit_ops(plugin, vllm_config, elementwise_table: Path) -> None:
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm, RMSNormGated
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 64).bfloat16()
+    r = torch.randn(3, 64).bfloat16()
+    norm = RMSNorm(64, eps=1e-5, dtype=torch.bfloat16)
+    assert type(norm).__name__ == "TunekitRMSNorm" and norm._forward_method == norm.forward_cuda
+    norm.weight.data.normal_()
+    assert (norm(x).float() - norm.forward_native(x).float()).abs().max() < 0.05
+    y, s = norm(x, r)
+    y_ref, s_ref = norm.forward_native(x.clone(), r.clone())
+    assert torch.equal(s, s_ref) and (y.float() - y_ref.float()).abs().max() < 0.05
+
+    gemma = GemmaRMSNorm(64, eps=1e-6).to(torch.bfloat16)
+    assert type(gemma).__name__ == "TunekitGemmaRMSNorm"
+    gemma.weight.data.normal_(0, 0.3)
+    assert (gemma(x).float() - gemma.forward_native(x).float()).abs().max() < 0.05
+    gy, gs = gemma(x, r)
+    assert (gy.float() - gemma.forward_native(x, r)[0].float()).abs().max() < 0.05
+
+    gated = RMSNormGated(32, eps=1e-6, group_size=None, norm_before_gate=True, dtype=torch.bfloat16,
+                         activation="silu")
+    assert type(gated).__name__ == "TunekitRMSNormGated"
+    gated.weight.data.normal_()
+    h = torch.randn(2, 4, 32).bfloat16()  # [tokens, heads, head_dim], as vLLM's Qwen3.5 calls it
+    z = torch.randn(2, 4, 32).bfloat16()
+    assert (gated(h, z).float() - gated.forward_native(h, z).float()).abs().max() < 0.05
+
+    act = SiluAndMul()
+    assert type(act).__name__ == "TunekitSiluAndMul"
+    a = torch.randn(3, 96).bfloat16()
+    assert (act(a).float() - act.forward_native(a).float()).abs().max() < 0.05
+
+    impls = _impls()
+    assert ("rms_norm", "64x64", 3, "tuned:serving_backend:BACKEND") in impls
+    assert ("fused_add_rms_norm", "64x64", 3, "tuned:serving_backend:BACKEND") in impls
+    assert ("gemma_rms_norm", "64x64", 3, "tuned:serving_backend:BACKEND") in impls
+    assert ("gemma_fused_add_rms_norm", "64x64", 3, "tuned:serving_backend:BACKEND") in impls
+    assert ("gated_rms_norm", "128x32", 2, "tuned:serving_backend:BACKEND") in impls
+    assert ("silu_and_mul", "48x96", 3, "tuned:serving_backend:BACKEND") in impls
+    # a miss inside a covered layer (M above the table) falls back in the op
+    big = torch.randn(9, 64).bfloat16()
+    assert torch.equal(norm(big), torch.ops.tunekit.rms_norm(big, norm.weight.data, 1e-5))
+    assert ("rms_norm", "64x64", 9, "fallback:m_above_table") in _impls()
+
+
+def test_uncovered_layers_keep_vllms_own_path(plugin, vllm_config, elementwise_table: Path) -> None:
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    norm = RMSNorm(32, dtype=torch.bfloat16)  # a width the table does not hold
+    x = torch.randn(2, 32).bfloat16()
+    # what the stock class would run: its forward_cuda when vLLM enables the
+    # op (the eager compile backend here), forward_native when it does not
+    # (custom ops are off by default under inductor)
+    assert norm._tunekit_stock_enabled == RMSNorm.enabled()
+    assert torch.equal(norm(x), norm.forward_native(x))
+    norm._tunekit_stock_enabled = not norm._tunekit_stock_enabled
+    assert torch.equal(norm(x), norm.forward_native(x))
+    assert _impls(op="rms_norm") == []  # never entered the tunekit op
+
+
+# ----------------------------------------------------------------------------- compilation
+
+
+def test_ops_are_opaque_under_vllm_compile_and_torch_compile(plugin, vllm_config, tmp_path: Path) -> None:
+    from vllm.compilation import backends
+    from vllm.compilation.decorators import support_torch_compile
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+
+    from tunekit import ops
+
+    entries = [_entry("gemv", 2, 96, 64), _entry("rms_norm", 4, 64, 64, backend="serving_backend:BACKEND",
+                                                  params={}),
+               _entry("silu_and_mul", 4, 48, 96, backend="serving_backend:BACKEND", params={})]
+    ops.load_tables(str(_table(tmp_path / "c.json", entries)))
+    graphs = []
+    original = backends.VllmBackend.__call__
+
+    def recording(self, graph, example_inputs):
+        graphs.append(graph)
+        return original(self, graph, example_inputs)
+
+    @support_torch_compile(dynamic_arg_dims={"x": 0})
+    class Tiny(nn.Module):
+        def __init__(self, *, vllm_config, prefix: str = "") -> None:
+            super().__init__()
+            self.norm = RMSNorm(64, dtype=torch.bfloat16)
+            self.up = ReplicatedLinear(64, 96, bias=False, params_dtype=torch.bfloat16)
+            self.act = SiluAndMul()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.act(self.up(self.norm(x))[0])
+
+    backends.VllmBackend.__call__ = recording
+    try:
+        torch.manual_seed(0)
+        model = Tiny(vllm_config=vllm_config)
+        model.up.weight.data.normal_(0, 0.125)
+        eager = Tiny.forward  # the undecorated forward, for the reference
+        for m in (2, 3, 6):
+            x = torch.randn(m, 64).bfloat16()
+            y = model(x)
+            assert torch.equal(y, eager(model, x)), m
+    finally:
+        backends.VllmBackend.__call__ = original
+    assert len(graphs) == 1  # one graph for every M: the choice is inside the ops
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert [t for t in targets if t.startswith("tunekit.")] == ["tunekit.rms_norm", "tunekit.gemv",
+                                                                "tunekit.silu_and_mul"], targets
+    assert not any("linear" in t or "mm" in t for t in targets)
+    got = {(op, m): impl for op, _, m, impl in _impls()}
+    assert got[("gemv", 2)] == "tuned:triton" and got[("gemv", 3)] == "fallback:m_above_table"
+    assert got[("rms_norm", 3)].startswith("tuned:") and got[("rms_norm", 6)] == "fallback:m_above_table"
+
+    # plain torch.compile of a vLLM layer: one opaque node as well
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    layer = ReplicatedLinear(64, 96, bias=False, params_dtype=torch.bfloat16)
+    layer.weight.data.normal_(0, 0.125)
+    compiled = torch.compile(lambda x: layer(x)[0], backend=backend, fullgraph=True)
+    x = torch.randn(2, 64).bfloat16()
+    assert torch.equal(compiled(x), layer(x)[0])
+    assert seen.count("tunekit.gemv") == 1
+    torch._dynamo.reset()
+
+
+def test_dispatch_stats_are_json(plugin) -> None:
+    from tunekit import ops
+
+    json.dumps(ops.dispatch_log())

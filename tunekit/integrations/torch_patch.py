@@ -1,0 +1,237 @@
+"""Route a plain PyTorch / Hugging Face model through the tunekit ops.
+
+Call protocol::
+
+    import tunekit
+    counts = tunekit.patch(model, table="runs/x/table.json")   # {"linear": 224, ...}
+    with torch.no_grad():
+        logits = model(ids).logits                               # served by torch.ops.tunekit.*
+    tunekit.dispatch_stats()                                     # which kernel served which call
+    tunekit.unpatch(model)                                       # original forwards back
+
+``patch`` sets an instance ``forward`` on each routed module (the class is not
+touched, other instances stay as they were) and remembers what it replaced;
+``unpatch`` puts that back. Patch before ``torch.compile``: compiled code keeps
+what it traced. The table, when given, is loaded process-wide (it replaces
+``TUNEKIT_TABLE``'s); without one the tables of ``TUNEKIT_TABLE`` serve.
+
+Routed modules:
+
+* every ``nn.Linear`` (bias or not) -> ``torch.ops.tunekit.gemv``; a call that
+  needs autograd (grad mode on and a tensor requiring grad) runs the original
+  forward, since the tunekit ops have no backward.
+* the RMSNorm modules of Hugging Face Llama, Qwen2, Qwen3 and Qwen3.5 (plain,
+  zero-centred and gated; matched by class name, so transformers is never
+  imported here) -> ``torch.ops.tunekit.rms_norm`` / ``gemma_rms_norm`` /
+  ``gated_rms_norm`` (:data:`ELEMENTWISE_ROUTES`). HF's MLPs are not routed
+  (see there). The op's vendor path is vLLM's native norm math, which equals
+  HF's except that HF's gated norm rounds to the activation dtype before the
+  weight multiply (one BF16 rounding apart).
+
+Shapes: Hugging Face keeps q/k/v and gate/up as separate linears, where vLLM
+merges them (``qkv_proj``, ``gate_up_proj``), so a table tuned on vLLM's
+shapes (``tunekit search --model``) covers only the unmerged ones (o_proj,
+down_proj, lm_head ...). :func:`linear_shapes` lists the (N, K) a patched
+model runs, to tune those with ``--shape NxK``. Likewise HF reshapes the
+gated norm's input to [tokens * heads, head_dim] (vLLM: [tokens, heads,
+head_dim]), so its calls have M = tokens * heads and N = head_dim; HF
+adds the residual itself, so only ``rms_norm`` (not ``fused_add_rms_norm``)
+entries serve its norms.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["ELEMENTWISE_ROUTES", "linear_shapes", "patch", "unpatch"]
+
+#: Attribute holding what ``patch`` replaced: ("instance", previous forward) or ("class", None).
+_SAVED = "_tunekit_saved_forward"
+#: Attribute naming the route that patched a module (for counts and tests).
+_ROUTE = "_tunekit_route"
+
+#: Hugging Face module class name -> tunekit elementwise op that serves it.
+#: ``rms_norm``: w * (x / rms(x)).to(dtype) (Llama, Mistral, Qwen2, Qwen3);
+#: ``gemma_rms_norm``: ((1 + w) * x / rms(x)).to(dtype) (Qwen3.5 / Qwen3-Next, zero-centred weight);
+#: ``gated_rms_norm``: w * norm(x) * silu(z) (the Gated DeltaNet output norm).
+#: Not routed: HF's MLPs (LlamaMLP ...) compute act(gate_proj(x)) * up_proj(x)
+#: from two separate outputs, while ``tunekit::silu_and_mul`` takes them
+#: adjacent ([..., 2I], vLLM's merged gate_up_proj): routing it would add a
+#: concatenation copy per call. Extension point: a class name here plus a
+#: forward factory in ``_ELEMENTWISE_FORWARDS``; routes whose op
+#: ``torch.ops.tunekit`` does not define are skipped and counted as such.
+ELEMENTWISE_ROUTES: dict[str, str] = {
+    "LlamaRMSNorm": "rms_norm",
+    "MistralRMSNorm": "rms_norm",
+    "Qwen2RMSNorm": "rms_norm",
+    "Qwen3RMSNorm": "rms_norm",
+    "Qwen3_5RMSNorm": "gemma_rms_norm",
+    "Qwen3NextRMSNorm": "gemma_rms_norm",
+    "Qwen3_5RMSNormGated": "gated_rms_norm",
+    "Qwen3NextRMSNormGated": "gated_rms_norm",
+}
+
+
+def _eps(module: nn.Module) -> float:
+    # HF spells it variance_epsilon (Llama, Qwen2/3, the gated norms) or eps (Qwen3.5 / Qwen3-Next).
+    return float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
+
+
+def _norm_forward(op: str) -> Callable[[nn.Module], Callable[..., Any]]:
+    def factory(module: nn.Module) -> Callable[..., Any]:
+        original = module.forward
+        eps = _eps(module)
+        fn = getattr(torch.ops.tunekit, op)
+
+        def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+            weight = module.weight
+            # Mixed dtypes (an fp32 weight on bf16 activations) promote in HF's
+            # math; the op keeps the activation dtype, so those stay HF's.
+            if _needs_autograd(hidden_states, weight) or weight.dtype != hidden_states.dtype:
+                return original(hidden_states)
+            return fn(hidden_states, weight, eps)
+
+        return forward
+
+    return factory
+
+
+def _gated_norm_forward(module: nn.Module) -> Callable[..., Any]:
+    original = module.forward
+    eps = _eps(module)
+
+    def forward(hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        weight = module.weight
+        if (gate is None or getattr(module, "activation", "silu") not in ("silu", "swish")
+                or _needs_autograd(hidden_states, gate, weight) or weight.dtype != hidden_states.dtype
+                or gate.dtype != hidden_states.dtype):
+            return original(hidden_states, gate)
+        return torch.ops.tunekit.gated_rms_norm(hidden_states, gate, weight, eps)
+
+    return forward
+
+
+#: op -> factory(module) returning the module's new forward.
+_ELEMENTWISE_FORWARDS: dict[str, Callable[[nn.Module], Callable[..., Any]]] = {
+    "rms_norm": _norm_forward("rms_norm"),
+    "gemma_rms_norm": _norm_forward("gemma_rms_norm"),
+    "gated_rms_norm": _gated_norm_forward,
+}
+
+
+def _needs_autograd(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _linear_forward(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+    def forward(input: torch.Tensor) -> torch.Tensor:
+        weight, bias = module.weight, module.bias
+        if _needs_autograd(input, weight, bias):
+            return F.linear(input, weight, bias)
+        # The tuned-or-vendor choice (on M, dtype, strides) happens inside the
+        # op, so a traced graph holds one opaque node and no M branch.
+        return torch.ops.tunekit.gemv(input, weight, bias)
+
+    return forward
+
+
+def _op_defined(op: str) -> bool:
+    try:
+        getattr(torch.ops.tunekit, op)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _route(module: nn.Module) -> tuple[str, Callable[[nn.Module], Callable[..., Any]] | None]:
+    """(route name, forward factory or None) for ``module``; ("", None) if not routed."""
+    if isinstance(module, nn.Linear):
+        return "linear", _linear_forward
+    op = ELEMENTWISE_ROUTES.get(type(module).__name__)
+    if op is None:
+        return "", None
+    factory = _ELEMENTWISE_FORWARDS.get(op)
+    if factory is None or not _op_defined(op):
+        return f"{op} (no tunekit op yet)", None
+    return op, factory
+
+
+def patch(model: nn.Module, table: str | os.PathLike | Sequence[str | os.PathLike] | None = None) -> dict[str, int]:
+    """Route ``model``'s linears (and supported norms/activations) through the tunekit ops.
+
+    ``table``: a path, a ``:``-separated string or a list of paths, loaded
+    process-wide; a table that cannot be loaded raises ``tunekit.table.TableError``
+    here (set-up time), unlike in serving. Already patched modules are left
+    alone. Returns per route how many modules were patched, and per module
+    kind with no tunekit op yet how many were left as they are.
+    """
+    from tunekit import ops
+
+    if table is not None:
+        loaded = ops.load_tables(table)
+        errors = [row for row in loaded if row.get("error")]
+        if errors:
+            from tunekit.table import TableError
+
+            raise TableError(errors[0]["error"])
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        if getattr(module, _ROUTE, None):
+            continue
+        name, factory = _route(module)
+        if not name:
+            continue
+        counts[name] = counts.get(name, 0) + 1
+        if factory is None:
+            continue
+        # An instance attribute may already be there (accelerate hooks set
+        # one): keep it to restore, and restore "no attribute" otherwise.
+        previous = module.__dict__.get("forward")
+        saved = ("instance", previous) if previous is not None else ("class", None)
+        object.__setattr__(module, _SAVED, saved)
+        object.__setattr__(module, _ROUTE, name)
+        module.forward = factory(module)
+    return counts
+
+
+def unpatch(model: nn.Module) -> int:
+    """Restore every module ``patch`` changed in ``model``; returns how many."""
+    restored = 0
+    for module in model.modules():
+        saved = module.__dict__.get(_SAVED)
+        if saved is None:
+            continue
+        kind, previous = saved
+        if kind == "instance":
+            module.forward = previous
+        else:
+            module.__dict__.pop("forward", None)
+        module.__dict__.pop(_SAVED, None)
+        module.__dict__.pop(_ROUTE, None)
+        restored += 1
+    return restored
+
+
+def linear_shapes(model: nn.Module) -> list[dict[str, Any]]:
+    """The (N, K, dtype) of the model's ``nn.Linear`` modules with how many share each, largest first.
+
+    What a table must hold for a patched model to hit tuned kernels: feed
+    them to ``tunekit search --shape NxK`` (Hugging Face layouts differ from
+    vLLM's merged ones).
+    """
+    from tunekit.ops import dtype_name
+
+    shapes: dict[tuple[int, int, str], list[str]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            n, k = module.weight.shape
+            shapes.setdefault((n, k, dtype_name(module.weight.dtype)), []).append(name)
+    rows = [{"n": n, "k": k, "dtype": dt, "count": len(names), "names": names}
+            for (n, k, dt), names in shapes.items()]
+    return sorted(rows, key=lambda r: (-r["n"] * r["k"], r["n"], r["k"]))

@@ -1,0 +1,944 @@
+"""Serving the dispatch table: ``torch.library`` custom ops in the ``tunekit`` namespace.
+
+``torch.ops.tunekit.gemv(x, weight, bias=None)`` computes ``F.linear(x, weight,
+bias)`` (y[..., N] = x[..., K] @ W[N, K]^T + b). It is functional (returns a new
+tensor), has a fake (meta) implementation, so ``torch.compile`` keeps it as one
+opaque node, and one implementation for the CUDA (also HIP) and CPU dispatch
+keys that chooses, *at run time*, between a tuned kernel from the loaded
+dispatch tables and the vendor path.
+
+Call protocol::
+
+    import tunekit.ops as ops                       # registers torch.ops.tunekit.*
+    ops.load_tables(["runs/a/table.json"])          # or TUNEKIT_TABLE=a.json:b.json (read at the first call)
+    ops.prepare()                                   # optional: build + warm every tabulated kernel (before capture)
+    y = torch.ops.tunekit.gemv(x, w, None)          # tuned kernel or vendor path; never raises for tunekit's sake
+    ops.dispatch_stats()                            # [{"op", "dtype", "shape", "m", "impl", "calls", ...}]
+
+Choice inside the op (one decision per (op, dtype, M, N, K, device), cached):
+
+1. cheap per-call checks: dtype (bf16/fp16/fp32, x and W alike), W 2-D with
+   unit stride along K (padded rows, as vLLM's ROCm weight padding makes, are
+   fine), x viewable as [M, K] with unit stride along K, same device, bias
+   1-D contiguous of the output dtype; anything else -> vendor path;
+2. tables: those of ``TUNEKIT_TABLE`` (``:``-separated, first path wins on a
+   duplicate key) whose environment stamp matches the running device and
+   software (``tunekit.table.environment_mismatch``; a mismatch is one logged
+   warning per table and its entries are ignored);
+3. the M rule of ``tunekit.table.lookup``: the exact M, else the smallest
+   tabulated M >= m, else the vendor path;
+4. build through the entry's backend (``tunekit.backends``): Triton launches
+   ``kernels_triton`` with the table's config (on CPU tensors only under
+   ``TRITON_INTERPRET=1``); HIP compiles through the run-time compile cache.
+   Building happens on the first call that is *not* under CUDA-graph capture
+   (or in :func:`prepare`); a capture that meets an unbuilt kernel takes the
+   vendor path, counted as ``fallback:not_built_at_capture`` (the graph then
+   replays the vendor path for that size).
+
+The vendor path is ``F.linear`` or, once the vLLM plugin set it on ROCm, vLLM's
+``torch.ops.vllm.rocm_unquantized_gemm`` (LLMM1 / wvSplitK / hipBLASLt), see
+:func:`set_vendor_gemm`. Errors of tunekit's own path (a table that does not
+load, a build or launch failure) are logged once and become a counted
+fallback; errors the vendor path itself raises (a genuine shape mismatch)
+propagate exactly as they would without tunekit.
+
+Dispatch markers: every call is counted by (op, dtype, shape, m, bias,
+implementation, counted at). Under CUDA-graph capture Python runs once, at
+capture; replays run no Python, so those rows say ``counted_at: "capture"``
+and count captures, not executions. ``TUNEKIT_DISPATCH_LOG=path`` writes the
+markers as JSON at interpreter exit (``{pid}`` in the path is replaced by the
+process id, for multi-process servers).
+
+Elementwise ops (the fused decode ops of ``tunekit.opspec``), same rules::
+
+    torch.ops.tunekit.rms_norm(x, w, eps)                 # w * x / rms(x); gemma_rms_norm: (1 + w)
+    torch.ops.tunekit.fused_add_rms_norm(x, r, w, eps)    # -> (norm(x + r), x + r); gemma_fused_add_rms_norm
+    torch.ops.tunekit.gated_rms_norm(x, z, w, eps)        # per group of len(w): norm(x) * w * silu(z)
+    torch.ops.tunekit.silu_and_mul(x)                     # silu(x[..., :d]) * x[..., d:]
+    torch.ops.tunekit.bias_gelu(x, b)                     # gelu_tanh(x + b)
+
+Their table key is (m, n, k) as in ``tunekit.shapes.Problem`` (m = rows, the
+leading dims; gated_rms_norm: the leading dims but [heads, head_dim], so
+vLLM's [T, H, D] call is m = T, n = H * D, k = D). Inputs must be contiguous.
+The tuned kernel is ``backend.build(...)(inputs, out[, eps=eps])`` with
+``inputs``/``out`` laid out as ``tunekit.opspec`` makes them; a kernel without
+an ``eps`` parameter serves only ``eps == DEFAULT_EPS``. Their vendor path is
+the PyTorch math of vLLM's native implementations (``vllm.ir.ops.rms_norm``
+...), rounding where those round.
+
+Adding an op: its schema, run-time impl (on :func:`_resolve` / :func:`_count`,
+as :func:`_ew_serve` does) and fake impl in ``ELEMENTWISE_SCHEMAS`` /
+``_ELEMENTWISE_IMPLS``; :func:`_register` defines them all.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tunekit import table as table_mod
+
+__all__ = [
+    "FALLBACK_REASONS",
+    "covers",
+    "dispatch_log",
+    "dispatch_stats",
+    "dtype_name",
+    "gemv",
+    "load_tables",
+    "loaded_tables",
+    "prepare",
+    "reset_stats",
+    "set_vendor_gemm",
+    "write_dispatch_log",
+]
+
+logger = logging.getLogger("tunekit.ops")
+
+NAMESPACE = "tunekit"
+TABLE_ENV = "TUNEKIT_TABLE"
+LOG_ENV = "TUNEKIT_DISPATCH_LOG"
+STATS_FORMAT = "tunekit.dispatch_stats/1"
+
+#: torch dtype -> the dtype names of tables (tunekit.shapes.DTYPE_BYTES).
+_DTYPE_NAMES: dict[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+#: Every reason a call can take the vendor path, with what it means (for reports and docs).
+FALLBACK_REASONS: dict[str, str] = {
+    "no_table": "no dispatch table loaded (TUNEKIT_TABLE unset, or tunekit.patch/load_tables without tables)",
+    "table_error": "a table file could not be read or is invalid (logged once)",
+    "env_mismatch": "every loaded table was tuned for another device or software (warned once per table)",
+    "no_entry": "no tabulated entry for this (op, dtype, N, K)",
+    "m_above_table": "entries exist for (op, dtype, N, K) but none with M >= this call's M",
+    "dtype": "dtype not tabulated (bf16/fp16/fp32 only) or x and W differ",
+    "strided": "x or W not unit-stride along K (or x not viewable as [M, K])",
+    "bias": "bias not a contiguous 1-D tensor of the output dtype and N elements",
+    "device": "x and W on different devices, or a device other than CUDA/HIP/CPU",
+    "bad_input": "shapes that are not a linear (W not 2-D, K mismatch); the vendor path reports them",
+    "empty": "M, N or K is zero",
+    "eps": "a norm's eps other than the tuned kernel's fixed one (the kernel takes no eps argument)",
+    "interpreter_off": "CPU tensors while TRITON_INTERPRET is not set (Triton runs on GPUs only then)",
+    "interpreter_on": "GPU tensors while TRITON_INTERPRET=1 (interpreted kernels take CPU tensors)",
+    "backend_unavailable": "the entry's backend cannot run here (logged once with the reason)",
+    "build_error": "the entry's kernel failed to build (logged once with the error)",
+    "not_built_at_capture": "met first under CUDA-graph capture, where kernels are never built: the graph keeps "
+                            "the vendor path for this size (call tunekit.ops.prepare() or run a warm-up first)",
+    "kernel_error": "the tuned kernel raised at launch (logged once; the key stays on the vendor path)",
+}
+
+_CAPTURE_NOTE = (
+    "rows with counted_at='capture' were counted once when a CUDA graph was captured; graph replays run "
+    "without Python and are not counted, so their calls are captures, not executions"
+)
+
+
+# ---------------------------------------------------------------------------
+# Tables
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class _LoadedTable:
+    path: str
+    table: dict[str, Any] | None  # None: it failed to load (error holds why)
+    error: str | None = None
+
+
+class _State:
+    """Process-wide serving state; every mutation under ``lock``."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.tables: list[_LoadedTable] | None = None  # None: not loaded yet (TUNEKIT_TABLE read lazily)
+        #: device key ("cuda:0", "cpu") -> (merged table of the matching tables, verdict)
+        self.device_tables: dict[str, tuple[dict[str, Any] | None, str | None]] = {}
+        #: (op, dtype, m, n, k, device key) -> _Choice
+        self.choices: dict[tuple, _Choice] = {}
+        #: built kernels by (backend, op, dtype, build M, n, k, params, device): one HIP build serves all M <= MAX_M
+        self.built: dict[tuple, Callable[..., None]] = {}
+        #: (op, dtype, shape, m, bias, impl, counted_at) -> calls
+        self.stats: dict[tuple, int] = {}
+        self.logged: set[str] = set()
+        self.vendor_gemm: Callable[..., torch.Tensor] | None = None
+        self.atexit_registered = False
+
+
+_STATE = _State()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The table's name of a torch dtype ("bf16", "fp16", "fp32"), else torch's own name."""
+    return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def _log_once(key: str, level: int, message: str, *args: Any) -> None:
+    with _STATE.lock:
+        if key in _STATE.logged:
+            return
+        _STATE.logged.add(key)
+    logger.log(level, message, *args)
+
+
+def load_tables(paths: str | os.PathLike | Sequence[str | os.PathLike] | None) -> list[dict[str, Any]]:
+    """Serve ``paths`` (a list, or one ``:``-separated string); ``None`` reads ``TUNEKIT_TABLE`` again.
+
+    Replaces the tables loaded before and forgets every cached decision (the
+    dispatch markers are kept). A table that cannot be loaded is logged once
+    and served as absent (``fallback:table_error``); this function itself
+    never raises. Returns :func:`loaded_tables`.
+    """
+    if paths is None:
+        paths = os.environ.get(TABLE_ENV, "")
+    if isinstance(paths, (str, os.PathLike)):
+        parts = [p for p in str(paths).split(os.pathsep) if p.strip()]
+    else:
+        parts = [str(p) for p in paths]
+    loaded = []
+    for path in parts:
+        try:
+            loaded.append(_LoadedTable(path, table_mod.load(path)))
+        except Exception as exc:  # serving never raises: a broken table is a vendor path + one log line
+            loaded.append(_LoadedTable(path, None, str(exc)))
+            _log_once(f"table-error:{path}", logging.ERROR, "tunekit: table %s not used: %s", path, exc)
+    with _STATE.lock:
+        _STATE.tables = loaded
+        _STATE.device_tables.clear()
+        _STATE.choices.clear()
+        _STATE.built.clear()
+    _maybe_register_atexit()
+    return loaded_tables()
+
+
+def loaded_tables() -> list[dict[str, Any]]:
+    """The tables being served: path, entries, load error and, per device seen so far, the stamp verdict."""
+    tables = _tables()
+    out = []
+    for lt in tables:
+        row: dict[str, Any] = {"path": lt.path, "entries": len(lt.table["entries"]) if lt.table else 0}
+        if lt.error:
+            row["error"] = lt.error
+        out.append(row)
+    with _STATE.lock:
+        verdicts = {dev: verdict for dev, (_, verdict) in _STATE.device_tables.items()}
+    if verdicts:
+        for row in out:
+            row["devices"] = verdicts
+    return out
+
+
+def _tables() -> list[_LoadedTable]:
+    with _STATE.lock:
+        if _STATE.tables is not None:
+            return _STATE.tables
+    load_tables(None)
+    with _STATE.lock:
+        return _STATE.tables or []
+
+
+def _device_info(device: torch.device) -> Any:
+    """DeviceInfo for a tensor's device, or a fallback reason (str) when tuned kernels cannot run on it."""
+    from tunekit.device import detect, interpret_mode
+
+    if device.type == "cpu":
+        # detect() describes the CPU exactly when the interpreter is on (or no GPU exists).
+        return detect() if interpret_mode() else "interpreter_off"
+    if device.type == "cuda":
+        if interpret_mode():
+            return "interpreter_on"
+        return detect(device.index if device.index is not None else torch.cuda.current_device())
+    return "device"
+
+
+def _tables_for(device: torch.device, dev_key: str) -> tuple[dict[str, Any] | None, str | None]:
+    """(merged table of the loaded tables whose stamp matches ``device``, reason if none)."""
+    with _STATE.lock:
+        cached = _STATE.device_tables.get(dev_key)
+    if cached is not None:
+        return cached
+    tables = _tables()
+    usable = [lt for lt in tables if lt.table is not None]
+    result: tuple[dict[str, Any] | None, str | None]
+    if not tables:
+        result = (None, "no_table")
+    elif not usable:
+        result = (None, "table_error")
+    else:
+        info = _device_info(device)
+        if isinstance(info, str):
+            result = (None, info)
+        else:
+            entries: list[dict[str, Any]] = []
+            seen: set[tuple] = set()
+            matched = 0
+            for lt in usable:
+                diffs = table_mod.environment_mismatch(lt.table, info.as_dict())
+                if diffs:
+                    _log_once(
+                        f"mismatch:{lt.path}:{dev_key}", logging.WARNING,
+                        "tunekit: table %s was tuned for another environment, vendor path for its shapes on %s: %s",
+                        lt.path, dev_key, "; ".join(diffs),
+                    )
+                    continue
+                matched += 1
+                for entry in lt.table["entries"]:
+                    key = (entry["op"], entry["dtype"], entry["m"], entry["n"], entry["k"])
+                    if key not in seen:  # the first path given wins a duplicate key
+                        seen.add(key)
+                        entries.append(entry)
+            merged = {"entries": entries, "device": info}
+            result = (merged, None) if matched else (None, "env_mismatch")
+    with _STATE.lock:
+        _STATE.device_tables[dev_key] = result
+    return result
+
+
+# ---------------------------------------------------------------------------
+# Decisions and markers
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Choice:
+    """What serves one (op, dtype, m, n, k, device): a built kernel, or the vendor path and why."""
+
+    impl: str  # "tuned:<backend>" or "fallback:<reason>"
+    kernel: Callable[..., None] | None = None
+    entry: dict[str, Any] | None = None
+    #: the built kernel takes ``eps=`` (the norms); without it only DEFAULT_EPS is served tuned
+    takes_eps: bool = False
+
+
+def _count(op: str, dtype: str, shape: str, m: int, bias: bool, impl: str, capturing: bool) -> None:
+    key = (op, dtype, shape, m, bias, impl, "capture" if capturing else "call")
+    with _STATE.lock:
+        _STATE.stats[key] = _STATE.stats.get(key, 0) + 1
+
+
+def _resolve(op: str, dtype: str, m: int, n: int, k: int, device: torch.device, capturing: bool) -> _Choice:
+    """Look up, build and cache the choice for one key (slow path: once per key)."""
+    dev_key = str(device)
+    key = (op, dtype, m, n, k, dev_key)
+    with _STATE.lock:
+        choice = _STATE.choices.get(key)
+    if choice is not None:
+        return choice
+    merged, reason = _tables_for(device, dev_key)
+    if merged is None:
+        choice = _Choice(f"fallback:{reason}")
+    else:
+        entry = table_mod.lookup(merged, op, dtype, m, n, k)
+        if entry is None:
+            tabulated = any(
+                e["op"] == op and e["dtype"] == dtype and e["n"] == n and e["k"] == k for e in merged["entries"]
+            )
+            choice = _Choice("fallback:m_above_table" if tabulated else "fallback:no_entry")
+        elif capturing:
+            # Never compile or load a module inside a capture: the graph keeps
+            # the vendor path for this size; the next eager call builds it.
+            return _Choice("fallback:not_built_at_capture", entry=entry)
+        else:
+            choice = _build(op, dtype, m, n, k, entry, merged["device"])
+    with _STATE.lock:
+        _STATE.choices.setdefault(key, choice)
+        return _STATE.choices[key]
+
+
+def _build(op: str, dtype: str, m: int, n: int, k: int, entry: dict[str, Any], device: Any) -> _Choice:
+    from tunekit import backends
+    from tunekit.shapes import Problem
+
+    name = entry["backend"]
+    try:
+        backend = backends.get(name)
+        why = backend.unavailable_reason(device)
+        if why:
+            _log_once(f"unavailable:{name}:{device.arch}", logging.WARNING,
+                      "tunekit: backend %s unavailable here (%s); vendor path for its entries", name, why)
+            return _Choice("fallback:backend_unavailable", entry=entry)
+        # HIP kernels are built for M up to MAX_M = the tabulated M (one build
+        # serves every smaller M); Triton's config is checked for the real M.
+        build_m = entry["m"] if (name == "hip" and op == "gemv") else m
+        build_key = (name, op, dtype, build_m, n, k, json.dumps(entry["params"], sort_keys=True), device.torch_device)
+        with _STATE.lock:
+            kernel = _STATE.built.get(build_key)
+        if kernel is None:
+            kernel = backend.build(Problem(op, dtype, build_m, n, k), entry["params"], device)
+            with _STATE.lock:
+                _STATE.built[build_key] = kernel
+        takes_eps = _takes_eps(kernel)
+    except Exception as exc:  # a table entry that does not build is a fallback, never an error
+        _log_once(f"build:{op}:{dtype}:{m}:{n}:{k}:{name}", logging.WARNING,
+                  "tunekit: %s %s M=%d N=%d K=%d: %s kernel did not build (%s); vendor path",
+                  op, dtype, m, n, k, name, exc)
+        return _Choice("fallback:build_error", entry=entry)
+    return _Choice(f"tuned:{name}", kernel=kernel, entry=entry, takes_eps=takes_eps)
+
+
+def _takes_eps(kernel: Callable[..., Any]) -> bool:
+    import inspect
+
+    try:
+        params = inspect.signature(kernel).parameters
+    except (TypeError, ValueError):
+        return False
+    return "eps" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _mark_broken(op: str, dtype: str, m: int, n: int, k: int, device: torch.device, exc: BaseException) -> None:
+    _log_once(f"kernel:{op}:{dtype}:{m}:{n}:{k}:{device}", logging.WARNING,
+              "tunekit: %s %s M=%d N=%d K=%d: tuned kernel raised %s: %s; vendor path from now on",
+              op, dtype, m, n, k, type(exc).__name__, exc)
+    with _STATE.lock:
+        _STATE.choices[(op, dtype, m, n, k, str(device))] = _Choice("fallback:kernel_error")
+
+
+def covers(op: str, dtype: str, n: int, k: int, device: str) -> bool:
+    """True if a table serving ``device`` has an entry for (op, dtype, N, K) at some M. Never raises.
+
+    For integrations that decide per layer (static: no M) whether to enter a
+    tunekit op at all, where the op's vendor path would differ from theirs.
+    """
+    try:
+        merged, _ = _tables_for(torch.device(device), str(torch.device(device)))
+    except Exception:
+        return False
+    if merged is None:
+        return False
+    return any(e["op"] == op and e["dtype"] == dtype and e["n"] == n and e["k"] == k for e in merged["entries"])
+
+
+def dispatch_stats(reset: bool = False) -> list[dict[str, Any]]:
+    """Every call counted so far: one row per (op, dtype, shape, m, bias, impl, counted_at).
+
+    ``shape`` is ``"NxK"`` for gemv; ``impl`` is ``"tuned:<backend>"`` or
+    ``"fallback:<reason>"`` (see :data:`FALLBACK_REASONS`); ``counted_at`` is
+    ``"call"`` or ``"capture"`` (CUDA-graph capture: counted once per capture,
+    replays are not counted because Python does not run; such rows carry a
+    ``note`` saying so). ``reset=True`` clears the counters after reading.
+    """
+    with _STATE.lock:
+        items = sorted(_STATE.stats.items(), key=lambda kv: tuple(str(v) for v in kv[0]))
+        if reset:
+            _STATE.stats.clear()
+    rows = []
+    for (op, dtype, shape, m, bias, impl, counted_at), calls in items:
+        row: dict[str, Any] = {"op": op, "dtype": dtype, "shape": shape, "m": m, "bias": bias, "impl": impl,
+                               "calls": calls, "counted_at": counted_at}
+        if counted_at == "capture":
+            row["note"] = "counted at capture: CUDA-graph replays run without Python and are not counted"
+        rows.append(row)
+    return rows
+
+
+def reset_stats() -> None:
+    """Forget the dispatch markers (not the tables or the built kernels)."""
+    with _STATE.lock:
+        _STATE.stats.clear()
+
+
+def dispatch_log() -> dict[str, Any]:
+    """The JSON document ``TUNEKIT_DISPATCH_LOG`` writes: tables, markers and the capture note."""
+    return {
+        "format": STATS_FORMAT,
+        "pid": os.getpid(),
+        "tables": loaded_tables(),
+        "note": _CAPTURE_NOTE,
+        "fallback_reasons": FALLBACK_REASONS,
+        "calls": dispatch_stats(),
+    }
+
+
+def write_dispatch_log(path: str | os.PathLike | None = None) -> Path | None:
+    """Write :func:`dispatch_log` to ``path`` (default: ``TUNEKIT_DISPATCH_LOG``); ``{pid}`` is expanded.
+
+    Returns the path written, or None when no path is set or writing failed
+    (logged: this runs at interpreter exit, where raising helps nobody).
+    """
+    target = str(path) if path is not None else os.environ.get(LOG_ENV, "")
+    if not target:
+        return None
+    out = Path(target.replace("{pid}", str(os.getpid())))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(dispatch_log(), indent=2, default=str) + "\n")
+        os.replace(tmp, out)
+    except Exception as exc:
+        logger.error("tunekit: could not write the dispatch log %s: %s", out, exc)
+        return None
+    return out
+
+
+def _maybe_register_atexit() -> None:
+    with _STATE.lock:
+        if _STATE.atexit_registered or not os.environ.get(LOG_ENV):
+            return
+        _STATE.atexit_registered = True
+    atexit.register(write_dispatch_log)
+
+
+# ---------------------------------------------------------------------------
+# gemv
+# ---------------------------------------------------------------------------
+
+
+def set_vendor_gemm(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None) -> None:
+    """Use ``fn(x, weight, bias)`` as the vendor path for GPU tensors (None: ``F.linear``).
+
+    The vLLM plugin sets vLLM's ``torch.ops.vllm.rocm_unquantized_gemm`` on
+    ROCm, so that shapes the table does not cover keep vLLM's skinny GEMMs
+    (LLMM1 / wvSplitK). CPU tensors always use ``F.linear``.
+    """
+    with _STATE.lock:
+        _STATE.vendor_gemm = fn
+
+
+def _vendor_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    fn = _STATE.vendor_gemm
+    out = fn(x, weight, bias) if fn is not None and x.is_cuda else F.linear(x, weight, bias)
+    # The fake impl promises a contiguous result (compilers plan with it).
+    return out if out.is_contiguous() else out.contiguous()
+
+
+def _gemv_precheck(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
+    """Per-call checks that need no table: None if the tuned path may serve the call, else the reason.
+
+    Written for the hot path (every linear of every step runs it in eager
+    mode): each tensor attribute is read once.
+    """
+    wshape, xshape = weight.shape, x.shape
+    if len(wshape) != 2 or not xshape or xshape[-1] != wshape[1]:
+        return "bad_input"
+    xdtype, device = x.dtype, x.device
+    if xdtype not in _DTYPE_NAMES or weight.dtype != xdtype:
+        return "dtype"
+    if weight.device != device or device.type not in ("cuda", "cpu"):
+        return "device"
+    n, k = wshape
+    if n == 0 or k == 0 or x.numel() == 0:
+        return "empty"
+    ws0, ws1 = weight.stride()
+    if (k > 1 and (ws1 != 1 or x.stride(-1) != 1)) or ws0 < k:
+        return "strided"
+    if bias is not None and (
+        bias.dim() != 1 or bias.shape[0] != n or bias.dtype != xdtype or bias.device != device
+        or not bias.is_contiguous()
+    ):
+        return "bias"
+    return None
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _gemv_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The CUDA/HIP and CPU kernel of ``tunekit::gemv``: tuned kernel or vendor path, counted."""
+    capturing = _capturing(x)
+    has_bias = bias is not None
+    dtype = dtype_name(x.dtype)
+    wshape = weight.shape
+    shape = f"{wshape[0]}x{wshape[1]}" if len(wshape) == 2 else "x".join(map(str, wshape))
+    reason = _gemv_precheck(x, weight, bias)
+    k = x.shape[-1] if x.dim() else 0
+    m = x.numel() // k if k else 0
+    x2 = None
+    if reason is None:
+        try:
+            x2 = x.view(m, k)
+        except RuntimeError:  # leading dims not flattenable without a copy
+            reason = "strided"
+    if reason is not None:
+        _count("gemv", dtype, shape, m, has_bias, f"fallback:{reason}", capturing)
+        return _vendor_gemv(x, weight, bias)
+    n = wshape[0]
+    # Lock-free read of the decision cache (a dict read is atomic under the GIL);
+    # _resolve takes the lock only to fill it.
+    choice = _STATE.choices.get(("gemv", dtype, m, n, k, str(x.device))) or _resolve(
+        "gemv", dtype, m, n, k, x.device, capturing)
+    if choice.kernel is None:
+        _count("gemv", dtype, shape, m, has_bias, choice.impl, capturing)
+        return _vendor_gemv(x, weight, bias)
+    try:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        choice.kernel((x2, weight), out)
+        if bias is not None:
+            # A separate add (one small elementwise launch): the tables time
+            # the GEMV alone; a fused bias epilogue is not a tuned family yet.
+            out.add_(bias)
+    except Exception as exc:  # the serving path never raises for tunekit's sake
+        _mark_broken("gemv", dtype, m, n, k, x.device, exc)
+        _count("gemv", dtype, shape, m, has_bias, "fallback:kernel_error", capturing)
+        return _vendor_gemv(x, weight, bias)
+    _count("gemv", dtype, shape, m, has_bias, choice.impl, capturing)
+    return out.view(*x.shape[:-1], n)
+
+
+def _gemv_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.ops.tunekit.gemv(x, weight, bias)``: ``F.linear`` served from the dispatch tables."""
+    return torch.ops.tunekit.gemv(x, weight, bias)
+
+
+# ---------------------------------------------------------------------------
+# Elementwise ops (rms_norm & co.)
+# ---------------------------------------------------------------------------
+
+def _built_eps() -> float:
+    from tunekit import opspec
+
+    return float(getattr(opspec, "EPS", 1e-6))
+
+
+#: The epsilon the elementwise kernels are built with when they take no ``eps=``
+#: argument (``tunekit.opspec.EPS``, what the backends pass): a norm with
+#: another epsilon (Llama-3.1: 1e-5) takes the vendor path, ``fallback:eps``.
+DEFAULT_EPS = _built_eps()
+
+#: Elementwise ops and their schemas. Table keys (m, n, k) as in tunekit.shapes.Problem:
+#: rows m = all leading dims; norms n = k = row length; gated_rms_norm n = G*K, k = len(w);
+#: silu_and_mul k = 2n; bias_gelu k = n.
+ELEMENTWISE_SCHEMAS: dict[str, str] = {
+    "rms_norm": "rms_norm(Tensor x, Tensor weight, float eps) -> Tensor",
+    "gemma_rms_norm": "gemma_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor",
+    "fused_add_rms_norm": "fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
+    "gemma_fused_add_rms_norm":
+        "gemma_fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
+    "gated_rms_norm": "gated_rms_norm(Tensor x, Tensor z, Tensor weight, float eps) -> Tensor",
+    "silu_and_mul": "silu_and_mul(Tensor x) -> Tensor",
+    "bias_gelu": "bias_gelu(Tensor x, Tensor bias) -> Tensor",
+}
+
+
+# Vendor paths: the PyTorch math of vLLM's native implementations
+# (vllm.ir.ops.rms_norm / fused_add_rms_norm, GemmaRMSNorm.forward_native,
+# RMSNormGated.forward_static with norm_before_gate=True, SiluAndMul.forward_native),
+# rounding where they round.
+
+
+def _vendor_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
+    w = weight.float() + 1.0 if gemma else weight
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (xf.to(w.dtype) * w).to(x.dtype)
+
+
+def _vendor_fused_add(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                      gemma: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    w = weight.float() + 1.0 if gemma else weight
+    s = x.float() + residual.float()
+    residual_out = s.to(x.dtype)
+    s = s * torch.rsqrt(s.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (s.to(w.dtype) * w).to(x.dtype), residual_out
+
+
+def _vendor_gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    k = weight.shape[0]
+    g = x.float().reshape(*x.shape[:-1], x.shape[-1] // k, k)
+    normed = (g * torch.rsqrt(g.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()).reshape(x.shape)
+    return (normed * F.silu(z.float())).to(x.dtype)
+
+
+def _vendor_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+def _vendor_bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x + bias, approximate="tanh")
+
+
+def _ew_serve(
+    op: str,
+    tensors: tuple[torch.Tensor, ...],
+    weight: torch.Tensor | None,
+    mnk: tuple[int, int, int],
+    eps: float | None,
+    make_out: Callable[[int, int, torch.Tensor], Any],
+    kernel_inputs: Callable[[int, int], tuple[torch.Tensor, ...]],
+    vendor: Callable[[], Any],
+    finish: Callable[[Any], Any],
+) -> Any:
+    """Shared body of the elementwise ops: checks, lookup, tuned launch or vendor path, marker."""
+    x = tensors[0]
+    capturing = _capturing(x)
+    dtype = dtype_name(x.dtype)
+    m, n, k = mnk
+    shape = f"{n}x{k}"
+    reason = None
+    if dtype not in _DTYPE_NAMES.values() or any(t.dtype != x.dtype for t in tensors):
+        reason = "dtype"
+    elif weight is not None and (weight.dtype != x.dtype or weight.dim() != 1 or not weight.is_contiguous()):
+        reason = "dtype" if weight.dtype != x.dtype else "strided"
+    elif any(t.device != x.device for t in (*tensors, *(() if weight is None else (weight,)))) or \
+            x.device.type not in ("cuda", "cpu"):
+        reason = "device"
+    elif m == 0 or n == 0 or k == 0:
+        reason = "empty"
+    elif not all(t.is_contiguous() for t in tensors):
+        reason = "strided"
+    if reason is not None:
+        _count(op, dtype, shape, m, False, f"fallback:{reason}", capturing)
+        return _dense(vendor())
+    choice = _resolve(op, dtype, m, n, k, x.device, capturing)
+    if choice.kernel is not None and eps is not None and not choice.takes_eps and eps != DEFAULT_EPS:
+        choice = _Choice("fallback:eps")
+    if choice.kernel is None:
+        _count(op, dtype, shape, m, False, choice.impl, capturing)
+        return _dense(vendor())
+    try:
+        out = make_out(m, n, x)
+        inputs = kernel_inputs(m, n)
+        if choice.takes_eps and eps is not None:
+            choice.kernel(inputs, out, eps=eps)
+        else:
+            choice.kernel(inputs, out)
+    except Exception as exc:  # the serving path never raises for tunekit's sake
+        _mark_broken(op, dtype, m, n, k, x.device, exc)
+        _count(op, dtype, shape, m, False, "fallback:kernel_error", capturing)
+        return _dense(vendor())
+    _count(op, dtype, shape, m, False, choice.impl, capturing)
+    return finish(out)
+
+
+def _dense(out: Any) -> Any:
+    """Contiguous result(s), as the fake impls promise (a non-contiguous input keeps its strides in eager math)."""
+    if isinstance(out, tuple):
+        return tuple(t if t.is_contiguous() else t.contiguous() for t in out)
+    return out if out.is_contiguous() else out.contiguous()
+
+
+def _rows(x: torch.Tensor, width: int) -> int:
+    return x.numel() // width if width else 0
+
+
+def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
+    op = "gemma_rms_norm" if gemma else "rms_norm"
+    n = x.shape[-1] if x.dim() else 0
+    m = _rows(x, n)
+    if weight.dim() != 1 or weight.shape[0] != n:
+        _count(op, dtype_name(x.dtype), f"{n}x{n}", m, False, "fallback:bad_input", _capturing(x))
+        return _dense(_vendor_rms_norm(x, weight, eps, gemma))
+    return _ew_serve(
+        op, (x,), weight, (m, n, n), eps,
+        make_out=lambda m, n, x: torch.empty((m, n), dtype=x.dtype, device=x.device),
+        kernel_inputs=lambda m, n: (x.view(m, n), weight),
+        vendor=lambda: _vendor_rms_norm(x, weight, eps, gemma),
+        finish=lambda out: out.view(x.shape),
+    )
+
+
+def _fused_add_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                    gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    op = "gemma_fused_add_rms_norm" if gemma else "fused_add_rms_norm"
+    n = x.shape[-1] if x.dim() else 0
+    m = _rows(x, n)
+    if weight.dim() != 1 or weight.shape[0] != n or residual.shape != x.shape:
+        _count(op, dtype_name(x.dtype), f"{n}x{n}", m, False, "fallback:bad_input", _capturing(x))
+        return _dense(_vendor_fused_add(x, residual, weight, eps, gemma))
+
+    def make_out(m: int, n: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.empty((m, n), dtype=x.dtype, device=x.device),
+                torch.empty((m, n), dtype=x.dtype, device=x.device))
+
+    return _ew_serve(
+        op, (x, residual), weight, (m, n, n), eps, make_out=make_out,
+        kernel_inputs=lambda m, n: (x.view(m, n), residual.view(m, n), weight),
+        vendor=lambda: _vendor_fused_add(x, residual, weight, eps, gemma),
+        finish=lambda out: (out[0].view(x.shape), out[1].view(x.shape)),
+    )
+
+
+def _gated_impl(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Rows are the leading dims but the last two: vLLM's Qwen3.5 passes
+    # [tokens, heads, head_dim], the table's problem is m = tokens, n = heads * head_dim.
+    k = weight.shape[0] if weight.dim() == 1 else 0
+    n = x.shape[-1] * (x.shape[-2] if x.dim() >= 3 else 1) if x.dim() else 0
+    m = _rows(x, n)
+    if k == 0 or z.shape != x.shape or x.shape[-1] % k:
+        _count("gated_rms_norm", dtype_name(x.dtype), f"{n}x{k}", m, False, "fallback:bad_input", _capturing(x))
+        return _dense(_vendor_gated(x, z, weight, eps))
+    return _ew_serve(
+        "gated_rms_norm", (x, z), weight, (m, n, k), eps,
+        make_out=lambda m, n, x: torch.empty((m, n), dtype=x.dtype, device=x.device),
+        kernel_inputs=lambda m, n: (x.view(m, n), z.view(m, n), weight),
+        vendor=lambda: _vendor_gated(x, z, weight, eps),
+        finish=lambda out: out.view(x.shape),
+    )
+
+
+def _silu_and_mul_impl(x: torch.Tensor) -> torch.Tensor:
+    k = x.shape[-1] if x.dim() else 0
+    n = k // 2
+    m = _rows(x, k)
+    if k % 2:
+        _count("silu_and_mul", dtype_name(x.dtype), f"{n}x{k}", m, False, "fallback:bad_input", _capturing(x))
+        return _dense(_vendor_silu_and_mul(x))
+    return _ew_serve(
+        "silu_and_mul", (x,), None, (m, n, k), None,
+        make_out=lambda m, n, x: torch.empty((m, n), dtype=x.dtype, device=x.device),
+        kernel_inputs=lambda m, n: (x.view(m, 2 * n),),
+        vendor=lambda: _vendor_silu_and_mul(x),
+        finish=lambda out: out.view(*x.shape[:-1], n),
+    )
+
+
+def _bias_gelu_impl(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    n = x.shape[-1] if x.dim() else 0
+    m = _rows(x, n)
+    if bias.dim() != 1 or bias.shape[0] != n:
+        _count("bias_gelu", dtype_name(x.dtype), f"{n}x{n}", m, False, "fallback:bad_input", _capturing(x))
+        return _dense(_vendor_bias_gelu(x, bias))
+    return _ew_serve(
+        "bias_gelu", (x,), bias, (m, n, n), None,
+        make_out=lambda m, n, x: torch.empty((m, n), dtype=x.dtype, device=x.device),
+        kernel_inputs=lambda m, n: (x.view(m, n), bias),
+        vendor=lambda: _vendor_bias_gelu(x, bias),
+        finish=lambda out: out.view(x.shape),
+    )
+
+
+def _fake_like(x: torch.Tensor, *args: Any) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _fake_pair(x: torch.Tensor, residual: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
+def _fake_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+#: op -> (run-time impl for the CUDA and CPU keys, fake impl).
+_ELEMENTWISE_IMPLS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+    "rms_norm": (lambda x, w, eps: _rms_norm_impl(x, w, eps, False), _fake_like),
+    "gemma_rms_norm": (lambda x, w, eps: _rms_norm_impl(x, w, eps, True), _fake_like),
+    "fused_add_rms_norm": (lambda x, r, w, eps: _fused_add_impl(x, r, w, eps, False), _fake_pair),
+    "gemma_fused_add_rms_norm": (lambda x, r, w, eps: _fused_add_impl(x, r, w, eps, True), _fake_pair),
+    "gated_rms_norm": (_gated_impl, _fake_like),
+    "silu_and_mul": (_silu_and_mul_impl, _fake_silu_and_mul),
+    "bias_gelu": (_bias_gelu_impl, _fake_like),
+}
+
+
+# ---------------------------------------------------------------------------
+# Warm-up before capture
+# ---------------------------------------------------------------------------
+
+
+def prepare(device: torch.device | str | None = None, ms: Iterable[int] | None = None) -> dict[str, Any]:
+    """Build and run once every tabulated kernel for ``device``, so that no build happens under capture.
+
+    For each (op, dtype, N, K) of the matching tables it calls the op at
+    every M its entries serve under the lookup rule (1 up to the largest
+    tabulated M) when that range is at most 64 wide, else at the tabulated
+    Ms; or at ``ms`` when given (pass the CUDA-graph capture sizes). Each M is
+    launched once because decisions are cached per M and Triton specialises
+    on M's block size. Inputs come from ``tunekit.opspec`` (random, nothing is
+    checked here: verification happened at search time). Must not be called
+    while a CUDA graph is being captured. Never raises; returns
+    ``{"device", "keys", "tuned", "fallback": {impl: count}, "errors": [...]}``.
+    """
+    summary: dict[str, Any] = {"device": str(device), "keys": 0, "tuned": 0, "fallback": {}, "errors": []}
+    try:
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        summary["device"] = str(device)
+        merged, reason = _tables_for(device, str(device))
+    except Exception as exc:
+        summary["errors"].append(f"{type(exc).__name__}: {exc}")
+        return summary
+    if merged is None:
+        summary["fallback"][f"fallback:{reason}"] = 1
+        return summary
+    from tunekit import opspec
+    from tunekit.shapes import Problem
+
+    wanted = None if ms is None else sorted({int(m) for m in ms})
+    by_shape: dict[tuple, list[int]] = {}
+    for e in merged["entries"]:
+        by_shape.setdefault((e["op"], e["dtype"], e["n"], e["k"]), []).append(e["m"])
+    gen = torch.Generator(device=device).manual_seed(0)
+    # Warm-up calls are not service calls: the markers are put back afterwards.
+    with _STATE.lock:
+        saved_stats = dict(_STATE.stats)
+    for (op, dtype, n, k), tab_ms in sorted(by_shape.items()):
+        top = max(tab_ms)
+        if wanted is not None:
+            served = [m for m in wanted if m <= top]
+        else:
+            served = list(range(1, top + 1)) if top <= 64 else sorted(set(tab_ms))
+        for m in served:
+            try:
+                inputs = opspec.get(op).make_inputs(Problem(op, dtype, m, n, k), device, gen)
+                fn = getattr(torch.ops.tunekit, op)
+                fn(*inputs) if op in ("gemv", "silu_and_mul", "bias_gelu") else fn(*inputs, DEFAULT_EPS)
+            except Exception as exc:
+                summary["errors"].append(f"{op} {dtype} m={m} n={n} k={k}: {type(exc).__name__}: {exc}")
+                continue
+            choice = _STATE.choices.get((op, dtype, m, n, k, str(device)))
+            impl = choice.impl if choice else "fallback:unknown"
+            summary["keys"] += 1
+            if impl.startswith("tuned:"):
+                summary["tuned"] += 1
+            else:
+                summary["fallback"][impl] = summary["fallback"].get(impl, 0) + 1
+    with _STATE.lock:
+        _STATE.stats = saved_stats
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return summary
+
+
+# ---------------------------------------------------------------------------
+# Registration
+# ---------------------------------------------------------------------------
+
+_LIB: torch.library.Library | None = None
+
+
+def _register() -> None:
+    """Define ``tunekit::gemv`` and the elementwise ops once per process (a reload reuses them)."""
+    global _LIB
+    try:
+        torch.ops.tunekit.gemv  # noqa: B018 - already defined (e.g. the module was reloaded)
+        return
+    except (AttributeError, RuntimeError):
+        pass
+    lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+    impls: dict[str, tuple[str, Callable[..., Any], Callable[..., Any]]] = {
+        "gemv": ("gemv(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor", _gemv_impl, _gemv_fake),
+    }
+    for op, (impl, fake) in _ELEMENTWISE_IMPLS.items():
+        impls[op] = (ELEMENTWISE_SCHEMAS[op], impl, fake)
+    for op, (schema, impl, fake) in impls.items():
+        lib.define(schema)
+        # One Python kernel for both device keys: the choice (tuned or vendor)
+        # is made inside, at run time, so traced graphs hold a single opaque
+        # node and never branch on M in Python.
+        lib.impl(op, impl, "CUDA")
+        lib.impl(op, impl, "CPU")
+        torch.library.register_fake(f"{NAMESPACE}::{op}", fake, lib=lib)
+    _LIB = lib
+
+
+_register()
+_maybe_register_atexit()
