@@ -68,3 +68,12 @@ def _round_the_other_way(inputs, out) -> None:
 BACKEND = FaultBackend([2, 4, 8, 16, 32])
 #: the reference config and its 1-ulp twin; for the numerics test
 EXACT = FaultBackend([4, 64])
+
+
+class _PinnedFaultBackend(FaultBackend):
+    def pinned_params(self, device):
+        return {"BLOCK_N": 4}  # as if BLOCK_N changed nothing on this device
+
+
+#: for the pinned-parameter test: only BLOCK_N=4 may ever be measured
+PINNED = _PinnedFaultBackend([4, 32])

@@ -469,3 +469,14 @@ def test_emulated_bits_depend_only_on_reduction_order(emu_dir: Path) -> None:
     y1, _ = _emulate(emu_dir, base | same, m, n, k, seed=7)
     assert torch.equal(y0.view(torch.int16), y1.view(torch.int16))
     assert time.perf_counter() - started < 120
+
+
+def test_reduce_dpp_is_pinned_off_amd() -> None:
+    from dataclasses import replace
+
+    from tunekit.backends.hip import BACKEND as HIP
+    from tunekit.device import DeviceInfo
+
+    nvidia = DeviceInfo("nvidia", "NVIDIA H200", "sm_90", 132, 32, 60 << 20, 1, "cuda 13.0", "cuda:0")
+    assert HIP.pinned_params(nvidia) == {"REDUCE_DPP": 0}
+    assert HIP.pinned_params(replace(nvidia, vendor="amd", arch="gfx90a", wave_size=64)) == {}

@@ -141,3 +141,14 @@ def test_exact_numerics_refuses_a_one_ulp_difference_that_bounded_accepts(tmp_pa
     exact = run("exact")
     assert exact[4][0] == "ok"
     assert exact[64][0] == "fail" and "bit-identical" in exact[64][1]
+
+
+def test_parameters_a_backend_pins_for_the_device_are_not_searched(tmp_path) -> None:
+    cfg = SearchConfig(
+        problems=[Problem("gemv", "bf16", 1, 24, 64)], backends=["fault_backend:PINNED"], out_dir=tmp_path,
+        trials=2, sampler="random", warm_start=0,
+    )
+    outcome = run_search(cfg, progress=False, log=lambda s: None)
+    trials = pd.read_csv(outcome.trials_path)
+    measured = trials[trials["measured"] == True]  # noqa: E712
+    assert set(measured["p_BLOCK_N"]) == {4}  # 32 (wrong results) never reached the worker

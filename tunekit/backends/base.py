@@ -20,6 +20,10 @@ returns: a preallocated output tensor, or a tuple of them for a multi-output
 op (``fused_add_rms_norm``: ``(y, residual_out)``), that the kernel must fill
 completely (verification poisons every output first).
 
+Optionally, ``backend.pinned_params(device) -> dict`` names tunables that do
+not change the kernel on that device (HIP's REDUCE_DPP on NVIDIA); the search
+pins them to the given value so one kernel is not measured under two names.
+
 Backends never import optuna: search code adapts ``SearchSpace`` to samplers.
 """
 

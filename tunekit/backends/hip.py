@@ -175,6 +175,14 @@ class HipBackend:
             return f"no GPU ({device.vendor}): HIP kernels run on NVIDIA (NVRTC) or AMD/DCU (hipRTC) GPUs"
         return rtc.unavailable_reason(device.vendor)
 
+    def pinned_params(self, device: DeviceInfo) -> Params:
+        """Tunables that do not change the kernel on ``device`` (the search pins them).
+
+        REDUCE_DPP selects AMD cross-lane instructions; the NVIDIA build always
+        takes the shuffle path, so both values compile to the same kernel there.
+        """
+        return {} if device.vendor == "amd" else {"REDUCE_DPP": 0}
+
     def space(self, problem: Problem) -> SearchSpace:
         self._check_op(problem.op)
         return search_spaces.load(problem.op, self.name)

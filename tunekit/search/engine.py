@@ -274,6 +274,15 @@ def _run_study(cfg, storage, worker, device, probe, problem, backend_name, bar, 
     stats = StudyStats(problem=problem, backend=backend_name)
     name = study_name(device["arch"], problem, backend_name, cfg.numerics)
     domains = _prune_domains(backend, problem, space.domains, space.fixed)
+    # Tunables with no effect on this device are pinned, so one kernel is not
+    # measured under several names (REDUCE_DPP only changes AMD code).
+    pinned_for = getattr(backend, "pinned_params", None)
+    if pinned_for is not None:
+        from tunekit.device import DeviceInfo
+
+        for key, value in pinned_for(DeviceInfo(**device)).items():
+            if key in domains and value in domains[key]:
+                domains[key] = [value]
     sampler = _make_sampler(cfg.sampler, domains, cfg.seed)
     study = optuna.create_study(study_name=name, storage=storage, sampler=sampler, direction="minimize",
                                 load_if_exists=True)
