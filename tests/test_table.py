@@ -100,3 +100,15 @@ def test_environment_mismatch_names_the_fields() -> None:
     other = dict(DEVICE, name="AMD Instinct MI250X", arch="gfx90a", wave_size=64)
     diffs = table_mod.environment_mismatch(table, other)
     assert any(d.startswith("gpu") for d in diffs) and any(d.startswith("arch") for d in diffs)
+
+
+def test_changed_kernel_sources_are_a_mismatch() -> None:
+    table = _table()
+    here = dict(DEVICE)
+    # same device and software as the stamp: no mismatch on those fields
+    table["environment"].update({k: v for k, v in table_mod.environment_stamp(here, []).items()
+                                 if k != "kernel_hash"})
+    assert table_mod.environment_mismatch(table, here) == []
+    table["environment"]["kernel_hash"]["triton"] = "0000000000000000"
+    diffs = table_mod.environment_mismatch(table, here)
+    assert len(diffs) == 1 and diffs[0].startswith("triton kernel sources")

@@ -229,11 +229,18 @@ def validate(table: Any, source: str = "table") -> None:
 def environment_mismatch(table: dict[str, Any], device: dict[str, Any]) -> list[str]:
     """Fields of the stamp that differ from the running device/software."""
     env = table["environment"]
-    current = environment_stamp(device, [])
+    # the kernel sources of every backend the entries use: a tuned config was
+    # verified and timed on those sources, not on whatever the files hold now
+    used = sorted({e["backend"] for e in table.get("entries", []) if e.get("backend") in env["kernel_hash"]})
+    current = environment_stamp(device, used)
     diffs = []
     for name in ("gpu", "arch", "wave_size", "runtime", "torch", "triton"):
         if env.get(name) != current.get(name):
             diffs.append(f"{name}: table {env.get(name)!r}, here {current.get(name)!r}")
+    for backend in used:
+        tabled, here = env["kernel_hash"][backend], current["kernel_hash"].get(backend)
+        if tabled != here:
+            diffs.append(f"{backend} kernel sources: table {tabled!r}, here {here!r}")
     return diffs
 
 
