@@ -221,63 +221,8 @@ def test_defines_and_kernel_names() -> None:
 
 # ------------------------------------------------------- CPU emulation (numerics)
 _PRELUDE = r"""
-// The CUDA subset the kernels use, on the CPU: one std::thread per GPU thread of a
-// block, blocks one after another, __shared__ = function-static.
-#include <barrier>
-#include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <memory>
-#include <thread>
-#include <vector>
-
-struct tk_dim3 { unsigned x = 0, y = 0, z = 0; };
-static thread_local tk_dim3 threadIdx, blockIdx;
-struct uint4 { unsigned x, y, z, w; };
-struct uint2 { unsigned x, y; };
-#define __CUDACC__ 1
-#define __device__
-#define __global__
-#define __forceinline__ inline
-#define __shared__ static
-#define __align__(n) __attribute__((aligned(n)))
-#define __launch_bounds__(n)
-inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
-inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
-inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
-inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
-template <class T> inline T __ldcs(const T* p) { return *p; }
-
-static std::barrier<>* g_block;
-static std::vector<std::unique_ptr<std::barrier<>>> g_warps;
-static std::vector<float> g_lanes;
-inline void __syncthreads() { g_block->arrive_and_wait(); }
-inline float __shfl_xor_sync(unsigned, float v, int lane_mask, int) {
-    const int tid = (int)threadIdx.x, warp = tid / 32, lane = tid % 32;
-    g_lanes[tid] = v;
-    g_warps[warp]->arrive_and_wait();
-    const float r = g_lanes[warp * 32 + (lane ^ lane_mask)];
-    g_warps[warp]->arrive_and_wait();
-    return r;
-}
-
+#include "cuda_on_cpu.h"
 #include "SOURCE"
-
-template <class F> static void run_grid(long gx, long gy, unsigned threads, F body) {
-    for (long by = 0; by < gy; ++by)
-        for (long bx = 0; bx < gx; ++bx) {
-            std::barrier<> block(threads);
-            g_block = &block;
-            g_warps.clear();
-            for (unsigned w = 0; w < threads / 32; ++w) g_warps.emplace_back(new std::barrier<>(32));
-            g_lanes.assign(threads, 0.f);
-            std::vector<std::thread> ts;
-            for (unsigned t = 0; t < threads; ++t)
-                ts.emplace_back([=] { threadIdx.x = t; blockIdx.x = (unsigned)bx; blockIdx.y = (unsigned)by; body(); });
-            for (auto& t : ts) t.join();
-        }
-}
 
 static std::vector<unsigned short> rd(const char* dir, const char* name) {
     char path[1024]; std::snprintf(path, sizeof path, "%s/%s.bin", dir, name);
@@ -354,7 +299,7 @@ def _build(emu_dir: Path, family: str, defines: dict[str, int]) -> Path:
     if not exe.exists():
         src = emu_dir / f"{exe.name}.cpp"
         src.write_text(_PRELUDE.replace("SOURCE", f"{family}.hip").replace("BODY", _BODIES[family]))
-        cmd = ["g++", "-std=c++20", "-O1", "-pthread", "-I", str(SOURCE_DIR)]
+        cmd = ["g++", "-std=c++20", "-O1", "-pthread", "-I", str(SOURCE_DIR), "-I", str(Path(__file__).parent)]
         cmd += [f"-D{a}={b}" for a, b in defines.items()] + [str(src), "-o", str(exe)]
         subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     return exe

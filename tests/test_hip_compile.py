@@ -298,66 +298,8 @@ def test_split_k_chunks_cover_k() -> None:
 
 # ------------------------------------------------- CPU emulation (numerics)
 _EMU = r"""
-// The CUDA subset gemv.hip uses, on the CPU: one std::thread per GPU thread
-// of a block, blocks one after another, __shared__ = function-static.
-#include <atomic>
-#include <barrier>
-#include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <memory>
-#include <thread>
-#include <vector>
-
-struct tk_dim3 { unsigned x = 0, y = 0, z = 0; };
-static thread_local tk_dim3 threadIdx, blockIdx;
-struct uint4 { unsigned x, y, z, w; };
-struct uint2 { unsigned x, y; };
-#define __CUDACC__ 1
-#define __device__
-#define __global__
-#define __forceinline__ inline
-#define __shared__ static
-#define __align__(n) __attribute__((aligned(n)))
-#define __launch_bounds__(n)
-template <class T> inline T __ldcs(const T* p) { return *p; }
-inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
-inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
-inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
-inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
-inline unsigned atomicExch(unsigned* p, unsigned v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); }
-
-static std::barrier<>* g_block;
-static std::vector<std::unique_ptr<std::barrier<>>> g_warps;
-static std::vector<float> g_lanes;
-inline void __syncthreads() { g_block->arrive_and_wait(); }
-inline float __shfl_xor_sync(unsigned, float v, int lane_mask, int) {
-    const int tid = (int)threadIdx.x, warp = tid / 32, lane = tid % 32;
-    g_lanes[tid] = v;
-    g_warps[warp]->arrive_and_wait();
-    const float r = g_lanes[warp * 32 + (lane ^ lane_mask)];
-    g_warps[warp]->arrive_and_wait();
-    return r;
-}
-
+#include "cuda_on_cpu.h"
 #include "gemv.hip"
-
-template <class F> static void run_grid(unsigned gx, unsigned gy, unsigned threads, F body) {
-    for (unsigned by = 0; by < gy; ++by)
-        for (unsigned bx = 0; bx < gx; ++bx) {
-            std::barrier<> block(threads);
-            g_block = &block;
-            g_warps.clear();
-            for (unsigned w = 0; w < threads / 32; ++w) g_warps.emplace_back(new std::barrier<>(32));
-            g_lanes.assign(threads, 0.f);
-            std::vector<std::thread> ts;
-            for (unsigned t = 0; t < threads; ++t)
-                ts.emplace_back([=] { threadIdx.x = t; blockIdx.x = bx; blockIdx.y = by; body(); });
-            for (auto& t : ts) t.join();
-        }
-}
 
 static std::vector<unsigned short> read_u16(const char* dir, const char* name) {
     char path[1024]; std::snprintf(path, sizeof path, "%s/%s", dir, name);
@@ -421,7 +363,7 @@ def _emulate(
     defines = {"WAVE": 32, "MAX_M": 4, "THREADS_PER_ROW": 32} | config
     exe = emu_dir / ("emu_" + "_".join(f"{a}{b}" for a, b in sorted(defines.items())))
     if not exe.exists():
-        cmd = ["g++", "-std=c++20", "-O1", "-pthread", "-I", str(SOURCE_DIR)]
+        cmd = ["g++", "-std=c++20", "-O1", "-pthread", "-I", str(SOURCE_DIR), "-I", str(Path(__file__).parent)]
         cmd += [f"-D{a}={b}" for a, b in defines.items()] + [str(emu_dir / "emu.cpp"), "-o", str(exe)]
         subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     gen = torch.Generator().manual_seed(seed)
