@@ -43,7 +43,7 @@ def _sample_configs(backend, problem, count: int, rng: random.Random) -> list[di
     out, tries = [], 0
     while len(out) < count and tries < 2000:
         tries += 1
-        params = {k: rng.choice(v) for k, v in space.domains.items()}
+        params = dict(space.fixed) | {k: rng.choice(v) for k, v in space.domains.items()}
         if backend.invalid_reason(problem, params) is None and params not in out:
             out.append(params)
     return out
@@ -84,10 +84,12 @@ def main() -> int:
             backend = backends.get(family)
             # the same sampled configs at every M of a shape: each compiles once
             rng = random.Random(f"{family}|{problem.op}|{problem.n}|{problem.k}")
-            configs = [backend.space(problem).default] + _sample_configs(backend, problem, args.configs, rng)
+            space = backend.space(problem)
+            configs = [space.default] + _sample_configs(backend, problem, args.configs, rng)
             for params in configs:
                 try:
-                    kernel = backend.build(problem, params, device)
+                    # fixed (never searched) values join every candidate, as in the search
+                    kernel = backend.build(problem, dict(space.fixed) | params, device)
                     result = verify.verify(kernel, opspec.get(problem.op), problem, tdev, seed=problem.m + problem.n)
                     ok, why = result.ok, result.reason or f"err_ratio {result.err_ratio:.3f}"
                 except Exception as exc:  # report and go on: this is a check script
@@ -100,7 +102,8 @@ def main() -> int:
         for name in [*families, "vendor", "inductor"]:
             backend = backends.get(name)
             try:
-                params = backend.space(problem).default
+                space = backend.space(problem)
+                params = dict(space.fixed) | space.default
                 count, names = _kernel_launches(backend.build(problem, params, device), problem, tdev)
             except Exception as exc:
                 print(f"FAIL launches {name} {problem.key}: {type(exc).__name__}: {exc}")

@@ -32,6 +32,10 @@ OPS = ("bias_gelu",)
 #: 2 * sqrt(2 / pi) and GELU's cubic coefficient.
 _TWO_C = 2.0 * math.sqrt(2.0 / math.pi)
 _A = 0.044715
+#: The same two constants for the jitted kernel: Triton's compiler only reads
+#: module globals that are ``tl.constexpr`` (its interpreter reads any).
+_TWO_C_K = tl.constexpr(_TWO_C)
+_A_K = tl.constexpr(_A)
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,7 @@ def _bias_gelu_kernel(
     v = x + b[None, :]
     if ROUND_SUM:
         v = round_bf16(v, BY_BITS)
-    y = round_bf16(v / (1.0 + tl.exp(-_TWO_C * (v + _A * v * v * v))), BY_BITS)
+    y = round_bf16(v / (1.0 + tl.exp(-_TWO_C_K * (v + _A_K * v * v * v))), BY_BITS)
     tl.store(y_ptr + rows64 * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
