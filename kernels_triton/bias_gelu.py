@@ -75,8 +75,13 @@ def _bias_gelu_kernel(
     x_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_ym,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, ROUND_SUM: tl.constexpr, BY_BITS: tl.constexpr,
 ):
-    offs_m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # 1D grid, column blocks fastest: consecutive programs stream consecutive
+    # bytes of a row (a (rows, columns) grid walks down the rows first and
+    # lost ~4% to Inductor's flat kernel at M=4096 on the H200).
+    col_blocks = tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    offs_m = (pid // col_blocks) * ROWS + tl.arange(0, ROWS)
+    cols = (pid % col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m < M)[:, None] & (cols < N)[None, :]
     rows64 = offs_m.to(tl.int64)[:, None]
     x = tl.load(x_ptr + rows64 * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -98,7 +103,7 @@ def bias_gelu(x: torch.Tensor, b: torch.Tensor, config: BiasGeluConfig = DEFAULT
         out = torch.empty_like(x)
     if n > 1 and (x.stride(1) != 1 or out.stride(1) != 1):
         raise ValueError("bias_gelu needs unit stride along N")
-    grid = (triton.cdiv(m, config.ROWS), triton.cdiv(n, config.BLOCK_N))
+    grid = (triton.cdiv(m, config.ROWS) * triton.cdiv(n, config.BLOCK_N),)
     _bias_gelu_kernel[grid](
         x, b, out, m, n, x.stride(0), out.stride(0),
         BLOCK_N=config.BLOCK_N, ROWS=config.ROWS, ROUND_SUM=bool(config.VLLM_ROUNDING), BY_BITS=RNE_BY_BITS,

@@ -104,9 +104,9 @@ def _fused_add_rms_norm_kernel(
     if ONE_PASS:
         mask = m_mask[:, None] & (cols[None, :] < N)
         s = _sum(x_rows, r_rows, cols[None, :], mask, ROUND_SUM, BY_BITS)
+        w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)  # before the reduction (rms_norm.py)
         tl.store(o_rows + cols[None, :], round_bf16(s, BY_BITS).to(o_ptr.dtype.element_ty), mask=mask)
         rstd = tl.rsqrt(tl.sum(s * s, axis=1) / N + eps)
-        w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
         y = _apply_weight(s * rstd[:, None], w[None, :], GEMMA, ROUND_NORMED, BY_BITS)
         tl.store(y_rows + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     else:

@@ -127,8 +127,10 @@ def _rms_norm_kernel(
     if ONE_PASS:
         mask = m_mask[:, None] & (cols[None, :] < N)
         x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+        # w is loaded before the reduction so its latency overlaps x's instead
+        # of following the cross-warp sum on every row's critical path
         w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
         y = _apply_weight(x * rstd[:, None], w[None, :], GEMMA, ROUND_NORMED, BY_BITS)
         tl.store(y_rows + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     else:
