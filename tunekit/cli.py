@@ -149,13 +149,16 @@ def search(
     seed: Annotated[int, typer.Option(help="sampler and input seed")] = 0,
     warm_start: Annotated[int, typer.Option(
         help="first measure the N best configs of every other study of the op in the storage")] = 3,
+    seed_from: Annotated[list[Path] | None, typer.Option(
+        help="table.json or trials.csv of an earlier run (repeatable): its best configs of the same op and "
+             "backend are measured first, nearest shape and M first")] = None,
     trial_timeout: Annotated[float, typer.Option(help="seconds before a stuck candidate is killed")] = 180.0,
     progress: Annotated[bool, typer.Option(help="show progress bars")] = True,
 ) -> None:
     """Search the best verified kernel per problem; write trials and the dispatch table."""
     from tunekit import backends as registry
     from tunekit.report import print_summary, report_after_search
-    from tunekit.search.engine import SearchConfig, run_search
+    from tunekit.search.engine import SearchConfig, read_seed_records, run_search
     from tunekit.verify import NUMERICS
 
     spec, problems = _problems(model, shape, tp, m, config, ops)
@@ -170,11 +173,14 @@ def search(
     for name in names:
         if name not in registry.BUILTIN and ":" not in name:
             raise UserError(f"unknown backend {name!r} (known: {', '.join(registry.TUNED)})")
+    for path in seed_from or ():
+        read_seed_records(path)  # a bad file fails now, not after the bandwidth probe
     run_name = spec.name if spec else "shapes"
     out_dir = out or Path("runs") / run_name
     cfg = SearchConfig(
         problems=problems, backends=names, out_dir=out_dir, trials=trials, timeout_s=timeout,
         sampler=sampler, numerics=numerics, storage=storage, seed=seed, min_gain=min_gain, warm_start=warm_start,
+        seed_from=tuple(seed_from or ()),
         trial_timeout_s=trial_timeout, command=shlex.join(["tunekit"] + sys.argv[1:]),
         model=spec.name if spec else None,
     )

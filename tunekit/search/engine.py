@@ -62,6 +62,7 @@ class SearchConfig:
     seed: int = 0
     min_gain: float = 0.01
     warm_start: int = 3  # best configs taken from each other study of the op (0: off)
+    seed_from: tuple[Path, ...] = ()  # earlier runs' table.json / trials.csv: their winners are measured first
     trial_timeout_s: float = DEFAULT_TIMEOUT_S
     command: str = ""
     model: str | None = None
@@ -307,6 +308,8 @@ def _run_study(cfg, storage, worker, device, probe, problem, backend_name, bar, 
     stats.measured_before = measured
     if not study.get_trials(deepcopy=False):
         study.enqueue_trial(space.default)
+        for params in _seeds_from_files(cfg.seed_from, backend_name, problem, domains, space.default):
+            study.enqueue_trial(params)
         for params in _warm_start(storage, name, backend_name, problem, domains, space.default,
                                   cfg.warm_start):
             study.enqueue_trial(params)
@@ -444,6 +447,61 @@ def _warm_start(storage, name: str, backend: str, problem: Problem, domains: dic
             if key not in keys:
                 keys.add(key)
                 seeds.append(params)
+    return seeds
+
+
+#: Seeds one study takes from --seed-from files: the best few of the same
+#: problem first, then of the same M, then of any M (nearest shapes first).
+SEEDS_FROM_FILES = 8
+
+
+def read_seed_records(path: Path) -> list[dict[str, Any]]:
+    """(op, backend, m, n, k, params, time_us) records of the verified configs in a
+    dispatch table (``table.json``) or a trials table (``trials.csv`` / ``.parquet``)."""
+    if not path.exists():
+        raise UserError(f"--seed-from {path}: no such file")
+    if path.suffix == ".json":
+        from tunekit import table as table_mod
+
+        return [dict(e) for e in table_mod.load(path)["entries"]]
+    import pandas as pd
+
+    frame = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
+    needed = {"op", "backend", "m", "n", "k", "params", "status", "time_us"}
+    if not needed <= set(frame.columns):
+        raise UserError(f"--seed-from {path}: not a trials table (columns {sorted(needed - set(frame.columns))} "
+                        "missing)")
+    frame = frame[frame["status"] == "ok"]
+    return [{"op": r.op, "backend": r.backend, "m": int(r.m), "n": int(r.n), "k": int(r.k),
+             "params": json.loads(r.params), "time_us": float(r.time_us)} for r in frame.itertuples()]
+
+
+def _seeds_from_files(paths: Sequence[Path], backend: str, problem: Problem, domains: dict[str, list[Any]],
+                      default: dict[str, Any]) -> list[dict[str, Any]]:
+    """Configs of earlier runs (``--seed-from``) for this study, best-first per nearness."""
+    if not paths:
+        return []
+    records = [r for path in paths for r in read_seed_records(Path(path))
+               if r["op"] == problem.op and r["backend"] == backend]
+
+    def nearness(r: dict[str, Any]) -> tuple:
+        same_shape = (r["n"], r["k"]) == (problem.n, problem.k)
+        return (not (same_shape and r["m"] == problem.m), r["m"] != problem.m, not same_shape,
+                abs(math.log(r["n"] * r["k"]) - math.log(problem.n * problem.k)), abs(r["m"] - problem.m),
+                r["time_us"])
+
+    seeds: list[dict[str, Any]] = []
+    keys = {_params_key({k: v for k, v in default.items() if k in domains})}
+    for record in sorted(records, key=nearness):
+        params = {k: v for k, v in (default | record["params"]).items() if k in domains}
+        if set(params) != set(domains) or any(params[k] not in domains[k] for k in domains):
+            continue  # recorded with a space that no longer holds it
+        key = _params_key(params)
+        if key not in keys:
+            keys.add(key)
+            seeds.append(params)
+        if len(seeds) == SEEDS_FROM_FILES:
+            break
     return seeds
 
 

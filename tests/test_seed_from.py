@@ -1,0 +1,79 @@
+"""--seed-from: configs of earlier runs (table.json or trials.csv) are measured first, nearest first."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import optuna
+import pandas as pd
+import pytest
+
+from tunekit.errors import UserError
+from tunekit.search.engine import SearchConfig, _seeds_from_files, read_seed_records, run_search
+from tunekit.shapes import Problem
+
+REPO = Path(__file__).resolve().parents[1]
+RECORDED = REPO / "benchmarks" / "results" / "h200-m1248-triton-ce9f360"
+DOMAINS = {"BLOCK_N": [1, 2, 4, 8], "BLOCK_K": [64, 128, 256], "num_warps": [1, 2, 4], "num_stages": [1, 2],
+           "SPLIT_K": [1, 2], "W_EVICT": [""], "SPLIT_REDUCE": ["kernel"], "M_MODE": ["tile"]}
+DEFAULT = {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 4, "num_stages": 2, "SPLIT_K": 1, "W_EVICT": "",
+           "SPLIT_REDUCE": "kernel", "M_MODE": "tile"}
+
+
+def _trials_csv(path: Path, rows: list[tuple[int, int, int, dict, float, str]]) -> Path:
+    pd.DataFrame([{"op": "gemv", "backend": "triton", "m": m, "n": n, "k": k, "params": json.dumps(p),
+                   "status": status, "time_us": t} for m, n, k, p, t, status in rows]).to_csv(path, index=False)
+    return path
+
+
+def test_seeds_come_nearest_first_and_skip_failures_duplicates_and_foreign_values(tmp_path) -> None:
+    csv = _trials_csv(tmp_path / "trials.csv", [
+        (2, 96, 256, {"BLOCK_N": 8, "BLOCK_K": 64}, 5.0, "ok"),      # other M, same shape
+        (1, 512, 256, {"BLOCK_N": 2, "BLOCK_K": 64}, 3.0, "ok"),     # same M, other shape
+        (1, 96, 256, {"BLOCK_N": 1, "BLOCK_K": 128}, 9.0, "ok"),     # same problem, slower
+        (1, 96, 256, {"BLOCK_N": 1, "BLOCK_K": 64}, 2.0, "ok"),      # same problem, fastest
+        (1, 96, 256, {"BLOCK_N": 2, "BLOCK_K": 128}, 1.0, "fail"),   # failed: never a seed
+        (1, 96, 256, {"BLOCK_N": 64, "BLOCK_K": 64}, 1.0, "ok"),     # value outside today's domain
+        (1, 96, 256, DEFAULT, 1.5, "ok"),                            # the default is enqueued anyway
+    ])
+    seeds = _seeds_from_files([csv], "triton", Problem("gemv", "bf16", 1, 96, 256), DOMAINS, DEFAULT)
+    picked = [(s["BLOCK_N"], s["BLOCK_K"]) for s in seeds]
+    assert picked == [(1, 64), (1, 128), (2, 64), (8, 64)]
+    assert all(set(s) == set(DOMAINS) for s in seeds)
+
+
+def test_recorded_runs_seed_every_m_of_the_model(tmp_path) -> None:
+    records = read_seed_records(RECORDED / "trials.csv")
+    assert {r["m"] for r in records if r["backend"] == "triton"} == {1, 2, 4, 8}
+    from tunekit.backends import get
+
+    backend = get("triton")
+    problem = Problem("gemv", "bf16", 4, 14336, 5120)
+    space = backend.space(problem)
+    seeds = _seeds_from_files([RECORDED / "trials.csv", RECORDED / "table.json"], "triton", problem,
+                              space.domains, space.default)
+    assert seeds, "the recorded M=4 trials give seeds"
+    same = [r for r in records if (r["backend"], r["m"], r["n"], r["k"]) == ("triton", 4, 14336, 5120)]
+    best = min(same, key=lambda r: r["time_us"])["params"]
+    assert all(seeds[0][k] == v for k, v in best.items() if k in seeds[0])
+
+
+def test_a_missing_or_foreign_seed_file_is_one_clear_error(tmp_path) -> None:
+    with pytest.raises(UserError, match="no such file"):
+        read_seed_records(tmp_path / "nope.csv")
+    (tmp_path / "other.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(UserError, match="not a trials table"):
+        read_seed_records(tmp_path / "other.csv")
+
+
+def test_search_measures_the_seed_right_after_the_default(tmp_path) -> None:
+    seed = {"BLOCK_N": 2, "BLOCK_K": 128, "num_warps": 2}
+    csv = _trials_csv(tmp_path / "trials.csv", [(1, 96, 256, seed, 1.0, "ok")])
+    cfg = SearchConfig(problems=[Problem("gemv", "bf16", 1, 96, 256)], backends=["triton"],
+                       out_dir=tmp_path / "run", trials=2, seed_from=(csv,), warm_start=0)
+    run_search(cfg)
+    storage = f"sqlite:///{tmp_path / 'run' / 'optuna.db'}"
+    (summary,) = [s for s in optuna.get_all_study_summaries(storage) if s.study_name.endswith("triton|bounded")]
+    trials = optuna.load_study(study_name=summary.study_name, storage=storage).get_trials(deepcopy=False)
+    assert {k: trials[1].params[k] for k in seed} == seed
