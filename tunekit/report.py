@@ -117,6 +117,11 @@ class ProblemResult:
         return f"m{self.m} {Problem(self.op, self.dtype, self.m, self.n, self.k).shape_text}"
 
     @property
+    def plot_label(self) -> str:
+        """``label`` with the op named where it is not a GEMV (plots mix ops on one axis)."""
+        return self.label if self.op == "gemv" else f"{self.op} {self.label}"
+
+    @property
     def baseline(self) -> Measure:
         """The fastest baseline (vendor wins ties)."""
         return min([self.vendor, *self.baselines.values()], key=lambda x: x.time_us)
@@ -477,8 +482,10 @@ def write_plots(comp: Comparison) -> list[Path]:
 
     title = f"{comp.gpu}, {comp.timing_kind} timing" + (" (CPU: NOT performance evidence)"
                                                         if comp.is_interpreter else "")
-    labels = [p.label for p in comp.problems]
+    labels = [p.plot_label for p in comp.problems]
     xs = list(range(len(labels)))
+    elementwise = any(p.op != "gemv" for p in comp.problems)
+    copy_gbps = comp.meta.get("probe", {}).get("copy_gbps")
     width_in = max(7.0, 0.9 * len(labels) + 3)
     paths = []
 
@@ -501,10 +508,14 @@ def write_plots(comp: Comparison) -> list[Path]:
                       color=_color(b, i))
         ax.bar_label(bars, labels=["" if v is None or v.pct_of_limit is None else f"{v.pct_of_limit:.0f}"
                                    for v in vals], fontsize="x-small", padding=1)
-    ax.axhline(100.0, color="black", linestyle="--", linewidth=1, label="read limit")
+    ax.axhline(100.0, color="black", linestyle="--", linewidth=1, label="limit" if elementwise else "read limit")
     top = max([100.0] + [v.pct_of_limit or 0.0 for p in comp.problems for v in [p.vendor, *p.best.values()]])
     ax.set_ylim(0, top * 1.18)
-    ax.set_ylabel(f"% of measured read limit ({_gbps(comp.read_gbps)} GB/s)")
+    if elementwise:
+        ax.set_ylabel(f"% of the op's measured limit\n(GEMV: read {_gbps(comp.read_gbps)} GB/s, "
+                      f"elementwise: copy {_gbps(copy_gbps)} GB/s)", fontsize="small")
+    else:
+        ax.set_ylabel(f"% of measured read limit ({_gbps(comp.read_gbps)} GB/s)")
     ax.set_xlabel("problem (M, N x K)")
     ax.set_xticks(xs, labels, rotation=30, ha="right")
     ax.set_title(f"Bandwidth efficiency per problem\n{title}", fontsize="medium")
@@ -521,11 +532,14 @@ def write_plots(comp: Comparison) -> list[Path]:
         bars = ax.bar([x + (i - (len(tuned) - 1) / 2) * bar_w for x in xs], vals, bar_w, label=b,
                       color=_color(b, i + 1))
         ax.bar_label(bars, labels=[f"{v:.2f}" if v else "" for v in vals], fontsize="x-small", padding=1)
-    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="vendor (1.0)")
-    ax.set_ylabel("speedup over vendor (x, same session)")
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1,
+               label="baseline (1.0)" if elementwise else "vendor (1.0)")
+    ax.set_ylabel("speedup over the fastest baseline\n(vendor or Inductor; x, same session)" if elementwise
+                  else "speedup over vendor (x, same session)")
     ax.set_xlabel("problem (M, N x K)")
     ax.set_xticks(xs, labels, rotation=30, ha="right")
-    ax.set_title(f"Speedup of each backend's best candidate over vendor\n{title}", fontsize="medium")
+    over = "the fastest baseline" if elementwise else "vendor"
+    ax.set_title(f"Speedup of each backend's best candidate over {over}\n{title}", fontsize="medium")
     top = max([1.0] + [x.speedup for p in comp.problems for x in p.best.values()])
     ax.set_ylim(0, top * 1.2)
     ax.legend(loc="upper left", ncol=len(tuned) + 1, fontsize="small")
