@@ -152,3 +152,26 @@ def test_parameters_a_backend_pins_for_the_device_are_not_searched(tmp_path) -> 
     trials = pd.read_csv(outcome.trials_path)
     measured = trials[trials["measured"] == True]  # noqa: E712
     assert set(measured["p_BLOCK_N"]) == {4}  # 32 (wrong results) never reached the worker
+
+
+def test_domain_pruning_keeps_exactly_the_values_some_valid_config_uses() -> None:
+    # The sampled fast path must give the same domains as enumerating the whole product.
+    import itertools
+
+    from tunekit import backends
+    from tunekit.search.engine import _prune_domains
+
+    for name, (m, n, k) in [("triton", (1, 96, 256)), ("triton", (8, 96, 5120)), ("triton", (1, 5120, 6144)),
+                            ("hip", (2, 24, 64)), ("hip", (1, 34816, 5120))]:
+        backend = backends.get(name)
+        problem = Problem("gemv", "bf16", m, n, k)
+        space = backend.space(problem)
+        names = list(space.domains)
+        used: dict[str, set] = {p: set() for p in names}
+        for values in itertools.product(*(space.domains[p] for p in names)):
+            params = dict(space.fixed) | dict(zip(names, values, strict=True))
+            if backend.invalid_reason(problem, params) is None:
+                for p, v in zip(names, values, strict=True):
+                    used[p].add(repr(v))
+        exact = {p: [v for v in space.domains[p] if repr(v) in used[p]] for p in names}
+        assert _prune_domains(backend, problem, space.domains, space.fixed) == exact, (name, m, n, k)

@@ -371,6 +371,10 @@ def _run_study(cfg, storage, worker, device, probe, problem, backend_name, bar, 
 
 #: Largest search space whose valid points are enumerated to prune domains.
 _PRUNE_LIMIT = 300_000
+#: Random points tried before that enumeration (it is skipped once all values are seen valid).
+_PRUNE_SAMPLES = 3000
+#: Up to this many values unseen after those points, each is enumerated alone (with an early exit).
+_PRUNE_PER_VALUE = 3
 
 
 def _prune_domains(backend, problem: Problem, domains: dict[str, list[Any]],
@@ -390,12 +394,43 @@ def _prune_domains(backend, problem: Problem, domains: dict[str, list[Any]],
         size *= len(domains[name])
     if not names or size > _PRUNE_LIMIT:
         return dict(domains)
+    import random
+
     used: dict[str, set] = {name: set() for name in names}
-    for values in itertools.product(*(domains[n] for n in names)):
+    wanted = sum(len(domains[n]) for n in names)
+
+    def mark(values: tuple) -> None:
         params = dict(fixed) | dict(zip(names, values, strict=True))
         if backend.invalid_reason(problem, params) is None:
             for name, value in zip(names, values, strict=True):
                 used[name].add(repr(value))
+
+    # Random points first: on most shapes every value is soon seen in a valid
+    # config and nothing can be pruned (the full product costs ~1.5 s per GEMV
+    # study, a large share of a short budget); only otherwise enumerate it all.
+    rng = random.Random(0)
+    for _ in range(_PRUNE_SAMPLES):
+        mark(tuple(rng.choice(domains[n]) for n in names))
+        if sum(map(len, used.values())) == wanted:
+            return dict(domains)
+    unseen = wanted - sum(map(len, used.values()))
+    if unseen > _PRUNE_PER_VALUE:
+        # many values never valid (a small shape): one pass over the product is cheaper
+        for values in itertools.product(*(domains[n] for n in names)):
+            mark(values)
+        names_left: list[str] = []
+    else:
+        names_left = names
+    # Each value not seen yet: enumerate the configs holding it, up to the first valid one.
+    for i, name in enumerate(names_left):
+        for value in domains[name]:
+            if repr(value) in used[name]:
+                continue
+            others = [domains[n] if j != i else [value] for j, n in enumerate(names)]
+            for values in itertools.product(*others):
+                mark(values)
+                if repr(value) in used[name]:
+                    break
     if not any(used.values()):
         return dict(domains)  # nothing valid: let the trials record why
     return {name: [v for v in domains[name] if repr(v) in used[name]] for name in names}
@@ -416,6 +451,24 @@ def _tell(study: optuna.Study, trial: optuna.Trial, value: float | None = None,
             raise
 
 
+#: (storage, study name) -> (trial count when read, its best verified params, best first).
+_BEST_CACHE: dict[tuple[int, str], tuple[int, list[dict[str, Any]]]] = {}
+
+
+def _best_params(storage, summary: optuna.study.StudySummary, count: int) -> list[dict[str, Any]]:
+    """The ``count`` fastest verified configs of a study, read once per trial count: late
+    studies of a long run would otherwise reload every earlier study from the storage."""
+    key = (id(storage), summary.study_name)
+    cached = _BEST_CACHE.get(key)
+    if cached is None or cached[0] != summary.n_trials or len(cached[1]) < count:
+        other = optuna.load_study(study_name=summary.study_name, storage=storage)
+        done = sorted((t for t in other.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                       if t.user_attrs.get("status") == "ok"), key=lambda t: t.value)
+        cached = (summary.n_trials, [dict(t.params) for t in done[:max(count, 8)]])
+        _BEST_CACHE[key] = cached
+    return cached[1][:count]
+
+
 def _warm_start(storage, name: str, backend: str, problem: Problem, domains: dict[str, list[Any]],
                 default: dict[str, Any], per_study: int) -> list[dict[str, Any]]:
     """The best verified configs of the other studies of this op and backend in the storage.
@@ -434,13 +487,10 @@ def _warm_start(storage, name: str, backend: str, problem: Problem, domains: dic
             continue
         if attrs.get("problem", {}).get("op") != problem.op:
             continue
-        other = optuna.load_study(study_name=summary.study_name, storage=storage)
-        done = sorted((t for t in other.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                       if t.user_attrs.get("status") == "ok"), key=lambda t: t.value)
-        for trial in done[:per_study]:
+        for trial_params in _best_params(storage, summary, per_study):
             # a parameter added to the space after that trial ran takes its
             # default, which keeps the kernel the trial measured
-            params = {k: v for k, v in (default | trial.params).items() if k in domains}
+            params = {k: v for k, v in (default | trial_params).items() if k in domains}
             if set(params) != set(domains) or any(params[k] not in domains[k] for k in domains):
                 continue
             key = _params_key(params)
