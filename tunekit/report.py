@@ -68,7 +68,7 @@ REPORT_BACKENDS = ("triton", "hip")
 PLOT_FILES = {"pct": "compare_pct_of_limit.png", "speedup": "compare_speedup.png",
               "token": "compare_per_token.png"}
 EVIDENCE = ("prediction from standalone microbenchmarks (the 'standalone microbenchmark' layer of evidence: "
-            "each GEMV timed alone, interleaved with the vendor path), not an end-to-end measurement")
+            "each kernel timed alone, interleaved with its baselines), not an end-to-end measurement")
 
 
 @dataclass(frozen=True)
