@@ -27,10 +27,9 @@ import triton.language as tl
 
 from kernels_triton.rms_norm import tile_reason
 from kernels_triton.rounding import RNE_BY_BITS, round_bf16
+from kernels_triton.tiles import pointwise_grid, tile_offsets
 
 OPS = ("bias_gelu",)
-#: CUDA's limit on grid axis 1 (the row blocks of the 2D grid).
-_MAX_GRID_Y = 65535
 #: 2 * sqrt(2 / pi) and GELU's cubic coefficient.
 _TWO_C = 2.0 * math.sqrt(2.0 / math.pi)
 _A = 0.044715
@@ -78,19 +77,7 @@ def _bias_gelu_kernel(
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, ROUND_SUM: tl.constexpr, BY_BITS: tl.constexpr,
     GRID_2D: tl.constexpr,
 ):
-    # Column blocks fastest: consecutive programs stream consecutive bytes of a
-    # row (a grid walking down the rows first lost ~4% to Inductor's flat kernel
-    # at M=4096 on the H200). Grid (column blocks, row blocks) while the row
-    # blocks fit CUDA's 65535 limit of grid axis 1 (no division on the way to
-    # the first load, which shows at the ~1.3 us of M=1), else 1D.
-    if GRID_2D:
-        offs_m = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    else:
-        col_blocks = tl.cdiv(N, BLOCK_N)
-        pid = tl.program_id(0)
-        offs_m = (pid // col_blocks) * ROWS + tl.arange(0, ROWS)
-        cols = (pid % col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, cols = tile_offsets(N, BLOCK_N, ROWS, GRID_2D)  # column blocks fastest (tiles.py)
     mask = (offs_m < M)[:, None] & (cols < N)[None, :]
     rows64 = offs_m.to(tl.int64)[:, None]
     x = tl.load(x_ptr + rows64 * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -112,9 +99,7 @@ def bias_gelu(x: torch.Tensor, b: torch.Tensor, config: BiasGeluConfig = DEFAULT
         out = torch.empty_like(x)
     if n > 1 and (x.stride(1) != 1 or out.stride(1) != 1):
         raise ValueError("bias_gelu needs unit stride along N")
-    row_blocks, col_blocks = triton.cdiv(m, config.ROWS), triton.cdiv(n, config.BLOCK_N)
-    grid_2d = row_blocks <= _MAX_GRID_Y
-    grid = (col_blocks, row_blocks) if grid_2d else (col_blocks * row_blocks,)
+    grid, grid_2d = pointwise_grid(m, n, config.ROWS, config.BLOCK_N)
     _bias_gelu_kernel[grid](
         x, b, out, m, n, x.stride(0), out.stride(0),
         BLOCK_N=config.BLOCK_N, ROWS=config.ROWS, ROUND_SUM=bool(config.VLLM_ROUNDING), BY_BITS=RNE_BY_BITS,
