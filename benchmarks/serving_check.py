@@ -397,13 +397,20 @@ def time_decode_step(model: torch.nn.Module, prompt: torch.Tensor, warmup: int, 
 
 
 def table_entries(paths: Sequence[str]) -> list[dict[str, Any]]:
-    """Entries of the tables, first path winning a duplicate key (as tunekit.ops merges them)."""
+    """Entries of the tables that load, first path winning a duplicate key (as tunekit.ops merges them).
+
+    A table that does not load is skipped here (main reports it as a FAIL).
+    """
     from tunekit import table as table_mod
 
     seen: set[tuple] = set()
     out = []
     for path in paths:
-        for entry in table_mod.load(path)["entries"]:
+        try:
+            entries = table_mod.load(path)["entries"]
+        except Exception:
+            continue
+        for entry in entries:
             key = (entry["op"], entry["dtype"], entry["m"], entry["n"], entry["k"])
             if key not in seen:
                 seen.add(key)
@@ -894,9 +901,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5, help="decode steps before timing")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tol-factor", type=float, default=2.0,
-                        help="allowed |patched - fp32| logit error as a multiple of |unpatched - fp32|")
-    parser.add_argument("--rel-tol", type=float, default=0.05,
-                        help="allowed max|patched - unpatched| / logit std when the fp32 reference fails")
+                        help="rms |patched - fp32| may be this multiple of rms |unpatched - fp32|, and "
+                             "max |patched - unpatched| (factor + 1) x max |unpatched - fp32|")
+    parser.add_argument("--rel-tol", type=float, default=0.25,
+                        help="allowed max|patched - unpatched| / logit std when the fp32 reference fails (on the "
+                             "H200, 27B sizes, 4 layers: the unpatched BF16 model is up to ~17%% of the std from "
+                             "fp32, patched - unpatched ~10%%)")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the ops check")
     parser.add_argument("--device", default=None, help="default: cuda if available (and not interpreting), else cpu")
     parser.add_argument("--skip-ops", action="store_true")
