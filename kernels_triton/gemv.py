@@ -118,7 +118,8 @@ def invalid_reason(config: GemvConfig, m: int, n: int, k: int) -> str | None:
     k_per_split = _cdiv(_cdiv(k, config.SPLIT_K), config.BLOCK_K) * config.BLOCK_K
     if k_per_split * (config.SPLIT_K - 1) >= k:
         return "the last K split would be empty"
-    if config.BLOCK_K > 2 * _next_pow2(k):
+    if config.BLOCK_K > max(2 * _next_pow2(k), DEFAULT.BLOCK_K):
+        # pure waste (masked lanes), pruned from the search; DEFAULT's stays valid at any K
         return "BLOCK_K far larger than K"
     return None
 

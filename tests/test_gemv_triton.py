@@ -122,3 +122,9 @@ def test_rows_mode_is_refused_at_m1_where_it_is_the_tile_kernel() -> None:
 def test_recorded_configs_with_the_old_use_dot_name_still_load() -> None:
     assert GemvConfig.from_params({"BLOCK_N": 16, "USE_DOT": 1}).M_MODE == "dot"
     assert GemvConfig.from_params({"BLOCK_N": 16, "USE_DOT": 0}).M_MODE == "tile"
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("n,k", [(1, 1), (8, 32), (64, 64), (96, 127), (5, 4099)])
+def test_the_fallback_config_is_valid_for_every_shape(m, n, k) -> None:
+    assert invalid_reason(DEFAULT, m, n, k) is None

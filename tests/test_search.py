@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -175,3 +176,22 @@ def test_domain_pruning_keeps_exactly_the_values_some_valid_config_uses() -> Non
                     used[p].add(repr(v))
         exact = {p: [v for v in space.domains[p] if repr(v) in used[p]] for p in names}
         assert _prune_domains(backend, problem, space.domains, space.fixed) == exact, (name, m, n, k)
+
+
+def test_a_default_config_invalid_for_the_shape_is_not_enqueued(tmp_path, monkeypatch) -> None:
+    # Enqueuing it would give Optuna a value outside the pruned domain (a crash, before).
+    from tunekit import backends
+
+    triton_backend = backends.get("triton")
+    real_space = triton_backend.space
+
+    def space_with_a_bad_default(problem):
+        space = real_space(problem)
+        return dataclasses.replace(space, default=dict(space.default, BLOCK_K=8192))
+
+    monkeypatch.setattr(triton_backend, "space", space_with_a_bad_default)
+    cfg = SearchConfig(problems=[Problem("gemv", "bf16", 1, 8, 64)], backends=["triton"], out_dir=tmp_path,
+                       trials=1, warm_start=0)
+    outcome = run_search(cfg)
+    (stats,) = outcome.stats
+    assert stats.measured_now == 1

@@ -307,7 +307,14 @@ def _run_study(cfg, storage, worker, device, probe, problem, backend_name, bar, 
     measured = len(seen)
     stats.measured_before = measured
     if not study.get_trials(deepcopy=False):
-        study.enqueue_trial(space.default)
+        default = dict(space.fixed) | dict(space.default)
+        reason = backend.invalid_reason(problem, default)
+        if reason is None and all(space.default.get(k) in v for k, v in domains.items()):
+            study.enqueue_trial(space.default)
+        else:
+            # a plugin's default may not fit every shape; the sampler starts without it
+            bar.log(f"{name}: the default config is not valid here ({reason or 'outside the pruned domains'}); "
+                    "not enqueued")
         for params in _seeds_from_files(cfg.seed_from, backend_name, problem, domains, space.default):
             study.enqueue_trial(params)
         for params in _warm_start(storage, name, backend_name, problem, domains, space.default,
