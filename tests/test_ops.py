@@ -485,3 +485,17 @@ def test_elementwise_ops_launch_the_real_triton_kernels(tmp_path: Path) -> None:
     impls = {(r["op"], r["impl"]) for r in ops.dispatch_stats()}
     assert {impl for _, impl in impls} == {"tuned:triton", "fallback:eps"}
     assert {op for op, impl in impls if impl == "tuned:triton"} == {op for op, _, _ in shapes}
+
+
+def test_an_entry_whose_config_cannot_run_a_smaller_m_is_a_reasoned_fallback(tmp_path: Path) -> None:
+    # M=4's winner uses per-row accumulators, which M=1 cannot run: M=1 takes the vendor path, M=2 the kernel.
+    rows_params = dict(PARAMS, M_MODE="rows")
+    path = make_table(tmp_path / "table.json", [_entry("gemv", 4, N, K, params=rows_params)])
+    ops.load_tables(str(path))
+    for m in (1, 2):
+        x, w = _xw(m, seed=m)
+        y = torch.ops.tunekit.gemv(x, w, None)
+        assert _within_bound(y, x, w)
+    impls = {r["m"]: r["impl"] for r in _rows(shape=f"{N}x{K}")}
+    assert impls == {1: "fallback:config_invalid_at_m", 2: "tuned:triton"}
+    assert "config_invalid_at_m" in ops.FALLBACK_REASONS

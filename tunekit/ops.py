@@ -130,6 +130,8 @@ FALLBACK_REASONS: dict[str, str] = {
     "interpreter_off": "CPU tensors while TRITON_INTERPRET is not set (Triton runs on GPUs only then)",
     "interpreter_on": "GPU tensors while TRITON_INTERPRET=1 (interpreted kernels take CPU tensors)",
     "backend_unavailable": "the entry's backend cannot run here (logged once with the reason)",
+    "config_invalid_at_m": "the entry serving this M (tuned at a larger M) holds a config this M cannot run "
+                           "(M_MODE=\"rows\" at M=1); logged once",
     "build_error": "the entry's kernel failed to build (logged once with the error)",
     "not_built_at_capture": "met first under CUDA-graph capture, where kernels are never built: the graph keeps "
                             "the vendor path for this size (call tunekit.ops.prepare() or run a warm-up first)",
@@ -368,6 +370,19 @@ def _build(op: str, dtype: str, m: int, n: int, k: int, entry: dict[str, Any], d
         # HIP kernels are built for M up to MAX_M = the tabulated M (one build
         # serves every smaller M); Triton's config is checked for the real M.
         build_m = entry["m"] if (name == "hip" and op == "gemv") else m
+        invalid = None
+        if build_m != entry["m"] and hasattr(backend, "invalid_reason"):
+            invalid = backend.invalid_reason(Problem(op, dtype, build_m, n, k), entry["params"])
+            if invalid is not None and backend.invalid_reason(
+                    Problem(op, dtype, entry["m"], n, k), entry["params"]) is not None:
+                invalid = None  # invalid at its own M too: a broken entry, left to the build to report
+        if invalid is not None:
+            # an entry tuned at a larger M may use a config the smaller M cannot run
+            # (M_MODE="rows" at M=1): a reasoned fallback, not a build error
+            _log_once(f"invalid:{op}:{dtype}:{m}:{n}:{k}:{name}", logging.INFO,
+                      "tunekit: %s %s M=%d N=%d K=%d: the M=%d entry's %s config does not run at this M (%s); "
+                      "vendor path", op, dtype, m, n, k, entry["m"], name, invalid)
+            return _Choice("fallback:config_invalid_at_m", entry=entry)
         build_key = (name, op, dtype, build_m, n, k, json.dumps(entry["params"], sort_keys=True), device.torch_device)
         with _STATE.lock:
             kernel = _STATE.built.get(build_key)
