@@ -23,7 +23,11 @@ Design, for a memory-bound problem:
   "rows": one [BLOCK_N, BLOCK_K] accumulator per row of x, each exactly the
   M=1 kernel's 2D tile and layout (the M=1 path reaches 92-101% of the read
   limit), so no 3D broadcast or layout conversion;
-  "dot": tl.dot on tensor cores with M padded to 16.
+  "dot": tl.dot on tensor cores with M padded to 16 (x is the MMA's M side;
+  on sm_90 Triton lowers it to mma.sync m16n8k16 fed by ldmatrix);
+  "dot_w": the same product with the operands swapped, acc^T = W x^T, so W's
+  rows are the MMA's M side (BLOCK_N >= 64 lowers to Hopper wgmma m64n16k16
+  reading W from shared memory) - the usual layout of small-M GEMMs.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ class GemvConfig:
     SPLIT_K: int = 1
     W_EVICT: str = ""  # "" (default policy) or "evict_first" / "evict_last"
     SPLIT_REDUCE: str = "kernel"  # SPLIT_K > 1: "kernel" (2nd launch) or "fused" (last split sums)
-    M_MODE: str = "tile"  # how M > 1 rows share a W tile: "tile", "rows" or "dot" (see module doc)
+    M_MODE: str = "tile"  # how M > 1 rows share a W tile: "tile", "rows", "dot" or "dot_w" (module doc)
 
     @classmethod
     def from_params(cls, params: dict) -> GemvConfig:
@@ -101,11 +105,11 @@ def invalid_reason(config: GemvConfig, m: int, n: int, k: int) -> str | None:
     if config.SPLIT_K == 1 and config.SPLIT_REDUCE != "kernel":
         return "SPLIT_REDUCE only applies to SPLIT_K > 1"
     threads = 32 * config.num_warps
-    if config.M_MODE not in ("tile", "rows", "dot"):
+    if config.M_MODE not in ("tile", "rows", "dot", "dot_w"):
         return f"unknown M_MODE {config.M_MODE!r}"
     if config.M_MODE == "rows" and m == 1:
         return 'M_MODE="rows" is the "tile" kernel at M=1'
-    if config.M_MODE == "dot":
+    if config.M_MODE in ("dot", "dot_w"):
         if config.BLOCK_N < _DOT_MIN or config.BLOCK_K < _DOT_MIN:
             return f"tl.dot needs BLOCK_N and BLOCK_K >= {_DOT_MIN}"
         # the W tile (bf16) and the [16, BLOCK_N] accumulator live in registers
@@ -132,7 +136,7 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, FUSED_REDUCE: tl.constexpr,
     EVEN_K: tl.constexpr, W_EVICT: tl.constexpr, USE_DOT: tl.constexpr, ROWS: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -155,7 +159,9 @@ def _gemv_kernel(
     acc5 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc6 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc7 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if USE_DOT:
+    if USE_DOT and SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    elif USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     elif BLOCK_M == 1 or ROWS:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -184,6 +190,12 @@ def _gemv_kernel(
                 acc5 += wf * tl.load(xk + 5 * stride_xm, mask=km & (5 < M), other=0.0).to(tl.float32)
                 acc6 += wf * tl.load(xk + 6 * stride_xm, mask=km & (6 < M), other=0.0).to(tl.float32)
                 acc7 += wf * tl.load(xk + 7 * stride_xm, mask=km & (7 < M), other=0.0).to(tl.float32)
+        elif USE_DOT and SWAP_AB:
+            # [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M(>=16)]: W is the MMA's M side
+            if DOT_IN_FP32:
+                acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, tl.trans(x), acc)
         elif USE_DOT:
             # [BLOCK_M(>=16), BLOCK_K] x [BLOCK_K, BLOCK_N] on tensor cores; the
             # padded rows of x are zeros (masked), so they cost MMA work only.
@@ -209,6 +221,8 @@ def _gemv_kernel(
             out = tl.where(rows_m == 5, tl.sum(acc5, axis=1)[None, :], out)
             out = tl.where(rows_m == 6, tl.sum(acc6, axis=1)[None, :], out)
             out = tl.where(rows_m == 7, tl.sum(acc7, axis=1)[None, :], out)
+    elif USE_DOT and SWAP_AB:
+        out = tl.trans(acc)
     elif USE_DOT:
         out = acc
     elif BLOCK_M == 1:
@@ -280,7 +294,7 @@ def gemv(
         raise ValueError("gemv needs unit stride along K for x and w")
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    use_dot = config.M_MODE == "dot"
+    use_dot = config.M_MODE in ("dot", "dot_w")
     rows = config.M_MODE == "rows" and m > 1
     block_m = max(_DOT_MIN, _next_pow2(m)) if use_dot else _next_pow2(m)
     split = config.SPLIT_K
@@ -302,7 +316,7 @@ def gemv(
         partials.stride(1) if split > 1 else 0,
         BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
         SPLIT_K=split, FUSED_REDUCE=fused, EVEN_K=even_k, W_EVICT=config.W_EVICT, USE_DOT=use_dot, ROWS=rows,
-        DOT_IN_FP32=_DOT_IN_FP32,
+        DOT_IN_FP32=_DOT_IN_FP32, SWAP_AB=config.M_MODE == "dot_w",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split > 1 and not fused:

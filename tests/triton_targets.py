@@ -224,7 +224,7 @@ def gemv_cases() -> list[Case]:
     """GEMV over M, M_MODE, split-K and its reduction, even and odd K, each with both eviction hints (valid only).
 
     BLOCK_K=64 lets SPLIT_K=3 cut both K=384 (EVEN_K: 3 splits of 128) and K=300
-    (masked loads) into non-empty splits; the "dot" mode needs BLOCK_N >= 16.
+    (masked loads) into non-empty splits; the "dot" modes need BLOCK_N >= 16.
     """
     import torch
 
@@ -235,11 +235,12 @@ def gemv_cases() -> list[Case]:
     cases: list[Case] = []
     for m, (k_index, k) in itertools.product((1, 3, 8), enumerate((384, 300))):
         configs = [g.DEFAULT]
-        for mode, (split_index, (split, reduce)) in itertools.product(("tile", "rows", "dot"), enumerate(splits)):
+        modes = ("tile", "rows", "dot", "dot_w")
+        for mode, (split_index, (split, reduce)) in itertools.product(modes, enumerate(splits)):
             # W_EVICT only changes the W load's cache hint, so it is paired, not crossed: every
             # (M, M_MODE, K) and every (M, M_MODE, split) sees both hints, at half the compiles.
             evict = "evict_first" if (split_index + k_index) % 2 else ""
-            block_n = 16 if mode == "dot" else 4
+            block_n = {"dot": 16, "dot_w": 64}.get(mode, 4)  # dot_w at 64: Hopper's wgmma lowering
             configs.append(g.GemvConfig(BLOCK_N=block_n, BLOCK_K=64, SPLIT_K=split, SPLIT_REDUCE=reduce,
                                         W_EVICT=evict, M_MODE=mode))
         for config in configs:
