@@ -91,13 +91,15 @@ def test_launcher_rejects_mismatched_operands() -> None:
         gemv(torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(4, 16, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("mode", ["dot", "dot_w"])  # dot_w: W as the MMA's M side (acc^T = W x^T)
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
-def test_tensor_core_path_every_m_with_tails(m: int) -> None:
-    _check(m, 37, 200, GemvConfig(BLOCK_N=16, BLOCK_K=64, num_warps=1, M_MODE="dot"), seed=10 + m)
+def test_tensor_core_paths_every_m_with_tails(m: int, mode: str) -> None:
+    _check(m, 37, 200, GemvConfig(BLOCK_N=16, BLOCK_K=64, num_warps=1, M_MODE=mode), seed=10 + m)
 
 
-def test_tensor_core_path_with_split_k() -> None:
-    _check(4, 40, 330, GemvConfig(BLOCK_N=16, BLOCK_K=16, num_warps=1, M_MODE="dot", SPLIT_K=3,
+@pytest.mark.parametrize(("mode", "block_n", "warps"), [("dot", 16, 1), ("dot_w", 64, 4)])
+def test_tensor_core_paths_with_split_k(mode: str, block_n: int, warps: int) -> None:
+    _check(4, 70, 330, GemvConfig(BLOCK_N=block_n, BLOCK_K=16, num_warps=warps, M_MODE=mode, SPLIT_K=3,
                                   SPLIT_REDUCE="fused"))
 
 
@@ -105,16 +107,6 @@ def test_tensor_core_path_needs_16_wide_tiles() -> None:
     assert "tl.dot" in invalid_reason(GemvConfig(BLOCK_N=8, M_MODE="dot"), 2, 64, 512)
     assert "tl.dot" in invalid_reason(GemvConfig(BLOCK_N=8, M_MODE="dot_w"), 2, 64, 512)
 
-
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
-def test_swapped_tensor_core_path_every_m_with_tails(m: int) -> None:
-    # W as the MMA's M side (acc^T = W x^T): the same product, transposed on the way out
-    _check(m, 37, 200, GemvConfig(BLOCK_N=16, BLOCK_K=64, num_warps=1, M_MODE="dot_w"), seed=30 + m)
-
-
-def test_swapped_tensor_core_path_with_split_k() -> None:
-    _check(4, 70, 330, GemvConfig(BLOCK_N=64, BLOCK_K=16, num_warps=4, M_MODE="dot_w", SPLIT_K=3,
-                                  SPLIT_REDUCE="fused"))
 
 
 @pytest.mark.parametrize("m", [2, 3, 4, 5, 8])
