@@ -108,7 +108,6 @@ def test_tensor_core_path_needs_16_wide_tiles() -> None:
     assert "tl.dot" in invalid_reason(GemvConfig(BLOCK_N=8, M_MODE="dot_w"), 2, 64, 512)
 
 
-
 @pytest.mark.parametrize("m", [2, 3, 4, 5, 8])
 def test_per_row_accumulator_path_every_m_with_tails(m: int) -> None:
     _check(m, 37, 200, GemvConfig(BLOCK_N=2, BLOCK_K=64, num_warps=1, M_MODE="rows"), seed=20 + m)
