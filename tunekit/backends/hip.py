@@ -35,7 +35,7 @@ import torch
 import search_spaces
 from tunekit import rtc
 from tunekit.backends.base import BuildError, Kernel, Params, SearchSpace
-from tunekit.backends.hip_elementwise import FAMILIES, ElementwiseLauncher
+from tunekit.backends.hip_elementwise import FAMILIES, ElementwiseLauncher, int_params
 from tunekit.device import DeviceInfo
 from tunekit.shapes import Problem
 
@@ -97,16 +97,9 @@ def gemv_invalid_reason(params: Params, m: int, n: int, k: int) -> str | None:
     configs that are legal but pointless (a step several times longer than K,
     splits that would get no full step).
     """
-    unknown = sorted(set(params) - set(GEMV_PARAMS))
-    if unknown:
-        return f"unknown parameter(s) {unknown} (known: {', '.join(GEMV_PARAMS)})"
-    missing = [name for name in GEMV_PARAMS if name not in params]
-    if missing:
-        return f"missing parameter(s) {missing}"
-    try:
-        p = {name: int(params[name]) for name in GEMV_PARAMS}
-    except (TypeError, ValueError):
-        return f"non-integer parameter in {params}"
+    p = int_params(params, GEMV_PARAMS)
+    if isinstance(p, str):
+        return p
     rpb, rpt, tpr = p["ROWS_PER_BLOCK"], p["ROWS_PER_THREAD"], p["THREADS_PER_ROW"]
     vec, unroll = p["VEC"], p["UNROLL"]
     split = p["SPLIT_K"]

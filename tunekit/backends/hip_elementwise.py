@@ -54,7 +54,8 @@ def eps_bits(eps: float) -> int:
     return struct.unpack("<I", struct.pack("<f", eps))[0]
 
 
-def _ints(params: Params, names: Sequence[str]) -> dict[str, int] | str:
+def int_params(params: Params, names: Sequence[str]) -> dict[str, int] | str:
+    """``params`` as exactly the integer defines ``names``, or why not (unknown, missing, non-integer)."""
     unknown = sorted(set(params) - set(names))
     if unknown:
         return f"unknown parameter(s) {unknown} (known: {', '.join(names)})"
@@ -88,7 +89,7 @@ def _rows_reason(p: dict[str, int]) -> str | None:
 
 def norm_invalid_reason(params: Params, problem: Problem) -> str | None:
     """rms_norm.hip / fused_add_rms_norm.hip: None if buildable for ``problem``, else why not."""
-    p = _ints(params, NORM_PARAMS)
+    p = int_params(params, NORM_PARAMS)
     if isinstance(p, str):
         return p
     if problem.k != problem.n or problem.n < 1:
@@ -98,7 +99,7 @@ def norm_invalid_reason(params: Params, problem: Problem) -> str | None:
 
 def gated_invalid_reason(params: Params, problem: Problem) -> str | None:
     """gated_rms_norm.hip: None if buildable for ``problem`` (groups of K over rows of N), else why not."""
-    p = _ints(params, GATED_PARAMS)
+    p = int_params(params, GATED_PARAMS)
     if isinstance(p, str):
         return p
     if problem.k < 1 or problem.n % problem.k:
@@ -108,7 +109,7 @@ def gated_invalid_reason(params: Params, problem: Problem) -> str | None:
 
 def pointwise_invalid_reason(params: Params, problem: Problem) -> str | None:
     """silu_and_mul.hip / bias_gelu.hip: None if buildable for ``problem``, else why not."""
-    p = _ints(params, POINTWISE_PARAMS)
+    p = int_params(params, POINTWISE_PARAMS)
     if isinstance(p, str):
         return p
     want_k = 2 * problem.n if problem.op == "silu_and_mul" else problem.n
