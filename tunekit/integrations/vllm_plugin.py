@@ -259,38 +259,33 @@ def _covered(op: str, x: torch.Tensor, n: int, k: int) -> bool:
     return bool(_covers(op, dtype_name(x.dtype), int(n), int(k), str(x.device)))
 
 
+def _norm_route(self: Any, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                plain_op: str, fused_op: str) -> Any:
+    """The tunekit op for a norm (``plain_op``) or fused add + norm (``fused_op``), or None (stock method)."""
+    n = x.shape[-1]
+    if n != weight.shape[0] or not _x_ok(x, weight):
+        return None
+    if residual is None:
+        if not _covered(plain_op, x, n, n):
+            return None
+        return getattr(torch.ops.tunekit, plain_op)(x, weight, float(self.variance_epsilon))
+    if residual.dtype != x.dtype or residual.shape != x.shape or not _covered(fused_op, x, n, n):
+        return None
+    out, res = getattr(torch.ops.tunekit, fused_op)(x, residual, weight, float(self.variance_epsilon))
+    return out, res
+
+
 def _rms_norm_route(self: Any, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
     """tunekit op for RMSNorm's plain cases, or None (the stock method runs)."""
     if (getattr(self, "variance_size_override", None) is not None or not getattr(self, "has_weight", True)
             or _env_flag("VLLM_BATCH_INVARIANT", False)):
         return None
     weight = self.weight.data if isinstance(self.weight, torch.nn.Parameter) else self.weight
-    n = x.shape[-1]
-    if n != weight.shape[0] or not _x_ok(x, weight):
-        return None
-    if residual is None:
-        if not _covered("rms_norm", x, n, n):
-            return None
-        return torch.ops.tunekit.rms_norm(x, weight, float(self.variance_epsilon))
-    if residual.dtype != x.dtype or residual.shape != x.shape or not _covered("fused_add_rms_norm", x, n, n):
-        return None
-    out, res = torch.ops.tunekit.fused_add_rms_norm(x, residual, weight, float(self.variance_epsilon))
-    return out, res
+    return _norm_route(self, x, residual, weight, "rms_norm", "fused_add_rms_norm")
 
 
 def _gemma_rms_norm_route(self: Any, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
-    weight = self.weight.data
-    n = x.shape[-1]
-    if n != weight.shape[0] or not _x_ok(x, weight):
-        return None
-    if residual is None:
-        if not _covered("gemma_rms_norm", x, n, n):
-            return None
-        return torch.ops.tunekit.gemma_rms_norm(x, weight, float(self.variance_epsilon))
-    if residual.dtype != x.dtype or residual.shape != x.shape or not _covered("gemma_fused_add_rms_norm", x, n, n):
-        return None
-    out, res = torch.ops.tunekit.gemma_fused_add_rms_norm(x, residual, weight, float(self.variance_epsilon))
-    return out, res
+    return _norm_route(self, x, residual, self.weight.data, "gemma_rms_norm", "gemma_fused_add_rms_norm")
 
 
 def _rms_norm_gated_route(self: Any, x: torch.Tensor, z: torch.Tensor | None = None) -> Any:
