@@ -19,12 +19,13 @@ composition is eager PyTorch):
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels_triton.config import StrictConfig
 from kernels_triton.rms_norm import tile_reason
 from kernels_triton.rounding import RNE_BY_BITS, round_bf16
 from kernels_triton.tiles import pointwise_grid, tile_offsets
@@ -40,19 +41,11 @@ _A_K = tl.constexpr(_A)
 
 
 @dataclass(frozen=True)
-class BiasGeluConfig:
+class BiasGeluConfig(StrictConfig):
     BLOCK_N: int = 1024  # columns per program
     ROWS: int = 1  # rows per program
     num_warps: int = 4
     VLLM_ROUNDING: int = 1  # 1: x + b rounded to BF16 before the GELU (eager PyTorch); 0: fp32
-
-    @classmethod
-    def from_params(cls, params: dict) -> BiasGeluConfig:
-        """Strict: an unknown key is a TypeError."""
-        return cls(**params)
-
-    def as_params(self) -> dict:
-        return asdict(self)
 
 
 Config = BiasGeluConfig

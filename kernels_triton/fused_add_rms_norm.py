@@ -28,12 +28,13 @@ Numerics (where rounding to BF16 happens), ``VLLM_ROUNDING``:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels_triton.config import StrictConfig
 from kernels_triton.rms_norm import _apply_weight, effective_block, tile_reason
 from kernels_triton.rounding import RNE_BY_BITS, round_bf16
 
@@ -41,19 +42,11 @@ OPS = ("fused_add_rms_norm", "gemma_fused_add_rms_norm")
 
 
 @dataclass(frozen=True)
-class FusedAddRmsNormConfig:
+class FusedAddRmsNormConfig(StrictConfig):
     BLOCK_N: int = 1024  # columns per step; >= N: one pass, row in registers (and alias-safe)
     ROWS: int = 1  # rows per program
     num_warps: int = 4
     VLLM_ROUNDING: int = 1  # 1: sum rounded before the variance, as vLLM (module docstring); 0: fp32 sum
-
-    @classmethod
-    def from_params(cls, params: dict) -> FusedAddRmsNormConfig:
-        """Strict: an unknown key is a TypeError."""
-        return cls(**params)
-
-    def as_params(self) -> dict:
-        return asdict(self)
 
 
 Config = FusedAddRmsNormConfig

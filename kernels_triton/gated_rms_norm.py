@@ -17,12 +17,13 @@ no vLLM-matching variant to offer. silu(z) = z * sigmoid(z) = z / (1 + exp(-z)).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels_triton.config import StrictConfig
 from kernels_triton.rms_norm import tile_reason
 from kernels_triton.rounding import RNE_BY_BITS, round_bf16
 
@@ -33,17 +34,9 @@ MAX_GROUP = 2048
 
 
 @dataclass(frozen=True)
-class GatedRmsNormConfig:
+class GatedRmsNormConfig(StrictConfig):
     ROWS: int = 4  # groups per program
     num_warps: int = 4
-
-    @classmethod
-    def from_params(cls, params: dict) -> GatedRmsNormConfig:
-        """Strict: an unknown key is a TypeError."""
-        return cls(**params)
-
-    def as_params(self) -> dict:
-        return asdict(self)
 
 
 Config = GatedRmsNormConfig

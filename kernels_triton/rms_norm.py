@@ -33,12 +33,13 @@ only through that order.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels_triton.config import StrictConfig
 from kernels_triton.rounding import RNE_BY_BITS, round_bf16
 
 #: The ops this module serves (the weight convention is in the op name).
@@ -46,19 +47,11 @@ OPS = ("rms_norm", "gemma_rms_norm")
 
 
 @dataclass(frozen=True)
-class RmsNormConfig:
+class RmsNormConfig(StrictConfig):
     BLOCK_N: int = 1024  # columns per step; >= N: the row stays in registers (one pass)
     ROWS: int = 1  # rows per program
     num_warps: int = 4
     VLLM_ROUNDING: int = 1  # 1: round where vLLM's kernels do (module docstring); 0: fp32 throughout
-
-    @classmethod
-    def from_params(cls, params: dict) -> RmsNormConfig:
-        """Strict: an unknown key is a TypeError (a misspelt tunable must not pass silently)."""
-        return cls(**params)
-
-    def as_params(self) -> dict:
-        return asdict(self)
 
 
 Config = RmsNormConfig

@@ -14,12 +14,13 @@ Numerics, ``VLLM_ROUNDING``:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels_triton.config import StrictConfig
 from kernels_triton.rms_norm import tile_reason
 from kernels_triton.rounding import RNE_BY_BITS, round_bf16
 from kernels_triton.tiles import pointwise_grid, tile_offsets
@@ -28,19 +29,11 @@ OPS = ("silu_and_mul",)
 
 
 @dataclass(frozen=True)
-class SiluAndMulConfig:
+class SiluAndMulConfig(StrictConfig):
     BLOCK_N: int = 1024  # output columns per program
     ROWS: int = 1  # rows per program
     num_warps: int = 4
     VLLM_ROUNDING: int = 1  # 1: silu rounded to BF16 before the multiply (vLLM); 0: one rounding
-
-    @classmethod
-    def from_params(cls, params: dict) -> SiluAndMulConfig:
-        """Strict: an unknown key is a TypeError."""
-        return cls(**params)
-
-    def as_params(self) -> dict:
-        return asdict(self)
 
 
 Config = SiluAndMulConfig
