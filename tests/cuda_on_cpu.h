@@ -59,3 +59,16 @@ template <class F> static void run_grid(long gx, long gy, unsigned threads, F bo
             for (auto& t : ts) t.join();
         }
 }
+
+// BF16 arrays as raw uint16 files: how the g++ tests pass tensors to and from Python.
+static std::vector<unsigned short> read_u16(const char* dir, const char* file) {
+    char path[1024]; std::snprintf(path, sizeof path, "%s/%s", dir, file);
+    FILE* f = std::fopen(path, "rb"); std::fseek(f, 0, SEEK_END); long n = std::ftell(f) / 2;
+    std::fseek(f, 0, SEEK_SET); std::vector<unsigned short> v(n);
+    if (std::fread(v.data(), 2, n, f) != (size_t)n) std::exit(2);
+    std::fclose(f); return v;
+}
+static void write_u16(const char* dir, const char* file, const std::vector<unsigned short>& v) {
+    char path[1024]; std::snprintf(path, sizeof path, "%s/%s", dir, file);
+    FILE* f = std::fopen(path, "wb"); std::fwrite(v.data(), 2, v.size(), f); std::fclose(f);
+}

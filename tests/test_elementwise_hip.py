@@ -224,18 +224,6 @@ _PRELUDE = r"""
 #include "cuda_on_cpu.h"
 #include "SOURCE"
 
-static std::vector<unsigned short> rd(const char* dir, const char* name) {
-    char path[1024]; std::snprintf(path, sizeof path, "%s/%s.bin", dir, name);
-    FILE* f = std::fopen(path, "rb"); std::fseek(f, 0, SEEK_END); long n = std::ftell(f) / 2;
-    std::fseek(f, 0, SEEK_SET); std::vector<unsigned short> v(n);
-    if (std::fread(v.data(), 2, n, f) != (size_t)n) std::exit(2);
-    std::fclose(f); return v;
-}
-static void wr(const char* dir, const char* name, const std::vector<unsigned short>& v) {
-    char path[1024]; std::snprintf(path, sizeof path, "%s/%s.bin", dir, name);
-    FILE* f = std::fopen(path, "wb"); std::fwrite(v.data(), 2, v.size(), f); std::fclose(f);
-}
-
 int main(int argc, char** argv) {
     const char* d = argv[1];
     long a[16] = {0};
@@ -248,41 +236,41 @@ int main(int argc, char** argv) {
 # argv scalars a[0..]; outputs poisoned with NaN bits (0xffff) before the launch.
 _BODIES = {
     "rms_norm": """
-    auto x = rd(d, "x"), w = rd(d, "w");
+    auto x = read_u16(d, "x.bin"), w = read_u16(d, "w.bin");
     const long M = a[0], sx = a[1], sy = a[2], xo = a[3];
     std::vector<unsigned short> y(M * sy, 0xffff);
     run_grid((M + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK, 1, TK_THREADS,
              [&] { tunekit_rms_norm(x.data() + xo, w.data(), y.data(), M, sx, sy, a[4]); });
-    wr(d, "y", y);""",
+    write_u16(d, "y.bin", y);""",
     "fused_add_rms_norm": """
-    auto x = rd(d, "x"), r = rd(d, "r"), w = rd(d, "w");
+    auto x = read_u16(d, "x.bin"), r = read_u16(d, "r.bin"), w = read_u16(d, "w.bin");
     const long M = a[0], sx = a[1], sr = a[2], sy = a[3], so = a[4], xo = a[5];
     std::vector<unsigned short> y(M * sy, 0xffff), o(M * so, 0xffff);
     run_grid((M + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK, 1, TK_THREADS, [&] {
         tunekit_fused_add_rms_norm(x.data() + xo, r.data(), w.data(), y.data(), o.data(), M, sx, sr, sy, so, a[6]); });
-    wr(d, "y", y);
-    wr(d, "o", o);""",
+    write_u16(d, "y.bin", y);
+    write_u16(d, "o.bin", o);""",
     "gated_rms_norm": """
-    auto x = rd(d, "x"), z = rd(d, "z"), w = rd(d, "w");
+    auto x = read_u16(d, "x.bin"), z = read_u16(d, "z.bin"), w = read_u16(d, "w.bin");
     const long M = a[0], G = a[1], sx = a[2], sz = a[3], sy = a[4];
     std::vector<unsigned short> y(M * sy, 0xffff);
     run_grid((M * G + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK, 1, TK_THREADS, [&] {
         tunekit_gated_rms_norm(x.data(), z.data(), w.data(), y.data(), M * G, G, sx, sz, sy, a[5]); });
-    wr(d, "y", y);""",
+    write_u16(d, "y.bin", y);""",
     "silu_and_mul": """
-    auto x = rd(d, "x");
+    auto x = read_u16(d, "x.bin");
     const long M = a[0], D = a[1], sx = a[2], sy = a[3];
     std::vector<unsigned short> y(M * sy, 0xffff);
     run_grid((D + TK_COLS_PER_BLOCK - 1) / TK_COLS_PER_BLOCK, (M + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK, THREADS,
              [&] { tunekit_silu_and_mul(x.data(), y.data(), M, D, sx, sy); });
-    wr(d, "y", y);""",
+    write_u16(d, "y.bin", y);""",
     "bias_gelu": """
-    auto x = rd(d, "x"), b = rd(d, "b");
+    auto x = read_u16(d, "x.bin"), b = read_u16(d, "b.bin");
     const long M = a[0], N = a[1], sx = a[2], sy = a[3];
     std::vector<unsigned short> y(M * sy, 0xffff);
     run_grid((N + TK_COLS_PER_BLOCK - 1) / TK_COLS_PER_BLOCK, (M + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK, THREADS,
              [&] { tunekit_bias_gelu(x.data(), b.data(), y.data(), M, N, sx, sy); });
-    wr(d, "y", y);""",
+    write_u16(d, "y.bin", y);""",
 }
 
 

@@ -301,14 +301,6 @@ _EMU = r"""
 #include "cuda_on_cpu.h"
 #include "gemv.hip"
 
-static std::vector<unsigned short> read_u16(const char* dir, const char* name) {
-    char path[1024]; std::snprintf(path, sizeof path, "%s/%s", dir, name);
-    FILE* f = std::fopen(path, "rb"); std::fseek(f, 0, SEEK_END); long n = std::ftell(f) / 2;
-    std::fseek(f, 0, SEEK_SET); std::vector<unsigned short> v(n);
-    if (std::fread(v.data(), 2, n, f) != (size_t)n) std::exit(2);
-    std::fclose(f); return v;
-}
-
 // argv: M N K stride_xm stride_wn stride_ym x_offset w_offset k_chunk dir
 int main(int argc, char** argv) {
     if (argc != 11) return 1;
@@ -330,8 +322,7 @@ int main(int argc, char** argv) {
 #endif
     }
     for (unsigned t : tickets) if (t) return 3;
-    char path[1024]; std::snprintf(path, sizeof path, "%s/y.bin", argv[10]);
-    FILE* f = std::fopen(path, "wb"); std::fwrite(y.data(), 2, y.size(), f); std::fclose(f);
+    write_u16(argv[10], "y.bin", y);
     return 0;
 }
 """
