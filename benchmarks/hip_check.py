@@ -1,5 +1,7 @@
 """GPU check of the HIP GEMV family: correctness on the model's shapes and odd
-tails at M = 1, 2, 4, 8, and run-time compile times (cold and cached).
+tails at M = 1, 2, 4, 8 (the default, two sampled CUDA-core configs and,
+where the device has it, two sampled MMA=1 configs), and run-time compile
+times (cold and cached).
 
     python benchmarks/hip_check.py [--model qwen3.5-27b] [--configs 12]
 
@@ -31,12 +33,12 @@ from tunekit.shapes import Problem  # noqa: E402
 ODD_TAILS = [(77, 300), (1000, 1030), (5, 4099), (96, 5121), (33, 262)]
 
 
-def _sample_configs(backend, problem: Problem, count: int, rng: random.Random) -> list[dict]:
+def _sample_configs(backend, problem: Problem, count: int, rng: random.Random, **fixed) -> list[dict]:
     space = backend.space(problem)
     out, tries = [], 0
-    while len(out) < count and tries < 2000:
+    while len(out) < count and tries < 5000:
         tries += 1
-        params = {k: rng.choice(v) for k, v in space.domains.items()}
+        params = {k: rng.choice(v) for k, v in space.domains.items()} | fixed
         if backend.invalid_reason(problem, params) is None and params not in out:
             out.append(params)
     return out
@@ -58,12 +60,15 @@ def main() -> int:
     rng = random.Random(0)
     failures = 0
     spec = load_model(args.model)
+    mma = hip.pinned_params(device).get("MMA", 1) == 1
     shapes = sorted({(n, k) for _, n, k, _ in spec.linears(1)}) + ODD_TAILS
     print(f"device {device.name} {device.arch}; checking {len(shapes)} shapes x M 1,2,4,8")
     for m in (1, 2, 4, 8):
         for n, k in shapes:
             problem = Problem("gemv", "bf16", m, n, k)
-            configs = [hip.space(problem).default] + _sample_configs(hip, problem, 2, rng)
+            configs = [hip.space(problem).default] + _sample_configs(hip, problem, 2, rng, MMA=0)
+            if mma:  # the tensor-core path: two sampled configs more
+                configs += _sample_configs(hip, problem, 2, rng, MMA=1)
             for params in configs:
                 try:
                     kernel = hip.build(problem, params, device)
@@ -72,7 +77,7 @@ def main() -> int:
                 except Exception as exc:  # report and go on: this is a check script
                     ok, why = False, f"{type(exc).__name__}: {exc}"
                 failures += not ok
-                if not ok or params is configs[0]:
+                if not ok or params is configs[0] or params.get("MMA"):
                     print(f"{'PASS' if ok else 'FAIL'} m{m} {n}x{k} {params}: {why}")
     # compile times: cold (fresh cache dir), then the same configs again (cached)
     problem = Problem("gemv", "bf16", 1, 5120, 6144)

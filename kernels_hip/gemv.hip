@@ -39,6 +39,21 @@
 // Misaligned inputs (a row start of W or x not VEC-aligned, e.g. K odd) are
 // detected at run time (uniform over the grid) and served by a scalar path:
 // slower, never wrong.
+//
+// MMA=1 (NVIDIA sm_80+): the products run on the tensor cores instead of FMAs,
+// which frees the issue slots that M x (FMA + conversion) per weight element
+// costs at M = 4..8. A row group is ROWS_PER_THREAD tiles of 16 W rows served
+// by THREADS_PER_ROW threads (whole warps side by side along K); each tile is
+// the 16-row side of mma.sync m16n8k16 and the x rows its 8-column side
+// (tokens >= M re-read row M-1; those columns are never stored). Every lane
+// loads VEC consecutive K elements straight from global memory into its
+// fragment registers (no shared-memory staging of W): the K order inside one
+// mma is a permutation of its k slots applied to W and x alike. Warps of a
+// row group reduce through shared memory in warp order (deterministic).
+// Block = ROWS_PER_BLOCK / (16*ROWS_PER_THREAD) * THREADS_PER_ROW threads;
+// split-K, FUSED_REDUCE, NONTEMPORAL and X_IN_SHARED work as above. The bits
+// differ from MMA=0 (another summation order); they are set by VEC,
+// THREADS_PER_ROW and SPLIT_K as well.
 #include "tunekit_hip.h"
 
 // ---------------------------------------------------------------- tunables
@@ -78,13 +93,23 @@
 #ifndef FUSED_REDUCE
 #define FUSED_REDUCE 0  // SPLIT_K > 1: 0 = tunekit_gemv_reduce launch, 1 = last split block sums
 #endif
+#ifndef MMA
+#define MMA 0  // 1 (NVIDIA sm_80+): tensor-core path, see the header comment
+#endif
 #ifndef X_SMEM_BYTES
 #define X_SMEM_BYTES 16384  // shared-memory budget for staged x (X_IN_SHARED)
 #endif
 
 // ------------------------------------------------------------ derived sizes
-#define TK_THREADS (ROWS_PER_BLOCK / ROWS_PER_THREAD * THREADS_PER_ROW)
-#define TK_STEP (VEC * THREADS_PER_ROW * UNROLL)  // K elements a row group reads per main-loop step
+#if MMA
+#define TK_GROUP_ROWS (16 * ROWS_PER_THREAD)  // W rows of a row group: ROWS_PER_THREAD mma tiles
+#define TK_KLANES (THREADS_PER_ROW / 8)       // threads side by side along K on one row (4 per warp)
+#else
+#define TK_GROUP_ROWS ROWS_PER_THREAD
+#define TK_KLANES THREADS_PER_ROW
+#endif
+#define TK_THREADS (ROWS_PER_BLOCK / TK_GROUP_ROWS * THREADS_PER_ROW)
+#define TK_STEP (VEC * TK_KLANES * UNROLL)  // K elements a row group reads per main-loop step
 #define TK_GROUP (THREADS_PER_ROW < WAVE ? THREADS_PER_ROW : WAVE)  // lanes reduced by shuffles
 #define TK_WAVES_PER_ROW (THREADS_PER_ROW > WAVE ? THREADS_PER_ROW / WAVE : 1)
 #define TK_REDUCE_THREADS 256
@@ -117,9 +142,19 @@ typedef tk_u32 tk_vec_t;
 static_assert(MAX_M >= 1 && MAX_M <= 16, "MAX_M must be 1..16");
 static_assert(THREADS_PER_ROW >= 1 && (THREADS_PER_ROW & (THREADS_PER_ROW - 1)) == 0,
               "THREADS_PER_ROW must be a power of two");
-static_assert(ROWS_PER_THREAD >= 1 && ROWS_PER_BLOCK % ROWS_PER_THREAD == 0,
-              "ROWS_PER_BLOCK must be a multiple of ROWS_PER_THREAD");
-static_assert(TK_THREADS <= 1024, "ROWS_PER_BLOCK / ROWS_PER_THREAD * THREADS_PER_ROW must be <= 1024");
+static_assert(ROWS_PER_THREAD >= 1 && ROWS_PER_BLOCK % TK_GROUP_ROWS == 0,
+              "ROWS_PER_BLOCK must be a multiple of ROWS_PER_THREAD (MMA=1: of 16*ROWS_PER_THREAD)");
+static_assert(TK_THREADS <= 1024, "the block (ROWS_PER_BLOCK / rows per row group * THREADS_PER_ROW) exceeds 1024");
+#if MMA
+#if !defined(TK_NV)
+#error "gemv.hip: MMA=1 is the NVIDIA mma.sync path (no AMD MFMA path is written)"
+#endif
+static_assert(MAX_M <= 8, "MMA=1: at most 8 rows of x (the mma's 8-column side)");
+static_assert(VEC == 4 || VEC == 8, "MMA=1: VEC must be 4 or 8 (one or two k16 steps per load)");
+static_assert(THREADS_PER_ROW % 32 == 0, "MMA=1: a row group is whole warps");
+static_assert(REDUCE_DPP == 0, "MMA=1 has no DPP reduction");
+#endif
+static_assert(MMA == 0 || MMA == 1, "MMA must be 0 or 1");
 static_assert(TK_THREADS % WAVE == 0, "a block must be whole waves (full-mask shuffles)");
 static_assert(UNROLL >= 1 && UNROLL <= 16, "UNROLL must be 1..16");
 static_assert(SPLIT_K >= 1, "SPLIT_K must be >= 1");
@@ -240,6 +275,71 @@ TK_DEVICE void tk_accumulate(bool vec_ok, tk_acc_t& acc, const tk_u16* const (&w
         tk_accumulate_scalar(acc, wrow, xbase, xoff, ks, ke, lane);
 }
 
+#if MMA
+// ------------------------------------------------------- tensor-core path
+// Lane 4g+t of a warp holds, per tile r, rows g and g+8 (wrow[r][0..1]) and
+// x row g (xrow); fragment accumulators c[r][i]: outputs (row g + 8*(i/2),
+// token 2t + i%2) of the tile.
+typedef float tk_cfrag_t[TK_RPT][4];
+
+// VEC elements at p[kk..]: one vector load, or (GUARD) element by element with
+// zeros at or past ke (a range tail, or a misaligned row start).
+template <bool GUARD, bool IS_W>
+TK_DEVICE void tk_load_frag(tk_vec_words& v, const tk_u16* p, int kk, int ke) {
+    if (!GUARD) {
+        v.v = IS_W ? tk_load_w(p + kk) : tk_load_x(p + kk);
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < VEC / 2; ++j) {
+        const tk_u32 lo = kk + 2 * j < ke ? (IS_W ? tk_load_w1(p + kk + 2 * j) : p[kk + 2 * j]) : 0;
+        const tk_u32 hi = kk + 2 * j + 1 < ke ? (IS_W ? tk_load_w1(p + kk + 2 * j + 1) : p[kk + 2 * j + 1]) : 0;
+        v.w[j] = lo | (hi << 16);
+    }
+}
+
+// One step: UNROLL loads per row and of x in flight, then VEC/4 mmas per load.
+// Word 2j of a load feeds k slots 2t..2t+1 of mma j, word 2j+1 slots 2t+8..2t+9,
+// for W and x alike.
+template <bool GUARD>
+TK_DEVICE void tk_mma_step(tk_cfrag_t& c, const tk_u16* const (&wrow)[TK_RPT][2], const tk_u16* xrow, int k,
+                           int ke, int klane) {
+    tk_vec_words a[UNROLL][TK_RPT][2];
+    tk_vec_words b[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const int kk = k + (u * TK_KLANES + klane) * VEC;
+#pragma unroll
+        for (int r = 0; r < TK_RPT; ++r) {
+            tk_load_frag<GUARD, true>(a[u][r][0], wrow[r][0], kk, ke);
+            tk_load_frag<GUARD, true>(a[u][r][1], wrow[r][1], kk, ke);
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) tk_load_frag<GUARD, false>(b[u], xrow, k + (u * TK_KLANES + klane) * VEC, ke);
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+        for (int j = 0; j < VEC / 4; ++j) {
+#pragma unroll
+            for (int r = 0; r < TK_RPT; ++r)
+                tk_mma_bf16_16x8x16(c[r], a[u][r][0].w[2 * j], a[u][r][1].w[2 * j], a[u][r][0].w[2 * j + 1],
+                                    a[u][r][1].w[2 * j + 1], b[u].w[2 * j], b[u].w[2 * j + 1]);
+        }
+    }
+}
+
+// c += the products over [ks, ke): whole steps of vector loads while vec_ok,
+// then guarded steps for the rest (every step when the rows are misaligned).
+TK_DEVICE void tk_mma_accumulate(bool vec_ok, tk_cfrag_t& c, const tk_u16* const (&wrow)[TK_RPT][2],
+                                 const tk_u16* xrow, int ks, int ke, int klane) {
+    int k = ks;
+    if (vec_ok)
+        for (; k + TK_STEP <= ke; k += TK_STEP) tk_mma_step<false>(c, wrow, xrow, k, ke, klane);
+    for (; k < ke; k += TK_STEP) tk_mma_step<true>(c, wrow, xrow, k, ke, klane);
+}
+#endif  // MMA
+
 // -------------------------------------------------------------- reduction
 #if defined(TK_AMD) && REDUCE_DPP
 // DPP controls must be compile-time constants, hence the templates.
@@ -316,8 +416,9 @@ tunekit_gemv(const tk_u16* __restrict__ x, const tk_u16* __restrict__ w, tk_u16*
     const int tid = (int)threadIdx.x;
     const int group = tid / THREADS_PER_ROW;
     const int lane = tid % THREADS_PER_ROW;
-    const int n0 = (int)blockIdx.x * ROWS_PER_BLOCK + group * TK_RPT;  // first row of this row group
+    const int n0 = (int)blockIdx.x * ROWS_PER_BLOCK + group * TK_GROUP_ROWS;  // first row of this row group
     // Groups past N skip the loads but stay for the reductions (full-mask shuffles).
+    // (A row group is whole waves whenever MMA=1, so the skip never splits a warp.)
     const bool group_ok = n0 < N;
 #if SPLIT_K > 1
     const int split = (int)blockIdx.y;
@@ -330,23 +431,47 @@ tunekit_gemv(const tk_u16* __restrict__ x, const tk_u16* __restrict__ w, tk_u16*
     const int ke = K;
 #endif
     // Rows past N re-read row N-1 (discarded) instead of predicating every load.
+#if MMA
+    const int g = (tid % 32) >> 2;             // fragment row (W) / column (x row) of this lane
+    const int klane = (lane / 32) * 4 + (tid & 3);  // position along K among the row group's TK_KLANES
+    const int token = g < M ? g : M - 1;       // x rows >= M re-read row M-1 (never stored)
+    const tk_u16* wrow[TK_RPT][2];
+#pragma unroll
+    for (int r = 0; r < TK_RPT; ++r) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int nr = n0 + 16 * r + 8 * h + g;
+            wrow[r][h] = w + (tk_i64)(nr < N ? nr : N - 1) * stride_wn;
+        }
+    }
+#else
     const tk_u16* wrow[TK_RPT];
 #pragma unroll
     for (int r = 0; r < TK_RPT; ++r) {
         const int nr = n0 + r < N ? n0 + r : N - 1;
         wrow[r] = w + (tk_i64)nr * stride_wn;
     }
+#endif
     // Vector loads need VEC-aligned row and split starts: checked once, uniform over the grid.
     const bool split_ok = SPLIT_K == 1 || k_chunk % VEC == 0;
     const bool w_vec_ok = split_ok && ((tk_u64)w % (2 * VEC)) == 0 && stride_wn % VEC == 0;
     const bool x_vec_ok = split_ok && ((tk_u64)x % (2 * VEC)) == 0 && stride_xm % VEC == 0;
 
+#if MMA
+    tk_cfrag_t acc;
+#pragma unroll
+    for (int r = 0; r < TK_RPT; ++r) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[r][i] = 0.0f;
+    }
+#else
     float acc[TK_RPT][MAX_M];
 #pragma unroll
     for (int r = 0; r < TK_RPT; ++r) {
 #pragma unroll
         for (int m = 0; m < MAX_M; ++m) acc[r][m] = 0.0f;
     }
+#endif
 
     // x rows m >= M read row M-1 instead of branching: their sums are never stored.
 #if X_IN_SHARED
@@ -376,11 +501,17 @@ tunekit_gemv(const tk_u16* __restrict__ x, const tk_u16* __restrict__ w, tk_u16*
             }
         }
         __syncthreads();
+#if MMA
+        if (group_ok) tk_mma_accumulate(w_vec_ok, acc, wrow, xs + token * TK_XCHUNK - kc, kc, kc + len, klane);
+#else
         int xoff[MAX_M];
 #pragma unroll
         for (int m = 0; m < MAX_M; ++m) xoff[m] = (m < M ? m : M - 1) * TK_XCHUNK - kc;
         if (group_ok) tk_accumulate(w_vec_ok, acc, wrow, xs, xoff, kc, kc + len, lane);
+#endif
     }
+#elif MMA
+    if (group_ok) tk_mma_accumulate(w_vec_ok && x_vec_ok, acc, wrow, x + (tk_i64)token * stride_xm, kb, ke, klane);
 #else
     int xoff[MAX_M];
 #pragma unroll
@@ -388,6 +519,42 @@ tunekit_gemv(const tk_u16* __restrict__ x, const tk_u16* __restrict__ w, tk_u16*
     if (group_ok) tk_accumulate(w_vec_ok && x_vec_ok, acc, wrow, x, xoff, kb, ke, lane);
 #endif
 
+#if MMA
+    // Warps side by side along K meet in shared memory, added in warp order.
+    const int kwarp = lane / 32;
+#if THREADS_PER_ROW > 32
+    __shared__ float red_mma[ROWS_PER_BLOCK / TK_GROUP_ROWS][THREADS_PER_ROW / 32 - 1][TK_RPT * 4][32];
+    if (kwarp > 0) {
+#pragma unroll
+        for (int r = 0; r < TK_RPT; ++r) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) red_mma[group][kwarp - 1][r * 4 + i][tid % 32] = acc[r][i];
+        }
+    }
+    __syncthreads();
+    if (kwarp == 0) {
+        for (int j = 0; j < THREADS_PER_ROW / 32 - 1; ++j) {
+#pragma unroll
+            for (int r = 0; r < TK_RPT; ++r) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[r][i] += red_mma[group][j][r * 4 + i][tid % 32];
+            }
+        }
+    }
+#endif
+    if (kwarp == 0) {
+        const int t = tid & 3;
+#pragma unroll
+        for (int r = 0; r < TK_RPT; ++r) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int m = 2 * t + (i & 1);
+                const int n = n0 + 16 * r + 8 * (i >> 1) + g;
+                if (m < M && n < N) tk_store(y, ws, split, m, n, M, N, stride_ym, acc[r][i]);
+            }
+        }
+    }
+#else  // MMA
 #if THREADS_PER_ROW > 1
 #pragma unroll
     for (int r = 0; r < TK_RPT; ++r) {
@@ -431,6 +598,7 @@ tunekit_gemv(const tk_u16* __restrict__ x, const tk_u16* __restrict__ w, tk_u16*
         }
     }
 #endif
+#endif  // MMA
 
 #if SPLIT_K > 1 && FUSED_REDUCE
     // Threadfence-reduction pattern: publish this block's partials, take a

@@ -12,6 +12,7 @@
 //   tk_load_nt(p)                     __builtin_nontemporal_load / __ldcs (ld.global.cs)
 //   tk_fma(a, b, c)                   a single-rounding FMA on both vendors
 //   tk_bf16_lo/hi, tk_f32_to_bf16     explicit bf16 <-> fp32 (round to nearest even)
+//   tk_mma_bf16_16x8x16(c, a.., b..)  NVIDIA only: one warp-wide mma.sync m16n8k16
 //   TK_DEVICE, TK_ALIGN(n), TK_AMD / TK_NV
 // The wave size is never assumed here: kernels pass it (their WAVE define).
 // Under hipRTC and NVRTC the sources reach the compiler with this header
@@ -88,6 +89,27 @@ TK_DEVICE float tk_fma(float a, float b, float c) {
     return __fmaf_rn(a, b, c);
 #endif
 }
+
+// ------------------------------------------------------------ tensor cores
+// NVIDIA sm_80+: D = A . B + C with A 16x16 (row-major), B 16x8 (column-major),
+// bf16 inputs and fp32 accumulation, one warp-wide mma.sync. Fragment layout
+// (PTX ISA, "mma.m16n8k16"), lane = 4*g + t:
+//   a0: A[g][2t..2t+1]  a1: A[g+8][2t..2t+1]  a2: A[g][2t+8..2t+9]  a3: A[g+8][2t+8..2t+9]
+//   b0: B[2t..2t+1][g]  b1: B[2t+8..2t+9][g]
+//   c:  C[g][2t], C[g][2t+1], C[g+8][2t], C[g+8][2t+1]
+// (each 32-bit a/b word: the lower k in the low half). All 32 lanes must
+// execute it. The g++ CPU tests of kernels_hip supply their own warp-level
+// version (TK_HOST_MMA), since they have no tensor cores to call.
+#if defined(TK_NV) && !defined(TK_HOST_MMA)
+TK_DEVICE void tk_mma_bf16_16x8x16(float (&c)[4], tk_u32 a0, tk_u32 a1, tk_u32 a2, tk_u32 a3, tk_u32 b0,
+                                   tk_u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+#endif
 
 // ---------------------------------------------------------------- bf16
 // A bf16 is the high half of an fp32, so widening is a shift. Two bf16 packed

@@ -45,6 +45,38 @@ inline float __shfl_xor_sync(unsigned, float v, int lane_mask, int) {
     return r;
 }
 
+// mma.sync m16n8k16 (bf16 in, fp32 accumulate) as a warp-wide exchange: every
+// lane scatters its fragments into the warp's A (16x16) and B (16x8), then
+// computes its four outputs in ascending k with fp32 FMAs (the tensor core's
+// own summation order is unspecified; the tests compare against fp64).
+#define TK_HOST_MMA 1
+static std::vector<float> g_mma_a, g_mma_b;
+inline void tk_mma_bf16_16x8x16(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
+                                unsigned b1) {
+    const int tid = (int)threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
+    float* A = &g_mma_a[warp * 256];
+    float* B = &g_mma_b[warp * 128];
+    const unsigned a[4] = {a0, a1, a2, a3}, b[2] = {b0, b1};
+    for (int q = 0; q < 4; ++q) {
+        const int row = g + 8 * (q & 1), col = 2 * t + 8 * (q >> 1);
+        A[row * 16 + col] = __uint_as_float(a[q] << 16);
+        A[row * 16 + col + 1] = __uint_as_float(a[q] & 0xffff0000u);
+    }
+    for (int q = 0; q < 2; ++q) {
+        const int k = 2 * t + 8 * q;
+        B[k * 8 + g] = __uint_as_float(b[q] << 16);
+        B[(k + 1) * 8 + g] = __uint_as_float(b[q] & 0xffff0000u);
+    }
+    g_warps[warp]->arrive_and_wait();
+    for (int i = 0; i < 4; ++i) {
+        const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
+        float s = c[i];
+        for (int k = 0; k < 16; ++k) s = std::fma(A[row * 16 + k], B[k * 8 + col], s);
+        c[i] = s;
+    }
+    g_warps[warp]->arrive_and_wait();
+}
+
 template <class F> static void run_grid(long gx, long gy, unsigned threads, F body) {
     for (long by = 0; by < gy; ++by)
         for (long bx = 0; bx < gx; ++bx) {
@@ -53,6 +85,8 @@ template <class F> static void run_grid(long gx, long gy, unsigned threads, F bo
             g_warps.clear();
             for (unsigned w = 0; w < threads / 32; ++w) g_warps.emplace_back(new std::barrier<>(32));
             g_lanes.assign(threads, 0.f);
+            g_mma_a.assign(threads / 32 * 256, 0.f);
+            g_mma_b.assign(threads / 32 * 128, 0.f);
             std::vector<std::thread> ts;
             for (unsigned t = 0; t < threads; ++t)
                 ts.emplace_back([=] { threadIdx.x = t; blockIdx.x = (unsigned)bx; blockIdx.y = (unsigned)by; body(); });

@@ -29,7 +29,7 @@ import torch
 from kernels_hip import HEADER, SOURCE_DIR
 from tunekit import rtc
 from tunekit.backends.base import BuildError
-from tunekit.backends.hip import BACKEND, GEMV_PARAMS, gemv_invalid_reason, split_k_chunk
+from tunekit.backends.hip import BACKEND, GEMV_PARAMS, gemv_invalid_reason, k_lanes, split_k_chunk
 from tunekit.device import DeviceInfo
 from tunekit.shapes import Problem
 
@@ -51,6 +51,16 @@ COMBOS: list[dict[str, int]] = [
     {"WAVE": 64, "THREADS_PER_ROW": 8, "ROWS_PER_BLOCK": 32, "VEC": 2, "REDUCE_DPP": 1},
     {"WAVE": 64, "THREADS_PER_ROW": 16, "ROWS_PER_BLOCK": 64, "ROWS_PER_THREAD": 4, "REDUCE_DPP": 1},
     {"WAVE": 32, "MAX_M": 4, "THREADS_PER_ROW": 512, "ROWS_PER_BLOCK": 2, "X_IN_SHARED": 1, "UNROLL": 1},
+]
+
+
+#: The tensor-core path (MMA=1) is NVIDIA's mma.sync: NVRTC only, M <= 8.
+NV_MMA_COMBOS: list[dict[str, int]] = [
+    {"MMA": 1, "ROWS_PER_BLOCK": 32},
+    {"MMA": 1, "MAX_M": 1, "ROWS_PER_BLOCK": 64, "ROWS_PER_THREAD": 2, "THREADS_PER_ROW": 64, "UNROLL": 4},
+    {"MMA": 1, "MAX_M": 4, "ROWS_PER_BLOCK": 16, "THREADS_PER_ROW": 128, "SPLIT_K": 4, "FUSED_REDUCE": 1,
+     "X_IN_SHARED": 1, "NONTEMPORAL": 1, "VEC": 4},
+    {"MMA": 1, "MAX_M": 2, "ROWS_PER_BLOCK": 64, "ROWS_PER_THREAD": 4, "SPLIT_K": 2},
 ]
 
 
@@ -93,6 +103,13 @@ def test_hipcc_rejects_bad_vec(tmp_path: Path) -> None:
     assert "VEC must be 2, 4 or 8" in result.stderr
 
 
+def test_hipcc_rejects_mma(tmp_path: Path) -> None:
+    # MMA=1 is mma.sync (NVIDIA): an AMD build must say so, not compile something else.
+    result = _hipcc_compile(SOURCE_DIR / "gemv.hip", {"MMA": 1, "ROWS_PER_BLOCK": 32}, tmp_path / "mma.co")
+    assert result.returncode != 0
+    assert "MMA=1 is the NVIDIA mma.sync path" in result.stderr
+
+
 def test_hipcc_rejects_wave64_on_wave32_target(tmp_path: Path) -> None:
     # RDNA (gfx1030) runs wave32 by default: a WAVE=64 build must refuse, not miscompute.
     cmd = [_hipcc(), "--offload-arch=gfx1030", "--genco", "-I", str(SOURCE_DIR), "-DWAVE=64"]
@@ -126,7 +143,7 @@ def _nvidia(combo: dict[str, int]) -> dict[str, int]:
     return combo | {"WAVE": 32} if "WAVE" in combo else dict(combo)
 
 
-@pytest.mark.parametrize("combo", COMBOS, ids=_ids)
+@pytest.mark.parametrize("combo", COMBOS + NV_MMA_COMBOS, ids=_ids)
 def test_nvrtc_compiles(combo: dict[str, int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _nvrtc_ready()
     monkeypatch.setenv("TUNEKIT_CACHE", str(tmp_path))
@@ -251,6 +268,15 @@ def test_default_valid_for_every_builtin_model_shape() -> None:
         ({"UNROLL": 16, "ROWS_PER_THREAD": 4, "ROWS_PER_BLOCK": 32}, (8, 96, 65536), "registers"),
         ({"NONTEMPORAL": 2}, (1, 96, 5120), "0 or 1"),
         ({"BLOCK_N": 4}, (1, 96, 5120), "unknown parameter"),
+        ({"MMA": 1, "ROWS_PER_BLOCK": 8}, (1, 96, 5120), "multiple of 16*ROWS_PER_THREAD=16"),
+        ({"MMA": 1, "ROWS_PER_BLOCK": 32, "VEC": 2}, (1, 96, 5120), "VEC=4 or 8"),
+        ({"MMA": 1, "ROWS_PER_BLOCK": 64, "THREADS_PER_ROW": 16}, (1, 96, 5120), "multiple of the 32-lane warp"),
+        ({"MMA": 1, "ROWS_PER_BLOCK": 32}, (16, 96, 5120), "M <= 8"),
+        ({"MMA": 1, "ROWS_PER_BLOCK": 32, "REDUCE_DPP": 1}, (1, 96, 5120), "no DPP"),
+        ({"MMA": 1, "ROWS_PER_BLOCK": 16, "THREADS_PER_ROW": 1024, "UNROLL": 1}, (1, 96, 768), "lanes without"),
+        ({"MMA": 1, "ROWS_PER_BLOCK": 64, "ROWS_PER_THREAD": 4, "UNROLL": 8}, (1, 96, 5120), "registers"),
+        ({"MMA": 1, "ROWS_PER_BLOCK": 32, "THREADS_PER_ROW": 1024, "ROWS_PER_THREAD": 2, "UNROLL": 1,
+          "X_IN_SHARED": 1}, (8, 96, 65536), "shared memory"),
     ],
 )
 def test_invalid_reason_rejects(change: dict[str, int], shape: tuple[int, int, int], expect: str) -> None:
@@ -266,6 +292,8 @@ def test_invalid_reason_rejects(change: dict[str, int], shape: tuple[int, int, i
         {"THREADS_PER_ROW": 256, "ROWS_PER_BLOCK": 4, "UNROLL": 2},
         {"ROWS_PER_THREAD": 4, "ROWS_PER_BLOCK": 16, "THREADS_PER_ROW": 16},
         {"X_IN_SHARED": 1, "VEC": 4, "REDUCE_DPP": 1, "NONTEMPORAL": 1},
+        {"MMA": 1, "ROWS_PER_BLOCK": 32},
+        {"MMA": 1, "ROWS_PER_BLOCK": 64, "ROWS_PER_THREAD": 2, "THREADS_PER_ROW": 64, "SPLIT_K": 2},
     ],
 )
 def test_invalid_reason_accepts(change: dict[str, int]) -> None:
@@ -278,6 +306,24 @@ def test_invalid_reason_is_pure_and_reports_missing_keys() -> None:
     assert "missing" in (gemv_invalid_reason(params, 1, 96, 5120) or "")
     assert BACKEND.invalid_reason(Problem("gemv", "fp16", 1, 96, 5120), _default()) is not None
     assert BACKEND.invalid_reason(Problem("gemv", "bf16", 17, 96, 5120), _default()) is not None
+
+
+def test_params_without_mma_are_the_cuda_core_kernel() -> None:
+    # Tables and trials written before MMA existed still validate and build the same kernel.
+    old = {k: v for k, v in _default().items() if k != "MMA"}
+    assert BACKEND.invalid_reason(_problem(4), old) is None
+    assert BACKEND.defines(_problem(4), old, SM90) == BACKEND.defines(_problem(4), _default(), SM90)
+    assert BACKEND.defines(_problem(4), old, SM90)["MMA"] == 0
+
+
+def test_mma_block_and_split_geometry() -> None:
+    from tunekit.backends.hip import block_threads, rows_per_group
+
+    mma = _default() | {"MMA": 1, "ROWS_PER_BLOCK": 64, "ROWS_PER_THREAD": 2, "THREADS_PER_ROW": 64}
+    assert rows_per_group(mma) == 32 and block_threads(mma) == 128 and k_lanes(mma) == 8
+    assert block_threads(_default()) == 256 and k_lanes(_default()) == 32
+    # a split starts on whole steps of the row group's K lanes
+    assert split_k_chunk(5120, 3, 8, k_lanes(mma)) % (8 * 8) == 0
 
 
 def test_backend_defines_add_wave_and_max_m() -> None:
@@ -335,6 +381,11 @@ EMU_CONFIGS: list[dict[str, int]] = [
     {"THREADS_PER_ROW": 64, "ROWS_PER_BLOCK": 4, "SPLIT_K": 3, "UNROLL": 1},
     {"THREADS_PER_ROW": 64, "ROWS_PER_BLOCK": 4, "SPLIT_K": 3, "UNROLL": 1, "FUSED_REDUCE": 1},
     {"THREADS_PER_ROW": 8, "ROWS_PER_BLOCK": 16, "VEC": 2},
+    # tensor-core path (warp-level mma emulated): one warp per tile, 2 tiles and
+    # 2 K-warps with staged x, split-K with the fused reduction, VEC=4
+    {"MMA": 1, "ROWS_PER_BLOCK": 32, "UNROLL": 2},
+    {"MMA": 1, "ROWS_PER_BLOCK": 32, "ROWS_PER_THREAD": 2, "THREADS_PER_ROW": 64, "X_IN_SHARED": 1, "NONTEMPORAL": 1},
+    {"MMA": 1, "ROWS_PER_BLOCK": 64, "SPLIT_K": 3, "FUSED_REDUCE": 1, "VEC": 4, "UNROLL": 4},
 ]
 
 
@@ -365,7 +416,7 @@ def _emulate(
     w_all.view(torch.int16).numpy().tofile(emu_dir / "w.bin")
     x = torch.as_strided(x_all, (m, k), (sxm, 1), x_offset)
     w = torch.as_strided(w_all, (n, k), (swn, 1), 0)
-    chunk = split_k_chunk(k, defines.get("SPLIT_K", 1), defines.get("VEC", 8), defines["THREADS_PER_ROW"])
+    chunk = split_k_chunk(k, defines.get("SPLIT_K", 1), defines.get("VEC", 8), k_lanes(defines))
     args = [m, n, k, sxm, swn, sym, x_offset, 0, chunk, emu_dir]
     subprocess.run([str(exe), *map(str, args)], check=True, timeout=300)
     raw = np.fromfile(emu_dir / "y.bin", dtype=np.int16)
@@ -404,12 +455,14 @@ def test_emulated_bits_depend_only_on_reduction_order(emu_dir: Path) -> None:
     assert time.perf_counter() - started < 120
 
 
-def test_reduce_dpp_is_pinned_off_amd() -> None:
+def test_vendor_specific_tunables_are_pinned() -> None:
     from dataclasses import replace
 
     from tunekit.backends.hip import BACKEND as HIP
     from tunekit.device import DeviceInfo
 
     nvidia = DeviceInfo("nvidia", "NVIDIA H200", "sm_90", 132, 32, 60 << 20, 1, "cuda 13.0", "cuda:0")
+    # DPP is AMD's; mma.sync is NVIDIA's from sm_80 on
     assert HIP.pinned_params(nvidia) == {"REDUCE_DPP": 0}
-    assert HIP.pinned_params(replace(nvidia, vendor="amd", arch="gfx90a", wave_size=64)) == {}
+    assert HIP.pinned_params(replace(nvidia, arch="sm_75")) == {"REDUCE_DPP": 0, "MMA": 0}
+    assert HIP.pinned_params(replace(nvidia, vendor="amd", arch="gfx90a", wave_size=64)) == {"MMA": 0}

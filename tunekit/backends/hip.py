@@ -7,7 +7,7 @@ kernel, tunable defines, predicate, launcher), which this backend routes to.
 One source serves both vendors: NVRTC builds it for NVIDIA (WAVE=32), hipRTC
 for AMD/DCU (WAVE=64 on gfx9). Search-space keys are the kernel's compile-time
 defines (``ROWS_PER_BLOCK``, ``ROWS_PER_THREAD``, ``THREADS_PER_ROW``, ``VEC``, ``UNROLL``,
-``SPLIT_K``, ``FUSED_REDUCE``, ``NONTEMPORAL``, ``X_IN_SHARED``, ``REDUCE_DPP``); the backend
+``SPLIT_K``, ``FUSED_REDUCE``, ``NONTEMPORAL``, ``X_IN_SHARED``, ``REDUCE_DPP``, ``MMA``); the backend
 adds ``WAVE`` (from the device) and ``MAX_M`` (= problem.m, so the M loops are
 fully unrolled for the M being tuned).
 
@@ -23,9 +23,12 @@ Call protocol (see ``tunekit.backends.base``)::
 ``kernel.compile_s`` and ``kernel.cache_hit`` tell how the build went.
 
 Notes: ``REDUCE_DPP`` only changes AMD code (the NVIDIA build is the shuffle
-path, the same kernel as REDUCE_DPP=0). Every config is bit-identical to the
-reference config when it shares THREADS_PER_ROW, VEC and SPLIT_K with it
-(the K-reduction order); the others differ in the last bits only.
+path, the same kernel as REDUCE_DPP=0). ``MMA=1`` is the tensor-core path
+(mma.sync, NVIDIA sm_80+ only: pinned to 0 elsewhere); there a row group is
+``16*ROWS_PER_THREAD`` rows and ``THREADS_PER_ROW`` whole warps. Every config
+is bit-identical to the reference config when it shares MMA, THREADS_PER_ROW,
+VEC and SPLIT_K with it (the K-reduction order); the others differ in the last
+bits only.
 """
 
 from __future__ import annotations
@@ -52,7 +55,11 @@ GEMV_PARAMS: tuple[str, ...] = (
     "X_IN_SHARED",
     "REDUCE_DPP",
     "FUSED_REDUCE",
+    "MMA",
 )
+#: Defines added after tables and trials were first written: a params dict
+#: without one means the kernel as it was before (MMA absent = CUDA-core path).
+_ADDED_LATER: dict[str, int] = {"MMA": 0}
 #: Defines the backend sets itself; a params dict may not override them.
 _DERIVED = ("WAVE", "MAX_M")
 #: Largest MAX_M the kernel accepts (static_assert in gemv.hip).
@@ -71,21 +78,45 @@ _REDUCE_THREADS = 256
 _MAX_LIVE_REGS = 96
 #: More splits than this only multiply the partials traffic (M*N*4 bytes each).
 _MAX_SPLIT_K = 64
+#: MMA=1: rows of one mma tile (the m16n8k16 M side), its x columns (tokens),
+#: the NVIDIA warp, and the oldest architecture with bf16 mma.sync.
+_MMA_TILE_ROWS = 16
+_MMA_MAX_M = 8
+_NV_WARP = 32
+_MMA_MIN_SM = 80
 
 
 def _pow2(v: int) -> bool:
     return v > 0 and v & (v - 1) == 0
 
 
-def split_k_chunk(k: int, split_k: int, vec: int, threads_per_row: int) -> int:
+def rows_per_group(params: Params) -> int:
+    """W rows of one row group: ROWS_PER_THREAD, or that many 16-row mma tiles when MMA=1."""
+    rpt = int(params["ROWS_PER_THREAD"])
+    return rpt * _MMA_TILE_ROWS if int(params.get("MMA", 0)) else rpt
+
+
+def k_lanes(params: Params) -> int:
+    """Threads side by side along K on one row (MMA=1: 4 per warp of the row group)."""
+    tpr = int(params["THREADS_PER_ROW"])
+    return tpr // 8 if int(params.get("MMA", 0)) else tpr
+
+
+def block_threads(params: Params) -> int:
+    """Threads of one block: row groups per block x THREADS_PER_ROW."""
+    return int(params["ROWS_PER_BLOCK"]) // rows_per_group(params) * int(params["THREADS_PER_ROW"])
+
+
+def split_k_chunk(k: int, split_k: int, vec: int, klanes: int) -> int:
     """K elements per split: ceil(K / SPLIT_K) rounded up to whole row-group vector rows.
 
+    ``klanes`` is the number of threads side by side along K (``k_lanes``).
     The rounding keeps every split's start VEC-aligned (vector loads) and makes
     all but the last split run whole lane rows.
     """
     if split_k <= 1:
         return k
-    quantum = vec * threads_per_row
+    quantum = vec * klanes
     per_split = -(-k // split_k)
     return -(-per_split // quantum) * quantum
 
@@ -97,64 +128,88 @@ def gemv_invalid_reason(params: Params, m: int, n: int, k: int) -> str | None:
     configs that are legal but pointless (a step several times longer than K,
     splits that would get no full step).
     """
-    p = int_params(params, GEMV_PARAMS)
+    p = int_params(_ADDED_LATER | dict(params), GEMV_PARAMS)
     if isinstance(p, str):
         return p
     rpb, rpt, tpr = p["ROWS_PER_BLOCK"], p["ROWS_PER_THREAD"], p["THREADS_PER_ROW"]
     vec, unroll = p["VEC"], p["UNROLL"]
     split = p["SPLIT_K"]
+    mma = p["MMA"]
     if not 1 <= m <= MAX_M_LIMIT:
         return f"M={m} outside 1..{MAX_M_LIMIT}"
     if n < 1 or k < 1:
         return f"empty problem (N={n}, K={k})"
+    for flag in ("NONTEMPORAL", "X_IN_SHARED", "REDUCE_DPP", "FUSED_REDUCE", "MMA"):
+        if p[flag] not in (0, 1):
+            return f"{flag}={p[flag]}: must be 0 or 1"
     if vec not in (2, 4, 8):
         return f"VEC={vec}: must be 2, 4 or 8 (4-, 8- or 16-byte loads)"
     if not _pow2(tpr) or tpr > 1024:
         return f"THREADS_PER_ROW={tpr}: must be a power of two <= 1024"
-    if rpt < 1 or rpb < 1 or rpb % rpt:
-        return f"ROWS_PER_BLOCK={rpb} must be a positive multiple of ROWS_PER_THREAD={rpt}"
-    threads = rpb // rpt * tpr
+    if mma:
+        if m > _MMA_MAX_M:
+            return f"MMA=1 serves M <= {_MMA_MAX_M} (the mma's 8 columns), not M={m}"
+        if vec not in (4, 8):
+            return f"MMA=1 needs VEC=4 or 8 (one or two k16 mma steps per load), not {vec}"
+        if tpr % _NV_WARP:
+            return f"MMA=1 needs THREADS_PER_ROW a multiple of the {_NV_WARP}-lane warp, not {tpr}"
+        if p["REDUCE_DPP"]:
+            return "MMA=1 has no DPP reduction (REDUCE_DPP=0)"
+    group_rows = rows_per_group(p)
+    if rpt < 1 or rpb < 1 or rpb % group_rows:
+        what = f"16*ROWS_PER_THREAD={group_rows}" if mma else f"ROWS_PER_THREAD={rpt}"
+        return f"ROWS_PER_BLOCK={rpb} must be a positive multiple of {what}"
+    threads = block_threads(p)
     if threads > 1024:
-        return f"block of {threads} threads (ROWS_PER_BLOCK/ROWS_PER_THREAD*THREADS_PER_ROW) exceeds 1024"
-    if threads % _BLOCK_MULTIPLE:
+        return f"block of {threads} threads (row groups x THREADS_PER_ROW) exceeds 1024"
+    if mma and threads % _NV_WARP:
+        return f"block of {threads} threads is not whole {_NV_WARP}-lane warps"
+    if not mma and threads % _BLOCK_MULTIPLE:
         return f"block of {threads} threads is not a multiple of {_BLOCK_MULTIPLE} (whole waves everywhere)"
     if not 1 <= unroll <= 16:
         return f"UNROLL={unroll}: must be 1..16"
-    # Live registers per thread: accumulators + W vectors in flight (32-bit words).
-    regs = rpt * m + unroll * rpt * vec // 2
+    # Live registers per thread (32-bit words): accumulators + W and x vectors in
+    # flight (MMA=1: 4 fragment accumulators per tile, two W rows per tile and x).
+    if mma:
+        regs = 4 * rpt + unroll * (2 * rpt + 1) * vec // 2
+    else:
+        regs = rpt * m + unroll * rpt * vec // 2
     if regs > _MAX_LIVE_REGS:
         return f"{regs} live accumulator/load registers per thread > {_MAX_LIVE_REGS}"
-    for flag in ("NONTEMPORAL", "X_IN_SHARED", "REDUCE_DPP", "FUSED_REDUCE"):
-        if p[flag] not in (0, 1):
-            return f"{flag}={p[flag]}: must be 0 or 1"
     if split < 1:
         return f"SPLIT_K={split}: must be >= 1"
     if split == 1 and p["FUSED_REDUCE"]:
         return "FUSED_REDUCE only applies to SPLIT_K > 1"
-    step = vec * tpr * unroll
+    klanes = k_lanes(p)
+    step = vec * klanes * unroll
+    lanes = "THREADS_PER_ROW/8" if mma else "THREADS_PER_ROW"
     if split == 1:
-        if vec * tpr > k:
-            return f"VEC*THREADS_PER_ROW={vec * tpr} > K={k}: lanes without a single load"
+        if vec * klanes > k:
+            return f"VEC*{lanes}={vec * klanes} > K={k}: lanes without a single load"
         if step > 2 * k:
-            return f"VEC*THREADS_PER_ROW*UNROLL={step} > 2*K={2 * k}: most unrolled loads would be masked off"
+            return f"VEC*{lanes}*UNROLL={step} > 2*K={2 * k}: most unrolled loads would be masked off"
     else:
         if split > _MAX_SPLIT_K:
             return f"SPLIT_K={split} > {_MAX_SPLIT_K}"
         per_split = -(-k // split)
         if per_split < step:
-            return (
-                f"SPLIT_K={split}: K/SPLIT_K={per_split} is shorter than one step "
-                f"(VEC*THREADS_PER_ROW*UNROLL={step})"
-            )
-        chunk = split_k_chunk(k, split, vec, tpr)
+            return f"SPLIT_K={split}: K/SPLIT_K={per_split} is shorter than one step (VEC*{lanes}*UNROLL={step})"
+        chunk = split_k_chunk(k, split, vec, klanes)
         if chunk * (split - 1) >= k:
             return f"SPLIT_K={split}: with {chunk}-element chunks the last split would be empty"
+    smem = 0
     if p["X_IN_SHARED"]:
         # gemv.hip stages at least one step of x per row: MAX_M * step bf16.
         chunk_steps = max(1, _X_SMEM_BYTES // (2 * m * step))
         smem = 2 * m * step * chunk_steps
         if smem > _SMEM_LIMIT:
             return f"X_IN_SHARED: staging {smem} bytes of x exceeds {_SMEM_LIMIT} (lower the step)"
+    if mma and tpr > _NV_WARP:
+        # red_mma: every warp of a row group but the first parks 4 fp32 per tile and lane
+        groups, parked_warps = threads // tpr, tpr // _NV_WARP - 1
+        smem += groups * parked_warps * rpt * 4 * _NV_WARP * 4
+        if smem > _SMEM_LIMIT:
+            return f"MMA=1: {smem} bytes of shared memory (K-warp partials + staged x) > {_SMEM_LIMIT}"
     return None
 
 
@@ -173,8 +228,15 @@ class HipBackend:
 
         REDUCE_DPP selects AMD cross-lane instructions; the NVIDIA build always
         takes the shuffle path, so both values compile to the same kernel there.
+        MMA=1 exists only on NVIDIA sm_80+ (elsewhere it would not compile).
         """
-        return {} if device.vendor == "amd" else {"REDUCE_DPP": 0}
+        if device.vendor != "nvidia":
+            return {"MMA": 0}  # mma.sync is NVIDIA's; no AMD MFMA path is written
+        pinned = {"REDUCE_DPP": 0}
+        arch = device.arch.removeprefix("sm_")
+        if not arch.isdigit() or int(arch) < _MMA_MIN_SM:
+            pinned["MMA"] = 0  # bf16 mma.sync needs sm_80+
+        return pinned
 
     def space(self, problem: Problem) -> SearchSpace:
         self._check_op(problem.op)
@@ -199,6 +261,7 @@ class HipBackend:
         overridden = sorted(set(params) & set(_DERIVED))
         if overridden:
             raise BuildError(f"{overridden} are set by the backend (device wave, problem M), not by params")
+        params = _ADDED_LATER | dict(params)
         return {name: int(params[name]) for name in GEMV_PARAMS} | {"WAVE": wave, "MAX_M": problem.m}
 
     def build(self, problem: Problem, params: Params, device: DeviceInfo) -> Kernel:
@@ -248,10 +311,10 @@ class _GemvLauncher:
         self.compile_s = module.compile_s
         self.cache_hit = module.cache_hit
         self._rows = defines["ROWS_PER_BLOCK"]
-        self._threads = defines["ROWS_PER_BLOCK"] // defines["ROWS_PER_THREAD"] * defines["THREADS_PER_ROW"]
+        self._threads = block_threads(defines)
         self._split = defines["SPLIT_K"]
         self._vec = defines["VEC"]
-        self._tpr = defines["THREADS_PER_ROW"]
+        self._klanes = k_lanes(defines)
         self._max_m = defines["MAX_M"]
         self._main = module.kernel("tunekit_gemv", device_index)
         self._fused = self._split > 1 and bool(defines["FUSED_REDUCE"])
@@ -277,7 +340,7 @@ class _GemvLauncher:
             self._main(grid, block, args, stream)
             return
         ws = torch.empty((self._split, m, n), dtype=torch.float32, device=x.device)
-        chunk = split_k_chunk(k, self._split, self._vec, self._tpr)
+        chunk = split_k_chunk(k, self._split, self._vec, self._klanes)
         tickets = self._tickets(x.device, blocks_n).data_ptr() if self._fused else 0
         args = [x.data_ptr(), w.data_ptr(), out.data_ptr(), ws.data_ptr(), tickets, m, n, k, *strides, chunk]
         self._main(grid, block, args, stream)
