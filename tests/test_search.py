@@ -155,6 +155,22 @@ def test_parameters_a_backend_pins_for_the_device_are_not_searched(tmp_path) -> 
     assert set(measured["p_BLOCK_N"]) == {4}  # 32 (wrong results) never reached the worker
 
 
+def test_restrict_narrows_every_measured_trial_and_an_empty_restriction_measures_nothing(tmp_path) -> None:
+    problem = Problem("gemv", "bf16", 1, 24, 64)
+    cfg = SearchConfig(problems=[problem], backends=["fault_backend:BACKEND"], out_dir=tmp_path,
+                       trials=2, sampler="random", warm_start=0, restrict={"BLOCK_N": ("4", "32")})
+    outcome = run_search(cfg, progress=False, log=lambda s: None)
+    trials = pd.read_csv(outcome.trials_path)
+    measured = trials[trials["measured"] == True]  # noqa: E712
+    assert len(measured) == 2 and set(measured["p_BLOCK_N"]) == {4, 32}  # never the crash, hang or compile error
+    # no value left: the study is kept (the re-measure reads it) but nothing is asked
+    logs: list[str] = []
+    again = dataclasses.replace(cfg, out_dir=tmp_path / "empty", restrict={"BLOCK_N": ("128",)})
+    outcome = run_search(again, progress=False, log=logs.append)
+    assert outcome.stats[0].measured_now == 0
+    assert any("--restrict BLOCK_N=128 leaves no valid value" in line for line in logs), logs
+
+
 def test_domain_pruning_keeps_exactly_the_values_some_valid_config_uses() -> None:
     # The sampled fast path must give the same domains as enumerating the whole product.
     import itertools

@@ -153,6 +153,9 @@ def search(
         help="table.json or trials.csv of an earlier run (repeatable): its best configs of the same op and "
              "backend are measured first, nearest shape and M first")] = None,
     trial_timeout: Annotated[float, typer.Option(help="seconds before a stuck candidate is killed")] = 180.0,
+    restrict: Annotated[list[str] | None, typer.Option(
+        help="NAME=V1,V2 (repeatable): search only these values of a tunable, in every backend that has it, "
+             "e.g. MMA=1 or M_MODE=dot,dot_w")] = None,
     progress: Annotated[bool, typer.Option(help="show progress bars")] = True,
 ) -> None:
     """Search the best verified kernel per problem; write trials and the dispatch table."""
@@ -175,18 +178,47 @@ def search(
             raise UserError(f"unknown backend {name!r} (known: {', '.join(registry.TUNED)})")
     for path in seed_from or ():
         read_seed_records(path)  # a bad file fails now, not after the bandwidth probe
+    restricted = _parse_restrict(restrict or [], problems, names)
     run_name = spec.name if spec else "shapes"
     out_dir = out or Path("runs") / run_name
     cfg = SearchConfig(
         problems=problems, backends=names, out_dir=out_dir, trials=trials, timeout_s=timeout,
         sampler=sampler, numerics=numerics, storage=storage, seed=seed, min_gain=min_gain, warm_start=warm_start,
-        seed_from=tuple(seed_from or ()),
+        seed_from=tuple(seed_from or ()), restrict=restricted,
         trial_timeout_s=trial_timeout, command=shlex.join(["tunekit"] + sys.argv[1:]),
         model=spec.name if spec else None,
     )
     outcome = run_search(cfg, progress=progress and sys.stderr.isatty(), log=lambda s: console.print(s))
     print_summary(console, outcome)
     report_after_search(console, outcome.run_dir)
+
+
+def _parse_restrict(items: list[str], problems: list, backends: list[str]) -> dict[str, tuple[str, ...]]:
+    """``--restrict NAME=V1,V2`` options as {tunable: allowed values (text)}, checked against the spaces."""
+    from tunekit import backends as registry
+
+    domains: dict[str, set[str]] = {}
+    for name in backends:
+        backend = registry.get(name)
+        for op in sorted({p.op for p in problems}):
+            if op in backend.ops:
+                for key, values in backend.space(next(p for p in problems if p.op == op)).domains.items():
+                    domains.setdefault(key, set()).update(str(v) for v in values)
+    out: dict[str, tuple[str, ...]] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        values = tuple(v.strip() for v in text.split(",") if v.strip())
+        if not sep or not key.strip() or not values:
+            raise UserError(f"--restrict {item!r}: expected NAME=VALUE[,VALUE...]")
+        key = key.strip()
+        if key not in domains:
+            raise UserError(f"--restrict {key}: no selected backend has this tunable "
+                            f"(known: {', '.join(sorted(domains))})")
+        unknown = [v for v in values if v not in domains[key]]
+        if unknown:
+            raise UserError(f"--restrict {key}: {unknown} outside its domain {sorted(domains[key])}")
+        out[key] = values
+    return out
 
 
 def _default_backends() -> list[str]:

@@ -63,6 +63,8 @@ class SearchConfig:
     min_gain: float = 0.01
     warm_start: int = 3  # best configs taken from each other study of the op (0: off)
     seed_from: tuple[Path, ...] = ()  # earlier runs' table.json / trials.csv: their winners are measured first
+    # tunable -> the values (as text) a study may use, for every backend that has the tunable
+    restrict: dict[str, tuple[str, ...]] = field(default_factory=dict)
     trial_timeout_s: float = DEFAULT_TIMEOUT_S
     command: str = ""
     model: str | None = None
@@ -284,6 +286,12 @@ def _run_study(cfg, storage, worker, device, probe, problem, backend_name, bar, 
         for key, value in pinned_for(DeviceInfo(**device)).items():
             if key in domains and value in domains[key]:
                 domains[key] = [value]
+    emptied = []
+    for key, allowed in cfg.restrict.items():  # --restrict: the user narrows the space
+        if key in domains:
+            domains[key] = [v for v in domains[key] if str(v) in allowed]
+            if not domains[key]:
+                emptied.append(f"{key}={','.join(allowed)}")
     sampler = _make_sampler(cfg.sampler, domains, cfg.seed)
     study = optuna.create_study(study_name=name, storage=storage, sampler=sampler, direction="minimize",
                                 load_if_exists=True)
@@ -299,6 +307,11 @@ def _run_study(cfg, storage, worker, device, probe, problem, backend_name, bar, 
                 "(use a new --out to start over)")
     study.set_user_attr("source_hash", source)
     _mark_interrupted(study, storage)
+    if emptied:
+        # the study exists (the final re-measure reads it) but gets no new trial
+        bar.log(f"{name}: --restrict {' '.join(emptied)} leaves no valid value for this problem; no new trials")
+        stats.best_us = _best_us(study)
+        return stats
 
     seen: dict[str, Any] = {}
     for trial in study.get_trials(deepcopy=False):
