@@ -298,66 +298,45 @@ TK_DEVICE void tk_load_frag(tk_vec_words& v, const tk_u16* p, int kk, int ke) {
     }
 }
 
-// The operands of one step: UNROLL loads per W row and of x.
-struct tk_mma_frags {
+// One step: UNROLL loads per row and of x in flight, then VEC/4 mmas per load.
+// Word 2j of a load feeds k slots 2t..2t+1 of mma j, word 2j+1 slots 2t+8..2t+9,
+// for W and x alike.
+template <bool GUARD>
+TK_DEVICE void tk_mma_step(tk_cfrag_t& c, const tk_u16* const (&wrow)[TK_RPT][2], const tk_u16* xrow, int k,
+                           int ke, int klane) {
     tk_vec_words a[UNROLL][TK_RPT][2];
     tk_vec_words b[UNROLL];
-};
-
-template <bool GUARD>
-TK_DEVICE void tk_mma_load(tk_mma_frags& f, const tk_u16* const (&wrow)[TK_RPT][2], const tk_u16* xrow, int k,
-                           int ke, int klane) {
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
         const int kk = k + (u * TK_KLANES + klane) * VEC;
 #pragma unroll
         for (int r = 0; r < TK_RPT; ++r) {
-            tk_load_frag<GUARD, true>(f.a[u][r][0], wrow[r][0], kk, ke);
-            tk_load_frag<GUARD, true>(f.a[u][r][1], wrow[r][1], kk, ke);
+            tk_load_frag<GUARD, true>(a[u][r][0], wrow[r][0], kk, ke);
+            tk_load_frag<GUARD, true>(a[u][r][1], wrow[r][1], kk, ke);
         }
     }
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) tk_load_frag<GUARD, false>(f.b[u], xrow, k + (u * TK_KLANES + klane) * VEC, ke);
-}
-
-// VEC/4 mmas per load: word 2j of a load feeds k slots 2t..2t+1 of mma j,
-// word 2j+1 slots 2t+8..2t+9, for W and x alike.
-TK_DEVICE void tk_mma_compute(tk_cfrag_t& c, const tk_mma_frags& f) {
+    for (int u = 0; u < UNROLL; ++u) tk_load_frag<GUARD, false>(b[u], xrow, k + (u * TK_KLANES + klane) * VEC, ke);
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
 #pragma unroll
         for (int j = 0; j < VEC / 4; ++j) {
 #pragma unroll
             for (int r = 0; r < TK_RPT; ++r)
-                tk_mma_bf16_16x8x16(c[r], f.a[u][r][0].w[2 * j], f.a[u][r][1].w[2 * j], f.a[u][r][0].w[2 * j + 1],
-                                    f.a[u][r][1].w[2 * j + 1], f.b[u].w[2 * j], f.b[u].w[2 * j + 1]);
+                tk_mma_bf16_16x8x16(c[r], a[u][r][0].w[2 * j], a[u][r][1].w[2 * j], a[u][r][0].w[2 * j + 1],
+                                    a[u][r][1].w[2 * j + 1], b[u].w[2 * j], b[u].w[2 * j + 1]);
         }
     }
 }
 
 // c += the products over [ks, ke): whole steps of vector loads while vec_ok,
-// software-pipelined (the next step's loads are issued before this step's
-// mmas wait on theirs, so a warp never drains its loads in flight between
-// steps), then guarded steps for the rest (every step when misaligned).
+// then guarded steps for the rest (every step when the rows are misaligned).
 TK_DEVICE void tk_mma_accumulate(bool vec_ok, tk_cfrag_t& c, const tk_u16* const (&wrow)[TK_RPT][2],
                                  const tk_u16* xrow, int ks, int ke, int klane) {
     int k = ks;
-    if (vec_ok && k + TK_STEP <= ke) {
-        tk_mma_frags cur;
-        tk_mma_load<false>(cur, wrow, xrow, k, ke, klane);
-        for (k += TK_STEP; k + TK_STEP <= ke; k += TK_STEP) {
-            tk_mma_frags next;
-            tk_mma_load<false>(next, wrow, xrow, k, ke, klane);
-            tk_mma_compute(c, cur);
-            cur = next;
-        }
-        tk_mma_compute(c, cur);
-    }
-    for (; k < ke; k += TK_STEP) {
-        tk_mma_frags f;
-        tk_mma_load<true>(f, wrow, xrow, k, ke, klane);
-        tk_mma_compute(c, f);
-    }
+    if (vec_ok)
+        for (; k + TK_STEP <= ke; k += TK_STEP) tk_mma_step<false>(c, wrow, xrow, k, ke, klane);
+    for (; k < ke; k += TK_STEP) tk_mma_step<true>(c, wrow, xrow, k, ke, klane);
 }
 #endif  // MMA
 

@@ -76,8 +76,6 @@ _REDUCE_THREADS = 256
 #: Accumulators plus W words in flight a thread may hold; past this the
 #: compilers spill (AMD: 128 VGPRs keep 4 waves/SIMD; NVIDIA: 255 max).
 _MAX_LIVE_REGS = 96
-#: The same for MMA=1, which only builds for NVIDIA (255 registers per thread).
-_MAX_LIVE_REGS_MMA = 128
 #: More splits than this only multiply the partials traffic (M*N*4 bytes each).
 _MAX_SPLIT_K = 64
 #: MMA=1: rows of one mma tile (the m16n8k16 M side), its x columns (tokens),
@@ -171,15 +169,13 @@ def gemv_invalid_reason(params: Params, m: int, n: int, k: int) -> str | None:
     if not 1 <= unroll <= 16:
         return f"UNROLL={unroll}: must be 1..16"
     # Live registers per thread (32-bit words): accumulators + W and x vectors in
-    # flight (MMA=1: 4 fragment accumulators per tile, two W rows per tile and x,
-    # two steps of them: the loads of the next step are issued before the mmas).
+    # flight (MMA=1: 4 fragment accumulators per tile, two W rows per tile and x).
     if mma:
-        regs = 4 * rpt + 2 * unroll * (2 * rpt + 1) * vec // 2
+        regs = 4 * rpt + unroll * (2 * rpt + 1) * vec // 2
     else:
         regs = rpt * m + unroll * rpt * vec // 2
-    budget = _MAX_LIVE_REGS_MMA if mma else _MAX_LIVE_REGS
-    if regs > budget:
-        return f"{regs} live accumulator/load registers per thread > {budget}"
+    if regs > _MAX_LIVE_REGS:
+        return f"{regs} live accumulator/load registers per thread > {_MAX_LIVE_REGS}"
     if split < 1:
         return f"SPLIT_K={split}: must be >= 1"
     if split == 1 and p["FUSED_REDUCE"]:
