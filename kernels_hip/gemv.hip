@@ -155,7 +155,10 @@ static_assert(THREADS_PER_ROW % 32 == 0, "MMA=1: a row group is whole warps");
 static_assert(REDUCE_DPP == 0, "MMA=1 has no DPP reduction");
 #endif
 static_assert(MMA == 0 || MMA == 1, "MMA must be 0 or 1");
-static_assert(TK_THREADS % WAVE == 0, "a block must be whole waves (full-mask shuffles)");
+// Blocks are whole 32-lane groups. On wave64 a block may end in half a wave
+// (a 32-thread block: one row group of <= 32 lanes); its shuffles stay inside
+// 32-lane groups (a row group of 64 lanes makes the block a multiple of 64).
+static_assert(TK_THREADS % 32 == 0, "a block must be whole 32-lane groups (full-mask shuffles)");
 static_assert(UNROLL >= 1 && UNROLL <= 16, "UNROLL must be 1..16");
 static_assert(SPLIT_K >= 1, "SPLIT_K must be >= 1");
 static_assert(FUSED_REDUCE == 0 || FUSED_REDUCE == 1, "FUSED_REDUCE must be 0 or 1");

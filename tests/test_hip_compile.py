@@ -51,6 +51,8 @@ COMBOS: list[dict[str, int]] = [
     {"WAVE": 64, "THREADS_PER_ROW": 8, "ROWS_PER_BLOCK": 32, "VEC": 2, "REDUCE_DPP": 1},
     {"WAVE": 64, "THREADS_PER_ROW": 16, "ROWS_PER_BLOCK": 64, "ROWS_PER_THREAD": 4, "REDUCE_DPP": 1},
     {"WAVE": 32, "MAX_M": 4, "THREADS_PER_ROW": 512, "ROWS_PER_BLOCK": 2, "X_IN_SHARED": 1, "UNROLL": 1},
+    # one 32-thread row group per block: half a wave on wave64
+    {"WAVE": 64, "MAX_M": 1, "THREADS_PER_ROW": 32, "ROWS_PER_BLOCK": 1, "REDUCE_DPP": 1},
 ]
 
 
@@ -258,7 +260,7 @@ def test_default_valid_for_every_builtin_model_shape() -> None:
         ({"VEC": 3}, (1, 96, 5120), "VEC=3"),
         ({"THREADS_PER_ROW": 48}, (1, 96, 5120), "power of two"),
         ({"THREADS_PER_ROW": 512, "ROWS_PER_BLOCK": 4}, (1, 96, 5120), "exceeds 1024"),
-        ({"THREADS_PER_ROW": 16, "ROWS_PER_BLOCK": 2}, (1, 96, 5120), "multiple of 64"),
+        ({"THREADS_PER_ROW": 8, "ROWS_PER_BLOCK": 2}, (1, 96, 5120), "multiple of 32"),
         ({"ROWS_PER_THREAD": 4, "ROWS_PER_BLOCK": 2}, (1, 96, 5120), "multiple of ROWS_PER_THREAD"),
         ({"FUSED_REDUCE": 1}, (1, 96, 5120), "only applies to SPLIT_K > 1"),
         ({"SPLIT_K": 16, "UNROLL": 4}, (1, 96, 5120), "shorter than one step"),
@@ -294,6 +296,8 @@ def test_invalid_reason_rejects(change: dict[str, int], shape: tuple[int, int, i
         {"X_IN_SHARED": 1, "VEC": 4, "REDUCE_DPP": 1, "NONTEMPORAL": 1},
         {"MMA": 1, "ROWS_PER_BLOCK": 32},
         {"MMA": 1, "ROWS_PER_BLOCK": 64, "ROWS_PER_THREAD": 2, "THREADS_PER_ROW": 64, "SPLIT_K": 2},
+        {"ROWS_PER_BLOCK": 1, "THREADS_PER_ROW": 32},
+        {"ROWS_PER_BLOCK": 2, "THREADS_PER_ROW": 16},
     ],
 )
 def test_invalid_reason_accepts(change: dict[str, int]) -> None:
@@ -381,6 +385,7 @@ EMU_CONFIGS: list[dict[str, int]] = [
     {"THREADS_PER_ROW": 64, "ROWS_PER_BLOCK": 4, "SPLIT_K": 3, "UNROLL": 1},
     {"THREADS_PER_ROW": 64, "ROWS_PER_BLOCK": 4, "SPLIT_K": 3, "UNROLL": 1, "FUSED_REDUCE": 1},
     {"THREADS_PER_ROW": 8, "ROWS_PER_BLOCK": 16, "VEC": 2},
+    {"THREADS_PER_ROW": 32, "ROWS_PER_BLOCK": 1, "UNROLL": 4},  # one warp, one row per block
     # tensor-core path (warp-level mma emulated): one warp per tile, 2 tiles and
     # 2 K-warps with staged x, split-K with the fused reduction, VEC=4
     {"MMA": 1, "ROWS_PER_BLOCK": 32, "UNROLL": 2},

@@ -64,9 +64,11 @@ _ADDED_LATER: dict[str, int] = {"MMA": 0}
 _DERIVED = ("WAVE", "MAX_M")
 #: Largest MAX_M the kernel accepts (static_assert in gemv.hip).
 MAX_M_LIMIT = 16
-#: Threads of a block must fill whole waves on every target: 64 is the wave of
-#: AMD gfx9/DCU and a multiple of NVIDIA's 32 (full-mask shuffles need whole warps).
-_BLOCK_MULTIPLE = 64
+#: Threads of a block: whole 32-lane groups (full-mask shuffles need whole
+#: NVIDIA warps). On wave64 a 32-thread block is half a wave, which gemv.hip
+#: allows (its shuffles stay inside 32-lane groups there); one warp per row
+#: per block is the shape that balances the tail best on NVIDIA.
+_BLOCK_MULTIPLE = 32
 #: Staged-x budget: NVIDIA allows 48 KiB of static shared memory without
 #: opt-in; 16 KiB stay for the two-stage reduction buffer (<= 8 KiB).
 _SMEM_LIMIT = 32 * 1024
@@ -162,10 +164,8 @@ def gemv_invalid_reason(params: Params, m: int, n: int, k: int) -> str | None:
     threads = block_threads(p)
     if threads > 1024:
         return f"block of {threads} threads (row groups x THREADS_PER_ROW) exceeds 1024"
-    if mma and threads % _NV_WARP:
-        return f"block of {threads} threads is not whole {_NV_WARP}-lane warps"
-    if not mma and threads % _BLOCK_MULTIPLE:
-        return f"block of {threads} threads is not a multiple of {_BLOCK_MULTIPLE} (whole waves everywhere)"
+    if threads % _BLOCK_MULTIPLE:
+        return f"block of {threads} threads is not a multiple of {_BLOCK_MULTIPLE} (whole 32-lane groups)"
     if not 1 <= unroll <= 16:
         return f"UNROLL={unroll}: must be 1..16"
     # Live registers per thread (32-bit words): accumulators + W and x vectors in
