@@ -53,15 +53,7 @@
 // Block = ROWS_PER_BLOCK / (16*ROWS_PER_THREAD) * THREADS_PER_ROW threads;
 // split-K, FUSED_REDUCE, NONTEMPORAL and X_IN_SHARED work as above. The bits
 // differ from MMA=0 (another summation order); they are set by VEC,
-// THREADS_PER_ROW, SPLIT_K and W_STAGES as well.
-//
-// W_STAGES >= 2 (with MMA=1): a lane's fragment owns two rows, so a direct
-// load instruction reads only 64 bytes per row. Instead every warp streams
-// its rows through a private ring of W_STAGES shared-memory slots with
-// cp.async, 8 lanes per 128-byte line, and reads its fragments from there
-// (rows padded by 16 bytes: conflict-free). A slot holds 64*UNROLL K per row;
-// K-warps of a row group take slots in turn; what is left after the whole
-// slots (and misaligned rows) takes the direct path.
+// THREADS_PER_ROW and SPLIT_K as well.
 #include "tunekit_hip.h"
 
 // ---------------------------------------------------------------- tunables
@@ -103,9 +95,6 @@
 #endif
 #ifndef MMA
 #define MMA 0  // 1 (NVIDIA sm_80+): tensor-core path, see the header comment
-#endif
-#ifndef W_STAGES
-#define W_STAGES 0  // MMA=1: 0 = W loaded straight into fragments; >= 2 = cp.async ring of that many slots
 #endif
 #ifndef X_SMEM_BYTES
 #define X_SMEM_BYTES 16384  // shared-memory budget for staged x (X_IN_SHARED)
@@ -165,8 +154,6 @@ static_assert(VEC == 4 || VEC == 8, "MMA=1: VEC must be 4 or 8 (one or two k16 s
 static_assert(THREADS_PER_ROW % 32 == 0, "MMA=1: a row group is whole warps");
 static_assert(REDUCE_DPP == 0, "MMA=1 has no DPP reduction");
 #endif
-static_assert(W_STAGES == 0 || (MMA && W_STAGES >= 2 && W_STAGES <= 8 && VEC == 8),
-              "W_STAGES (2..8) is the MMA=1 shared-memory ring, with VEC=8");
 static_assert(MMA == 0 || MMA == 1, "MMA must be 0 or 1");
 // Blocks are whole 32-lane groups. On wave64 a block may end in half a wave
 // (a 32-thread block: one row group of <= 32 lanes); its shuffles stay inside
@@ -354,81 +341,6 @@ TK_DEVICE void tk_mma_accumulate(bool vec_ok, tk_cfrag_t& c, const tk_u16* const
         for (; k + TK_STEP <= ke; k += TK_STEP) tk_mma_step<false>(c, wrow, xrow, k, ke, klane);
     for (; k < ke; k += TK_STEP) tk_mma_step<true>(c, wrow, xrow, k, ke, klane);
 }
-
-#if W_STAGES
-// ---------------------------------------------- W through shared memory
-#define TK_STAGE_K (64 * UNROLL)              // K per slot and row: UNROLL 128-byte lines
-#define TK_ROW_BYTES (2 * TK_STAGE_K + 16)    // padded: successive rows 4 banks apart
-#define TK_TILE_ROWS (16 * TK_RPT)            // rows of the warp
-#define TK_SLOT_BYTES (TK_TILE_ROWS * TK_ROW_BYTES)
-#define TK_KWARPS (THREADS_PER_ROW / 32)
-static_assert((TK_THREADS / 32) * W_STAGES * TK_SLOT_BYTES <= 49152,
-              "W_STAGES: the warps' shared-memory rings exceed 48 KiB");
-
-// Lane wl copies 16-byte chunk wl%8 of lines 0..UNROLL-1 of rows wl/8 + 4i:
-// 8 lanes per line, whole 128-byte lines. srow[i] points at row wl/8 + 4i.
-TK_DEVICE void tk_stage_issue(char* slot, const tk_u16* const (&srow)[TK_TILE_ROWS / 4], int k0, int wl) {
-#pragma unroll
-    for (int i = 0; i < TK_TILE_ROWS / 4; ++i) {
-#pragma unroll
-        for (int l = 0; l < UNROLL; ++l)
-            tk_cp_async16(slot + (wl / 8 + 4 * i) * TK_ROW_BYTES + l * 128 + (wl % 8) * 16,
-                          srow[i] + k0 + l * 64 + (wl % 8) * 8);
-    }
-}
-
-// Lane 4g+t reads chunks 2t and 2t+1 of every line of its rows (g, g+8 of
-// each tile); x's matching chunks come from global (or the staged x).
-TK_DEVICE void tk_stage_compute(tk_cfrag_t& c, const char* slot, const tk_u16* xrow, int k0, int g, int t) {
-#pragma unroll
-    for (int l = 0; l < UNROLL; ++l) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int chunk = 2 * t + h;
-            tk_vec_words xv;
-            xv.v = tk_load_x(xrow + k0 + l * 64 + chunk * 8);
-#pragma unroll
-            for (int r = 0; r < TK_RPT; ++r) {
-                tk_vec_words a0, a1;
-                a0.v = *reinterpret_cast<const tk_vec_t*>(slot + (16 * r + g) * TK_ROW_BYTES + l * 128 + chunk * 16);
-                a1.v = *reinterpret_cast<const tk_vec_t*>(slot + (16 * r + g + 8) * TK_ROW_BYTES + l * 128 + chunk * 16);
-#pragma unroll
-                for (int j = 0; j < 2; ++j)
-                    tk_mma_bf16_16x8x16(c[r], a0.w[2 * j], a1.w[2 * j], a0.w[2 * j + 1], a1.w[2 * j + 1],
-                                        xv.w[2 * j], xv.w[2 * j + 1]);
-            }
-        }
-    }
-}
-
-// c += the products over [ks, ke): the whole slots through the ring
-// (W_STAGES-1 in flight while one is read), the rest by tk_mma_accumulate.
-TK_DEVICE void tk_mma_accumulate_staged(bool vec_ok, tk_cfrag_t& c, const tk_u16* const (&wrow)[TK_RPT][2],
-                                        const tk_u16* const (&srow)[TK_TILE_ROWS / 4], char* ring,
-                                        const tk_u16* xrow, int ks, int ke, int klane, int kwarp, int wl) {
-    const int slots = vec_ok ? (ke - ks) / TK_STAGE_K : 0;  // whole slots of the row group
-    const int mine = slots > kwarp ? (slots - kwarp + TK_KWARPS - 1) / TK_KWARPS : 0;  // this warp's
-    const int g = wl >> 2, t = wl & 3;
-#pragma unroll
-    for (int s = 0; s < W_STAGES - 1; ++s) {
-        if (s < mine) tk_stage_issue(ring + s * TK_SLOT_BYTES, srow, ks + (s * TK_KWARPS + kwarp) * TK_STAGE_K, wl);
-        tk_cp_async_commit();
-    }
-    for (int i = 0; i < mine; ++i) {
-        const int next = i + W_STAGES - 1;
-        if (next < mine)
-            tk_stage_issue(ring + (next % W_STAGES) * TK_SLOT_BYTES, srow,
-                           ks + (next * TK_KWARPS + kwarp) * TK_STAGE_K, wl);
-        tk_cp_async_commit();
-        tk_cp_async_wait<W_STAGES - 1>();  // slot i has landed (this lane's copies) ...
-        tk_syncwarp();                      // ... and every lane's
-        tk_stage_compute(c, ring + (i % W_STAGES) * TK_SLOT_BYTES, xrow, ks + (i * TK_KWARPS + kwarp) * TK_STAGE_K,
-                         g, t);
-        tk_syncwarp();  // slot i fully read before a later issue reuses it
-    }
-    tk_mma_accumulate(vec_ok, c, wrow, xrow, ks + slots * TK_STAGE_K, ke, klane);
-}
-#endif  // W_STAGES
 #endif  // MMA
 
 // -------------------------------------------------------------- reduction
@@ -535,21 +447,6 @@ tunekit_gemv(const tk_u16* __restrict__ x, const tk_u16* __restrict__ w, tk_u16*
             wrow[r][h] = w + (tk_i64)(nr < N ? nr : N - 1) * stride_wn;
         }
     }
-#if W_STAGES
-    // the rows this lane copies into the ring (row tid%32/8 + 4i of the warp's tiles)
-    const tk_u16* srow[TK_TILE_ROWS / 4];
-#pragma unroll
-    for (int i = 0; i < TK_TILE_ROWS / 4; ++i) {
-        const int nr = n0 + (tid % 32) / 8 + 4 * i;
-        srow[i] = w + (tk_i64)(nr < N ? nr : N - 1) * stride_wn;
-    }
-    __shared__ TK_ALIGN(16) char w_ring[TK_THREADS / 32][W_STAGES * TK_SLOT_BYTES];
-    char* ring = w_ring[tid / 32];
-#define TK_MMA_ACCUMULATE(ok, xr, ks, ke) \
-    tk_mma_accumulate_staged(ok, acc, wrow, srow, ring, xr, ks, ke, klane, lane / 32, tid % 32)
-#else
-#define TK_MMA_ACCUMULATE(ok, xr, ks, ke) tk_mma_accumulate(ok, acc, wrow, xr, ks, ke, klane)
-#endif
 #else
     const tk_u16* wrow[TK_RPT];
 #pragma unroll
@@ -608,7 +505,7 @@ tunekit_gemv(const tk_u16* __restrict__ x, const tk_u16* __restrict__ w, tk_u16*
         }
         __syncthreads();
 #if MMA
-        if (group_ok) TK_MMA_ACCUMULATE(w_vec_ok, xs + token * TK_XCHUNK - kc, kc, kc + len);
+        if (group_ok) tk_mma_accumulate(w_vec_ok, acc, wrow, xs + token * TK_XCHUNK - kc, kc, kc + len, klane);
 #else
         int xoff[MAX_M];
 #pragma unroll
@@ -617,7 +514,7 @@ tunekit_gemv(const tk_u16* __restrict__ x, const tk_u16* __restrict__ w, tk_u16*
 #endif
     }
 #elif MMA
-    if (group_ok) TK_MMA_ACCUMULATE(w_vec_ok && x_vec_ok, x + (tk_i64)token * stride_xm, kb, ke);
+    if (group_ok) tk_mma_accumulate(w_vec_ok && x_vec_ok, acc, wrow, x + (tk_i64)token * stride_xm, kb, ke, klane);
 #else
     int xoff[MAX_M];
 #pragma unroll

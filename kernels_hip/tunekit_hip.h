@@ -13,7 +13,6 @@
 //   tk_fma(a, b, c)                   a single-rounding FMA on both vendors
 //   tk_bf16_lo/hi, tk_f32_to_bf16     explicit bf16 <-> fp32 (round to nearest even)
 //   tk_mma_bf16_16x8x16(c, a.., b..)  NVIDIA only: one warp-wide mma.sync m16n8k16
-//   tk_cp_async16 / _commit / _wait    NVIDIA only: cp.async global -> shared copies
 //   TK_DEVICE, TK_ALIGN(n), TK_AMD / TK_NV
 // The wave size is never assumed here: kernels pass it (their WAVE define).
 // Under hipRTC and NVRTC the sources reach the compiler with this header
@@ -100,27 +99,8 @@ TK_DEVICE float tk_fma(float a, float b, float c) {
 //   c:  C[g][2t], C[g][2t+1], C[g+8][2t], C[g+8][2t+1]
 // (each 32-bit a/b word: the lower k in the low half). All 32 lanes must
 // execute it. The g++ CPU tests of kernels_hip supply their own warp-level
-// version of it and of the copies below (TK_HOST_MMA), since they have no
-// tensor cores or asynchronous copies to call.
-//
-// Asynchronous global -> shared copies (NVIDIA sm_80+ cp.async, L2 only):
-//   tk_cp_async16(smem, gmem)  one 16-byte copy, in flight until waited for
-//   tk_cp_async_commit()       closes the group of copies issued so far
-//   tk_cp_async_wait<N>()      waits until at most N groups are in flight
-//   tk_syncwarp()              orders the warp's shared-memory accesses
+// version (TK_HOST_MMA), since they have no tensor cores to call.
 #if defined(TK_NV) && !defined(TK_HOST_MMA)
-TK_DEVICE void tk_cp_async16(void* smem, const void* gmem) {
-    unsigned dst;
-    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }\n" : "=r"(dst) : "l"(smem));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem) : "memory");
-}
-TK_DEVICE void tk_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-TK_DEVICE void tk_cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-TK_DEVICE void tk_syncwarp() { __syncwarp(); }
-
 TK_DEVICE void tk_mma_bf16_16x8x16(float (&c)[4], tk_u32 a0, tk_u32 a1, tk_u32 a2, tk_u32 a3, tk_u32 b0,
                                    tk_u32 b1) {
     asm volatile(

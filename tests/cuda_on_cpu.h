@@ -77,13 +77,6 @@ inline void tk_mma_bf16_16x8x16(float (&c)[4], unsigned a0, unsigned a1, unsigne
     g_warps[warp]->arrive_and_wait();
 }
 
-// cp.async as a plain copy (the emulated threads see it at once); the warp
-// barrier stands for __syncwarp's ordering of the warp's shared accesses.
-inline void tk_cp_async16(void* smem, const void* gmem) { std::memcpy(smem, gmem, 16); }
-inline void tk_cp_async_commit() {}
-template <int N> inline void tk_cp_async_wait() {}
-inline void tk_syncwarp() { g_warps[(int)threadIdx.x / 32]->arrive_and_wait(); }
-
 template <class F> static void run_grid(long gx, long gy, unsigned threads, F body) {
     for (long by = 0; by < gy; ++by)
         for (long bx = 0; bx < gx; ++bx) {

@@ -63,9 +63,6 @@ NV_MMA_COMBOS: list[dict[str, int]] = [
     {"MMA": 1, "MAX_M": 4, "ROWS_PER_BLOCK": 16, "THREADS_PER_ROW": 128, "SPLIT_K": 4, "FUSED_REDUCE": 1,
      "X_IN_SHARED": 1, "NONTEMPORAL": 1, "VEC": 4},
     {"MMA": 1, "MAX_M": 2, "ROWS_PER_BLOCK": 64, "ROWS_PER_THREAD": 4, "SPLIT_K": 2},
-    {"MMA": 1, "W_STAGES": 3, "ROWS_PER_BLOCK": 16, "THREADS_PER_ROW": 128, "UNROLL": 1},
-    {"MMA": 1, "W_STAGES": 2, "MAX_M": 1, "ROWS_PER_BLOCK": 32, "ROWS_PER_THREAD": 2, "UNROLL": 2,
-     "X_IN_SHARED": 1, "SPLIT_K": 2, "FUSED_REDUCE": 1},
 ]
 
 
@@ -282,12 +279,6 @@ def test_default_valid_for_every_builtin_model_shape() -> None:
         ({"MMA": 1, "ROWS_PER_BLOCK": 64, "ROWS_PER_THREAD": 4, "UNROLL": 8}, (1, 96, 5120), "registers"),
         ({"MMA": 1, "ROWS_PER_BLOCK": 32, "THREADS_PER_ROW": 1024, "ROWS_PER_THREAD": 2, "UNROLL": 1,
           "X_IN_SHARED": 1}, (8, 96, 65536), "shared memory"),
-        ({"W_STAGES": 2}, (1, 96, 5120), "W_STAGES=2"),
-        ({"MMA": 1, "ROWS_PER_BLOCK": 32, "W_STAGES": 2, "VEC": 4}, (1, 96, 5120), "VEC=8"),
-        ({"MMA": 1, "ROWS_PER_BLOCK": 64, "THREADS_PER_ROW": 256, "W_STAGES": 4, "UNROLL": 2}, (1, 96, 5120),
-         "W ring"),
-        ({"MMA": 1, "ROWS_PER_BLOCK": 16, "THREADS_PER_ROW": 128, "W_STAGES": 2, "UNROLL": 1}, (1, 96, 192),
-         "no whole slot"),
     ],
 )
 def test_invalid_reason_rejects(change: dict[str, int], shape: tuple[int, int, int], expect: str) -> None:
@@ -306,7 +297,6 @@ def test_invalid_reason_rejects(change: dict[str, int], shape: tuple[int, int, i
         {"MMA": 1, "ROWS_PER_BLOCK": 32},
         {"MMA": 1, "ROWS_PER_BLOCK": 64, "ROWS_PER_THREAD": 2, "THREADS_PER_ROW": 64, "SPLIT_K": 2},
         {"ROWS_PER_BLOCK": 1, "THREADS_PER_ROW": 32},
-        {"MMA": 1, "ROWS_PER_BLOCK": 16, "THREADS_PER_ROW": 128, "W_STAGES": 3, "UNROLL": 1},
         {"ROWS_PER_BLOCK": 2, "THREADS_PER_ROW": 16},
     ],
 )
@@ -324,10 +314,10 @@ def test_invalid_reason_is_pure_and_reports_missing_keys() -> None:
 
 def test_params_without_mma_are_the_cuda_core_kernel() -> None:
     # Tables and trials written before MMA existed still validate and build the same kernel.
-    old = {k: v for k, v in _default().items() if k not in ("MMA", "W_STAGES")}
+    old = {k: v for k, v in _default().items() if k != "MMA"}
     assert BACKEND.invalid_reason(_problem(4), old) is None
     assert BACKEND.defines(_problem(4), old, SM90) == BACKEND.defines(_problem(4), _default(), SM90)
-    assert BACKEND.defines(_problem(4), old, SM90)["MMA"] == BACKEND.defines(_problem(4), old, SM90)["W_STAGES"] == 0
+    assert BACKEND.defines(_problem(4), old, SM90)["MMA"] == 0
 
 
 def test_mma_block_and_split_geometry() -> None:
@@ -401,11 +391,6 @@ EMU_CONFIGS: list[dict[str, int]] = [
     {"MMA": 1, "ROWS_PER_BLOCK": 32, "UNROLL": 2},
     {"MMA": 1, "ROWS_PER_BLOCK": 32, "ROWS_PER_THREAD": 2, "THREADS_PER_ROW": 64, "X_IN_SHARED": 1, "NONTEMPORAL": 1},
     {"MMA": 1, "ROWS_PER_BLOCK": 64, "SPLIT_K": 3, "FUSED_REDUCE": 1, "VEC": 4, "UNROLL": 4},
-    # W through the cp.async ring: 3 slots, 2 K-warps taking slots in turn; 2 tiles of
-    # 2-line slots with staged x and split-K
-    {"MMA": 1, "W_STAGES": 3, "ROWS_PER_BLOCK": 16, "THREADS_PER_ROW": 64, "UNROLL": 1},
-    {"MMA": 1, "W_STAGES": 2, "ROWS_PER_BLOCK": 32, "ROWS_PER_THREAD": 2, "UNROLL": 2, "X_IN_SHARED": 1,
-     "SPLIT_K": 2},
 ]
 
 
@@ -454,11 +439,10 @@ def _check_close(y: torch.Tensor, ref: torch.Tensor, k: int) -> None:
 
 @pytest.mark.parametrize("config", EMU_CONFIGS, ids=_ids)
 def test_emulated_numerics(emu_dir: Path, config: dict[str, int]) -> None:
-    # Odd N (row tails) throughout. K a multiple of 8 but of no step or slot:
-    # the vector paths and their tails. Then K odd, W rows padded and x
-    # offset by one (misaligned: the scalar / guarded paths), y rows padded.
-    m, n = 3, 13
-    for k, layout in ((2 * 1536 + 8 * 5, {}), (2 * 1536 + 8 * 5 + 3, {"w_pad": 3, "x_offset": 1, "y_pad": 5})):
+    # Odd N (row tails), K not a multiple of any step; then misaligned W rows
+    # and x (scalar path) and a padded y row stride.
+    m, n, k = 3, 13, 2 * 1536 + 8 * 5 + 3
+    for layout in ({}, {"w_pad": 3, "x_offset": 1, "y_pad": 5}):
         y, ref = _emulate(emu_dir, config, m, n, k, **layout)
         _check_close(y, ref, k)
 
@@ -485,6 +469,5 @@ def test_vendor_specific_tunables_are_pinned() -> None:
     nvidia = DeviceInfo("nvidia", "NVIDIA H200", "sm_90", 132, 32, 60 << 20, 1, "cuda 13.0", "cuda:0")
     # DPP is AMD's; mma.sync is NVIDIA's from sm_80 on
     assert HIP.pinned_params(nvidia) == {"REDUCE_DPP": 0}
-    assert HIP.pinned_params(replace(nvidia, arch="sm_75")) == {"REDUCE_DPP": 0, "MMA": 0, "W_STAGES": 0}
-    amd = replace(nvidia, vendor="amd", arch="gfx90a", wave_size=64)
-    assert HIP.pinned_params(amd) == {"MMA": 0, "W_STAGES": 0}
+    assert HIP.pinned_params(replace(nvidia, arch="sm_75")) == {"REDUCE_DPP": 0, "MMA": 0}
+    assert HIP.pinned_params(replace(nvidia, vendor="amd", arch="gfx90a", wave_size=64)) == {"MMA": 0}

@@ -7,8 +7,7 @@ kernel, tunable defines, predicate, launcher), which this backend routes to.
 One source serves both vendors: NVRTC builds it for NVIDIA (WAVE=32), hipRTC
 for AMD/DCU (WAVE=64 on gfx9). Search-space keys are the kernel's compile-time
 defines (``ROWS_PER_BLOCK``, ``ROWS_PER_THREAD``, ``THREADS_PER_ROW``, ``VEC``, ``UNROLL``,
-``SPLIT_K``, ``FUSED_REDUCE``, ``NONTEMPORAL``, ``X_IN_SHARED``, ``REDUCE_DPP``, ``MMA``,
-``W_STAGES``); the backend
+``SPLIT_K``, ``FUSED_REDUCE``, ``NONTEMPORAL``, ``X_IN_SHARED``, ``REDUCE_DPP``, ``MMA``); the backend
 adds ``WAVE`` (from the device) and ``MAX_M`` (= problem.m, so the M loops are
 fully unrolled for the M being tuned).
 
@@ -26,11 +25,10 @@ Call protocol (see ``tunekit.backends.base``)::
 Notes: ``REDUCE_DPP`` only changes AMD code (the NVIDIA build is the shuffle
 path, the same kernel as REDUCE_DPP=0). ``MMA=1`` is the tensor-core path
 (mma.sync, NVIDIA sm_80+ only: pinned to 0 elsewhere); there a row group is
-``16*ROWS_PER_THREAD`` rows and ``THREADS_PER_ROW`` whole warps, and
-``W_STAGES`` >= 2 streams W through a cp.async ring in shared memory. Every
-config is bit-identical to the reference config when it shares MMA, W_STAGES,
-THREADS_PER_ROW, VEC and SPLIT_K with it (the K-reduction order); the others
-differ in the last bits only.
+``16*ROWS_PER_THREAD`` rows and ``THREADS_PER_ROW`` whole warps. Every config
+is bit-identical to the reference config when it shares MMA, THREADS_PER_ROW,
+VEC and SPLIT_K with it (the K-reduction order); the others differ in the last
+bits only.
 """
 
 from __future__ import annotations
@@ -58,11 +56,10 @@ GEMV_PARAMS: tuple[str, ...] = (
     "REDUCE_DPP",
     "FUSED_REDUCE",
     "MMA",
-    "W_STAGES",
 )
 #: Defines added after tables and trials were first written: a params dict
 #: without one means the kernel as it was before (MMA absent = CUDA-core path).
-_ADDED_LATER: dict[str, int] = {"MMA": 0, "W_STAGES": 0}
+_ADDED_LATER: dict[str, int] = {"MMA": 0}
 #: Defines the backend sets itself; a params dict may not override them.
 _DERIVED = ("WAVE", "MAX_M")
 #: Largest MAX_M the kernel accepts (static_assert in gemv.hip).
@@ -78,8 +75,6 @@ _SMEM_LIMIT = 32 * 1024
 #: Must match X_SMEM_BYTES / TK_REDUCE_THREADS defaults in gemv.hip.
 _X_SMEM_BYTES = 16384
 _REDUCE_THREADS = 256
-#: Static shared memory of one block (the limit without an opt-in on NVIDIA).
-_STATIC_SMEM = 48 * 1024
 #: Accumulators plus W words in flight a thread may hold; past this the
 #: compilers spill (AMD: 128 VGPRs keep 4 waves/SIMD; NVIDIA: 255 max).
 _MAX_LIVE_REGS = 96
@@ -162,9 +157,6 @@ def gemv_invalid_reason(params: Params, m: int, n: int, k: int) -> str | None:
             return f"MMA=1 needs THREADS_PER_ROW a multiple of the {_NV_WARP}-lane warp, not {tpr}"
         if p["REDUCE_DPP"]:
             return "MMA=1 has no DPP reduction (REDUCE_DPP=0)"
-    stages = p["W_STAGES"]
-    if stages and not (mma and 2 <= stages <= 8 and vec == 8):
-        return f"W_STAGES={stages}: the shared-memory ring is 2..8 slots of the MMA=1 path with VEC=8"
     group_rows = rows_per_group(p)
     if rpt < 1 or rpb < 1 or rpb % group_rows:
         what = f"16*ROWS_PER_THREAD={group_rows}" if mma else f"ROWS_PER_THREAD={rpt}"
@@ -178,9 +170,7 @@ def gemv_invalid_reason(params: Params, m: int, n: int, k: int) -> str | None:
         return f"UNROLL={unroll}: must be 1..16"
     # Live registers per thread (32-bit words): accumulators + W and x vectors in
     # flight (MMA=1: 4 fragment accumulators per tile, two W rows per tile and x).
-    if mma and stages:
-        regs = 4 * rpt + 12  # fragments come from shared memory one line at a time
-    elif mma:
+    if mma:
         regs = 4 * rpt + unroll * (2 * rpt + 1) * vec // 2
     else:
         regs = rpt * m + unroll * rpt * vec // 2
@@ -220,14 +210,6 @@ def gemv_invalid_reason(params: Params, m: int, n: int, k: int) -> str | None:
         smem += groups * parked_warps * rpt * 4 * _NV_WARP * 4
         if smem > _SMEM_LIMIT:
             return f"MMA=1: {smem} bytes of shared memory (K-warp partials + staged x) > {_SMEM_LIMIT}"
-    if stages:
-        slot_k = 64 * unroll  # K per slot and row (gemv.hip TK_STAGE_K)
-        ring = threads // _NV_WARP * stages * 16 * rpt * (2 * slot_k + 16)
-        if smem + ring > _STATIC_SMEM:
-            return f"W_STAGES={stages}: {ring} bytes of W ring (+ {smem}) exceed {_STATIC_SMEM} of shared memory"
-        per_split = -(-k // split)
-        if per_split < slot_k * (tpr // _NV_WARP):
-            return f"W_STAGES={stages}: K/SPLIT_K={per_split} holds no whole slot ({slot_k} K) per K-warp"
     return None
 
 
@@ -248,13 +230,12 @@ class HipBackend:
         takes the shuffle path, so both values compile to the same kernel there.
         MMA=1 exists only on NVIDIA sm_80+ (elsewhere it would not compile).
         """
-        no_mma = {"MMA": 0, "W_STAGES": 0}
         if device.vendor != "nvidia":
-            return no_mma  # mma.sync and cp.async are NVIDIA's; no AMD MFMA path is written
+            return {"MMA": 0}  # mma.sync is NVIDIA's; no AMD MFMA path is written
         pinned = {"REDUCE_DPP": 0}
         arch = device.arch.removeprefix("sm_")
         if not arch.isdigit() or int(arch) < _MMA_MIN_SM:
-            pinned |= no_mma  # bf16 mma.sync and cp.async need sm_80+
+            pinned["MMA"] = 0  # bf16 mma.sync needs sm_80+
         return pinned
 
     def space(self, problem: Problem) -> SearchSpace:
