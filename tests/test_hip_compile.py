@@ -439,10 +439,11 @@ def _check_close(y: torch.Tensor, ref: torch.Tensor, k: int) -> None:
 
 @pytest.mark.parametrize("config", EMU_CONFIGS, ids=_ids)
 def test_emulated_numerics(emu_dir: Path, config: dict[str, int]) -> None:
-    # Odd N (row tails), K not a multiple of any step; then misaligned W rows
-    # and x (scalar path) and a padded y row stride.
-    m, n, k = 3, 13, 2 * 1536 + 8 * 5 + 3
-    for layout in ({}, {"w_pad": 3, "x_offset": 1, "y_pad": 5}):
+    # Odd N (row tails) throughout. K a multiple of 8 but of no step: the
+    # vector paths and their tails. Then K odd, W rows padded and x offset by
+    # one (misaligned: the scalar / guarded paths), y rows padded.
+    m, n = 3, 13
+    for k, layout in ((2 * 1536 + 8 * 5, {}), (2 * 1536 + 8 * 5 + 3, {"w_pad": 3, "x_offset": 1, "y_pad": 5})):
         y, ref = _emulate(emu_dir, config, m, n, k, **layout)
         _check_close(y, ref, k)
 
