@@ -11,8 +11,8 @@ on the meta device) and one ``--shape OP:SIZE`` per distinct routed norm, in the
 because HF reshapes the gated norm's input to [tokens * heads, head_dim], so ``tunekit.ops`` looks it up as
 (m = tokens * heads, n = k = head_dim). Those norms run at decode with M > 1 (k_norm: M = kv heads, gated
 norm: M = value heads), and a GEMV search takes M 1..8 only, so they need their own search at the M that
-``--print-m`` prints (q_norm's M is left out: HF passes it a strided view, which the op serves with the
-vendor path). Typical GPU use:
+``--print-m`` prints (q_norm gets a view of q_proj's output whose rows are 2 * head_dim apart; the kernels
+take that row stride). Typical GPU use:
 
     python -m tunekit search $(python benchmarks/serving_check.py --print-shapes --only gemv) --m 1 \\
         --out runs/serving-gemv
@@ -293,21 +293,19 @@ def shape_args(config: Any, only: str = "all") -> list[str]:
 
 
 def decode_norm_calls(config: Any) -> list[dict[str, Any]]:
-    """The routed norm calls of one decode step (batch 1): op, table (m, n, k), what, and whether tunable."""
+    """The routed norm calls of one decode step (batch 1): op, table (m, n, k) and what they are."""
     hidden, head_dim = config.hidden_size, config.head_dim
     types = list(config.layer_types)
-    calls = [{"op": "gemma_rms_norm", "m": 1, "n": hidden, "k": hidden, "what": "input/post-attention/final norm",
-              "servable": True}]
+    calls = [{"op": "gemma_rms_norm", "m": 1, "n": hidden, "k": hidden, "what": "input/post-attention/final norm"}]
     if "full_attention" in types:
         calls.append({"op": "gemma_rms_norm", "m": config.num_key_value_heads, "n": head_dim, "k": head_dim,
-                      "what": "self_attn.k_norm", "servable": True})
+                      "what": "self_attn.k_norm"})
         calls.append({"op": "gemma_rms_norm", "m": config.num_attention_heads, "n": head_dim, "k": head_dim,
-                      "what": "self_attn.q_norm (a strided view of q_proj's output: vendor path, fallback:strided)",
-                      "servable": False})
+                      "what": "self_attn.q_norm (a row-strided view of q_proj's output)"})
     if "linear_attention" in types:
         dv = config.linear_value_head_dim
         calls.append({"op": "gated_rms_norm", "m": config.linear_num_value_heads, "n": dv, "k": dv,
-                      "what": "linear_attn.norm ([heads, head_v_dim] rows)", "servable": True})
+                      "what": "linear_attn.norm ([heads, head_v_dim] rows)"})
     return calls
 
 
@@ -925,7 +923,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.print_shapes:
             print(" ".join(f"--shape {s}" for s in shape_args(config, args.only)))
         if args.print_m:
-            ms = sorted({c["m"] for c in decode_norm_calls(config) if c["servable"]})
+            ms = sorted({c["m"] for c in decode_norm_calls(config)})
             print(",".join(str(m) for m in ms))
         return 0
 

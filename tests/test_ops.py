@@ -443,20 +443,53 @@ def test_elementwise_tuned_path_passes_eps_and_the_rows(tmp_path: Path) -> None:
     assert _rows(op="rms_norm", shape="32x32")[0]["impl"] == "fallback:no_entry"
 
 
-def test_strided_elementwise_inputs_fall_back_to_dense_results() -> None:
-    x = torch.randn(3, 128).bfloat16()[:, :64]  # rows 128 apart: not contiguous
-    w = torch.randn(64).bfloat16()
-    y = torch.ops.tunekit.rms_norm(x, w, 1e-6)
-    assert y.is_contiguous() and torch.equal(y, _hf_rms(x.contiguous(), w, 1e-6))
-    t = torch.randn(4, 3, 64).bfloat16().transpose(0, 1)
-    assert torch.ops.tunekit.silu_and_mul(t).is_contiguous()
-    assert [r["impl"] for r in ops.dispatch_stats()] == ["fallback:strided", "fallback:strided"]
-
-
 def _triton_has(op: str) -> bool:
     from tunekit import backends
 
     return op in backends.get("triton").ops
+
+
+def _triton_has_kernels() -> bool:
+    return _triton_has("rms_norm")
+
+
+def test_strided_elementwise_inputs_fall_back_to_dense_results() -> None:
+    # rows that no [m, width] view holds (a transpose) or strided inside a row
+    t = torch.randn(4, 3, 64).bfloat16().transpose(0, 1)
+    assert torch.ops.tunekit.silu_and_mul(t).is_contiguous()
+    x = torch.randn(3, 128).bfloat16()[:, ::2]
+    w = torch.randn(64).bfloat16()
+    y = torch.ops.tunekit.rms_norm(x, w, 1e-6)
+    assert y.is_contiguous() and torch.equal(y, _hf_rms(x.contiguous(), w, 1e-6))
+    assert [r["impl"] for r in ops.dispatch_stats()] == ["fallback:strided", "fallback:strided"]
+
+
+@pytest.mark.skipif(not _triton_has_kernels(), reason="kernels_triton has no elementwise kernels yet")
+def test_row_strided_inputs_are_served_through_the_kernels_row_stride(tmp_path: Path) -> None:
+    # HF Qwen3.5's q_norm: q and its gate interleaved per head, q = every other head_dim slice
+    entries = [_entry("gemma_rms_norm", 8, 64, 64, params={}), _entry("gated_rms_norm", 2, 128, 32, params={}),
+               _entry("silu_and_mul", 4, 48, 96, params={})]
+    ops.load_tables(str(make_table(tmp_path / "ew.json", entries)))
+    gen = torch.Generator().manual_seed(3)
+    qg = torch.randn(2, 4, 2 * 64, generator=gen).bfloat16()
+    q = qg[..., :64]  # [tokens, heads, head_dim], rows 128 apart
+    w = torch.randn(64, generator=gen).bfloat16()
+    y = torch.ops.tunekit.gemma_rms_norm(q, w, 1e-6)
+    want = ops._vendor_rms_norm(q.contiguous(), w, 1e-6, True)
+    assert y.is_contiguous() and y.shape == q.shape
+    assert ((y.float() - want.float()).abs() <= 2**-6 * want.float().abs() + 1e-3).all()
+    h = torch.randn(2, 6, 32, generator=gen).bfloat16()[:, :4]  # tokens 6*32 apart, heads contiguous
+    z = torch.randn(2, 4, 32, generator=gen).bfloat16()
+    g = torch.ops.tunekit.gated_rms_norm(h, z, w[:32], 1e-6)
+    want = ops._vendor_gated(h.contiguous(), z, w[:32], 1e-6)
+    assert ((g.float() - want.float()).abs() <= 2**-6 * want.float().abs() + 1e-3).all()
+    a = torch.randn(4, 100, generator=gen).bfloat16()[:, :96]
+    s = torch.ops.tunekit.silu_and_mul(a)
+    want = ops._vendor_silu_and_mul(a.contiguous())
+    assert ((s.float() - want.float()).abs() <= 2**-6 * want.float().abs() + 1e-3).all()
+    assert [r["impl"] for r in ops.dispatch_stats()] == ["tuned:triton"] * 3
+
+
 
 
 @pytest.mark.skipif(not _triton_has("rms_norm"), reason="kernels_triton has no elementwise kernels yet")

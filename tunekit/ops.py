@@ -59,7 +59,10 @@ Elementwise ops (the fused decode ops of ``tunekit.opspec``), same rules::
 
 Their table key is (m, n, k) as in ``tunekit.shapes.Problem`` (m = rows, the
 leading dims; gated_rms_norm: the leading dims but [heads, head_dim], so
-vLLM's [T, H, D] call is m = T, n = H * D, k = D). Inputs must be contiguous.
+vLLM's [T, H, D] call is m = T, n = H * D, k = D). Each input must view as
+[m, row width] with unit stride inside a row; the rows may be strided (HF's
+q_norm normalises a q view whose rows are 2 * head_dim apart). Results are
+contiguous.
 The tuned kernel is ``backend.build(...)(inputs, out[, eps=eps])`` with
 ``inputs``/``out`` laid out as ``tunekit.opspec`` makes them; a kernel without
 an ``eps`` parameter serves only ``eps == DEFAULT_EPS``. Their vendor path is
@@ -703,8 +706,13 @@ def _ew_serve(
         reason = "device"
     elif m == 0 or n == 0 or k == 0:
         reason = "empty"
-    elif not all(t.is_contiguous() for t in tensors):
-        reason = "strided"
+    else:
+        # Rows may be strided (HF's q_norm gets every other head_dim slice of q):
+        # the kernels take a row stride. Each tensor must view as [m, width]
+        # rows with unit stride inside a row; anything else is the vendor's.
+        inputs = _row_views(kernel_inputs, m, n)
+        if inputs is None:
+            reason = "strided"
     if reason is not None:
         _count(op, dtype, shape, m, False, f"fallback:{reason}", capturing)
         return _dense(vendor())
@@ -716,7 +724,6 @@ def _ew_serve(
         return _dense(vendor())
     try:
         out = make_out(m, n, x)
-        inputs = kernel_inputs(m, n)
         if choice.takes_eps and eps is not None:
             choice.kernel(inputs, out, eps=eps)
         else:
@@ -727,6 +734,20 @@ def _ew_serve(
         return _dense(vendor())
     _count(op, dtype, shape, m, False, choice.impl, capturing)
     return finish(out)
+
+
+def _row_views(kernel_inputs: Callable[[int, int], tuple[torch.Tensor, ...]], m: int,
+               n: int) -> tuple[torch.Tensor, ...] | None:
+    """The kernel's [rows, width] views of the inputs, or None if some input has no such view
+    (rows not evenly strided, or a stride inside a row)."""
+    try:
+        views = kernel_inputs(m, n)
+    except RuntimeError:  # .view() of a layout that needs a copy
+        return None
+    for t in views:
+        if t.dim() == 2 and t.shape[1] > 1 and t.stride(1) != 1:
+            return None
+    return views
 
 
 def _dense(out: Any) -> Any:
