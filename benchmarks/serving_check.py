@@ -9,7 +9,8 @@ the model check: one ``--shape NxK`` per distinct nn.Linear (``torch_patch.linea
 on the meta device) and one ``--shape OP:SIZE`` per distinct routed norm, in the layout HF calls it:
 ``gemma_rms_norm:HIDDEN`` and ``gemma_rms_norm:HEAD_DIM`` (q_norm / k_norm), and ``gated_rms_norm:1xHEAD_V_DIM``,
 because HF reshapes the gated norm's input to [tokens * heads, head_dim], so ``tunekit.ops`` looks it up as
-(m = tokens * heads, n = k = head_dim). Those norms run at decode with M > 1 (k_norm: M = kv heads, gated
+(m = tokens * heads, n = k = head_dim) first (then as any tabulated regrouping of the same heads, such as
+vLLM's [tokens, heads * head_dim]). Those norms run at decode with M > 1 (k_norm: M = kv heads, gated
 norm: M = value heads), and a GEMV search takes M 1..8 only, so they need their own search at the M that
 ``--print-m`` prints (q_norm gets a view of q_proj's output whose rows are 2 * head_dim apart; the kernels
 take that row stride). Typical GPU use:

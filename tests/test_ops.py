@@ -520,6 +520,22 @@ def test_elementwise_ops_launch_the_real_triton_kernels(tmp_path: Path) -> None:
     assert {op for op, impl in impls if impl == "tuned:triton"} == {op for op, _, _ in shapes}
 
 
+@pytest.mark.skipif(not _triton_has_kernels(), reason="kernels_triton has no elementwise kernels yet")
+def test_gated_norm_in_another_row_layout_is_served_by_the_tabulated_one(tmp_path: Path) -> None:
+    # the table holds vLLM's layout [tokens, heads * head_dim]; HF calls [tokens * heads, head_dim]
+    ops.load_tables(str(make_table(tmp_path / "g.json", [_entry("gated_rms_norm", 1, 4 * 32, 32, params={})])))
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 32, generator=gen).bfloat16()
+    z = torch.randn(4, 32, generator=gen).bfloat16()
+    w = torch.randn(32, generator=gen).bfloat16()
+    y = torch.ops.tunekit.gated_rms_norm(x, z, w, 1e-6)
+    want = ops._vendor_gated(x, z, w, 1e-6)
+    assert y.shape == x.shape and ((y.float() - want.float()).abs() <= 2**-6 * want.float().abs() + 1e-3).all()
+    torch.ops.tunekit.gated_rms_norm(x[:3], z[:3], w, 1e-6)  # 96 elements: no tabulated grouping of them
+    assert [(r["shape"], r["m"], r["impl"]) for r in ops.dispatch_stats()] == [
+        ("128x32", 1, "tuned:triton"), ("32x32", 3, "fallback:no_entry")]
+
+
 def test_an_entry_whose_config_cannot_run_a_smaller_m_is_a_reasoned_fallback(tmp_path: Path) -> None:
     # M=4's winner uses per-row accumulators, which M=1 cannot run: M=1 takes the vendor path, M=2 the kernel.
     rows_params = dict(PARAMS, M_MODE="rows")

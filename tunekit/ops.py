@@ -169,6 +169,8 @@ class _State:
         self.device_tables: dict[str, tuple[dict[str, Any] | None, str | None]] = {}
         #: (op, dtype, m, n, k, device key) -> _Choice
         self.choices: dict[tuple, _Choice] = {}
+        #: gated_rms_norm (dtype, m, n, k, device key) -> the (m, n) rows it is served as
+        self.gated_layouts: dict[tuple, tuple[int, int]] = {}
         #: built kernels by (backend, op, dtype, build M, n, k, params, device): one HIP build serves all M <= MAX_M
         self.built: dict[tuple, Callable[..., None]] = {}
         #: (op, dtype, shape, m, bias, impl, counted_at) -> calls
@@ -219,6 +221,7 @@ def load_tables(paths: str | os.PathLike | Sequence[str | os.PathLike] | None) -
         _STATE.tables = loaded
         _STATE.device_tables.clear()
         _STATE.choices.clear()
+        _STATE.gated_layouts.clear()
         _STATE.built.clear()
     _maybe_register_atexit()
     return loaded_tables()
@@ -807,6 +810,8 @@ def _gated_impl(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: flo
     if k == 0 or z.shape != x.shape or x.shape[-1] % k:
         _count("gated_rms_norm", dtype_name(x.dtype), f"{n}x{k}", m, False, "fallback:bad_input", _capturing(x))
         return _dense(_vendor_gated(x, z, weight, eps))
+    if m and n:
+        m, n = _gated_layout(dtype_name(x.dtype), m, n, k, x.device)
     return _ew_serve(
         "gated_rms_norm", (x, z), weight, (m, n, k), eps,
         make_out=lambda m, n, x: torch.empty((m, n), dtype=x.dtype, device=x.device),
@@ -814,6 +819,35 @@ def _gated_impl(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: flo
         vendor=lambda: _vendor_gated(x, z, weight, eps),
         finish=lambda out: out.view(x.shape),
     )
+
+
+def _gated_layout(dtype: str, m: int, n: int, k: int, device: torch.device) -> tuple[int, int]:
+    """The [rows, width] a gated_rms_norm call of m x n is served as (cached per key).
+
+    The norm works per group of k, so how groups are cut into rows does not
+    change the result: when the table holds no entry for (m, n) it may hold
+    one for the same groups as [m * n / n', n']. Hugging Face passes
+    [tokens * heads, head_dim] where vLLM (whose layout ``tunekit search
+    --model`` tunes) passes [tokens, heads * head_dim].
+    """
+    key = (dtype, m, n, k, str(device))
+    with _STATE.lock:
+        layout = _STATE.gated_layouts.get(key)
+    if layout is not None:
+        return layout
+    layout = (m, n)
+    merged, _ = _tables_for(device, str(device))
+    if merged is not None and table_mod.lookup(merged, "gated_rms_norm", dtype, m, n, k) is None:
+        widths = sorted({e["n"] for e in merged["entries"]
+                         if e["op"] == "gated_rms_norm" and e["dtype"] == dtype and e["k"] == k and e["n"] != n
+                         and e["n"] % k == 0 and (m * n) % e["n"] == 0})
+        for width in widths:
+            if table_mod.lookup(merged, "gated_rms_norm", dtype, m * n // width, width, k) is not None:
+                layout = (m * n // width, width)
+                break
+    with _STATE.lock:
+        _STATE.gated_layouts.setdefault(key, layout)
+        return _STATE.gated_layouts[key]
 
 
 def _silu_and_mul_impl(x: torch.Tensor) -> torch.Tensor:

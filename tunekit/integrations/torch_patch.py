@@ -32,11 +32,12 @@ Shapes: Hugging Face keeps q/k/v and gate/up as separate linears, where vLLM
 merges them (``qkv_proj``, ``gate_up_proj``), so a table tuned on vLLM's
 shapes (``tunekit search --model``) covers only the unmerged ones (o_proj,
 down_proj, lm_head ...). :func:`linear_shapes` lists the (N, K) a patched
-model runs, to tune those with ``--shape NxK``. Likewise HF reshapes the
-gated norm's input to [tokens * heads, head_dim] (vLLM: [tokens, heads,
-head_dim]), so its calls have M = tokens * heads and N = head_dim; HF
-adds the residual itself, so only ``rms_norm`` (not ``fused_add_rms_norm``)
-entries serve its norms.
+model runs, to tune those with ``--shape NxK``. HF reshapes the gated
+norm's input to [tokens * heads, head_dim] (vLLM: [tokens, heads,
+head_dim]), so its calls have M = tokens * heads and N = head_dim; the op
+serves them from an entry of either layout (the norm is per head, so the
+rows may be regrouped). HF adds the residual itself, so only ``rms_norm``
+(not ``fused_add_rms_norm``) entries serve its norms.
 """
 
 from __future__ import annotations
