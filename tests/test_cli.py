@@ -57,6 +57,7 @@ def test_models_lists_the_builtins() -> None:
         (["search", "--shape", "96x256", "--backend", "triton", "--restrict", "MMA=1"], "no selected backend"),
         (["search", "--shape", "96x256", "--backend", "triton", "--restrict", "M_MODE=wide"], "outside its domain"),
         (["search", "--shape", "96x256", "--backend", "triton", "--restrict", "M_MODE"], "NAME=VALUE"),
+        (["search", "--shape", "96x256", "--backend", "triton", "--restrict", "M_MODE=,dot"], "NAME=VALUE"),
         (["show", "/nonexistent/table.json"], "no such table"),
         (["export", "/nonexistent/run"], "not a tunekit run folder"),
     ],
@@ -78,3 +79,12 @@ def test_malformed_config_and_corrupt_table(tmp_path) -> None:
     bad.write_text("{not json")
     res = _run("show", str(bad))
     assert res.returncode == 2 and "corrupt" in res.stderr
+
+
+def test_restrict_values_are_parsed_against_the_selected_spaces() -> None:
+    from tunekit.cli import _parse_restrict
+    from tunekit.shapes import Problem
+
+    problems = [Problem("gemv", "bf16", 1, 96, 256)]
+    parsed = _parse_restrict(["W_EVICT=,evict_first", "M_MODE=dot, dot_w", "MMA=1"], problems, ["triton", "hip"])
+    assert parsed == {"W_EVICT": ("", "evict_first"), "M_MODE": ("dot", "dot_w"), "MMA": ("1",)}

@@ -155,7 +155,7 @@ def search(
     trial_timeout: Annotated[float, typer.Option(help="seconds before a stuck candidate is killed")] = 180.0,
     restrict: Annotated[list[str] | None, typer.Option(
         help="NAME=V1,V2 (repeatable): search only these values of a tunable, in every backend that has it, "
-             "e.g. MMA=1 or M_MODE=dot,dot_w")] = None,
+             "e.g. MMA=1 or M_MODE=dot,dot_w (an empty value where the domain has one: W_EVICT=,evict_first)")] = None,
     progress: Annotated[bool, typer.Option(help="show progress bars")] = True,
 ) -> None:
     """Search the best verified kernel per problem; write trials and the dispatch table."""
@@ -207,10 +207,13 @@ def _parse_restrict(items: list[str], problems: list, backends: list[str]) -> di
     out: dict[str, tuple[str, ...]] = {}
     for item in items:
         key, sep, text = item.partition("=")
-        values = tuple(v.strip() for v in text.split(",") if v.strip())
-        if not sep or not key.strip() or not values:
-            raise UserError(f"--restrict {item!r}: expected NAME=VALUE[,VALUE...]")
         key = key.strip()
+        if not sep or not key:
+            raise UserError(f"--restrict {item!r}: expected NAME=VALUE[,VALUE...]")
+        # an empty value is a value where the domain has one (W_EVICT="": no hint)
+        values = tuple(dict.fromkeys(v.strip() for v in text.split(",")))
+        if "" in values and "" not in domains.get(key, ()):
+            raise UserError(f"--restrict {item!r}: expected NAME=VALUE[,VALUE...]")
         if key not in domains:
             raise UserError(f"--restrict {key}: no selected backend has this tunable "
                             f"(known: {', '.join(sorted(domains))})")
