@@ -252,6 +252,20 @@ def test_uncovered_layers_keep_vllms_own_path(plugin, vllm_config, elementwise_t
     assert _impls(op="rms_norm") == []  # never entered the tunekit op
 
 
+def test_norm_inputs_the_op_would_not_serve_keep_vllms_own_path(plugin, vllm_config, elementwise_table: Path) -> None:
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    norm = RMSNorm(64, eps=1e-5, dtype=torch.bfloat16)
+    norm.weight.data.normal_()
+    qkv = torch.randn(2, 2 * 64 + 2 * 64).bfloat16()
+    q_by_head = qkv[:, :128].view(2, 2, 64)  # vLLM's q_norm input: rows not evenly strided
+    assert torch.equal(norm(q_by_head), norm.forward_native(q_by_head))
+    assert _impls(op="rms_norm") == []  # never entered the tunekit op
+    even = torch.randn(2, 2, 128).bfloat16()[..., :64]  # rows 128 apart: served with the row stride
+    assert (norm(even).float() - norm.forward_native(even.contiguous()).float()).abs().max() < 0.05
+    assert _impls(op="rms_norm") == [("rms_norm", "64x64", 4, "tuned:serving_backend:BACKEND")]
+
+
 # ----------------------------------------------------------------------------- compilation
 
 

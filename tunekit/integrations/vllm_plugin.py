@@ -236,6 +236,23 @@ def _x_ok(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
     return weight is None or weight.dtype == x.dtype
 
 
+def _rows_even(x: torch.Tensor, row_dims: int = 1) -> bool:
+    """x views as evenly strided rows of its last ``row_dims`` dims, contiguous inside a row.
+
+    That is the layout the tunekit ops serve with the kernels' row stride.
+    vLLM's q/k norms get per-head views of the qkv split ([T, H, D], T stride
+    = the qkv width): there the op would run its PyTorch fallback, so those
+    layers keep vLLM's own kernel. Only the token dim's size (outermost) may
+    vary between calls and it is never compared, so under compilation the
+    answer is fixed per layer.
+    """
+    if x.dim() < row_dims or x.stride(-1) != 1:
+        return False
+    # inside a row, and the leading dims folded into one row index (all but the innermost leading dim)
+    folded = [*range(x.dim() - row_dims, x.dim() - 1), *range(x.dim() - row_dims - 1)]
+    return all(x.stride(d) == x.shape[d + 1] * x.stride(d + 1) for d in folded)
+
+
 def _covers_impl(op: str, dtype: str, n: int, k: int, device: str) -> bool:
     from tunekit import ops
 
@@ -263,7 +280,7 @@ def _norm_route(self: Any, x: torch.Tensor, residual: torch.Tensor | None, weigh
                 plain_op: str, fused_op: str) -> Any:
     """The tunekit op for a norm (``plain_op``) or fused add + norm (``fused_op``), or None (stock method)."""
     n = x.shape[-1]
-    if n != weight.shape[0] or not _x_ok(x, weight):
+    if n != weight.shape[0] or not _x_ok(x, weight) or not _rows_even(x):
         return None
     if residual is None:
         if not _covered(plain_op, x, n, n):
@@ -293,7 +310,8 @@ def _rms_norm_gated_route(self: Any, x: torch.Tensor, z: torch.Tensor | None = N
     hidden = self.weight.shape[0]
     if (z is None or not self.norm_before_gate or self.activation not in ("swish", "silu")
             or self.group_size not in (None, hidden) or x.shape[-1] != hidden or z.shape != x.shape
-            or z.dtype != x.dtype or not _x_ok(x, self.weight)):
+            or z.dtype != x.dtype or not _x_ok(x, self.weight) or not _rows_even(x, 2 if x.dim() >= 3 else 1)
+            or not _rows_even(z, 2 if z.dim() >= 3 else 1)):
         return None
     # The op's table key: rows = leading dims but [heads, head_dim] (vLLM passes [T, H, D]).
     n = hidden * (x.shape[-2] if x.dim() >= 3 else 1)
