@@ -119,6 +119,7 @@ def test_report_md_and_plots(tmp_path) -> None:
     assert "Test GPU (sm_00)" in md and "1000 GB/s" in md and "tunekit search --shape 1000x500" in md
     assert "standalone microbenchmark" in md and "| 1 | 5 | 0.032 | 0.028 | 1.1429 |" in md
     assert "CPU TIMINGS" not in md
+    assert "## Best configs" not in md  # the synthetic rows carry no params
     for name in report.PLOT_FILES.values():
         assert (run / name).stat().st_size > 1000 and f"]({name})" in md
     text = out.file.getvalue()
@@ -198,5 +199,9 @@ def test_recorded_h200_run(tmp_path) -> None:
     assert ba.vendor.pct_of_limit == pytest.approx(3.0004, abs=1e-3)
     md = (run / "report.md").read_text()
     assert "NVIDIA H200 (sm_90)" in md and "4554 GB/s" in md and "| 1 | 305 | 13.553 | 12.442 |" in md
+    # the best configs section names each winner's tunables, as final.csv recorded them
+    winner = frame[(frame.n == 96) & (frame.backend == "triton")].sort_values("time_us").iloc[0]
+    params = ", ".join(f"{k}={v}" for k, v in json.loads(winner.params).items())
+    assert "## Best configs" in md and f"| gemv m1 96x5120 | {winner.label} | 2.867x | `{params}` |" in md
     assert all((run / name).stat().st_size > 1000 for name in report.PLOT_FILES.values())
     assert not (RECORDED / "report.md").exists()

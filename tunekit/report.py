@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,7 @@ class Measure:
     gbps: float
     pct_of_limit: float | None
     speedup: float  # baseline time / this time, same interleaved session (baseline: ProblemResult.baseline)
+    params: str = ""  # the candidate's config (JSON, as final.csv holds it; empty for baselines)
 
 
 @dataclass(frozen=True)
@@ -195,8 +197,10 @@ def _measure(row: dict[str, Any], limit_gbps: float | None, base_us: float) -> M
     if pct is None and limit_gbps:
         pct = 100.0 * float(row["gbps"]) / limit_gbps
     time_us = float(row["time_us"])
+    params = row.get("params")
     return Measure(str(row["label"]), str(row["backend"]), time_us, float(row["gbps"]),
-                   None if pct is None else float(pct), base_us / time_us)
+                   None if pct is None else float(pct), base_us / time_us,
+                   params if isinstance(params, str) and params not in ("", "{}") else "")
 
 
 def _read_rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -347,6 +351,18 @@ def problem_table(comp: Comparison, compact: bool = False) -> tuple[list[str], l
     return head, rows
 
 
+def config_table(comp: Comparison) -> tuple[list[str], list[list[str]]]:
+    """Header and rows: per problem and tuned backend, its best candidate's label and config."""
+    rows = []
+    for p in comp.problems:
+        for backend in comp.backends:
+            x = p.best.get(backend)
+            if x is not None and x.params:
+                params = ", ".join(f"{k}={v}" for k, v in json.loads(x.params).items())
+                rows.append([f"{p.op} {p.label}", x.label, f"{x.speedup:.3f}x", f"`{params}`"])
+    return ["problem", "candidate", "speedup", "config"], rows
+
+
 def token_table(comp: Comparison) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the per-token prediction, one row per M (times in ms)."""
     calls = "GEMV calls" if all(p.op == "gemv" for p in comp.problems) else "calls"
@@ -450,6 +466,11 @@ def write_markdown(comp: Comparison, plots: list[Path], path: Path | None = None
     out += ["### Predicted service speedup (Amdahl)", "", "If a share f of decode time is spent in these GEMVs "
             "and the rest is unchanged: 1 / ((1 - f) + f / s). A prediction from standalone microbenchmarks, "
             "to be checked end to end.", "", _md_table(*amdahl_table(comp)), ""]
+    configs = config_table(comp)
+    if configs[1]:
+        out += ["## Best configs", "", "The config of each backend's best candidate (the kernel's own tunable "
+                "names), to read which variant won: for GEMV, Triton's `M_MODE`, HIP's `MMA`.", "",
+                _md_table(*configs), ""]
     if plots:
         out += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
     path.write_text("\n".join(out))
