@@ -299,6 +299,42 @@ def show(
 
 
 @app.command()
+def chain(
+    table: Annotated[list[Path], typer.Option(help="dispatch table to serve (repeatable; the first wins a key)")],
+    model: Annotated[str | None, typer.Option(help="built-in model name")] = None,
+    config: Annotated[Path | None, typer.Option(help="path to a Hugging Face config.json")] = None,
+    tp: Annotated[int, typer.Option(help="tensor-parallel size (one rank's shards)")] = 1,
+    m: Annotated[str, typer.Option(help="tokens per step, e.g. 1,4 (1..8)")] = "1",
+    layers: Annotated[int | None, typer.Option(help="first N decoder layers only (default: all)")] = None,
+    iters: Annotated[int, typer.Option(help="graph replays per timing")] = 20,
+    repeats: Annotated[int, typer.Option(help="interleaved timings per variant (median)")] = 15,
+    out: Annotated[Path | None, typer.Option(help="folder for chain.json")] = None,
+) -> None:
+    """Time the model's tuned decode-step chain as one CUDA graph: vendor vs tuned GEMVs vs all tuned."""
+    from tunekit import chain as chain_mod
+    from tunekit import shapes
+    from tunekit.models import load_model
+
+    if bool(model) == bool(config):
+        raise UserError("give one of --model or --config")
+    spec = load_model(str(config) if config else model)
+    m_list = shapes.parse_m_list(m, ("gemv",))
+    if iters < 1 or repeats < 1:
+        raise UserError("--iters and --repeats must be at least 1")
+    missing = [str(p) for p in table if not p.exists()]
+    if missing:
+        raise UserError(f"no such table: {', '.join(missing)}")
+    report = chain_mod.run(spec, [str(p) for p in table], m_list, tp=tp, layers=layers, iters=iters,
+                           repeats=repeats, log=console.print)
+    if not report["timed"]:
+        console.print("no GPU: the variants' logits were compared eagerly; nothing was timed")
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "chain.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+        console.print(f"wrote {out / 'chain.json'}")
+
+
+@app.command()
 def probe() -> None:
     """Describe the device and measure its read-bandwidth limit."""
     from tunekit.search.worker import Worker

@@ -438,6 +438,20 @@ def covers(op: str, dtype: str, n: int, k: int, device: str) -> bool:
     return any(e["op"] == op and e["dtype"] == dtype and e["n"] == n and e["k"] == k for e in merged["entries"])
 
 
+def served_entry(op: str, dtype: str, m: int, n: int, k: int, device: str) -> dict[str, Any] | None:
+    """The table entry that serves (op, dtype, M, N, K) on ``device`` (the lookup rule of the ops:
+    exact M, else the smallest tabulated larger M), or None for the vendor path. Never raises.
+
+    For callers that choose per call site between a tunekit op and their own
+    (faster than the op's fallback) path, such as ``tunekit.chain``.
+    """
+    try:
+        merged, _ = _tables_for(torch.device(device), str(torch.device(device)))
+    except Exception:
+        return None
+    return None if merged is None else table_mod.lookup(merged, op, dtype, m, n, k)
+
+
 def dispatch_stats(reset: bool = False) -> list[dict[str, Any]]:
     """Every call counted so far: one row per (op, dtype, shape, m, bias, impl, counted_at).
 

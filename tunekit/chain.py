@@ -1,0 +1,427 @@
+"""A model's decode-step chain: its per-token GEMVs and fused elementwise ops in vLLM's order, timed as one graph.
+
+The standalone microbenchmarks of a search time each kernel alone (weights
+rotated through a cold L2, interleaved with the baseline); ``tunekit compare``
+sums them into a per-token prediction. This module checks that prediction one
+layer of evidence closer to the service: it builds every tuned problem of the
+model as the decoder executes it, layer after layer, with the model's own
+weight sizes (51 GB of distinct BF16 weights for Qwen3.5-27B: each is read
+once per step, as in serving) and times the whole step as one CUDA graph, so
+launch gaps, neighbour effects and L2 state are those of a real step.
+
+Per layer, in vLLM's order (``chain_steps``):
+
+* ``input_layernorm``: the first layer's a plain norm, every later one adds the
+  residual (fused add + norm);
+* full attention: ``qkv_proj`` -> [attention] -> ``o_proj``;
+* linear attention (Qwen3.5 Gated DeltaNet): ``in_proj_qkvz``, ``in_proj_ba`` ->
+  [conv + recurrence] -> gated norm ``linear_attn.norm`` -> ``out_proj``;
+* ``post_attention_layernorm`` (fused add), ``gate_up_proj`` -> ``act_fn``
+  (SiLU-and-mul, SiLU MLPs) -> ``down_proj``;
+
+then the final norm and ``lm_head``. Shapes and names come from
+``ModelSpec.linears`` / ``ModelSpec.elementwise``, so the chain holds exactly
+the problems ``tunekit search --model`` tunes with their per-token counts.
+Left out, identical in every variant: embedding, rotary, the token mixers in
+brackets (their outputs are fixed buffers here), q/k norms (vLLM keeps its own
+kernels for those per-head views), sampling. The measured figure is therefore
+the time of the tuned part of a decode step, not of a whole step.
+
+Variants (``VARIANTS``), on the same weights and inputs:
+
+* ``vendor``: ``torch.nn.functional.linear`` (cuBLAS / hipBLASLt) and the
+  elementwise compositions of ``tunekit.backends.vendor`` compiled by
+  Inductor on a GPU (the faster baseline of the searches; eager on the CPU);
+* ``tuned_gemv``: the ``tunekit.ops`` GEMV where a loaded table serves the
+  shape at this M, the vendor elementwise ops;
+* ``tuned``: every step a table serves goes through ``torch.ops.tunekit``.
+
+A step no table serves keeps the vendor implementation in every variant (the
+op's own fallback, eager PyTorch, would be slower than Inductor and charge the
+table for it).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tunekit.errors import UserError
+from tunekit.models.spec import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
+from tunekit.opspec import EPS
+
+VARIANTS = ("vendor", "tuned_gemv", "tuned")
+
+#: ``ModelSpec.elementwise`` lists two input_layernorm entries: [0] the first layer's plain norm,
+#: [1] the fused add + norm of every later layer.
+_NORM_FIRST = "input_layernorm"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One call of the chain: ``layer`` (-1 after the last decoder layer), the model's layer name, the
+    op and its (n, k) as in ``tunekit.shapes.Problem``."""
+
+    layer: int
+    name: str
+    op: str
+    n: int
+    k: int
+
+
+def _mlp(spec: ModelSpec) -> str:
+    return "mlp." if spec.family == "qwen3_5" else ""
+
+
+def chain_steps(spec: ModelSpec, tp: int = 1, layers: int | None = None) -> list[Step]:
+    """The tuned calls of one decode step at tensor parallelism ``tp``, in execution order.
+
+    ``layers`` keeps the first that many decoder layers (all by default); the
+    final norm and lm_head always close the chain.
+    """
+    total = spec.num_layers
+    if layers is not None and not 1 <= layers <= total:
+        raise UserError(f"--layers must be 1..{total} for {spec.name}, got {layers}")
+    gemv = {name: (n, k) for name, n, k, _ in spec.linears(tp)}
+    ew: dict[str, list[tuple[str, int, int]]] = {}
+    for name, op, n, k, _ in spec.elementwise(tp):
+        ew.setdefault(name, []).append((op, n, k))
+    mlp = _mlp(spec)
+    if f"{mlp}act_fn" not in ew:
+        raise UserError(f"{spec.name}: the chain covers SiLU MLPs only (hidden_act "
+                        f"{spec.config.get('hidden_act')!r})")
+
+    def g(layer: int, name: str) -> Step:
+        return Step(layer, name, "gemv", *gemv[name])
+
+    def e(layer: int, name: str, index: int = 0) -> Step:
+        op, n, k = ew[name][index]
+        return Step(layer, name, op, n, k)
+
+    steps: list[Step] = []
+    for i, kind in enumerate(spec.layer_types[: layers or total]):
+        steps.append(e(i, _NORM_FIRST, 0 if i == 0 else 1))
+        if kind == FULL_ATTENTION:
+            steps += [g(i, "qkv_proj"), g(i, "o_proj")]
+        elif kind == LINEAR_ATTENTION:
+            steps += [g(i, "linear_attn.in_proj_qkvz"), g(i, "linear_attn.in_proj_ba"),
+                      e(i, "linear_attn.norm"), g(i, "linear_attn.out_proj")]
+        else:  # pragma: no cover - ModelSpec admits only these two
+            raise UserError(f"{spec.name}: unknown layer type {kind!r}")
+        steps.append(e(i, "post_attention_layernorm"))
+        steps += [g(i, f"{mlp}gate_up_proj"), e(i, f"{mlp}act_fn"), g(i, f"{mlp}down_proj")]
+    steps += [e(-1, "norm (final)"), g(-1, "lm_head")]
+    return steps
+
+
+# ---------------------------------------------------------------------------
+# Running a chain
+# ---------------------------------------------------------------------------
+
+
+class Chain:
+    """The weights and activations of one chain at one M, and its variants as callables.
+
+    Every step owns distinct weights (N(0, 0.02) BF16, seeded), as every layer
+    of a model does. The token mixers' outputs are fixed random buffers.
+    ``forward(variant)`` runs one step and returns the logits; it allocates
+    nothing outside the ops, so it can be captured in a CUDA graph.
+    """
+
+    def __init__(self, steps: Sequence[Step], m: int, device: torch.device | str, seed: int = 0,
+                 dtype: torch.dtype = torch.bfloat16, weights: list[torch.Tensor] | None = None):
+        self.steps = list(steps)
+        self.m = m
+        self.device = torch.device(device)
+        self.dtype = dtype
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+
+        def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+            # generated in fp32 chunks of rows: a 2.5 GB lm_head needs no 5 GB fp32 temporary
+            out = torch.empty(shape, dtype=dtype, device=self.device)
+            rows = max(1, (1 << 26) // max(1, out[0].numel()))
+            for start in range(0, shape[0], rows):
+                part = out[start:start + rows]
+                part.copy_(torch.randn(part.shape, generator=gen, device=self.device) * scale)
+            return out
+
+        # another M of the same chain may lend its weights (51 GB for a 27B model are made once)
+        self.weights: list[torch.Tensor] = list(weights or [])
+        for step in self.steps[len(self.weights):]:
+            if step.op == "gemv":
+                self.weights.append(randn(step.n, step.k, scale=0.02))
+            elif step.op == "gated_rms_norm":
+                self.weights.append(1.0 + randn(step.k, scale=0.1))
+            elif step.op == "silu_and_mul":
+                self.weights.append(torch.empty(0, dtype=dtype, device=self.device))
+            elif "gemma" in step.op:
+                self.weights.append(randn(step.n, scale=0.1))  # applied as (1 + w)
+            else:
+                self.weights.append(1.0 + randn(step.n, scale=0.1))
+        hidden = self.steps[-1].k  # lm_head's K
+        self.hidden = randn(m, hidden)  # the embedding of this step's tokens
+        #: fixed outputs of the omitted token mixers, per width they feed
+        self.mixer: dict[tuple[str, int], torch.Tensor] = {}
+        for step in self.steps:
+            if step.name in ("o_proj", "linear_attn.out_proj"):
+                self.mixer.setdefault(("out", step.k), randn(m, step.k))
+            if step.op == "gated_rms_norm":
+                self.mixer.setdefault(("core", step.n), randn(m, step.n))
+                self.mixer.setdefault(("z", step.n), randn(m, step.n))
+        self._impls: dict[str, list[Callable[..., Any]]] = {}
+        #: per bound variant, each step's "tuned" / "vendor"
+        self.kinds: dict[str, list[str]] = {}
+
+    # ------------------------------------------------------------ variants
+
+    def build(self, variant: str, vendor_elementwise: dict[str, Callable[..., None]],
+              served: Callable[[Step], bool]) -> list[str]:
+        """Bind ``variant``'s implementation of every step; returns each step's "tuned" / "vendor".
+
+        ``vendor_elementwise`` maps op -> ``fn(inputs, out)`` (``tunekit.backends.vendor``'s form,
+        possibly compiled); ``served(step)`` says whether a loaded table serves the step at this M.
+        """
+        if variant not in VARIANTS:
+            raise UserError(f"unknown chain variant {variant!r} (known: {', '.join(VARIANTS)})")
+        impls, kinds = [], []
+        for step in self.steps:
+            tuned = variant != "vendor" and (step.op == "gemv" or variant == "tuned") and served(step)
+            impls.append(_tuned_impl(step) if tuned else _vendor_impl(step, vendor_elementwise, self))
+            kinds.append("tuned" if tuned else "vendor")
+        self._impls[variant] = impls
+        self.kinds[variant] = kinds
+        return kinds
+
+    def forward(self, variant: str) -> torch.Tensor:
+        """One decode step through ``variant`` (bound by ``build``); returns the logits [m, vocab]."""
+        impls = self._impls[variant]
+        x = self.hidden
+        residual: torch.Tensor | None = None
+        normed = x
+        for step, w, impl in zip(self.steps, self.weights, impls, strict=True):
+            if step.op == "gemv":
+                if step.name in ("o_proj", "linear_attn.out_proj"):
+                    src = self.mixer[("out", step.k)] if step.name == "o_proj" else normed
+                elif step.name.endswith("down_proj"):
+                    src = normed
+                else:
+                    src = x
+                y = impl(src, w)
+                if step.name.endswith(("down_proj", "o_proj", "out_proj")):
+                    x = y  # a layer's output: the next norm adds it to the residual
+                elif step.name == "lm_head":
+                    return y
+                elif step.name.endswith("gate_up_proj"):
+                    normed = y  # the MLP activation's input
+            elif step.op == "gated_rms_norm":
+                normed = impl(self.mixer[("core", step.n)], self.mixer[("z", step.n)], w)
+            elif step.op == "silu_and_mul":
+                normed = impl(normed)
+            elif residual is None and "fused_add" not in step.op:
+                residual = x
+                x = impl(x, w)
+            else:
+                x, residual = impl(x, residual, w)
+        raise AssertionError("the chain ends with lm_head")  # pragma: no cover
+
+
+def _tuned_impl(step: Step) -> Callable[..., Any]:
+    op = getattr(torch.ops.tunekit, step.op)
+    if step.op == "gemv":
+        return lambda x, w: op(x, w, None)
+    if step.op == "silu_and_mul":
+        return op
+    return lambda *args: op(*args, EPS)
+
+
+def _vendor_impl(step: Step, fns: dict[str, Callable[..., None]], chain: Chain) -> Callable[..., Any]:
+    if step.op == "gemv":
+        return lambda x, w: F.linear(x, w)
+    fn = fns[step.op]
+    m, dtype, device = chain.m, chain.dtype, chain.device
+    # outputs preallocated once per step (graph-safe, as the vendor compositions write into ``out``)
+    if "fused_add" in step.op:
+        outs = (torch.empty(m, step.n, dtype=dtype, device=device), torch.empty(m, step.n, dtype=dtype, device=device))
+
+        def fused(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            fn((x, residual, w), outs)
+            return outs
+        return fused
+    out = torch.empty(m, step.n, dtype=dtype, device=device)
+
+    def call(*inputs: torch.Tensor) -> torch.Tensor:
+        fn(inputs, out)
+        return out
+    return call
+
+
+# ---------------------------------------------------------------------------
+# Measuring
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class VariantResult:
+    variant: str
+    step_us: float  # median over repeats of the mean replay time
+    spread: float  # (p75 - p25) / median over repeats
+    tuned_steps: int
+    vendor_steps: int
+    max_abs_diff: float | None = None  # vs the vendor variant's logits
+    rel_diff: float | None = None  # max_abs_diff / std(vendor logits)
+
+
+def measure(chain: Chain, variants: Sequence[str], iters: int = 20, repeats: int = 15) -> list[VariantResult]:
+    """Capture each bound variant as one CUDA graph and time the replays interleaved (A B C A B C ...).
+
+    Needs a GPU. Each variant is run eagerly twice first (compiles, builds and
+    caches every kernel outside the capture), and its logits are compared with
+    the vendor variant's. Returns one result per variant, in order.
+    """
+    if chain.device.type != "cuda":
+        raise UserError("timing a chain needs a GPU (CUDA / ROCm); on the CPU use run_eager")
+    logits = {}
+    for v in variants:
+        for _ in range(2):
+            logits[v] = chain.forward(v).float().clone()
+    torch.cuda.synchronize(chain.device)
+    graphs = {}
+    for v in variants:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            chain.forward(v)
+        graphs[v] = graph
+    for v in variants:  # warm replays
+        graphs[v].replay()
+    torch.cuda.synchronize(chain.device)
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for _ in range(repeats):
+        for v in variants:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                graphs[v].replay()
+            end.record()
+            end.synchronize()
+            times[v].append(start.elapsed_time(end) * 1000.0 / iters)
+    base = logits.get("vendor")
+    results = []
+    for v in variants:
+        results.append(_result(v, times[v], chain.kinds[v], logits[v], base))
+    return results
+
+
+def _result(variant: str, times: list[float], kinds: list[str], logits: torch.Tensor,
+            base: torch.Tensor | None) -> VariantResult:
+    med = statistics.median(times) if times else float("nan")
+    q = statistics.quantiles(times, n=4) if len(times) >= 2 else [med, med, med]
+    diff = rel = None
+    if base is not None:
+        diff = float((logits - base).abs().max())
+        std = float(base.std())
+        rel = diff / std if std > 0 else None
+    return VariantResult(variant, med, (q[2] - q[0]) / med if times else float("nan"),
+                         kinds.count("tuned"), kinds.count("vendor"), diff, rel)
+
+
+def predicted_saving_us(chain: Chain, entry_for: Callable[[Step], dict[str, Any] | None],
+                        variant: str = "tuned") -> float:
+    """Sum over the chain's steps that ``variant`` serves tuned of (baseline - tuned) standalone time,
+    from the table entries: what the microbenchmarks predict the step saves."""
+    total = 0.0
+    for step in chain.steps:
+        if variant == "tuned_gemv" and step.op != "gemv":
+            continue
+        entry = entry_for(step)
+        if entry is not None:
+            total += float(entry["baseline_us"]) - float(entry["time_us"])
+    return total
+
+
+def compare_eager(chain: Chain, variants: Sequence[str]) -> list[VariantResult]:
+    """Without a GPU: run each bound variant once eagerly and compare its logits with vendor's (no timing)."""
+    logits = {v: chain.forward(v).float().clone() for v in variants}
+    base = logits.get("vendor")
+    return [_result(v, [], chain.kinds[v], logits[v], base) for v in variants]
+
+
+def _vendor_elementwise(device: torch.device) -> dict[str, Callable[..., None]]:
+    """The vendor compositions, compiled by Inductor on a GPU (the searches' faster baseline), eager on the CPU."""
+    from tunekit.backends.vendor import ELEMENTWISE
+
+    if device.type != "cuda":
+        return dict(ELEMENTWISE)
+    # one compile per op and shape; a fresh Dynamo keeps every M under the recompile limit
+    torch._dynamo.reset()
+    return {op: torch.compile(fn, fullgraph=True, dynamic=False) for op, fn in ELEMENTWISE.items()}
+
+
+def run(spec: ModelSpec, tables: Sequence[str], m_list: Sequence[int], tp: int = 1, layers: int | None = None,
+        iters: int = 20, repeats: int = 15, seed: int = 0, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Build the chain of ``spec`` and measure every variant at each M (or, without a GPU, compare the
+    variants' logits eagerly). Returns the report as a JSON-ready dict (``tunekit chain`` writes it)."""
+    from tunekit import ops
+    from tunekit.device import detect
+
+    if not tables:
+        raise UserError("give at least one --table")
+    ops.load_tables(list(tables))
+    broken = [f"{t['path']}: {t['error']}" for t in ops.loaded_tables() if t.get("error")]
+    if broken:
+        raise UserError("table not usable: " + "; ".join(broken))
+    info = detect()
+    device = torch.device("cuda", torch.cuda.current_device()) if info.is_gpu else torch.device("cpu")
+    steps = chain_steps(spec, tp, layers)
+    prepared = ops.prepare(device, ms=m_list)
+    if prepared["errors"]:
+        raise UserError("building the tabulated kernels failed: " + "; ".join(prepared["errors"][:3]))
+    fallback = ", ".join(f"{k} x{v}" for k, v in prepared["fallback"].items())
+    log(f"{spec.name}: {len(steps)} calls per step ({len(spec.layer_types[: layers or spec.num_layers])} layers), "
+        f"device {info.name}; tables: {prepared['tuned']} tuned kernels ready"
+        + (f", vendor path for {fallback}" if fallback else ""))
+    report: dict[str, Any] = {
+        "model": spec.name, "tp": tp, "layers": layers or spec.num_layers, "calls_per_step": len(steps),
+        "device": info.as_dict(), "tables": list(tables), "timed": device.type == "cuda",
+        "iters": iters, "repeats": repeats, "results": [],
+    }
+    weights = None
+    dtype = "bf16"
+    for m in m_list:
+        chain = Chain(steps, m, device, seed, weights=weights)
+        weights = chain.weights
+
+        def entry_for(step: Step, m: int = m) -> dict[str, Any] | None:
+            return ops.served_entry(step.op, dtype, m, step.n, step.k, str(device))
+
+        fns = _vendor_elementwise(device)
+        for variant in VARIANTS:
+            chain.build(variant, fns, lambda step: entry_for(step) is not None)
+        results = measure(chain, VARIANTS, iters, repeats) if device.type == "cuda" else compare_eager(chain, VARIANTS)
+        vendor_us = results[0].step_us
+        for r in results:
+            row = asdict(r) | {"m": m, "predicted_saving_us": predicted_saving_us(chain, entry_for, r.variant)
+                               if r.variant != "vendor" else 0.0}
+            if device.type == "cuda":
+                row["measured_saving_us"] = vendor_us - r.step_us
+                row["speedup"] = vendor_us / r.step_us
+            report["results"].append(row)
+            log(_line(row, device.type == "cuda"))
+        del chain
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return report
+
+
+def _line(row: dict[str, Any], timed: bool) -> str:
+    text = f"M={row['m']} {row['variant']:<10} tuned calls {row['tuned_steps']:>4}"
+    if timed:
+        text += (f"  {row['step_us'] / 1000:.3f} ms/step (spread {row['spread']:.1%})  x{row['speedup']:.4f}"
+                 f"  saving {row['measured_saving_us']:.0f} us, predicted {row['predicted_saving_us']:.0f} us")
+    if row.get("rel_diff") is not None:
+        text += f"  max |logits - vendor| {row['max_abs_diff']:.3g} ({row['rel_diff']:.2%} of their std)"
+    return text
