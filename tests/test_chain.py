@@ -131,6 +131,10 @@ def test_chain_cli_serves_tabulated_steps_on_the_interpreter(tiny: Path, tmp_pat
     for r in report["results"]:
         assert r["tuned_steps"] + r["vendor_steps"] == 36
         assert r["rel_diff"] is not None and r["rel_diff"] <= 0.05  # BF16 kernels vs vendor, 4 layers
+    for m in (1, 2):
+        rms = {r["variant"]: r["rms_err_fp32"] for r in report["results"] if r["m"] == m}
+        assert rms["vendor"] > 0  # the BF16 chain is not the fp32 one: the reference is really fp32
+        assert rms["tuned"] <= 2 * rms["vendor"] and rms["tuned_gemv"] <= 2 * rms["vendor"]
     m1 = {r["variant"]: r for r in report["results"] if r["m"] == 1}
     # the predicted saving sums (baseline - time) of the served entries: 1 us each in make_table's rows
     assert m1["tuned_gemv"]["predicted_saving_us"] == pytest.approx(7.0)

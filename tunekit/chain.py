@@ -39,6 +39,14 @@ Variants (``VARIANTS``), on the same weights and inputs:
 A step no table serves keeps the vendor implementation in every variant (the
 op's own fallback, eager PyTorch, would be slower than Inductor and charge the
 table for it).
+
+Numerics: every variant's logits are compared with those of the same chain in
+fp32 (``Chain.forward_fp32``: fp32 activations, weights upcast per call). The
+vendor variant's distance is the BF16 noise floor of this chain; a tuned
+variant should be about as far, not farther (64 layers of random weights
+amplify single-ulp differences, so tuned and vendor logits differ from each
+other by far more than one GEMV's bound; each kernel's own bound was checked
+at search time).
 """
 
 from __future__ import annotations
@@ -200,13 +208,25 @@ class Chain:
     def forward(self, variant: str) -> torch.Tensor:
         """One decode step through ``variant`` (bound by ``build``); returns the logits [m, vocab]."""
         impls = self._impls[variant]
-        x = self.hidden
+        return self._forward(impls, self.hidden, self.mixer)
+
+    def forward_fp32(self) -> torch.Tensor:
+        """The same step with fp32 activations and fp32 math (weights upcast per call; eager, not for
+        timing): the reference both BF16 variants are measured against."""
+        fns = _vendor_elementwise(torch.device("cpu"))  # the eager compositions; fp32 in, fp32 out
+        impls = [_fp32_impl(step, fns, self) for step in self.steps]
+        mixer = {key: t.float() for key, t in self.mixer.items()}
+        return self._forward(impls, self.hidden.float(), mixer)
+
+    def _forward(self, impls: list[Callable[..., Any]], hidden: torch.Tensor,
+                 mixer: dict[tuple[str, int], torch.Tensor]) -> torch.Tensor:
+        x = hidden
         residual: torch.Tensor | None = None
         normed = x
         for step, w, impl in zip(self.steps, self.weights, impls, strict=True):
             if step.op == "gemv":
                 if step.name in ("o_proj", "linear_attn.out_proj"):
-                    src = self.mixer[("out", step.k)] if step.name == "o_proj" else normed
+                    src = mixer[("out", step.k)] if step.name == "o_proj" else normed
                 elif step.name.endswith("down_proj"):
                     src = normed
                 else:
@@ -219,7 +239,7 @@ class Chain:
                 elif step.name.endswith("gate_up_proj"):
                     normed = y  # the MLP activation's input
             elif step.op == "gated_rms_norm":
-                normed = impl(self.mixer[("core", step.n)], self.mixer[("z", step.n)], w)
+                normed = impl(mixer[("core", step.n)], mixer[("z", step.n)], w)
             elif step.op == "silu_and_mul":
                 normed = impl(normed)
             elif residual is None and "fused_add" not in step.op:
@@ -239,11 +259,18 @@ def _tuned_impl(step: Step) -> Callable[..., Any]:
     return lambda *args: op(*args, EPS)
 
 
-def _vendor_impl(step: Step, fns: dict[str, Callable[..., None]], chain: Chain) -> Callable[..., Any]:
+def _fp32_impl(step: Step, fns: dict[str, Callable[..., None]], chain: Chain) -> Callable[..., Any]:
+    if step.op == "gemv":
+        return lambda x, w: F.linear(x, w.float())
+    return _vendor_impl(step, fns, chain, torch.float32)
+
+
+def _vendor_impl(step: Step, fns: dict[str, Callable[..., None]], chain: Chain,
+                 dtype: torch.dtype | None = None) -> Callable[..., Any]:
     if step.op == "gemv":
         return lambda x, w: F.linear(x, w)
     fn = fns[step.op]
-    m, dtype, device = chain.m, chain.dtype, chain.device
+    m, dtype, device = chain.m, dtype or chain.dtype, chain.device
     # outputs preallocated once per step (graph-safe, as the vendor compositions write into ``out``)
     if "fused_add" in step.op:
         outs = (torch.empty(m, step.n, dtype=dtype, device=device), torch.empty(m, step.n, dtype=dtype, device=device))
@@ -274,6 +301,7 @@ class VariantResult:
     vendor_steps: int
     max_abs_diff: float | None = None  # vs the vendor variant's logits
     rel_diff: float | None = None  # max_abs_diff / std(vendor logits)
+    rms_err_fp32: float | None = None  # rms |logits - the fp32 chain's logits| (vendor's is the BF16 noise floor)
 
 
 def measure(chain: Chain, variants: Sequence[str], iters: int = 20, repeats: int = 15) -> list[VariantResult]:
@@ -310,14 +338,12 @@ def measure(chain: Chain, variants: Sequence[str], iters: int = 20, repeats: int
             end.synchronize()
             times[v].append(start.elapsed_time(end) * 1000.0 / iters)
     base = logits.get("vendor")
-    results = []
-    for v in variants:
-        results.append(_result(v, times[v], chain.kinds[v], logits[v], base))
-    return results
+    ref = chain.forward_fp32()
+    return [_result(v, times[v], chain.kinds[v], logits[v], base, ref) for v in variants]
 
 
 def _result(variant: str, times: list[float], kinds: list[str], logits: torch.Tensor,
-            base: torch.Tensor | None) -> VariantResult:
+            base: torch.Tensor | None, ref: torch.Tensor) -> VariantResult:
     med = statistics.median(times) if times else float("nan")
     q = statistics.quantiles(times, n=4) if len(times) >= 2 else [med, med, med]
     diff = rel = None
@@ -325,8 +351,9 @@ def _result(variant: str, times: list[float], kinds: list[str], logits: torch.Te
         diff = float((logits - base).abs().max())
         std = float(base.std())
         rel = diff / std if std > 0 else None
+    rms = float((logits - ref.float()).pow(2).mean().sqrt())
     return VariantResult(variant, med, (q[2] - q[0]) / med if times else float("nan"),
-                         kinds.count("tuned"), kinds.count("vendor"), diff, rel)
+                         kinds.count("tuned"), kinds.count("vendor"), diff, rel, rms)
 
 
 def predicted_saving_us(chain: Chain, entry_for: Callable[[Step], dict[str, Any] | None],
@@ -347,7 +374,8 @@ def compare_eager(chain: Chain, variants: Sequence[str]) -> list[VariantResult]:
     """Without a GPU: run each bound variant once eagerly and compare its logits with vendor's (no timing)."""
     logits = {v: chain.forward(v).float().clone() for v in variants}
     base = logits.get("vendor")
-    return [_result(v, [], chain.kinds[v], logits[v], base) for v in variants]
+    ref = chain.forward_fp32()
+    return [_result(v, [], chain.kinds[v], logits[v], base, ref) for v in variants]
 
 
 def _vendor_elementwise(device: torch.device) -> dict[str, Callable[..., None]]:
@@ -424,4 +452,5 @@ def _line(row: dict[str, Any], timed: bool) -> str:
                  f"  saving {row['measured_saving_us']:.0f} us, predicted {row['predicted_saving_us']:.0f} us")
     if row.get("rel_diff") is not None:
         text += f"  max |logits - vendor| {row['max_abs_diff']:.3g} ({row['rel_diff']:.2%} of their std)"
+    text += f"  rms |logits - fp32| {row['rms_err_fp32']:.3g}"
     return text
