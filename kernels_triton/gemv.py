@@ -28,6 +28,12 @@ Design, for a memory-bound problem:
   "dot_w": the same product with the operands swapped, acc^T = W x^T, so W's
   rows are the MMA's M side (BLOCK_N >= 64 lowers to Hopper wgmma m64n16k16
   reading W from shared memory) - the usual layout of small-M GEMMs.
+- PDL=1 (NVIDIA sm_90+): launched with programmatic dependent launch, so the
+  launch and the programs' start overlap the end of the previous kernel in the
+  stream. Every program first waits on the previous grid (griddepcontrol.wait:
+  it completed and its writes are visible) before touching memory, and lets
+  the next grid launch after its K loop. The arithmetic is unchanged (same
+  bits as PDL=0). The interpreter and ROCm run it as PDL=0.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from dataclasses import asdict, dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,7 @@ class GemvConfig:
     W_EVICT: str = ""  # "" (default policy) or "evict_first" / "evict_last"
     SPLIT_REDUCE: str = "kernel"  # SPLIT_K > 1: "kernel" (2nd launch) or "fused" (last split sums)
     M_MODE: str = "tile"  # how M > 1 rows share a W tile: "tile", "rows", "dot" or "dot_w" (module doc)
+    PDL: int = 0  # 1: programmatic dependent launch (NVIDIA sm_90+; module doc)
 
     @classmethod
     def from_params(cls, params: dict) -> GemvConfig:
@@ -70,10 +78,11 @@ DEFAULT = GemvConfig()
 #: Smallest tile dimension tl.dot takes (M is padded up to it).
 _DOT_MIN = 16
 
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 #: Triton 3.6's CPU interpreter multiplies the raw bits of BF16 operands in
 #: tl.dot; there the operands go through fp32 (exact for BF16 values, so the
 #: products and the fp32 accumulation are the same math). GPUs use BF16 MMA.
-_DOT_IN_FP32 = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_DOT_IN_FP32 = _INTERPRET
 
 #: Register budget of the accumulator tile per thread. Past ~128 fp32 values
 #: Triton spills to local memory and the kernel falls far below bandwidth.
@@ -104,6 +113,8 @@ def invalid_reason(config: GemvConfig, m: int, n: int, k: int) -> str | None:
         return f"unknown SPLIT_REDUCE {config.SPLIT_REDUCE!r}"
     if config.SPLIT_K == 1 and config.SPLIT_REDUCE != "kernel":
         return "SPLIT_REDUCE only applies to SPLIT_K > 1"
+    if config.PDL not in (0, 1):
+        return f"PDL={config.PDL} is not 0 or 1"
     threads = 32 * config.num_warps
     if config.M_MODE not in ("tile", "rows", "dot", "dot_w"):
         return f"unknown M_MODE {config.M_MODE!r}"
@@ -136,8 +147,11 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, FUSED_REDUCE: tl.constexpr,
     EVEN_K: tl.constexpr, W_EVICT: tl.constexpr, USE_DOT: tl.constexpr, ROWS: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr, SWAP_AB: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, SWAP_AB: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        # x (and a reused output buffer) belong to the previous grid until it completes
+        gdc_wait()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -209,6 +223,8 @@ def _gemv_kernel(
             acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if PDL:
+        gdc_launch_dependents()  # only the reduction and the stores are left
     if ROWS:
         rows_m = offs_m[:, None]
         out = tl.where(rows_m == 0, tl.sum(acc0, axis=1)[None, :], 0.0)
@@ -302,6 +318,9 @@ def gemv(
     even_k = k % config.BLOCK_K == 0 and k_per_split * split == k
     blocks_n = triton.cdiv(n, config.BLOCK_N)
     fused = split > 1 and config.SPLIT_REDUCE == "fused"
+    # the interpreter and ROCm have no grid dependency control (and no launch_pdl); NVIDIA
+    # below sm_90 cannot compile it (the search pins PDL=0 there, tunekit/backends/triton.py)
+    pdl = bool(config.PDL) and not _INTERPRET and torch.version.hip is None
     if split == 1:
         partials, tickets = out, out  # unused by the kernel
     else:
@@ -316,8 +335,10 @@ def gemv(
         partials.stride(1) if split > 1 else 0,
         BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
         SPLIT_K=split, FUSED_REDUCE=fused, EVEN_K=even_k, W_EVICT=config.W_EVICT, USE_DOT=use_dot, ROWS=rows,
-        DOT_IN_FP32=_DOT_IN_FP32, SWAP_AB=config.M_MODE == "dot_w",
+        DOT_IN_FP32=_DOT_IN_FP32, SWAP_AB=config.M_MODE == "dot_w", PDL=pdl,
         num_warps=config.num_warps, num_stages=config.num_stages,
+        # a launch option of NVIDIA's Triton only (the AMD backend rejects the keyword)
+        **({"launch_pdl": True} if pdl else {}),
     )
     if split > 1 and not fused:
         block = 256

@@ -131,3 +131,21 @@ def test_recorded_configs_with_the_old_use_dot_name_still_load() -> None:
 @pytest.mark.parametrize("n,k", [(1, 1), (8, 32), (64, 64), (96, 127), (5, 4099)])
 def test_the_fallback_config_is_valid_for_every_shape(m, n, k) -> None:
     assert invalid_reason(DEFAULT, m, n, k) is None
+
+
+def test_pdl_is_a_launch_option_with_the_same_bits_and_pinned_where_it_cannot_apply() -> None:
+    from tunekit.backends import get
+    from tunekit.device import DeviceInfo
+
+    x, w = torch.randn(3, 300).bfloat16(), torch.randn(40, 300).bfloat16()
+    base = gemv(x, w, GemvConfig(BLOCK_K=64))
+    assert torch.equal(gemv(x, w, GemvConfig(BLOCK_K=64, PDL=1)), base)  # the interpreter runs it as PDL=0
+    assert "PDL=2" in invalid_reason(GemvConfig(PDL=2), 1, 40, 300)
+
+    def device(vendor: str, arch: str) -> DeviceInfo:
+        return DeviceInfo(vendor, "gpu", arch, 132, 32, 1 << 20, 1 << 30, "rt", "cuda:0")
+
+    backend = get("triton")
+    assert backend.pinned_params(device("nvidia", "sm_90")) == {}
+    for vendor, arch in (("nvidia", "sm_80"), ("amd", "gfx90a"), ("cpu", "cpu")):
+        assert backend.pinned_params(device(vendor, arch)) == {"PDL": 0}, arch

@@ -77,3 +77,17 @@ def test_search_measures_the_seed_right_after_the_default(tmp_path) -> None:
     (summary,) = [s for s in optuna.get_all_study_summaries(storage) if s.study_name.endswith("triton|bounded")]
     trials = optuna.load_study(study_name=summary.study_name, storage=storage).get_trials(deepcopy=False)
     assert {k: trials[1].params[k] for k in seed} == seed
+
+
+def test_a_seed_without_a_restricted_tunable_takes_the_allowed_value(tmp_path) -> None:
+    # recorded before W_EVICT existed; --restrict leaves W_EVICT's default ("") out
+    seed = {"BLOCK_N": 2, "BLOCK_K": 128, "num_warps": 2}
+    csv = _trials_csv(tmp_path / "trials.csv", [(1, 96, 256, seed, 1.0, "ok")])
+    cfg = SearchConfig(problems=[Problem("gemv", "bf16", 1, 96, 256)], backends=["triton"],
+                       out_dir=tmp_path / "run", trials=1, seed_from=(csv,), warm_start=0,
+                       restrict={"W_EVICT": ("evict_first",)})
+    run_search(cfg)
+    storage = f"sqlite:///{tmp_path / 'run' / 'optuna.db'}"
+    (summary,) = [s for s in optuna.get_all_study_summaries(storage) if s.study_name.endswith("triton|bounded")]
+    (first,) = optuna.load_study(study_name=summary.study_name, storage=storage).get_trials(deepcopy=False)[:1]
+    assert {k: first.params[k] for k in seed} == seed and first.params["W_EVICT"] == "evict_first"

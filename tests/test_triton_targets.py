@@ -111,3 +111,33 @@ def test_plain_module_global_fails_to_compile(report):
     for row in rows:
         assert not row["ok"], f"{row['target']} compiled a kernel that reads a plain global"
         assert "_PLAIN_SCALE" in row["error"] and "constexpr" in row["error"], row["error"]
+
+
+_PDL_PTX = """
+import sys
+sys.path.insert(0, "tests")
+import torch
+from triton_targets import bind, capture, compile_bound
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import make_backend
+from kernels_triton import gemv as g
+
+backend = make_backend(GPUTarget("cuda", 90, 32))
+x, w, out = torch.randn(1, 384).bfloat16(), torch.randn(40, 384).bfloat16(), torch.empty(1, 40).bfloat16()
+for pdl in (0, 1):
+    (launch,) = capture(lambda: g.gemv(x, w, g.GemvConfig(PDL=pdl, BLOCK_K=64), out=out))
+    text = []
+    error = compile_bound(launch, bind(launch, backend), "cuda:sm_90", text=text)
+    assert error is None, error
+    print(pdl, text[0].count("griddepcontrol.wait"), text[0].count("griddepcontrol.launch_dependents"))
+"""
+
+
+def test_pdl_emits_grid_dependency_control_on_sm90_only_when_asked():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _PDL_PTX], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    counts = {line.split()[0]: tuple(int(v) for v in line.split()[1:]) for line in res.stdout.splitlines()}
+    assert counts["0"] == (0, 0)
+    assert counts["1"][0] >= 1 and counts["1"][1] >= 1

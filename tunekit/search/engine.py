@@ -328,10 +328,13 @@ def _run_study(cfg, storage, worker, device, probe, problem, backend_name, bar, 
             # a plugin's default may not fit every shape; the sampler starts without it
             bar.log(f"{name}: the default config is not valid here ({reason or 'outside the pruned domains'}); "
                     "not enqueued")
-        for params in _seeds_from_files(cfg.seed_from, backend_name, problem, domains, space.default):
+        # A seed recorded before a tunable existed takes its default, or, where
+        # pinning or --restrict left the default out, the first value allowed:
+        # `--restrict PDL=1 --seed-from old/trials.csv` re-measures old winners with PDL=1.
+        fill = {k: (v if v in domains.get(k, [v]) else domains[k][0]) for k, v in space.default.items()}
+        for params in _seeds_from_files(cfg.seed_from, backend_name, problem, domains, fill):
             study.enqueue_trial(params)
-        for params in _warm_start(storage, name, backend_name, problem, domains, space.default,
-                                  cfg.warm_start):
+        for params in _warm_start(storage, name, backend_name, problem, domains, fill, cfg.warm_start):
             study.enqueue_trial(params)
     distributions = {k: CategoricalDistribution(v) for k, v in domains.items()}
     wanted = cfg.trials if domains else 1
