@@ -28,12 +28,10 @@ Design, for a memory-bound problem:
   "dot_w": the same product with the operands swapped, acc^T = W x^T, so W's
   rows are the MMA's M side (BLOCK_N >= 64 lowers to Hopper wgmma m64n16k16
   reading W from shared memory) - the usual layout of small-M GEMMs.
-- PDL=1 (NVIDIA sm_90+): launched with programmatic dependent launch, so the
-  launch and the programs' start overlap the end of the previous kernel in the
-  stream. Every program first waits on the previous grid (griddepcontrol.wait:
-  it completed and its writes are visible) before touching memory, and lets
-  the next grid launch after its K loop. The arithmetic is unchanged (same
-  bits as PDL=0). The interpreter and ROCm run it as PDL=0.
+- ``pdl=True`` (``kernels_triton.launch_policy``, NVIDIA sm_90+): launched with
+  programmatic dependent launch. Each program prefetches the first K chunk of
+  its rows into L2, waits on the previous grid (griddepcontrol.wait), and lets
+  the next grid launch after its K loop. Same bits as without it.
 """
 
 from __future__ import annotations
@@ -46,6 +44,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kernels_triton import launch_policy
+
 
 @dataclass(frozen=True)
 class GemvConfig:
@@ -57,7 +57,6 @@ class GemvConfig:
     W_EVICT: str = ""  # "" (default policy) or "evict_first" / "evict_last"
     SPLIT_REDUCE: str = "kernel"  # SPLIT_K > 1: "kernel" (2nd launch) or "fused" (last split sums)
     M_MODE: str = "tile"  # how M > 1 rows share a W tile: "tile", "rows", "dot" or "dot_w" (module doc)
-    PDL: int = 0  # 1: programmatic dependent launch (NVIDIA sm_90+; module doc)
 
     @classmethod
     def from_params(cls, params: dict) -> GemvConfig:
@@ -83,6 +82,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 #: tl.dot; there the operands go through fp32 (exact for BF16 values, so the
 #: products and the fp32 accumulation are the same math). GPUs use BF16 MMA.
 _DOT_IN_FP32 = _INTERPRET
+
+#: Weight elements per row prefetched into L2 before a PDL launch waits (4 KB of BF16).
+_PREFETCH_K = 2048
 
 #: Register budget of the accumulator tile per thread. Past ~128 fp32 values
 #: Triton spills to local memory and the kernel falls far below bandwidth.
@@ -113,8 +115,6 @@ def invalid_reason(config: GemvConfig, m: int, n: int, k: int) -> str | None:
         return f"unknown SPLIT_REDUCE {config.SPLIT_REDUCE!r}"
     if config.SPLIT_K == 1 and config.SPLIT_REDUCE != "kernel":
         return "SPLIT_REDUCE only applies to SPLIT_K > 1"
-    if config.PDL not in (0, 1):
-        return f"PDL={config.PDL} is not 0 or 1"
     threads = 32 * config.num_warps
     if config.M_MODE not in ("tile", "rows", "dot", "dot_w"):
         return f"unknown M_MODE {config.M_MODE!r}"
@@ -147,11 +147,8 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, FUSED_REDUCE: tl.constexpr,
     EVEN_K: tl.constexpr, W_EVICT: tl.constexpr, USE_DOT: tl.constexpr, ROWS: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr, SWAP_AB: tl.constexpr, PDL: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, SWAP_AB: tl.constexpr, PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
 ):
-    if PDL:
-        # x (and a reused output buffer) belong to the previous grid until it completes
-        gdc_wait()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -164,6 +161,15 @@ def _gemv_kernel(
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     m_mask = offs_m[:, None] < M
+    if PDL:
+        # Weights are never written by a previous kernel: start their stream (one L2 prefetch per
+        # 128-byte line of the first PREFETCH_K elements of each row) before waiting on the
+        # previous grid, which x (and a reused output buffer) belong to until it completes.
+        pf_k = k_start + tl.arange(0, PREFETCH_K // 64) * 64
+        pf = w_ptr + rows[:, None] * stride_wn + tl.minimum(pf_k, K - 1)[None, :]
+        tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [pf],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+        gdc_wait()
     # per-row accumulators of the "rows" mode (dead code, removed, otherwise)
     acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -300,8 +306,12 @@ def gemv(
     w: torch.Tensor,
     config: GemvConfig = DEFAULT,
     out: torch.Tensor | None = None,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
-    """y = x @ w.T with an explicit config. x [M, K], w [N, K] (unit stride on K)."""
+    """y = x @ w.T with an explicit config. x [M, K], w [N, K] (unit stride on K).
+
+    ``pdl``: programmatic dependent launch (module doc); None follows ``launch_policy``.
+    """
     m, k = x.shape
     n = w.shape[0]
     if w.shape[1] != k:
@@ -318,9 +328,7 @@ def gemv(
     even_k = k % config.BLOCK_K == 0 and k_per_split * split == k
     blocks_n = triton.cdiv(n, config.BLOCK_N)
     fused = split > 1 and config.SPLIT_REDUCE == "fused"
-    # the interpreter and ROCm have no grid dependency control (and no launch_pdl); NVIDIA
-    # below sm_90 cannot compile it (the search pins PDL=0 there, tunekit/backends/triton.py)
-    pdl = bool(config.PDL) and not _INTERPRET and torch.version.hip is None
+    pdl = launch_policy.pdl() if pdl is None else launch_policy.usable(pdl)
     if split == 1:
         partials, tickets = out, out  # unused by the kernel
     else:
@@ -336,9 +344,8 @@ def gemv(
         BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
         SPLIT_K=split, FUSED_REDUCE=fused, EVEN_K=even_k, W_EVICT=config.W_EVICT, USE_DOT=use_dot, ROWS=rows,
         DOT_IN_FP32=_DOT_IN_FP32, SWAP_AB=config.M_MODE == "dot_w", PDL=pdl,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-        # a launch option of NVIDIA's Triton only (the AMD backend rejects the keyword)
-        **({"launch_pdl": True} if pdl else {}),
+        PREFETCH_K=min(_PREFETCH_K, max(64, _next_pow2(k_per_split))) if pdl else 64,
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_policy.launch_options(pdl),
     )
     if split > 1 and not fused:
         block = 256

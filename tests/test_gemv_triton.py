@@ -133,19 +133,14 @@ def test_the_fallback_config_is_valid_for_every_shape(m, n, k) -> None:
     assert invalid_reason(DEFAULT, m, n, k) is None
 
 
-def test_pdl_is_a_launch_option_with_the_same_bits_and_pinned_where_it_cannot_apply() -> None:
-    from tunekit.backends import get
-    from tunekit.device import DeviceInfo
+def test_pdl_launch_policy_is_ignored_where_it_cannot_apply() -> None:
+    from kernels_triton import launch_policy
 
     x, w = torch.randn(3, 300).bfloat16(), torch.randn(40, 300).bfloat16()
     base = gemv(x, w, GemvConfig(BLOCK_K=64))
-    assert torch.equal(gemv(x, w, GemvConfig(BLOCK_K=64, PDL=1)), base)  # the interpreter runs it as PDL=0
-    assert "PDL=2" in invalid_reason(GemvConfig(PDL=2), 1, 40, 300)
-
-    def device(vendor: str, arch: str) -> DeviceInfo:
-        return DeviceInfo(vendor, "gpu", arch, 132, 32, 1 << 20, 1 << 30, "rt", "cuda:0")
-
-    backend = get("triton")
-    assert backend.pinned_params(device("nvidia", "sm_90")) == {}
-    for vendor, arch in (("nvidia", "sm_80"), ("amd", "gfx90a"), ("cpu", "cpu")):
-        assert backend.pinned_params(device(vendor, arch)) == {"PDL": 0}, arch
+    assert launch_policy.usable(True) is False  # the interpreter has no grid dependency control
+    assert torch.equal(gemv(x, w, GemvConfig(BLOCK_K=64), pdl=True), base)
+    with launch_policy.programmatic_dependent_launch():
+        assert launch_policy.pdl() is False
+        assert torch.equal(gemv(x, w, GemvConfig(BLOCK_K=64)), base)
+    assert launch_policy._state["pdl"] is False  # the previous policy is restored

@@ -120,24 +120,37 @@ import torch
 from triton_targets import bind, capture, compile_bound
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import make_backend
-from kernels_triton import gemv as g
+from kernels_triton import gemv as g, silu_and_mul as s
+from kernels_triton.launch_policy import programmatic_dependent_launch
 
 backend = make_backend(GPUTarget("cuda", 90, 32))
 x, w, out = torch.randn(1, 384).bfloat16(), torch.randn(40, 384).bfloat16(), torch.empty(1, 40).bfloat16()
-for pdl in (0, 1):
-    (launch,) = capture(lambda: g.gemv(x, w, g.GemvConfig(PDL=pdl, BLOCK_K=64), out=out))
-    text = []
-    error = compile_bound(launch, bind(launch, backend), "cuda:sm_90", text=text)
-    assert error is None, error
-    print(pdl, text[0].count("griddepcontrol.wait"), text[0].count("griddepcontrol.launch_dependents"))
+a, y = torch.randn(2, 512).bfloat16(), torch.empty(2, 256).bfloat16()
+calls = {
+    "gemv": lambda pdl: g.gemv(x, w, g.GemvConfig(BLOCK_K=64), out=out, pdl=pdl),
+    "silu_and_mul": lambda pdl: s.silu_and_mul(a, s.DEFAULT, out=y),
+}
+for name, call in calls.items():
+    for pdl in (False, True):
+        with programmatic_dependent_launch(pdl):
+            (launch,) = capture(lambda: call(pdl))
+        text = []
+        error = compile_bound(launch, bind(launch, backend), "cuda:sm_90", text=text)
+        assert error is None, error
+        ptx = text[0]
+        print(name, int(pdl), ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents"),
+              ptx.count("prefetch.global.L2"))
 """
 
 
-def test_pdl_emits_grid_dependency_control_on_sm90_only_when_asked():
+def test_pdl_launch_policy_emits_grid_dependency_control_on_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", _PDL_PTX], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    counts = {line.split()[0]: tuple(int(v) for v in line.split()[1:]) for line in res.stdout.splitlines()}
-    assert counts["0"] == (0, 0)
-    assert counts["1"][0] >= 1 and counts["1"][1] >= 1
+    counts = {tuple(line.split()[:2]): tuple(int(v) for v in line.split()[2:]) for line in res.stdout.splitlines()}
+    assert counts[("gemv", "0")] == (0, 0, 0) and counts[("silu_and_mul", "0")] == (0, 0, 0)
+    wait, release, prefetch = counts[("gemv", "1")]
+    assert wait >= 1 and release >= 1 and prefetch >= 1  # the weight prefetch before the wait
+    wait, release, prefetch = counts[("silu_and_mul", "1")]
+    assert wait >= 1 and release >= 1 and prefetch == 0

@@ -256,13 +256,14 @@ def gemv_cases() -> list[Case]:
             out = torch.empty(m, n, dtype=torch.bfloat16)
             cases.append((f"gemv[M={m},N={n},K={k}] {_params(config)}",
                           lambda x=x, w=w, config=config, out=out: g.gemv(x, w, config, out=out)))
-        # programmatic dependent launch: NVIDIA only (AMD's Triton has no launch_pdl option, and
-        # the search pins PDL=0 there), with the K loop of each main path
-        pdl = g.GemvConfig(PDL=1, BLOCK_K=64, **({"M_MODE": "dot_w", "BLOCK_N": 64} if m > 1 else {}))
+        # programmatic dependent launch (kernels_triton.launch_policy): NVIDIA only (AMD's Triton
+        # has no launch_pdl option), with the K loop of each main path
+        pdl = g.GemvConfig(BLOCK_K=64, **({"M_MODE": "dot_w", "BLOCK_N": 64} if m > 1 else {}))
         x, w = _bf16(m, k), _bf16(n, k)
         out = torch.empty(m, n, dtype=torch.bfloat16)
-        cases.append((f"gemv[M={m},N={n},K={k}] {_params(pdl)}",
-                      lambda x=x, w=w, config=pdl, out=out: g.gemv(x, w, config, out=out), ("cuda:sm_90",)))
+        cases.append((f"gemv[M={m},N={n},K={k}] {_params(pdl)} pdl",
+                      lambda x=x, w=w, config=pdl, out=out: g.gemv(x, w, config, out=out, pdl=True),
+                      ("cuda:sm_90",)))
     return cases
 
 
@@ -336,7 +337,18 @@ def elementwise_cases() -> list[Case]:
             for base in _search_configs(module, op, m, pn, pk):
                 for config in _with_roundings(base):
                     cases.append((f"{op}[M={m},N={pn},K={pk}] {_params(config)}", build(op, config)))
+            # under the PDL launch policy (NVIDIA only: AMD's Triton has no launch_pdl option)
+            call = build(op, module.DEFAULT)
+            cases.append((f"{op}[M={m},N={pn},K={pk}] DEFAULT pdl", lambda call=call: _with_pdl(call),
+                          ("cuda:sm_90",)))
     return cases
+
+
+def _with_pdl(call: Callable[[], Any]) -> Any:
+    from kernels_triton.launch_policy import programmatic_dependent_launch
+
+    with programmatic_dependent_launch():
+        return call()
 
 
 def stream_cases() -> list[Case]:

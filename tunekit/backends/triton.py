@@ -34,9 +34,7 @@ _OP_MODULES = {
     "bias_gelu": "kernels_triton.bias_gelu",
 }
 #: Modules the elementwise kernels import (part of the source hash).
-_HELPER_MODULES = ("kernels_triton.rounding",)
-#: Programmatic dependent launch (griddepcontrol) exists from Hopper on.
-_PDL_MIN_SM = 90
+_HELPER_MODULES = ("kernels_triton.rounding", "kernels_triton.tiles", "kernels_triton.launch_policy")
 
 
 class TritonBackend:
@@ -61,17 +59,6 @@ class TritonBackend:
 
     def space(self, problem: Problem) -> SearchSpace:
         return search_spaces.load(problem.op, self.name)
-
-    def pinned_params(self, device: DeviceInfo) -> Params:
-        """Tunables that do not change the kernel on ``device`` (the search pins them).
-
-        GEMV's PDL (programmatic dependent launch) needs NVIDIA sm_90+; the
-        interpreter and other GPUs run PDL=1 as PDL=0, or could not compile it.
-        """
-        arch = device.arch.removeprefix("sm_")
-        if device.vendor != "nvidia" or not arch.isdigit() or int(arch) < _PDL_MIN_SM:
-            return {"PDL": 0}
-        return {}
 
     @staticmethod
     def _config_class(module, op: str):
