@@ -330,7 +330,7 @@ def _run_study(cfg, storage, worker, device, probe, problem, backend_name, bar, 
                     "not enqueued")
         # A seed recorded before a tunable existed takes its default, or, where
         # pinning or --restrict left the default out, the first value allowed:
-        # `--restrict PDL=1 --seed-from old/trials.csv` re-measures old winners with PDL=1.
+        # `--restrict NEW=1 --seed-from old/trials.csv` re-measures old winners with NEW=1.
         fill = {k: (v if v in domains.get(k, [v]) else domains[k][0]) for k, v in space.default.items()}
         for params in _seeds_from_files(cfg.seed_from, backend_name, problem, domains, fill):
             study.enqueue_trial(params)
