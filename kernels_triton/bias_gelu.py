@@ -25,9 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_triton import launch_policy
 from kernels_triton.config import StrictConfig
-from kernels_triton.launch_policy import launch_options, pdl_start
 from kernels_triton.rms_norm import tile_reason
 from kernels_triton.rounding import RNE_BY_BITS, round_bf16
 from kernels_triton.tiles import pointwise_grid, tile_offsets
@@ -70,9 +68,8 @@ def invalid_reason(config: BiasGeluConfig, m: int, n: int, k: int) -> str | None
 def _bias_gelu_kernel(
     x_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_ym,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, ROUND_SUM: tl.constexpr, BY_BITS: tl.constexpr,
-    GRID_2D: tl.constexpr, PDL: tl.constexpr,
+    GRID_2D: tl.constexpr,
 ):
-    pdl_start(PDL)  # launch_policy: release the next grid, then wait on the previous one
     offs_m, cols = tile_offsets(N, BLOCK_N, ROWS, GRID_2D)  # column blocks fastest (tiles.py)
     mask = (offs_m < M)[:, None] & (cols < N)[None, :]
     rows64 = offs_m.to(tl.int64)[:, None]
@@ -96,11 +93,10 @@ def bias_gelu(x: torch.Tensor, b: torch.Tensor, config: BiasGeluConfig = DEFAULT
     if n > 1 and (x.stride(1) != 1 or out.stride(1) != 1):
         raise ValueError("bias_gelu needs unit stride along N")
     grid, grid_2d = pointwise_grid(m, n, config.ROWS, config.BLOCK_N)
-    pdl = launch_policy.pdl()
     _bias_gelu_kernel[grid](
         x, b, out, m, n, x.stride(0), out.stride(0),
         BLOCK_N=config.BLOCK_N, ROWS=config.ROWS, ROUND_SUM=bool(config.VLLM_ROUNDING), BY_BITS=RNE_BY_BITS,
-        GRID_2D=grid_2d, num_warps=config.num_warps, PDL=pdl, **launch_options(pdl),
+        GRID_2D=grid_2d, num_warps=config.num_warps,
     )
     return out
 

@@ -34,9 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_triton import launch_policy
 from kernels_triton.config import StrictConfig
-from kernels_triton.launch_policy import launch_options, pdl_start
 from kernels_triton.rms_norm import _apply_weight, effective_block, tile_reason
 from kernels_triton.rounding import RNE_BY_BITS, round_bf16
 
@@ -85,9 +83,8 @@ def _fused_add_rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, y_ptr, o_ptr,
     M, N, stride_xm, stride_rm, stride_ym, stride_om, eps,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, ONE_PASS: tl.constexpr,
-    GEMMA: tl.constexpr, ROUND_SUM: tl.constexpr, ROUND_NORMED: tl.constexpr, BY_BITS: tl.constexpr, PDL: tl.constexpr,
+    GEMMA: tl.constexpr, ROUND_SUM: tl.constexpr, ROUND_NORMED: tl.constexpr, BY_BITS: tl.constexpr,
 ):
-    pdl_start(PDL)  # launch_policy: release the next grid, then wait on the previous one
     pid = tl.program_id(0)
     offs_m = pid * ROWS + tl.arange(0, ROWS)
     m_mask = offs_m < M
@@ -147,13 +144,12 @@ def fused_add_rms_norm(
         raise ValueError("in-place fused_add_rms_norm needs a one-pass config (BLOCK_N >= N)")
     if n > 1 and any(t.stride(1) != 1 for t in (x, residual, y, res_out)):
         raise ValueError("fused_add_rms_norm needs unit stride along N")
-    pdl = launch_policy.pdl()
     _fused_add_rms_norm_kernel[(triton.cdiv(m, config.ROWS),)](
         x, residual, w, y, res_out, m, n,
         x.stride(0), residual.stride(0), y.stride(0), res_out.stride(0), eps,
         BLOCK_N=block, ROWS=config.ROWS, ONE_PASS=block >= n, GEMMA=gemma,
         ROUND_SUM=bool(config.VLLM_ROUNDING), ROUND_NORMED=bool(config.VLLM_ROUNDING) and not gemma,
-        BY_BITS=RNE_BY_BITS, num_warps=config.num_warps, PDL=pdl, **launch_options(pdl),
+        BY_BITS=RNE_BY_BITS, num_warps=config.num_warps,
     )
     return y, res_out
 

@@ -23,9 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_triton import launch_policy
 from kernels_triton.config import StrictConfig
-from kernels_triton.launch_policy import launch_options, pdl_start
 from kernels_triton.rms_norm import tile_reason
 from kernels_triton.rounding import RNE_BY_BITS, round_bf16
 
@@ -65,9 +63,8 @@ def invalid_reason(config: GatedRmsNormConfig, m: int, n: int, k: int) -> str | 
 def _gated_rms_norm_kernel(
     x_ptr, z_ptr, w_ptr, y_ptr,
     Q, G, K, stride_xm, stride_zm, stride_ym, eps,
-    BLOCK_K: tl.constexpr, ROWS: tl.constexpr, BY_BITS: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, ROWS: tl.constexpr, BY_BITS: tl.constexpr,
 ):
-    pdl_start(PDL)  # launch_policy: release the next grid, then wait on the previous one
     pid = tl.program_id(0)
     q = pid * ROWS + tl.arange(0, ROWS)  # group index over all rows: q = m * G + g
     q_mask = q < Q
@@ -105,11 +102,9 @@ def gated_rms_norm(
         raise ValueError("gated_rms_norm needs unit stride along N")
     groups = n // k
     total = m * groups
-    pdl = launch_policy.pdl()
     _gated_rms_norm_kernel[(triton.cdiv(total, config.ROWS),)](
         x, z, w, out, total, groups, k, x.stride(0), z.stride(0), out.stride(0), eps,
         BLOCK_K=_next_pow2(k), ROWS=config.ROWS, BY_BITS=RNE_BY_BITS, num_warps=config.num_warps,
-        PDL=pdl, **launch_options(pdl),
     )
     return out
 

@@ -28,10 +28,6 @@ Design, for a memory-bound problem:
   "dot_w": the same product with the operands swapped, acc^T = W x^T, so W's
   rows are the MMA's M side (BLOCK_N >= 64 lowers to Hopper wgmma m64n16k16
   reading W from shared memory) - the usual layout of small-M GEMMs.
-- ``pdl=True`` (``kernels_triton.launch_policy``, NVIDIA sm_90+): launched with
-  programmatic dependent launch. Each program prefetches the first K chunk of
-  its rows into L2, waits on the previous grid (griddepcontrol.wait), and lets
-  the next grid launch after its K loop. Same bits as without it.
 """
 
 from __future__ import annotations
@@ -42,9 +38,6 @@ from dataclasses import asdict, dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-from kernels_triton import launch_policy
 
 
 @dataclass(frozen=True)
@@ -77,14 +70,10 @@ DEFAULT = GemvConfig()
 #: Smallest tile dimension tl.dot takes (M is padded up to it).
 _DOT_MIN = 16
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 #: Triton 3.6's CPU interpreter multiplies the raw bits of BF16 operands in
 #: tl.dot; there the operands go through fp32 (exact for BF16 values, so the
 #: products and the fp32 accumulation are the same math). GPUs use BF16 MMA.
-_DOT_IN_FP32 = _INTERPRET
-
-#: Weight elements per row prefetched into L2 before a PDL launch waits (4 KB of BF16).
-_PREFETCH_K = 2048
+_DOT_IN_FP32 = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 #: Register budget of the accumulator tile per thread. Past ~128 fp32 values
 #: Triton spills to local memory and the kernel falls far below bandwidth.
@@ -147,7 +136,7 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, FUSED_REDUCE: tl.constexpr,
     EVEN_K: tl.constexpr, W_EVICT: tl.constexpr, USE_DOT: tl.constexpr, ROWS: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr, SWAP_AB: tl.constexpr, PDL: tl.constexpr, PREFETCH_K: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -161,15 +150,6 @@ def _gemv_kernel(
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     m_mask = offs_m[:, None] < M
-    if PDL:
-        # Weights are never written by a previous kernel: start their stream (one L2 prefetch per
-        # 128-byte line of the first PREFETCH_K elements of each row) before waiting on the
-        # previous grid, which x (and a reused output buffer) belong to until it completes.
-        pf_k = k_start + tl.arange(0, PREFETCH_K // 64) * 64
-        pf = w_ptr + rows[:, None] * stride_wn + tl.minimum(pf_k, K - 1)[None, :]
-        tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [pf],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-        gdc_wait()
     # per-row accumulators of the "rows" mode (dead code, removed, otherwise)
     acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -229,8 +209,6 @@ def _gemv_kernel(
             acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if PDL:
-        gdc_launch_dependents()  # only the reduction and the stores are left
     if ROWS:
         rows_m = offs_m[:, None]
         out = tl.where(rows_m == 0, tl.sum(acc0, axis=1)[None, :], 0.0)
@@ -306,12 +284,8 @@ def gemv(
     w: torch.Tensor,
     config: GemvConfig = DEFAULT,
     out: torch.Tensor | None = None,
-    pdl: bool | None = None,
 ) -> torch.Tensor:
-    """y = x @ w.T with an explicit config. x [M, K], w [N, K] (unit stride on K).
-
-    ``pdl``: programmatic dependent launch (module doc); None follows ``launch_policy``.
-    """
+    """y = x @ w.T with an explicit config. x [M, K], w [N, K] (unit stride on K)."""
     m, k = x.shape
     n = w.shape[0]
     if w.shape[1] != k:
@@ -328,7 +302,6 @@ def gemv(
     even_k = k % config.BLOCK_K == 0 and k_per_split * split == k
     blocks_n = triton.cdiv(n, config.BLOCK_N)
     fused = split > 1 and config.SPLIT_REDUCE == "fused"
-    pdl = launch_policy.pdl() if pdl is None else launch_policy.usable(pdl)
     if split == 1:
         partials, tickets = out, out  # unused by the kernel
     else:
@@ -343,9 +316,8 @@ def gemv(
         partials.stride(1) if split > 1 else 0,
         BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
         SPLIT_K=split, FUSED_REDUCE=fused, EVEN_K=even_k, W_EVICT=config.W_EVICT, USE_DOT=use_dot, ROWS=rows,
-        DOT_IN_FP32=_DOT_IN_FP32, SWAP_AB=config.M_MODE == "dot_w", PDL=pdl,
-        PREFETCH_K=min(_PREFETCH_K, max(64, _next_pow2(k_per_split))) if pdl else 64,
-        num_warps=config.num_warps, num_stages=config.num_stages, **launch_policy.launch_options(pdl),
+        DOT_IN_FP32=_DOT_IN_FP32, SWAP_AB=config.M_MODE == "dot_w",
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split > 1 and not fused:
         block = 256

@@ -39,9 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_triton import launch_policy
 from kernels_triton.config import StrictConfig
-from kernels_triton.launch_policy import launch_options, pdl_start
 from kernels_triton.rounding import RNE_BY_BITS, round_bf16
 
 #: The ops this module serves (the weight convention is in the op name).
@@ -110,9 +108,8 @@ def _rms_norm_kernel(
     x_ptr, w_ptr, y_ptr,
     M, N, stride_xm, stride_ym, eps,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, ONE_PASS: tl.constexpr,
-    GEMMA: tl.constexpr, ROUND_NORMED: tl.constexpr, BY_BITS: tl.constexpr, PDL: tl.constexpr,
+    GEMMA: tl.constexpr, ROUND_NORMED: tl.constexpr, BY_BITS: tl.constexpr,
 ):
-    pdl_start(PDL)  # launch_policy: release the next grid, then wait on the previous one
     pid = tl.program_id(0)
     offs_m = pid * ROWS + tl.arange(0, ROWS)
     m_mask = offs_m < M
@@ -176,12 +173,11 @@ def rms_norm(
     if (n > 1 and (x.stride(1) != 1 or out.stride(1) != 1)) or w.stride(0) != 1:
         raise ValueError("rms_norm needs unit stride along N")
     block = effective_block(config.BLOCK_N, n)
-    pdl = launch_policy.pdl()
     _rms_norm_kernel[(triton.cdiv(m, config.ROWS),)](
         x, w, out, m, n, x.stride(0), out.stride(0), eps,
         BLOCK_N=block, ROWS=config.ROWS, ONE_PASS=block >= n,
         GEMMA=gemma, ROUND_NORMED=bool(config.VLLM_ROUNDING) and not gemma, BY_BITS=RNE_BY_BITS,
-        num_warps=config.num_warps, PDL=pdl, **launch_options(pdl),
+        num_warps=config.num_warps,
     )
     return out
 

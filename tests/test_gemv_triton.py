@@ -131,16 +131,3 @@ def test_recorded_configs_with_the_old_use_dot_name_still_load() -> None:
 @pytest.mark.parametrize("n,k", [(1, 1), (8, 32), (64, 64), (96, 127), (5, 4099)])
 def test_the_fallback_config_is_valid_for_every_shape(m, n, k) -> None:
     assert invalid_reason(DEFAULT, m, n, k) is None
-
-
-def test_pdl_launch_policy_is_ignored_where_it_cannot_apply() -> None:
-    from kernels_triton import launch_policy
-
-    x, w = torch.randn(3, 300).bfloat16(), torch.randn(40, 300).bfloat16()
-    base = gemv(x, w, GemvConfig(BLOCK_K=64))
-    assert launch_policy.usable(True) is False  # the interpreter has no grid dependency control
-    assert torch.equal(gemv(x, w, GemvConfig(BLOCK_K=64), pdl=True), base)
-    with launch_policy.programmatic_dependent_launch():
-        assert launch_policy.pdl() is False
-        assert torch.equal(gemv(x, w, GemvConfig(BLOCK_K=64)), base)
-    assert launch_policy._state["pdl"] is False  # the previous policy is restored

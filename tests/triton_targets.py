@@ -66,10 +66,8 @@ TARGETS: dict[str, tuple[tuple, str]] = {
     "hip:gfx90a": (("hip", "gfx90a", 64), "amdgcn"),
 }
 
-#: A case: a name and a zero-argument callable that calls a kernel wrapper; optionally a third
-#: element, the targets it is compiled for (default: all), for code that exists for one vendor
-#: only (a launch option the other vendor's Triton does not know).
-Case = tuple[str, Callable[[], Any]] | tuple[str, Callable[[], Any], tuple[str, ...]]
+#: A case: a name and a zero-argument callable that calls a kernel wrapper.
+Case = tuple[str, Callable[[], Any]]
 
 #: Longest error text kept per row (MLIR diagnostics can run to pages).
 MAX_ERROR_CHARS = 6000
@@ -158,13 +156,11 @@ def _stderr_to(path: str) -> Iterator[None]:
             os.close(saved)
 
 
-def compile_bound(launch: Launch, bound: Bound, target_name: str, diag_path: str | None = None,
-                  text: list[str] | None = None) -> str | None:
+def compile_bound(launch: Launch, bound: Bound, target_name: str, diag_path: str | None = None) -> str | None:
     """Compile to ``target_name``'s last text stage; None on success, else the error text.
 
     The compiler's stderr goes to ``diag_path`` (a temporary file if None, then
     removed): a caller that gives the path can still read it if LLVM aborts.
-    ``text``, if given, receives the compiled PTX / AMDGCN.
     """
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
@@ -198,8 +194,6 @@ def compile_bound(launch: Launch, bound: Bound, target_name: str, diag_path: str
                         break
                 if not module:
                     return f"stage {last_stage} produced no output"
-                if text is not None:
-                    text.append(module if isinstance(module, str) else str(module))
                 return None
             except Exception as exc:  # every compiler error is a finding, reported as text
                 error = f"{type(exc).__name__}: {exc}"
@@ -256,14 +250,6 @@ def gemv_cases() -> list[Case]:
             out = torch.empty(m, n, dtype=torch.bfloat16)
             cases.append((f"gemv[M={m},N={n},K={k}] {_params(config)}",
                           lambda x=x, w=w, config=config, out=out: g.gemv(x, w, config, out=out)))
-        # programmatic dependent launch (kernels_triton.launch_policy): NVIDIA only (AMD's Triton
-        # has no launch_pdl option), with the K loop of each main path
-        pdl = g.GemvConfig(BLOCK_K=64, **({"M_MODE": "dot_w", "BLOCK_N": 64} if m > 1 else {}))
-        x, w = _bf16(m, k), _bf16(n, k)
-        out = torch.empty(m, n, dtype=torch.bfloat16)
-        cases.append((f"gemv[M={m},N={n},K={k}] {_params(pdl)} pdl",
-                      lambda x=x, w=w, config=pdl, out=out: g.gemv(x, w, config, out=out, pdl=True),
-                      ("cuda:sm_90",)))
     return cases
 
 
@@ -337,18 +323,7 @@ def elementwise_cases() -> list[Case]:
             for base in _search_configs(module, op, m, pn, pk):
                 for config in _with_roundings(base):
                     cases.append((f"{op}[M={m},N={pn},K={pk}] {_params(config)}", build(op, config)))
-            # under the PDL launch policy (NVIDIA only: AMD's Triton has no launch_pdl option)
-            call = build(op, module.DEFAULT)
-            cases.append((f"{op}[M={m},N={pn},K={pk}] DEFAULT pdl", lambda call=call: _with_pdl(call),
-                          ("cuda:sm_90",)))
     return cases
-
-
-def _with_pdl(call: Callable[[], Any]) -> Any:
-    from kernels_triton.launch_policy import programmatic_dependent_launch
-
-    with programmatic_dependent_launch():
-        return call()
 
 
 def stream_cases() -> list[Case]:
@@ -460,19 +435,18 @@ def run_cases(cases: list[Case], jobs: int = 1) -> dict:
     pending: list[tuple[dict, int]] = []  # (row, index into _WORK) awaiting a compile result
     index_of: dict[tuple[str, str], int] = {}
     _WORK.clear()
-    for case, call, *only in cases:
-        targets = only[0] if only else tuple(TARGETS)
+    for case, call in cases:
         try:
             launches = capture(call)
             if not launches:
                 raise RuntimeError("the wrapper launched no kernel")
         except Exception:  # a wrapper that fails to launch is a failed case
-            for target_name in targets:
+            for target_name in TARGETS:
                 rows.append({"case": case, "kernel": None, "target": target_name, "ok": False,
                              "error": "capture failed:\n" + traceback.format_exc()[-MAX_ERROR_CHARS:]})
             continue
         for launch in launches:
-            for target_name in targets:
+            for target_name in TARGETS:
                 row = {"case": case, "kernel": launch.name, "target": target_name, "ok": None, "error": None}
                 rows.append(row)
                 if not isinstance(launch.kernel, JITFunction):

@@ -34,13 +34,7 @@ Variants (``VARIANTS``), on the same weights and inputs:
   Inductor on a GPU (the faster baseline of the searches; eager on the CPU);
 * ``tuned_gemv``: the ``tunekit.ops`` GEMV where a loaded table serves the
   shape at this M, the vendor elementwise ops;
-* ``tuned``: every step a table serves goes through ``torch.ops.tunekit``;
-* ``tuned_pdl``: ``tuned`` with the Triton kernels launched with programmatic
-  dependent launch (``kernels_triton.launch_policy``: each starts before its
-  predecessor ends, GEMVs prefetch their first weights meanwhile). It is
-  measured here, in the model's own sequence, because a standalone timing of
-  one kernel after itself would show an overlap the real neighbours may not
-  give. Off NVIDIA sm_90+ it is ``tuned``.
+* ``tuned``: every step a table serves goes through ``torch.ops.tunekit``.
 
 A step no table serves keeps the vendor implementation in every variant (the
 op's own fallback, eager PyTorch, would be slower than Inductor and charge the
@@ -69,7 +63,7 @@ from tunekit.errors import UserError
 from tunekit.models.spec import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
 from tunekit.opspec import EPS
 
-VARIANTS = ("vendor", "tuned_gemv", "tuned", "tuned_pdl")
+VARIANTS = ("vendor", "tuned_gemv", "tuned")
 
 #: ``ModelSpec.elementwise`` lists two input_layernorm entries: [0] the first layer's plain norm,
 #: [1] the fused add + norm of every later layer.
@@ -204,7 +198,7 @@ class Chain:
             raise UserError(f"unknown chain variant {variant!r} (known: {', '.join(VARIANTS)})")
         impls, kinds = [], []
         for step in self.steps:
-            tuned = variant != "vendor" and (step.op == "gemv" or variant != "tuned_gemv") and served(step)
+            tuned = variant != "vendor" and (step.op == "gemv" or variant == "tuned") and served(step)
             impls.append(_tuned_impl(step) if tuned else _vendor_impl(step, vendor_elementwise, self))
             kinds.append("tuned" if tuned else "vendor")
         self._impls[variant] = impls
@@ -213,12 +207,8 @@ class Chain:
 
     def forward(self, variant: str) -> torch.Tensor:
         """One decode step through ``variant`` (bound by ``build``); returns the logits [m, vocab]."""
-        from kernels_triton.launch_policy import programmatic_dependent_launch
-
         impls = self._impls[variant]
-        # the launch policy is read at each launch: under capture it is recorded into the graph
-        with programmatic_dependent_launch(variant == "tuned_pdl"):
-            return self._forward(impls, self.hidden, self.mixer)
+        return self._forward(impls, self.hidden, self.mixer)
 
     def forward_fp32(self) -> torch.Tensor:
         """The same step with fp32 activations and fp32 math (weights upcast per call; eager, not for

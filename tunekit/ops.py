@@ -69,10 +69,6 @@ an ``eps`` parameter serves only ``eps == DEFAULT_EPS``. Their vendor path is
 the PyTorch math of vLLM's native implementations (``vllm.ir.ops.rms_norm``
 ...), rounding where those round.
 
-``TUNEKIT_PDL=1`` launches the tuned Triton kernels with programmatic
-dependent launch (``kernels_triton.launch_policy``; NVIDIA sm_90+; measured in
-a model's step by ``tunekit chain``, variant ``tuned_pdl``).
-
 Adding an op: its schema, run-time impl (on :func:`_resolve` / :func:`_count`,
 as :func:`_ew_serve` does) and fake impl in ``ELEMENTWISE_SCHEMAS`` /
 ``_ELEMENTWISE_IMPLS``; :func:`_register` defines them all.
@@ -115,7 +111,6 @@ logger = logging.getLogger("tunekit.ops")
 NAMESPACE = "tunekit"
 TABLE_ENV = "TUNEKIT_TABLE"
 LOG_ENV = "TUNEKIT_DISPATCH_LOG"
-PDL_ENV = "TUNEKIT_PDL"
 STATS_FORMAT = "tunekit.dispatch_stats/1"
 
 #: torch dtype -> the dtype names of tables (tunekit.shapes.DTYPE_BYTES).
@@ -1031,7 +1026,3 @@ def _register() -> None:
 
 _register()
 _maybe_register_atexit()
-if os.environ.get(PDL_ENV, "0") not in ("", "0"):
-    from kernels_triton import launch_policy
-
-    launch_policy.set_pdl(True)

@@ -34,7 +34,7 @@ _OP_MODULES = {
     "bias_gelu": "kernels_triton.bias_gelu",
 }
 #: Modules the elementwise kernels import (part of the source hash).
-_HELPER_MODULES = ("kernels_triton.rounding", "kernels_triton.tiles", "kernels_triton.launch_policy")
+_HELPER_MODULES = ("kernels_triton.rounding", "kernels_triton.tiles")
 
 
 class TritonBackend:
