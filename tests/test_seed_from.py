@@ -91,3 +91,21 @@ def test_a_seed_without_a_restricted_tunable_takes_the_allowed_value(tmp_path) -
     (summary,) = [s for s in optuna.get_all_study_summaries(storage) if s.study_name.endswith("triton|bounded")]
     (first,) = optuna.load_study(study_name=summary.study_name, storage=storage).get_trials(deepcopy=False)[:1]
     assert {k: first.params[k] for k in seed} == seed and first.params["W_EVICT"] == "evict_first"
+
+
+def test_a_seed_recorded_with_another_value_of_a_pinned_tunable_is_kept() -> None:
+    # HIP's REDUCE_DPP changes nothing on NVIDIA and is pinned to 0 there; runs from before the
+    # pinning recorded REDUCE_DPP=1 for the same kernel (h200-m1-triton-hip-b1ce9d6: the best
+    # 96x5120 HIP config, 2.56 us). The seed must survive with the pinned value.
+    from tunekit.backends import get
+
+    problem = Problem("gemv", "bf16", 1, 96, 5120)
+    space = get("hip").space(problem)
+    domains = dict(space.domains, REDUCE_DPP=[0])
+    files = [REPO / "benchmarks" / "results" / "h200-m1-triton-hip-b1ce9d6" / "trials.csv"]
+    kept = _seeds_from_files(files, "hip", problem, domains, space.default, {"REDUCE_DPP": 0})
+    dropped = _seeds_from_files(files, "hip", problem, domains, space.default)
+    best = {"ROWS_PER_BLOCK": 1, "THREADS_PER_ROW": 512, "VEC": 8, "UNROLL": 2, "NONTEMPORAL": 1, "X_IN_SHARED": 0}
+    assert {k: kept[0][k] for k in best} == best and kept[0]["REDUCE_DPP"] == 0
+    assert all(s["REDUCE_DPP"] == 0 for s in kept)
+    assert not any(all(s[k] == v for k, v in best.items()) for s in dropped)  # what the bug did

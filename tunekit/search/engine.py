@@ -280,12 +280,14 @@ def _run_study(cfg, storage, worker, device, probe, problem, backend_name, bar, 
     # Tunables with no effect on this device are pinned, so one kernel is not
     # measured under several names (REDUCE_DPP only changes AMD code).
     pinned_for = getattr(backend, "pinned_params", None)
+    pinned: dict[str, Any] = {}
     if pinned_for is not None:
         from tunekit.device import DeviceInfo
 
         for key, value in pinned_for(DeviceInfo(**device)).items():
             if key in domains and value in domains[key]:
                 domains[key] = [value]
+                pinned[key] = value
     emptied = []
     for key, allowed in cfg.restrict.items():  # --restrict: the user narrows the space
         if key in domains:
@@ -331,10 +333,12 @@ def _run_study(cfg, storage, worker, device, probe, problem, backend_name, bar, 
         # A seed recorded before a tunable existed takes its default, or, where
         # pinning or --restrict left the default out, the first value allowed:
         # `--restrict NEW=1 --seed-from old/trials.csv` re-measures old winners with NEW=1.
+        # A pinned tunable is the same kernel at any value here: a seed recorded
+        # with another value (REDUCE_DPP=1 from before pinning) is that kernel.
         fill = {k: (v if v in domains.get(k, [v]) else domains[k][0]) for k, v in space.default.items()}
-        for params in _seeds_from_files(cfg.seed_from, backend_name, problem, domains, fill):
+        for params in _seeds_from_files(cfg.seed_from, backend_name, problem, domains, fill, pinned):
             study.enqueue_trial(params)
-        for params in _warm_start(storage, name, backend_name, problem, domains, fill, cfg.warm_start):
+        for params in _warm_start(storage, name, backend_name, problem, domains, fill, cfg.warm_start, pinned):
             study.enqueue_trial(params)
     distributions = {k: CategoricalDistribution(v) for k, v in domains.items()}
     wanted = cfg.trials if domains else 1
@@ -493,7 +497,7 @@ def _best_params(storage, summary: optuna.study.StudySummary, count: int) -> lis
 
 
 def _warm_start(storage, name: str, backend: str, problem: Problem, domains: dict[str, list[Any]],
-                default: dict[str, Any], per_study: int) -> list[dict[str, Any]]:
+                default: dict[str, Any], per_study: int, pinned: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The best verified configs of the other studies of this op and backend in the storage.
 
     Good GEMV configs transfer between shapes (on the H200 the M=1 winners of
@@ -513,7 +517,7 @@ def _warm_start(storage, name: str, backend: str, problem: Problem, domains: dic
         for trial_params in _best_params(storage, summary, per_study):
             # a parameter added to the space after that trial ran takes its
             # default, which keeps the kernel the trial measured
-            params = {k: v for k, v in (default | trial_params).items() if k in domains}
+            params = {k: v for k, v in (default | trial_params | (pinned or {})).items() if k in domains}
             if set(params) != set(domains) or any(params[k] not in domains[k] for k in domains):
                 continue
             key = _params_key(params)
@@ -550,8 +554,10 @@ def read_seed_records(path: Path) -> list[dict[str, Any]]:
 
 
 def _seeds_from_files(paths: Sequence[Path], backend: str, problem: Problem, domains: dict[str, list[Any]],
-                      default: dict[str, Any]) -> list[dict[str, Any]]:
-    """Configs of earlier runs (``--seed-from``) for this study, best-first per nearness."""
+                      default: dict[str, Any], pinned: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Configs of earlier runs (``--seed-from``) for this study, best-first per nearness.
+
+    ``default`` fills tunables a record lacks; ``pinned`` overrides what a record says for them."""
     if not paths:
         return []
     records = [r for path in paths for r in read_seed_records(Path(path))
@@ -566,7 +572,7 @@ def _seeds_from_files(paths: Sequence[Path], backend: str, problem: Problem, dom
     seeds: list[dict[str, Any]] = []
     keys = {_params_key({k: v for k, v in default.items() if k in domains})}
     for record in sorted(records, key=nearness):
-        params = {k: v for k, v in (default | record["params"]).items() if k in domains}
+        params = {k: v for k, v in (default | record["params"] | (pinned or {})).items() if k in domains}
         if set(params) != set(domains) or any(params[k] not in domains[k] for k in domains):
             continue  # recorded with a space that no longer holds it
         key = _params_key(params)
