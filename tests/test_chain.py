@@ -12,7 +12,7 @@ import torch
 from test_cli import _run  # the sibling test module's CLI runner (tests/ is on sys.path)
 from test_ops import _entry, make_table
 
-from tunekit import backends, ops
+from tunekit import backends
 from tunekit import chain as chain_mod
 from tunekit.errors import UserError
 from tunekit.models import list_models, load_model
@@ -27,13 +27,7 @@ TINY = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _clean_ops():
-    ops.load_tables([])
-    ops.reset_stats()
-    yield
-    ops.load_tables([])
-    ops.reset_stats()
+pytestmark = pytest.mark.usefixtures("clean_ops")  # conftest.py: no table, markers or vendor GEMM leak
 
 
 @pytest.fixture

@@ -45,15 +45,7 @@ def make_table(path: Path, rows: list[dict], device: dict | None = None) -> Path
     return table_mod.save(table, path)
 
 
-@pytest.fixture(autouse=True)
-def _clean_ops():
-    ops.load_tables([])
-    ops.reset_stats()
-    ops.set_vendor_gemm(None)
-    yield
-    ops.load_tables([])
-    ops.reset_stats()
-    ops.set_vendor_gemm(None)
+pytestmark = pytest.mark.usefixtures("clean_ops")  # conftest.py: no table, markers or vendor GEMM leak
 
 
 @pytest.fixture

@@ -57,13 +57,7 @@ def _model() -> nn.Module:
     return model
 
 
-@pytest.fixture(autouse=True)
-def _clean_ops():
-    ops.load_tables([])
-    ops.reset_stats()
-    yield
-    ops.load_tables([])
-    ops.reset_stats()
+pytestmark = pytest.mark.usefixtures("clean_ops")  # conftest.py: no table, markers or vendor GEMM leak
 
 
 @pytest.fixture
