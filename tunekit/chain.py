@@ -82,10 +82,6 @@ class Step:
     k: int
 
 
-def _mlp(spec: ModelSpec) -> str:
-    return "mlp." if spec.family == "qwen3_5" else ""
-
-
 def chain_steps(spec: ModelSpec, tp: int = 1, layers: int | None = None) -> list[Step]:
     """The tuned calls of one decode step at tensor parallelism ``tp``, in execution order.
 
@@ -99,7 +95,7 @@ def chain_steps(spec: ModelSpec, tp: int = 1, layers: int | None = None) -> list
     ew: dict[str, list[tuple[str, int, int]]] = {}
     for name, op, n, k, _ in spec.elementwise(tp):
         ew.setdefault(name, []).append((op, n, k))
-    mlp = _mlp(spec)
+    mlp = spec.mlp_prefix
     if f"{mlp}act_fn" not in ew:
         raise UserError(f"{spec.name}: the chain covers SiLU MLPs only (hidden_act "
                         f"{spec.config.get('hidden_act')!r})")

@@ -204,6 +204,11 @@ class ModelSpec:
         return -(-self.vocab_size // VOCAB_PADDING) * VOCAB_PADDING
 
     @property
+    def mlp_prefix(self) -> str:
+        """Prefix of the MLP layers' names in vLLM: ``"mlp."`` for Qwen3.5 (``mlp.gate_up_proj``), else none."""
+        return "mlp." if self.family == "qwen3_5" else ""
+
+    @property
     def num_full_attention_layers(self) -> int:
         return self.layer_types.count(FULL_ATTENTION)
 
@@ -284,7 +289,7 @@ class ModelSpec:
             out.append(("linear_attn.in_proj_qkvz", (2 * la.key_dim + 2 * la.value_dim) // tp, h, n_lin))
             out.append(("linear_attn.in_proj_ba", 2 * la.num_value_heads // tp, h, n_lin))
             out.append(("linear_attn.out_proj", h, la.value_dim // tp, n_lin))
-        mlp = "mlp." if self.family == "qwen3_5" else ""
+        mlp = self.mlp_prefix
         inter = self.intermediate_size
         out.append((f"{mlp}gate_up_proj", 2 * inter // tp, h, self.num_layers))
         out.append((f"{mlp}down_proj", h, inter // tp, self.num_layers))
@@ -321,7 +326,7 @@ class ModelSpec:
             count, size = groups
             out.append(("linear_attn.norm", "gated_rms_norm", count // tp * size, size, n_lin))
         if str(self.config.get("hidden_act", "silu")) in ("silu", "swish"):
-            mlp = "mlp." if self.family == "qwen3_5" else ""
+            mlp = self.mlp_prefix
             d = self.intermediate_size // tp
             out.append((f"{mlp}act_fn", "silu_and_mul", d, 2 * d, layers))
         return out
