@@ -308,7 +308,7 @@ def measure(chain: Chain, variants: Sequence[str], iters: int = 20, repeats: int
     the vendor variant's. Returns one result per variant, in order.
     """
     if chain.device.type != "cuda":
-        raise UserError("timing a chain needs a GPU (CUDA / ROCm); on the CPU use run_eager")
+        raise UserError("timing a chain needs a GPU (CUDA / ROCm); on the CPU use compare_eager")
     logits = {}
     for v in variants:
         for _ in range(2):
@@ -352,16 +352,13 @@ def _result(variant: str, times: list[float], kinds: list[str], logits: torch.Te
                          kinds.count("tuned"), kinds.count("vendor"), diff, rel, rms)
 
 
-def predicted_saving_us(chain: Chain, entry_for: Callable[[Step], dict[str, Any] | None],
-                        variant: str = "tuned") -> float:
-    """Sum over the chain's steps that ``variant`` serves tuned of (baseline - tuned) standalone time,
+def predicted_saving_us(chain: Chain, entry_for: Callable[[Step], dict[str, Any]], variant: str) -> float:
+    """Sum over the steps the bound ``variant`` serves tuned of (baseline - tuned) standalone time,
     from the table entries: what the microbenchmarks predict the step saves."""
     total = 0.0
-    for step in chain.steps:
-        if variant == "tuned_gemv" and step.op != "gemv":
-            continue
-        entry = entry_for(step)
-        if entry is not None:
+    for step, kind in zip(chain.steps, chain.kinds[variant], strict=True):
+        if kind == "tuned":  # a tuned step was bound because a table entry serves it
+            entry = entry_for(step)
             total += float(entry["baseline_us"]) - float(entry["time_us"])
     return total
 
@@ -428,8 +425,7 @@ def run(spec: ModelSpec, tables: Sequence[str], m_list: Sequence[int], tp: int =
         results = measure(chain, VARIANTS, iters, repeats) if device.type == "cuda" else compare_eager(chain, VARIANTS)
         vendor_us = results[0].step_us
         for r in results:
-            row = asdict(r) | {"m": m, "predicted_saving_us": predicted_saving_us(chain, entry_for, r.variant)
-                               if r.variant != "vendor" else 0.0}
+            row = asdict(r) | {"m": m, "predicted_saving_us": predicted_saving_us(chain, entry_for, r.variant)}
             if device.type == "cuda":
                 row["measured_saving_us"] = vendor_us - r.step_us
                 row["speedup"] = vendor_us / r.step_us
