@@ -423,16 +423,22 @@ def _mark_broken(op: str, dtype: str, m: int, n: int, k: int, device: torch.devi
         _STATE.choices[(op, dtype, m, n, k, str(device))] = _Choice("fallback:kernel_error")
 
 
+def _serving_table(device: str) -> dict[str, Any] | None:
+    """The merged table that serves ``device``, or None (no usable table, or any error: never raises)."""
+    try:
+        merged, _ = _tables_for(torch.device(device), str(torch.device(device)))
+    except Exception:
+        return None
+    return merged
+
+
 def covers(op: str, dtype: str, n: int, k: int, device: str) -> bool:
     """True if a table serving ``device`` has an entry for (op, dtype, N, K) at some M. Never raises.
 
     For integrations that decide per layer (static: no M) whether to enter a
     tunekit op at all, where the op's vendor path would differ from theirs.
     """
-    try:
-        merged, _ = _tables_for(torch.device(device), str(torch.device(device)))
-    except Exception:
-        return False
+    merged = _serving_table(device)
     if merged is None:
         return False
     return any(e["op"] == op and e["dtype"] == dtype and e["n"] == n and e["k"] == k for e in merged["entries"])
@@ -445,10 +451,7 @@ def served_entry(op: str, dtype: str, m: int, n: int, k: int, device: str) -> di
     For callers that choose per call site between a tunekit op and their own
     (faster than the op's fallback) path, such as ``tunekit.chain``.
     """
-    try:
-        merged, _ = _tables_for(torch.device(device), str(torch.device(device)))
-    except Exception:
-        return None
+    merged = _serving_table(device)
     return None if merged is None else table_mod.lookup(merged, op, dtype, m, n, k)
 
 
