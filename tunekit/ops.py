@@ -66,8 +66,10 @@ contiguous.
 The tuned kernel is ``backend.build(...)(inputs, out[, eps=eps])`` with
 ``inputs``/``out`` laid out as ``tunekit.opspec`` makes them; a kernel without
 an ``eps`` parameter serves only ``eps == DEFAULT_EPS``. Their vendor path is
-the PyTorch math of vLLM's native implementations (``vllm.ir.ops.rms_norm``
-...), rounding where those round.
+the kernel an integration installed with :func:`set_vendor_elementwise` (the
+vLLM plugin: vLLM's own CUDA / Triton kernels), else the PyTorch math of
+vLLM's native implementations (``vllm.ir.ops.rms_norm`` ...), rounding where
+those round. Each fallback row's ``vendor`` says which served it.
 
 Adding an op: its schema, run-time impl (on :func:`_resolve` / :func:`_count`,
 as :func:`_ew_serve` does) and fake impl in ``ELEMENTWISE_SCHEMAS`` /
@@ -92,6 +94,7 @@ import torch.nn.functional as F
 from tunekit import table as table_mod
 
 __all__ = [
+    "EAGER_VENDORS",
     "FALLBACK_REASONS",
     "covers",
     "dispatch_log",
@@ -102,7 +105,9 @@ __all__ = [
     "loaded_tables",
     "prepare",
     "reset_stats",
+    "set_vendor_elementwise",
     "set_vendor_gemm",
+    "vendor_kernels",
     "write_dispatch_log",
 ]
 
@@ -141,6 +146,15 @@ FALLBACK_REASONS: dict[str, str] = {
     "kernel_error": "the tuned kernel raised at launch (logged once; the key stays on the vendor path)",
 }
 
+#: The ``vendor`` of a fallback row when tunekit's own PyTorch composition served it (elementwise ops).
+EAGER_VENDORS: dict[str, str] = {
+    "eager": "tunekit's PyTorch composition of the native math: no integration installed a vendor kernel for "
+             "this op (the Hugging Face patch), or the inputs failed a per-call check before the lookup",
+    "eager:no_vendor_kernel": "an integration looked for a vendor kernel for this op and device and found none "
+                              "(vLLM's GemmaRMSNorm has no CUDA kernel; vLLM without its _C extension)",
+    "eager:vendor_error": "the installed vendor kernel raised (logged once); the composition served the call",
+}
+
 _CAPTURE_NOTE = (
     "rows with counted_at='capture' were counted once when a CUDA graph was captured; graph replays run "
     "without Python and are not counted, so their calls are captures, not executions"
@@ -157,6 +171,15 @@ class _LoadedTable:
     path: str
     table: dict[str, Any] | None  # None: it failed to load (error holds why)
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class _VendorKernel:
+    """An elementwise op's vendor path installed by an integration (:func:`set_vendor_elementwise`)."""
+
+    fn: Callable[..., Any] | None  # None: the integration looked and found no kernel
+    name: str  # the marker's ``vendor`` (what served), or why none was found
+    device_types: frozenset[str]
 
 
 class _State:
@@ -177,6 +200,11 @@ class _State:
         self.stats: dict[tuple, int] = {}
         self.logged: set[str] = set()
         self.vendor_gemm: Callable[..., torch.Tensor] | None = None
+        self.vendor_gemm_name = "F.linear"
+        #: elementwise op -> the kernel an integration installed as its vendor path
+        self.vendor_ew: dict[str, _VendorKernel] = {}
+        #: (op, dtype, n, k, device) -> covers(); cleared with the tables
+        self.covers: dict[tuple, bool] = {}
         self.atexit_registered = False
 
 
@@ -223,6 +251,7 @@ def load_tables(paths: str | os.PathLike | Sequence[str | os.PathLike] | None) -
         _STATE.choices.clear()
         _STATE.gated_layouts.clear()
         _STATE.built.clear()
+        _STATE.covers.clear()
     _maybe_register_atexit()
     return loaded_tables()
 
@@ -326,8 +355,11 @@ class _Choice:
     takes_eps: bool = False
 
 
-def _count(op: str, dtype: str, shape: str, m: int, bias: bool, impl: str, capturing: bool) -> None:
-    key = (op, dtype, shape, m, bias, impl, "capture" if capturing else "call")
+def _count(op: str, dtype: str, shape: str, m: int, bias: bool, impl: str, capturing: bool,
+           vendor: str | None = None) -> None:
+    # vendor: what served a fallback (None for a tuned kernel), so the log shows
+    # whether a miss ran the integration's kernel or tunekit's eager composition.
+    key = (op, dtype, shape, m, bias, impl, "capture" if capturing else "call", vendor)
     with _STATE.lock:
         _STATE.stats[key] = _STATE.stats.get(key, 0) + 1
 
@@ -437,11 +469,22 @@ def covers(op: str, dtype: str, n: int, k: int, device: str) -> bool:
 
     For integrations that decide per layer (static: no M) whether to enter a
     tunekit op at all, where the op's vendor path would differ from theirs.
+    Cached per key until the tables change: an eager integration asks on
+    every call, and the scan is over every entry.
     """
+    key = (op, dtype, n, k, device)
+    hit = _STATE.covers.get(key)  # lock-free read (atomic under the GIL), as for the choices
+    if hit is not None:
+        return hit
+    with _STATE.lock:
+        tables = _STATE.tables
     merged = _serving_table(device)
-    if merged is None:
-        return False
-    return any(e["op"] == op and e["dtype"] == dtype and e["n"] == n and e["k"] == k for e in merged["entries"])
+    found = merged is not None and any(
+        e["op"] == op and e["dtype"] == dtype and e["n"] == n and e["k"] == k for e in merged["entries"])
+    with _STATE.lock:
+        if tables is not None and _STATE.tables is tables:  # not cached across a load_tables in between
+            _STATE.covers[key] = found
+    return found
 
 
 def served_entry(op: str, dtype: str, m: int, n: int, k: int, device: str) -> dict[str, Any] | None:
@@ -456,10 +499,13 @@ def served_entry(op: str, dtype: str, m: int, n: int, k: int, device: str) -> di
 
 
 def dispatch_stats(reset: bool = False) -> list[dict[str, Any]]:
-    """Every call counted so far: one row per (op, dtype, shape, m, bias, impl, counted_at).
+    """Every call counted so far: one row per (op, dtype, shape, m, bias, impl, counted_at, vendor).
 
     ``shape`` is ``"NxK"`` for gemv; ``impl`` is ``"tuned:<backend>"`` or
-    ``"fallback:<reason>"`` (see :data:`FALLBACK_REASONS`); ``counted_at`` is
+    ``"fallback:<reason>"`` (see :data:`FALLBACK_REASONS`); ``vendor`` is None
+    for a tuned kernel, else what served the fallback (``"F.linear"``, a kernel
+    an integration installed such as ``"torch.ops._C.rms_norm"``, or one of
+    :data:`EAGER_VENDORS`); ``counted_at`` is
     ``"call"`` or ``"capture"`` (CUDA-graph capture: counted once per capture,
     replays are not counted because Python does not run; such rows carry a
     ``note`` saying so). ``reset=True`` clears the counters after reading.
@@ -469,9 +515,9 @@ def dispatch_stats(reset: bool = False) -> list[dict[str, Any]]:
         if reset:
             _STATE.stats.clear()
     rows = []
-    for (op, dtype, shape, m, bias, impl, counted_at), calls in items:
+    for (op, dtype, shape, m, bias, impl, counted_at, vendor), calls in items:
         row: dict[str, Any] = {"op": op, "dtype": dtype, "shape": shape, "m": m, "bias": bias, "impl": impl,
-                               "calls": calls, "counted_at": counted_at}
+                               "vendor": vendor, "calls": calls, "counted_at": counted_at}
         if counted_at == "capture":
             row["note"] = "counted at capture: CUDA-graph replays run without Python and are not counted"
         rows.append(row)
@@ -492,6 +538,8 @@ def dispatch_log() -> dict[str, Any]:
         "tables": loaded_tables(),
         "note": _CAPTURE_NOTE,
         "fallback_reasons": FALLBACK_REASONS,
+        "vendors": vendor_kernels(),
+        "eager_vendors": EAGER_VENDORS,
         "calls": dispatch_stats(),
     }
 
@@ -530,15 +578,62 @@ def _maybe_register_atexit() -> None:
 # ---------------------------------------------------------------------------
 
 
-def set_vendor_gemm(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None) -> None:
+def set_vendor_gemm(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None,
+                    name: str = "custom") -> None:
     """Use ``fn(x, weight, bias)`` as the vendor path for GPU tensors (None: ``F.linear``).
 
     The vLLM plugin sets vLLM's ``torch.ops.vllm.rocm_unquantized_gemm`` on
     ROCm, so that shapes the table does not cover keep vLLM's skinny GEMMs
-    (LLMM1 / wvSplitK). CPU tensors always use ``F.linear``.
+    (LLMM1 / wvSplitK). CPU tensors always use ``F.linear``. ``name`` is the
+    markers' ``vendor`` for the calls it serves.
     """
     with _STATE.lock:
         _STATE.vendor_gemm = fn
+        _STATE.vendor_gemm_name = "F.linear" if fn is None else name
+
+
+def set_vendor_elementwise(op: str, fn: Callable[..., Any] | None, name: str,
+                           device_types: Iterable[str] = ("cuda",)) -> None:
+    """Serve the fallbacks of elementwise ``op`` with ``fn`` on tensors of ``device_types``.
+
+    ``fn`` takes the op's arguments (``rms_norm``: x, weight, eps; the fused
+    adds: x, residual, weight, eps; ``gated_rms_norm``: x, z, weight, eps;
+    ``silu_and_mul``: x) and returns what the op returns, without modifying
+    its inputs. It serves every call the lookup sends to the vendor path (no
+    table entry, M above the table, eps, capture before build, ...) once the
+    per-call input checks passed; inputs that failed them keep the PyTorch
+    composition. The vLLM plugin installs vLLM's own kernels here, so that a
+    covered layer at an M the table lacks runs what vLLM would have run
+    instead of several eager launches. ``fn=None`` records that an integration
+    looked and found none (``name`` says why; markers say
+    ``eager:no_vendor_kernel``). ``name`` is the markers' ``vendor``.
+    """
+    if op not in ELEMENTWISE_SCHEMAS:
+        raise ValueError(f"unknown elementwise op {op!r}; one of {sorted(ELEMENTWISE_SCHEMAS)}")
+    with _STATE.lock:
+        _STATE.vendor_ew[op] = _VendorKernel(fn, name, frozenset(device_types))
+
+
+def clear_vendor_elementwise() -> None:
+    """Forget every vendor kernel :func:`set_vendor_elementwise` installed (the composition serves again)."""
+    with _STATE.lock:
+        _STATE.vendor_ew.clear()
+
+
+def vendor_kernels() -> dict[str, Any]:
+    """What serves each op's fallbacks: gemv's vendor and, per elementwise op, the installed kernel."""
+    with _STATE.lock:
+        out: dict[str, Any] = {"gemv": {"name": _STATE.vendor_gemm_name if _STATE.vendor_gemm else "F.linear",
+                                        "device_types": ["cuda"] if _STATE.vendor_gemm else ["cuda", "cpu"]}}
+        for op, vk in sorted(_STATE.vendor_ew.items()):
+            out[op] = {"name": vk.name if vk.fn is not None else "eager:no_vendor_kernel",
+                       "device_types": sorted(vk.device_types) if vk.fn is not None else [],
+                       **({} if vk.fn is not None else {"why": vk.name})}
+    return out
+
+
+def _gemv_vendor_name(x: torch.Tensor) -> str:
+    return _STATE.vendor_gemm_name if _STATE.vendor_gemm is not None and x.is_cuda else "F.linear"
 
 
 def _vendor_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -597,7 +692,7 @@ def _gemv_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         except RuntimeError:  # leading dims not flattenable without a copy
             reason = "strided"
     if reason is not None:
-        _count("gemv", dtype, shape, m, has_bias, f"fallback:{reason}", capturing)
+        _count("gemv", dtype, shape, m, has_bias, f"fallback:{reason}", capturing, _gemv_vendor_name(x))
         return _vendor_gemv(x, weight, bias)
     n = wshape[0]
     # Lock-free read of the decision cache (a dict read is atomic under the GIL);
@@ -605,7 +700,7 @@ def _gemv_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     choice = _STATE.choices.get(("gemv", dtype, m, n, k, str(x.device))) or _resolve(
         "gemv", dtype, m, n, k, x.device, capturing)
     if choice.kernel is None:
-        _count("gemv", dtype, shape, m, has_bias, choice.impl, capturing)
+        _count("gemv", dtype, shape, m, has_bias, choice.impl, capturing, _gemv_vendor_name(x))
         return _vendor_gemv(x, weight, bias)
     try:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -616,7 +711,7 @@ def _gemv_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             out.add_(bias)
     except Exception as exc:  # the serving path never raises for tunekit's sake
         _mark_broken("gemv", dtype, m, n, k, x.device, exc)
-        _count("gemv", dtype, shape, m, has_bias, "fallback:kernel_error", capturing)
+        _count("gemv", dtype, shape, m, has_bias, "fallback:kernel_error", capturing, _gemv_vendor_name(x))
         return _vendor_gemv(x, weight, bias)
     _count("gemv", dtype, shape, m, has_bias, choice.impl, capturing)
     return out.view(*x.shape[:-1], n)
@@ -709,8 +804,14 @@ def _ew_serve(
     kernel_inputs: Callable[[int, int], tuple[torch.Tensor, ...]],
     vendor: Callable[[], Any],
     finish: Callable[[Any], Any],
+    vendor_args: tuple[Any, ...] = (),
 ) -> Any:
-    """Shared body of the elementwise ops: checks, lookup, tuned launch or vendor path, marker."""
+    """Shared body of the elementwise ops: checks, lookup, tuned launch or vendor path, marker.
+
+    ``vendor`` is the PyTorch composition; ``vendor_args`` the op's arguments
+    for an installed vendor kernel (:func:`set_vendor_elementwise`), which
+    serves the lookup's fallbacks in its place.
+    """
     x = tensors[0]
     capturing = _capturing(x)
     dtype = dtype_name(x.dtype)
@@ -734,14 +835,16 @@ def _ew_serve(
         if inputs is None:
             reason = "strided"
     if reason is not None:
-        _count(op, dtype, shape, m, False, f"fallback:{reason}", capturing)
+        # inputs a vendor kernel may not take either (odd strides, dtypes, devices): the composition
+        _count(op, dtype, shape, m, False, f"fallback:{reason}", capturing, "eager")
         return _dense(vendor())
     choice = _resolve(op, dtype, m, n, k, x.device, capturing)
     if choice.kernel is not None and eps is not None and not choice.takes_eps and eps != DEFAULT_EPS:
         choice = _Choice("fallback:eps")
     if choice.kernel is None:
-        _count(op, dtype, shape, m, False, choice.impl, capturing)
-        return _dense(vendor())
+        out, served_by = _ew_vendor(op, x.device, vendor_args, vendor)
+        _count(op, dtype, shape, m, False, choice.impl, capturing, served_by)
+        return _dense(out)
     try:
         out = make_out(m, n, x)
         if choice.takes_eps and eps is not None:
@@ -750,10 +853,34 @@ def _ew_serve(
             choice.kernel(inputs, out)
     except Exception as exc:  # the serving path never raises for tunekit's sake
         _mark_broken(op, dtype, m, n, k, x.device, exc)
-        _count(op, dtype, shape, m, False, "fallback:kernel_error", capturing)
-        return _dense(vendor())
+        out, served_by = _ew_vendor(op, x.device, vendor_args, vendor)
+        _count(op, dtype, shape, m, False, "fallback:kernel_error", capturing, served_by)
+        return _dense(out)
     _count(op, dtype, shape, m, False, choice.impl, capturing)
     return finish(out)
+
+
+def _ew_vendor(op: str, device: torch.device, args: tuple[Any, ...],
+               eager: Callable[[], Any]) -> tuple[Any, str]:
+    """(result, what served it) for a call the lookup sent to the vendor path.
+
+    The installed vendor kernel when there is one for this device (the one
+    kernel the integration would have run), else the PyTorch composition.
+    A vendor kernel that raises is logged once and the composition serves:
+    the serving path never raises for tunekit's sake.
+    """
+    vk = _STATE.vendor_ew.get(op)  # lock-free read (atomic under the GIL): hot path
+    if vk is None:
+        return eager(), "eager"
+    if vk.fn is None or device.type not in vk.device_types:
+        return eager(), "eager:no_vendor_kernel"
+    try:
+        return vk.fn(*args), vk.name
+    except Exception as exc:
+        _log_once(f"vendor:{op}:{vk.name}", logging.WARNING,
+                  "tunekit: %s: vendor kernel %s raised %s: %s; PyTorch composition instead",
+                  op, vk.name, type(exc).__name__, exc)
+        return eager(), "eager:vendor_error"
 
 
 def _row_views(kernel_inputs: Callable[[int, int], tuple[torch.Tensor, ...]], m: int,
@@ -786,7 +913,7 @@ def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: boo
     n = x.shape[-1] if x.dim() else 0
     m = _rows(x, n)
     if weight.dim() != 1 or weight.shape[0] != n:
-        _count(op, dtype_name(x.dtype), f"{n}x{n}", m, False, "fallback:bad_input", _capturing(x))
+        _count(op, dtype_name(x.dtype), f"{n}x{n}", m, False, "fallback:bad_input", _capturing(x), "eager")
         return _dense(_vendor_rms_norm(x, weight, eps, gemma))
     return _ew_serve(
         op, (x,), weight, (m, n, n), eps,
@@ -794,6 +921,7 @@ def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: boo
         kernel_inputs=lambda m, n: (x.view(m, n), weight),
         vendor=lambda: _vendor_rms_norm(x, weight, eps, gemma),
         finish=lambda out: out.view(x.shape),
+        vendor_args=(x, weight, eps),
     )
 
 
@@ -803,7 +931,7 @@ def _fused_add_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tenso
     n = x.shape[-1] if x.dim() else 0
     m = _rows(x, n)
     if weight.dim() != 1 or weight.shape[0] != n or residual.shape != x.shape:
-        _count(op, dtype_name(x.dtype), f"{n}x{n}", m, False, "fallback:bad_input", _capturing(x))
+        _count(op, dtype_name(x.dtype), f"{n}x{n}", m, False, "fallback:bad_input", _capturing(x), "eager")
         return _dense(_vendor_fused_add(x, residual, weight, eps, gemma))
 
     def make_out(m: int, n: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -815,6 +943,7 @@ def _fused_add_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tenso
         kernel_inputs=lambda m, n: (x.view(m, n), residual.view(m, n), weight),
         vendor=lambda: _vendor_fused_add(x, residual, weight, eps, gemma),
         finish=lambda out: (out[0].view(x.shape), out[1].view(x.shape)),
+        vendor_args=(x, residual, weight, eps),
     )
 
 
@@ -825,7 +954,8 @@ def _gated_impl(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: flo
     n = x.shape[-1] * (x.shape[-2] if x.dim() >= 3 else 1) if x.dim() else 0
     m = _rows(x, n)
     if k == 0 or z.shape != x.shape or x.shape[-1] % k:
-        _count("gated_rms_norm", dtype_name(x.dtype), f"{n}x{k}", m, False, "fallback:bad_input", _capturing(x))
+        _count("gated_rms_norm", dtype_name(x.dtype), f"{n}x{k}", m, False, "fallback:bad_input", _capturing(x),
+               "eager")
         return _dense(_vendor_gated(x, z, weight, eps))
     if m and n:
         m, n = _gated_layout(dtype_name(x.dtype), m, n, k, x.device)
@@ -835,6 +965,7 @@ def _gated_impl(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: flo
         kernel_inputs=lambda m, n: (x.view(m, n), z.view(m, n), weight),
         vendor=lambda: _vendor_gated(x, z, weight, eps),
         finish=lambda out: out.view(x.shape),
+        vendor_args=(x, z, weight, eps),
     )
 
 
@@ -872,7 +1003,8 @@ def _silu_and_mul_impl(x: torch.Tensor) -> torch.Tensor:
     n = k // 2
     m = _rows(x, k)
     if k % 2:
-        _count("silu_and_mul", dtype_name(x.dtype), f"{n}x{k}", m, False, "fallback:bad_input", _capturing(x))
+        _count("silu_and_mul", dtype_name(x.dtype), f"{n}x{k}", m, False, "fallback:bad_input", _capturing(x),
+               "eager")
         return _dense(_vendor_silu_and_mul(x))
     return _ew_serve(
         "silu_and_mul", (x,), None, (m, n, k), None,
@@ -880,6 +1012,7 @@ def _silu_and_mul_impl(x: torch.Tensor) -> torch.Tensor:
         kernel_inputs=lambda m, n: (x.view(m, 2 * n),),
         vendor=lambda: _vendor_silu_and_mul(x),
         finish=lambda out: out.view(*x.shape[:-1], n),
+        vendor_args=(x,),
     )
 
 
@@ -887,7 +1020,8 @@ def _bias_gelu_impl(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     n = x.shape[-1] if x.dim() else 0
     m = _rows(x, n)
     if bias.dim() != 1 or bias.shape[0] != n:
-        _count("bias_gelu", dtype_name(x.dtype), f"{n}x{n}", m, False, "fallback:bad_input", _capturing(x))
+        _count("bias_gelu", dtype_name(x.dtype), f"{n}x{n}", m, False, "fallback:bad_input", _capturing(x),
+               "eager")
         return _dense(_vendor_bias_gelu(x, bias))
     return _ew_serve(
         "bias_gelu", (x,), bias, (m, n, n), None,
@@ -895,6 +1029,7 @@ def _bias_gelu_impl(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         kernel_inputs=lambda m, n: (x.view(m, n), bias),
         vendor=lambda: _vendor_bias_gelu(x, bias),
         finish=lambda out: out.view(x.shape),
+        vendor_args=(x, bias),
     )
 
 
