@@ -1,0 +1,194 @@
+"""A stand-in for ``python -m tunekit.serve.runner`` in the tests: the real runner module, fed stub
+``vllm`` and ``torch`` modules (no GPU, no vLLM, no torch import: fast).
+
+The stub engine sleeps ``tokens x TPOT`` per generate, TPOT by arm as told by the environment the parent
+set (vanilla 2.0 ms, passthrough 2.4 ms, tuned 1.6 ms), emulates vLLM's VLLM_PLUGINS allow-list when it
+"loads" the tunekit plugin (a stub plugin module and a stub ``tunekit.ops`` whose dispatch log is written
+to TUNEKIT_DISPATCH_LOG), and returns deterministic greedy tokens and logprobs (tuned: 1e-3 nats off;
+at B=2 request 1 flips to a near tie at step 5). Every call appends "arm index pid" to FAKE_RECORD.
+
+Environment knobs: FAKE_PROBE (JSON merged into the probe answer), FAKE_TUNED_MISMATCH=1 (the tuned arm's
+ops find the table tuned elsewhere: every call env_mismatch), FAKE_FAIL_ARM=ARM (that arm's engine raises).
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import json
+import os
+import sys
+import time
+import types
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO))
+
+TPOT_MS = {"vanilla": 2.0, "passthrough": 2.4, "tuned": 1.6}
+
+
+def _module(name: str, **attrs: object) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    mod.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    for k, v in attrs.items():
+        setattr(mod, k, v)
+    sys.modules[name] = mod
+    return mod
+
+
+def _plugins_allowed(name: str) -> bool:
+    # vLLM: unset -> every plugin; otherwise the comma-split list (an empty value matches nothing)
+    value = os.environ.get("VLLM_PLUGINS")
+    return value is None or name in value.split(",")
+
+
+def _arm() -> str:
+    if not _plugins_allowed("tunekit"):
+        return "vanilla"
+    return "tuned" if os.environ.get("TUNEKIT_TABLE") else "passthrough"
+
+
+class Logprob:
+    def __init__(self, logprob: float, rank: int) -> None:
+        self.logprob, self.rank = logprob, rank
+
+
+class SamplingParams:
+    def __init__(self, max_tokens: int = 16, temperature: float = 1.0, ignore_eos: bool = False,
+                 detokenize: bool = True, logprobs: int | None = None) -> None:
+        self.max_tokens, self.logprobs = max_tokens, logprobs
+
+
+class _Completion:
+    def __init__(self, token_ids: list[int], logprobs: list[dict[int, Logprob]] | None) -> None:
+        self.token_ids, self.logprobs = token_ids, logprobs
+
+
+class _Output:
+    def __init__(self, completion: _Completion) -> None:
+        self.outputs = [completion]
+        self.metrics = None
+
+
+class LLM:
+    def __init__(self, **kwargs: object) -> None:
+        self.kwargs = kwargs
+        self.arm = _arm()
+        self.batches_seen: set[int] = set()
+        if os.environ.get("FAKE_FAIL_ARM") == self.arm:
+            raise RuntimeError("CUDA out of memory (stub)")
+        if _plugins_allowed("tunekit"):
+            _load_stub_plugin(self)
+        time.sleep(0.01)
+
+    def generate(self, prompts: list[dict], params: SamplingParams, use_tqdm: bool = True) -> list[_Output]:
+        self.batches_seen.add(len(prompts))
+        time.sleep((1.0 + params.max_tokens * TPOT_MS[self.arm]) / 1000.0)
+        outs = []
+        for r, p in enumerate(prompts):
+            ids = p["prompt_token_ids"]
+            tokens, lps = [], []
+            for s in range(params.max_tokens):
+                tid = 100 + (sum(ids) + 31 * s + 7 * r) % 900
+                alt = tid + 1
+                lp = -12.42 + 0.001 * ((s + r) % 5)
+                if self.arm == "tuned":
+                    lp += 0.001
+                    if len(prompts) == 2 and r == 1 and s == 5:  # a near tie flips
+                        tid, alt = alt, tid
+                tokens.append(tid)
+                lps.append({tid: Logprob(lp, 1), alt: Logprob(lp - 0.002, 2), tid + 2: Logprob(lp - 0.5, 3)})
+                if self.arm == "tuned" and len(prompts) == 2 and r == 1 and s >= 5:
+                    break  # a different token: the rest of the sequence is another text
+            while len(tokens) < params.max_tokens:
+                tokens.append(999)
+                lps.append({999: Logprob(-12.0, 1)})
+            outs.append(_Output(_Completion(tokens, lps if params.logprobs is not None else None)))
+        return outs
+
+
+def _load_stub_plugin(llm: LLM) -> None:
+    table = os.environ.get("TUNEKIT_TABLE", "")
+
+    def dispatch_log() -> dict:
+        calls = []
+        mismatch = os.environ.get("FAKE_TUNED_MISMATCH") == "1"
+        for m in sorted(llm.batches_seen):
+            if not table:
+                impl_gemv = impl_norm = "fallback:no_table"
+            elif mismatch:
+                impl_gemv = impl_norm = "fallback:env_mismatch"
+            else:
+                impl_gemv, impl_norm = "tuned:triton", "fallback:no_entry"
+            calls.append({"op": "gemv", "dtype": "bf16", "shape": "96x5120", "m": m, "bias": False,
+                          "impl": impl_gemv, "calls": 48, "counted_at": "capture"})
+            calls.append({"op": "gemma_rms_norm", "dtype": "bf16", "shape": "5120", "m": m, "bias": False,
+                          "impl": impl_norm, "calls": 1, "counted_at": "capture"})
+            calls.append({"op": "gemv", "dtype": "bf16", "shape": "96x5120", "m": 16 * m, "bias": False,
+                          "impl": "fallback:no_table" if not table else "fallback:m_above_table",
+                          "calls": 48, "counted_at": "call"})
+        tables = [{"path": p, "entries": 1} for p in table.split(os.pathsep) if p]
+        return {"format": "tunekit.dispatch_stats/1", "pid": os.getpid(), "tables": tables, "note": "capture",
+                "calls": calls}
+
+    def write_dispatch_log() -> Path | None:
+        target = os.environ.get("TUNEKIT_DISPATCH_LOG", "")
+        if not target:
+            return None
+        out = Path(target.replace("{pid}", str(os.getpid())))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(dispatch_log()))
+        return out
+
+    _module("tunekit.ops", dispatch_log=dispatch_log, write_dispatch_log=write_dispatch_log)
+    _module("tunekit.integrations.vllm_plugin", installed=lambda: {"linear": "stub"}, skipped=lambda: {})
+
+
+def _install_stubs() -> None:
+    from dataclasses import dataclass
+
+    @dataclass
+    class EngineArgs:
+        model: str = ""
+        load_format: str = "auto"
+        skip_tokenizer_init: bool = False
+        dtype: str = "auto"
+        max_model_len: int | None = None
+        max_num_seqs: int | None = None
+        gpu_memory_utilization: float = 0.9
+        enforce_eager: bool = False
+        seed: int = 0
+        enable_prefix_caching: bool | None = None
+        # no gdn_prefill_backend: an older vLLM, the runner must drop it
+
+    cuda = types.SimpleNamespace(is_available=lambda: True, get_device_name=lambda *a: "Fake H200")
+    _module("torch", __version__="0.0+fake", cuda=cuda)
+    _module("vllm", __version__="0.0.fake", LLM=LLM, SamplingParams=SamplingParams)
+    _module("vllm.inputs", TokensPrompt=lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids})
+    _module("vllm.engine")
+    _module("vllm.engine.arg_utils", EngineArgs=EngineArgs)
+
+
+def main() -> int:
+    _install_stubs()
+    from tunekit.serve import runner
+
+    def probe(tables: list[str]) -> dict:
+        doc = {"format": runner.PROBE_FORMAT, "python": sys.executable, "vllm": "0.0.fake", "flashinfer": False,
+               "entry_points": {"vllm.general_plugins": ["qwen35_text", "tunekit"]},
+               "device": {"name": "Fake H200"}, "table_mismatch": {t: [] for t in tables}}
+        doc.update(json.loads(os.environ.get("FAKE_PROBE", "{}")))
+        return doc
+
+    runner.probe = probe
+    if "--probe" not in sys.argv:
+        spec = json.loads(Path(sys.argv[sys.argv.index("--spec") + 1]).read_text())
+        with open(os.environ["FAKE_RECORD"], "a") as f:
+            f.write(f"{spec['arm']} {spec['index']} {os.getpid()} {_arm()}\n")
+    return runner.main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)

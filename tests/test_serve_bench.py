@@ -1,0 +1,497 @@
+"""tunekit serve-bench: the parent's logic on a stub engine, the runner on stub vLLM objects, the endpoint
+client against a local fake OpenAI-compatible server. Nothing here needs vLLM or a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tunekit.errors import UserError
+from tunekit.serve import analysis, bench, endpoint, runner
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "tests" / "data" / "serve_bench"
+TABLE = DATA / "table-h200.json"
+FAKE_RUNNER = DATA / "fake_runner.py"
+
+
+# ---------------------------------------------------------------------------
+# Settings, model folder, arms
+# ---------------------------------------------------------------------------
+
+
+def test_vllm_config_of_a_builtin_shrinks_layers_and_takes_the_form_that_ran() -> None:
+    settings = bench.build_settings("qwen3.5-27b", None, [TABLE], [1, 2], layers=4)
+    cfg = settings.model_config
+    assert cfg["num_hidden_layers"] == 4
+    assert cfg["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    assert cfg["architectures"] == ["Qwen3_5ForCausalLM"] and cfg["torch_dtype"] == "bfloat16"
+    # the rotary fields as in the Qwen3.5 text config that served on the GPU machine
+    assert cfg["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25}
+    assert not {"rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"} & set(cfg)
+    assert settings.tables == (str(TABLE.resolve()),)
+    engine = settings.engine(Path("/x/model"))
+    assert engine["max_num_seqs"] == 2 and engine["load_format"] == "dummy" and engine["skip_tokenizer_init"]
+    assert engine["max_model_len"] >= 64 + 128 and engine["max_model_len"] % 64 == 0
+    assert engine["gdn_prefill_backend"] == "triton" and engine["enable_prefix_caching"] is False
+
+
+def test_vllm_config_keeps_a_dense_model_and_nested_text_config(tmp_path: Path) -> None:
+    cfg = bench.vllm_model_config({"model_type": "llama", "num_hidden_layers": 32, "rope_theta": 5e5}, 2)
+    assert cfg == {"model_type": "llama", "num_hidden_layers": 2, "rope_theta": 5e5,
+                   "architectures": ["LlamaForCausalLM"], "torch_dtype": "bfloat16"}
+    nested = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+              "text_config": {"model_type": "qwen3_5_text", "num_hidden_layers": 8, "rope_theta": 1e7,
+                              "layer_types": ["linear_attention"] * 7 + ["full_attention"]}}
+    out = bench.vllm_model_config(nested, 4)
+    assert out["text_config"]["num_hidden_layers"] == 4 and len(out["text_config"]["layer_types"]) == 4
+    assert out["text_config"]["rope_parameters"]["rope_theta"] == 1e7
+    with pytest.raises(UserError, match="--layers must be 1..8"):
+        bench.vllm_model_config(nested, 9)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"model": "qwen3.5-27b", "config": None, "tables": []}, "at least one --table"),
+        ({"model": "qwen3.5-27b", "config": None, "tables": [DATA / "missing.json"]}, "no such table"),
+        ({"model": None, "config": None, "tables": [TABLE]}, "one of --model or --config"),
+        ({"model": "qwen3.5-27b", "config": None, "tables": [TABLE], "tokens": 1}, "--tokens"),
+        ({"model": "qwen3.5-27b", "config": None, "tables": [TABLE], "arms": ["tuned"]}, "--arms"),
+        ({"model": "qwen3.5-27b", "config": None, "tables": [TABLE], "layers": 65}, "--layers"),
+    ],
+)
+def test_build_settings_errors(kwargs: dict, fragment: str) -> None:
+    with pytest.raises(UserError, match=fragment):
+        bench.build_settings(**kwargs)
+
+
+def test_corrupt_table_is_one_error(tmp_path: Path) -> None:
+    bad = tmp_path / "t.json"
+    bad.write_text("{not json")
+    with pytest.raises(UserError, match="corrupt table"):
+        bench.build_settings("qwen3.5-27b", None, [bad])
+
+
+def test_schedule_alternates_arms_over_processes() -> None:
+    assert bench.schedule(("vanilla", "passthrough", "tuned"), 3) == [
+        ("vanilla", 0), ("passthrough", 0), ("tuned", 0), ("vanilla", 1), ("passthrough", 1), ("tuned", 1),
+        ("vanilla", 2), ("passthrough", 2), ("tuned", 2)]
+    assert bench.schedule(("tuned", "vanilla"), 2) == [("vanilla", 0), ("tuned", 0), ("vanilla", 1), ("tuned", 1)]
+
+
+def _vllm_loads(value: str | None, names: list[str]) -> list[str]:
+    """vLLM's load_plugins_by_group: VLLM_PLUGINS unset loads all, else the comma-split names."""
+    allowed = None if value is None else value.split(",")
+    return [n for n in names if allowed is None or n in allowed]
+
+
+def test_plugin_allow_lists_follow_vllms_semantics() -> None:
+    eps = {"vllm.general_plugins": ["qwen35_text", "tunekit"], "vllm.platform_plugins": ["oot_gpu"]}
+    without, with_plugin = bench.plugin_allow_lists(eps, None)
+    names = ["oot_gpu", "qwen35_text", "tunekit"]
+    assert _vllm_loads(without, names) == ["oot_gpu", "qwen35_text"]  # the platform plugin stays
+    assert _vllm_loads(with_plugin, names) == names
+    # tunekit alone: an empty allow-list, which loads nothing (not everything, as an unset one would)
+    without, with_plugin = bench.plugin_allow_lists({"vllm.general_plugins": ["tunekit"]}, None)
+    assert without == "" and _vllm_loads(without, ["tunekit"]) == [] and with_plugin == "tunekit"
+    # the caller's own allow-list is kept
+    assert bench.plugin_allow_lists(eps, "qwen35_text,tunekit") == ("qwen35_text", "qwen35_text,tunekit")
+
+
+def test_arm_env(tmp_path: Path) -> None:
+    settings = bench.build_settings("qwen3.5-27b", None, [TABLE, TABLE], [1])
+    probe = {"entry_points": {"vllm.general_plugins": ["qwen35_text", "tunekit"]}, "flashinfer": False}
+    base = {"TUNEKIT_TABLE": "/stale.json", "TRITON_INTERPRET": "1", "PYTHONPATH": "/site", "KEEP": "1"}
+    envs = {arm: bench.arm_env(arm, 1, base, settings, probe, tmp_path) for arm in ("vanilla", "passthrough", "tuned")}
+    assert envs["vanilla"]["VLLM_PLUGINS"] == "qwen35_text"
+    assert envs["passthrough"]["VLLM_PLUGINS"] == envs["tuned"]["VLLM_PLUGINS"] == "qwen35_text,tunekit"
+    assert "TUNEKIT_TABLE" not in envs["vanilla"] and "TUNEKIT_TABLE" not in envs["passthrough"]
+    assert envs["tuned"]["TUNEKIT_TABLE"].split(os.pathsep) == [str(TABLE.resolve())] * 2
+    for arm, env in envs.items():
+        assert env["TUNEKIT_DISPATCH_LOG"] == str(tmp_path.resolve() / "dispatch" / f"{arm}-1-{{pid}}.json")
+        assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+        assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_NO_USAGE_STATS"] == "1" and env["KEEP"] == "1"
+        assert "TRITON_INTERPRET" not in env
+        assert env["PYTHONPATH"].split(os.pathsep) == [str(REPO), "/site"]
+    with_fi = bench.arm_env("tuned", 0, {}, settings, dict(probe, flashinfer=True), tmp_path)
+    assert "VLLM_USE_FLASHINFER_SAMPLER" not in with_fi
+
+
+# ---------------------------------------------------------------------------
+# The whole parent on the stub engine
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    record = tmp_path / "record.txt"
+    monkeypatch.setenv(bench.RUNNER_ENV, f"{sys.executable} {FAKE_RUNNER}")
+    monkeypatch.setenv("FAKE_RECORD", str(record))
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    monkeypatch.delenv("FAKE_PROBE", raising=False)
+    monkeypatch.delenv("FAKE_TUNED_MISMATCH", raising=False)
+    monkeypatch.delenv("FAKE_FAIL_ARM", raising=False)
+    return record
+
+
+def _settings(**kw) -> bench.Settings:
+    opts = {"tokens": 16, "prompt_len": 8, "repeats": 2, "processes": 2, "layers": 4, "runner_timeout_s": 120.0}
+    opts.update(kw)
+    return bench.build_settings("qwen3.5-27b", None, [TABLE], [1, 2], **opts)
+
+
+def test_run_offline_on_the_stub_engine(fake: Path, tmp_path: Path) -> None:
+    out = tmp_path / "serve"
+    lines: list[str] = []
+    serve = bench.run_offline(_settings(), out, lines.append)
+
+    # one process per arm and round, in the alternating order, each seeing its arm's environment
+    record = [ln.split() for ln in fake.read_text().splitlines()]
+    assert [(a, int(i)) for a, i, _, _ in record] == bench.schedule(("vanilla", "passthrough", "tuned"), 2)
+    assert all(arm == seen for arm, _, _, seen in record)  # the stub engine decided the arm from the env alone
+    runs = {(r["arm"], r["index"]): r for docs in serve["arms"].values() for r in docs}
+    assert runs[("vanilla", 0)]["env"]["VLLM_PLUGINS"] == "qwen35_text"
+    assert runs[("tuned", 1)]["env"]["VLLM_PLUGINS"] == "qwen35_text,tunekit"
+    assert runs[("tuned", 1)]["env"]["TUNEKIT_TABLE"] == str(TABLE.resolve())
+    assert runs[("passthrough", 0)]["env"]["TUNEKIT_TABLE"] is None
+    assert runs[("vanilla", 0)]["plugin"]["loaded"] is False and runs[("tuned", 0)]["plugin"]["loaded"] is True
+    assert runs[("vanilla", 0)]["dispatch"] is None
+    # the stub vLLM has no gdn_prefill_backend: dropped, not fatal
+    assert runs[("tuned", 0)]["engine_args_dropped"] == ["gdn_prefill_backend"]
+    assert (out / "model" / "config.json").is_file()
+    assert json.loads((out / "model" / "config.json").read_text())["num_hidden_layers"] == 4
+
+    # the stub's TPOT per arm comes back through the difference method
+    assert serve["device"] == "Fake H200" and serve["vllm"] == "0.0.fake"
+    for row in serve["batches"]:
+        assert row["vanilla_tpot_ms"] == pytest.approx(2.0, rel=0.25)
+        assert row["tuned_tpot_ms"] == pytest.approx(1.6, rel=0.25)
+        assert row["passthrough_tpot_ms"] == pytest.approx(2.4, rel=0.25)
+        assert 1.05 < row["speedup"] < 1.5 and row["speedup_min"] <= row["speedup_max"]
+        assert row["passthrough_ratio"] < 1.0
+        assert row["tpot"]["vanilla"]["processes"] == 2
+        assert row["tokens_per_s"]["tuned"] == pytest.approx(row["batch"] / row["tuned_tpot_ms"] * 1000)
+        assert row["measured_saving_ms"] == pytest.approx(row["vanilla_tpot_ms"] - row["tuned_tpot_ms"])
+
+    # prediction from the table at M = B over the 4-layer model: 3 in_proj_ba GEMVs + layer 0's norm
+    # (served at M=1 and 2 by the M=8 entry, the ops' lookup rule)
+    b1, b2 = serve["batches"]
+    assert b1["predicted_saving_ms"] == pytest.approx((3 * (7.2 - 2.5) + 1.0) / 1000)
+    assert b2["predicted_saving_ms"] == pytest.approx((3 * (7.5 - 3.0) + 1.0) / 1000)
+    assert b1["predicted_served_calls"] == 4
+    v = b1["vanilla_tpot_ms"]
+    assert b1["predicted_speedup"] == pytest.approx(v / (v - b1["predicted_saving_ms"]))
+
+    # coverage merged from the dispatch files of both processes of the arm, at M = B only
+    cov = b1["coverage"]["tuned"]
+    assert cov["by_op"]["gemv"] == {"tuned:triton": 96}
+    assert cov["by_op"]["gemma_rms_norm"] == {"fallback:no_entry": 2}
+    assert b1["coverage"]["passthrough"]["tuned_calls"] == 0
+    assert b1["coverage"]["passthrough"]["fallback_reasons"] == {"no_table": 98}
+    top = serve["coverage"]["tuned"]
+    assert top["processes"] == 2 and top["fallback_reasons"]["m_above_table"] == 2 * 2 * 48
+    assert top["counted_at"]["capture"] > 0 and "capture" in top["note"]
+    assert len(list((out / "dispatch").glob("tuned-*.json"))) == 2
+
+    # agreement: tuned within the tolerance, the B=2 flip is a near tie; vanilla runs agree exactly
+    ag1, ag2 = b1["agreement"], b2["agreement"]
+    assert ag1["verdict"] == "pass" and ag1["tuned_vs_vanilla"]["ids_equal"] == 2 * 1
+    assert ag1["tuned_vs_vanilla"]["max_abs_logprob_diff"] == pytest.approx(0.001, abs=1e-9)
+    assert ag1["vanilla_vs_vanilla"]["max_abs_logprob_diff"] == 0.0
+    assert ag1["passthrough_vs_vanilla"]["max_abs_logprob_diff"] == 0.0
+    assert ag2["verdict"] == "pass" and ag2["tuned_vs_vanilla"]["near_ties"] == 2
+    assert ag2["tuned_vs_vanilla"]["first_divergence"] == 5
+
+    # files
+    on_disk = json.loads((out / "serve.json").read_text())
+    for key in ("model", "device", "vllm", "torch", "tunekit_commit", "arms", "batches"):
+        assert key in on_disk
+    assert set(on_disk["arms"]) == {"vanilla", "passthrough", "tuned"}
+    for key in ("batch", "vanilla_tpot_ms", "passthrough_tpot_ms", "tuned_tpot_ms", "speedup", "speedup_min",
+                "speedup_max", "passthrough_ratio", "predicted_speedup", "predicted_saving_ms",
+                "measured_saving_ms", "tokens_per_s", "coverage", "agreement"):
+        assert key in on_disk["batches"][0]
+    md = (out / "serve.md").read_text()
+    assert "| 1 |" in md and "tuned vs vanilla" in md and "counted at capture" in md
+    assert (out / "serve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert any(ln.startswith("B=1") and "speedup" in ln for ln in lines)
+
+    # a rerun resumes: nothing runs again, the same report comes back
+    fake.write_text("")
+    again = bench.run_offline(_settings(), out, lines.append)
+    assert fake.read_text() == "" and again["batches"][0]["speedup"] == serve["batches"][0]["speedup"]
+    assert any("finished earlier, kept" in ln for ln in lines)
+    # other settings in the same folder: refused
+    with pytest.raises(UserError, match="other settings"):
+        bench.run_offline(_settings(tokens=32), out, lines.append)
+    # the report alone, from the files
+    assert bench.report_dir(out, log=lines.append)["batches"][1]["agreement"]["verdict"] == "pass"
+
+
+def test_a_table_tuned_elsewhere_warns_and_the_report_says_nothing_was_served(
+        fake: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_PROBE", json.dumps(
+        {"table_mismatch": {str(TABLE.resolve()): ["gpu: table 'NVIDIA H200', here 'Fake H100'"]}}))
+    monkeypatch.setenv("FAKE_TUNED_MISMATCH", "1")
+    lines: list[str] = []
+    serve = bench.run_offline(_settings(processes=1, arms=("vanilla", "tuned")), tmp_path / "s", lines.append)
+    assert any(ln.startswith("warning:") and "another environment" in ln for ln in lines)
+    assert [a for a, *_ in (ln.split() for ln in fake.read_text().splitlines())] == ["vanilla", "tuned"]
+    assert any("the tuned arm served nothing" in n and "env_mismatch" in n for n in serve["notes"])
+    assert serve["batches"][0]["predicted_saving_ms"] == 0.0  # the mismatched table predicts nothing
+    assert "the tuned arm served nothing" in (tmp_path / "s" / "serve.md").read_text()
+
+
+def test_no_vllm_and_no_plugin_stop_before_any_engine(fake: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_PROBE", json.dumps({"vllm": None}))
+    with pytest.raises(UserError, match="pip install vllm"):
+        bench.run_offline(_settings(), tmp_path / "a", print)
+    monkeypatch.setenv("FAKE_PROBE", json.dumps({"entry_points": {"vllm.general_plugins": ["qwen35_text"]}}))
+    with pytest.raises(UserError, match="does not see tunekit's vLLM plugin"):
+        bench.run_offline(_settings(), tmp_path / "b", print)
+    assert not fake.exists()  # no arm process started
+
+
+def test_a_failing_arm_is_one_error_naming_its_log(fake: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_FAIL_ARM", "passthrough")
+    with pytest.raises(UserError, match=r"passthrough #0 failed: RuntimeError: CUDA out of memory .*log: .*"
+                                        r"passthrough-0\.log"):
+        bench.run_offline(_settings(), tmp_path / "s", print)
+    assert "Traceback" in (tmp_path / "s" / "logs" / "passthrough-0.log").read_text() or \
+        "traceback" in json.loads((tmp_path / "s" / "runs" / "passthrough-0.json").read_text())
+    # the vanilla process before it finished and is kept for a resume
+    assert json.loads((tmp_path / "s" / "runs" / "vanilla-0.json").read_text())["error"] is None
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    full = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
+    return subprocess.run([sys.executable, "-m", "tunekit", "serve-bench", *args], cwd=REPO, env=full,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_errors_are_one_line(tmp_path: Path) -> None:
+    probe = json.dumps({"vllm": None})
+    res = _cli("--model", "qwen3.5-27b", "--table", str(TABLE), "--out", str(tmp_path / "x"),
+               env={bench.RUNNER_ENV: f"{sys.executable} {FAKE_RUNNER}", "FAKE_PROBE": probe})
+    assert res.returncode == 2 and res.stderr.startswith("error: vLLM is not importable")
+    assert len(res.stderr.strip().splitlines()) == 1
+    bad = tmp_path / "bad.json"
+    bad.write_text("[]")
+    # a bad table stops before the runner is ever asked (this runner would fail loudly)
+    res = _cli("--model", "qwen3.5-27b", "--table", str(bad), env={bench.RUNNER_ENV: "/nonexistent/python"})
+    assert res.returncode == 2 and "must be a JSON object" in res.stderr
+    res = _cli("--endpoint", "tuned=http://127.0.0.1:1")
+    assert res.returncode == 2 and "vanilla=URL" in res.stderr
+
+
+# ---------------------------------------------------------------------------
+# The runner against stub vLLM objects, and its result format
+# ---------------------------------------------------------------------------
+
+
+class _StubLLM:
+    """generate() sleeps nothing; time is a counter that advances by 1 + tokens x TPOT per call."""
+
+    def __init__(self, tpot_s: float) -> None:
+        self.tpot_s = tpot_s
+        self.calls: list[int] = []
+
+    def generate(self, prompts, params, use_tqdm=True):
+        self.calls.append(params.max_tokens)
+        _Clock.now += 0.5 + params.max_tokens * self.tpot_s
+        lp = {7: SimpleNamespace(logprob=-1.5, rank=1), 9: SimpleNamespace(logprob=-2.0, rank=2)}
+        comp = SimpleNamespace(token_ids=[7] * params.max_tokens,
+                               logprobs=[lp] * params.max_tokens if params.logprobs else None)
+        metrics = SimpleNamespace(first_token_ts=10.0, last_token_ts=10.0 + (params.max_tokens - 1) * self.tpot_s,
+                                  num_generation_tokens=params.max_tokens, is_corrupted=False)
+        return [SimpleNamespace(outputs=[comp], metrics=metrics) for _ in prompts]
+
+
+class _Clock:
+    now = 0.0
+
+    @classmethod
+    def perf_counter(cls) -> float:
+        return cls.now
+
+
+def test_measure_batch_difference_method(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runner.time, "perf_counter", _Clock.perf_counter)
+    llm = _StubLLM(tpot_s=0.015)
+
+    def sampling(n, logprobs=None):
+        return SimpleNamespace(max_tokens=n, logprobs=logprobs)
+
+    row = runner.measure_batch(llm, [{}] * 4, sampling, 4, {"tokens": 129, "repeats": 3, "prompt_len": 64})
+    # warm-up (129, 1), then the pairs alternate their order: (1, 129), (129, 1), (1, 129)
+    assert llm.calls == [129, 1, 1, 129, 129, 1, 1, 129]
+    assert row["tpot_ms"] == pytest.approx([15.0] * 3) and row["tpot_ms_median"] == pytest.approx(15.0)
+    assert row["tokens_per_s"] == pytest.approx(4 / 0.015) and row["short_outputs"] == 0
+    assert row["vllm_metrics"]["tpot_ms_median"] == pytest.approx(15.0)
+    rec = runner.agreement_record(llm.generate([{}] * 3, sampling(4, 2)), 2)
+    assert len(rec) == 2 and rec[0]["token_ids"] == [7] * 4 and rec[0]["logprobs"] == [-1.5] * 4
+    assert rec[0]["top"][0] == [[7, -1.5], [9, -2.0]]
+
+
+def test_engine_kwargs_drop_what_this_vllm_lacks() -> None:
+    from dataclasses import dataclass
+
+    @dataclass
+    class EngineArgs:
+        model: str = ""
+        max_model_len: int = 0
+
+    engine = {"model": "m", "max_model_len": 256, "gdn_prefill_backend": "triton", "load_format": "dummy"}
+    kept, dropped = runner.engine_kwargs(engine, runner.accepted_fields(EngineArgs))
+    assert dropped == ["gdn_prefill_backend"] and kept["load_format"] == "dummy"  # required ones stay
+    assert runner.engine_kwargs(engine, None) == (engine, [])
+
+
+def test_prompts_are_distinct_and_in_vocabulary() -> None:
+    prompts = runner.make_prompts(8, 64, 248320)
+    assert len({tuple(p) for p in prompts}) == 8 and all(len(p) == 64 for p in prompts)
+    assert all(100 <= t < 10100 for p in prompts for t in p)
+    assert max(t for p in runner.make_prompts(2, 16, 150) for t in p) < 150
+    assert prompts == runner.make_prompts(8, 64, 248320)  # the same in every arm and process
+
+
+def test_the_runners_result_format_parses(tmp_path: Path) -> None:
+    doc = json.loads((DATA / "run-sample.json").read_text())
+    path = tmp_path / "runs" / "tuned-0.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(doc))
+    assert analysis.load_runs(path.parent)["tuned"][0]["batches"][0]["tpot_ms_median"] == doc["batches"][0][
+        "tpot_ms_median"]
+    for key in ("t_tokens_s", "t_1_s", "tpot_ms", "tokens_per_s", "agreement"):
+        assert key in doc["batches"][0]
+    path.write_text(json.dumps(dict(doc, format="something/2")))
+    with pytest.raises(UserError, match="unknown format"):
+        analysis.load_runs(path.parent)
+
+
+def test_probe_sees_entry_points_and_the_tables_stamp() -> None:
+    doc = runner.probe([str(TABLE)])
+    assert doc["format"] == runner.PROBE_FORMAT
+    assert "tunekit" in doc["entry_points"].get("vllm.general_plugins", [])  # this checkout, installed
+    assert doc["table_mismatch"][str(TABLE)]  # tuned on an H200, not on this CPU
+
+
+# ---------------------------------------------------------------------------
+# Agreement rules
+# ---------------------------------------------------------------------------
+
+
+def _seq(ids, lps, tops=None):
+    return {"token_ids": ids, "logprobs": lps, "top": tops or [[[i, lp]] for i, lp in zip(ids, lps, strict=True)]}
+
+
+def test_compare_sequences() -> None:
+    tol = analysis.DEFAULT_TOL
+    same = analysis.compare_sequences(_seq([1, 2], [-1.0, -2.0]), _seq([1, 2], [-1.001, -2.0]), tol)
+    assert same["ok"] and same["ids_equal"] and same["max_abs_logprob_diff"] == pytest.approx(0.001)
+    far = analysis.compare_sequences(_seq([1, 2], [-1.0, -2.0]), _seq([1, 2], [-1.0, -2.1]), tol)
+    assert not far["ok"] and far["max_abs_logprob_diff"] == pytest.approx(0.1)
+    tie_a = _seq([1, 5], [-1.0, -2.0], [[[1, -1.0]], [[5, -2.0], [6, -2.004]]])
+    tie_b = _seq([1, 6], [-1.0, -2.0], [[[1, -1.0]], [[6, -2.0], [5, -2.003]]])
+    tie = analysis.compare_sequences(tie_a, tie_b, tol)
+    assert tie["ok"] and tie["first_divergence"] == 1 and tie["divergence_margin"] == pytest.approx(0.004)
+    # a different token that is not even in the other run's top-K is a failure
+    apart = analysis.compare_sequences(tie_a, _seq([1, 7], [-1.0, -2.0]), tol)
+    assert not apart["ok"] and apart["divergence_margin"] is None
+
+
+# ---------------------------------------------------------------------------
+# Endpoint mode against a fake OpenAI-compatible streaming server
+# ---------------------------------------------------------------------------
+
+
+def _server(tpot_s: float, seen: list[dict]) -> ThreadingHTTPServer:
+    import time
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            body = json.dumps({"object": "list", "data": [{"id": "served-model"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self) -> None:
+            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(req)
+            if not isinstance(req["prompt"], list):
+                self.send_error(400, "prompt must be token ids here")
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            time.sleep(0.005)  # prefill
+            for i in range(req["max_tokens"]):
+                if i:
+                    time.sleep(tpot_s)
+                chunk = {"choices": [{"index": 0, "text": "", "finish_reason": None}]}
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.flush()
+            usage = {"choices": [], "usage": {"prompt_tokens": len(req["prompt"]),
+                                              "completion_tokens": req["max_tokens"]}}
+            self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+            self.wfile.flush()
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_endpoint_ab_against_fake_servers(tmp_path: Path) -> None:
+    seen: list[dict] = []
+    vanilla, tuned = _server(0.004, seen), _server(0.002, seen)
+    try:
+        urls = endpoint.parse_endpoints([f"tuned=http://127.0.0.1:{tuned.server_port}/v1",
+                                         f"vanilla=http://127.0.0.1:{vanilla.server_port}"])
+        assert list(urls) == ["vanilla", "tuned"] and not urls["tuned"].endswith("/v1")
+        lines: list[str] = []
+        serve = endpoint.run(urls, tmp_path, concurrency=[1, 3], tokens=8, prompt_len=5, repeats=2,
+                             model="qwen3.5-27b", tables=[TABLE], log=lines.append)
+    finally:
+        vanilla.shutdown()
+        tuned.shutdown()
+    req = seen[0]
+    assert req["model"] == "served-model" and req["stream"] and req["ignore_eos"] and req["temperature"] == 0
+    assert isinstance(req["prompt"], list) and len(req["prompt"]) == 5 and req["max_tokens"] == 8
+    # warm-up at C=3 per arm, then 2 rounds x (1 + 3) requests per arm
+    assert len(seen) == 2 * 3 + 2 * 2 * 4
+    arms = serve["arms"]
+    assert [r["concurrency"] for r in arms["vanilla"]] == [1, 3, 1, 3]
+    row1, row3 = serve["batches"]
+    assert row1["vanilla_tpot_ms"] == pytest.approx(4.0, rel=0.35)
+    assert row1["tuned_tpot_ms"] == pytest.approx(2.0, rel=0.35)
+    assert row3["speedup"] > 1.3 and row3["speedup_min"] <= row3["speedup_max"]
+    assert row1["ttft_ms"]["vanilla"] > 0 and row3["throughput_tokens_per_s"]["tuned"] > 0
+    assert row1["predicted_saving_ms"] > 0  # model and table given: the full model's prediction
+    assert row1["agreement"] is None and serve["mode"] == "endpoint"
+    assert (tmp_path / "serve.png").is_file() and "| C |" in (tmp_path / "serve.md").read_text()
+    assert any(ln.startswith("C=3") and "speedup" in ln for ln in lines)
+
+
+def test_endpoint_errors() -> None:
+    with pytest.raises(UserError, match="vanilla=URL and tuned=URL"):
+        endpoint.parse_endpoints(["vanilla=http://h:1"])
+    with pytest.raises(UserError, match="ARM=http"):
+        endpoint.parse_endpoints(["fast=http://h:1", "vanilla=http://h:2"])
+    with pytest.raises(UserError, match="no model listed"):
+        endpoint.served_model("http://127.0.0.1:1", timeout=2)

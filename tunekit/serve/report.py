@@ -1,0 +1,186 @@
+"""``serve.md`` and ``serve.png`` from a ``serve.json`` document (offline or endpoint mode)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tunekit.serve import ARMS
+
+EVIDENCE = ("end-to-end measurement in vLLM (the served-model layer of evidence): the whole decode step with "
+            "attention, recurrence, sampling and the scheduler, one engine per process, arms alternated over "
+            "processes; dummy weights")
+
+
+def _f(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def _md_table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _arms(serve: dict[str, Any]) -> list[str]:
+    present = {arm for row in serve["batches"] for arm, tp in row["tpot"].items() if tp}
+    return [a for a in ARMS if a in present]
+
+
+def tpot_table(serve: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    arms = _arms(serve)
+    unit = "C" if serve.get("mode") == "endpoint" else "B"
+    head = [unit] + [f"{a} TPOT ms (min-max)" for a in arms] + ["tuned speedup (min-max)", "passthrough ratio",
+                                                               "tokens/s " + " / ".join(arms)]
+    rows = []
+    for row in serve["batches"]:
+        cells = [str(row["batch"])]
+        for a in arms:
+            tp = row["tpot"].get(a)
+            cells.append(f"{tp['median_ms']:.3f} ({tp['min_ms']:.3f}-{tp['max_ms']:.3f})" if tp else "-")
+        cells.append(f"{_f(row['speedup'], '.4f')} ({_f(row['speedup_min'], '.4f')}-{_f(row['speedup_max'], '.4f')})")
+        cells.append(_f(row.get("passthrough_ratio"), ".4f"))
+        cells.append(" / ".join(_f(row["tokens_per_s"].get(a), ".1f") for a in arms))
+        rows.append(cells)
+    return head, rows
+
+
+def prediction_table(serve: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    head = ["B", "vanilla ms", "measured saving ms", "predicted saving ms", "measured / predicted",
+            "speedup", "predicted speedup", "calls served by the tables (of per token)"]
+    rows = []
+    for row in serve["batches"]:
+        meas, pred = row.get("measured_saving_ms"), row.get("predicted_saving_ms")
+        rows.append([str(row["batch"]), _f(row.get("vanilla_tpot_ms"), ".3f"), _f(meas, ".3f"), _f(pred, ".3f"),
+                     _f(meas / pred if meas is not None and pred else None, ".2f"), _f(row["speedup"], ".4f"),
+                     _f(row.get("predicted_speedup"), ".4f"),
+                     f"{row.get('predicted_served_calls')} of {row.get('predicted_calls')}"
+                     if row.get("predicted_calls") is not None else "-"])
+    return head, rows
+
+
+def coverage_table(serve: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    head = ["B", "arm", "op", "tuned calls", "fallback calls (reason)"]
+    rows = []
+    for row in serve["batches"]:
+        for arm, cov in (row.get("coverage") or {}).items():
+            if not cov:
+                continue
+            if not cov["by_op"]:
+                rows.append([str(row["batch"]), arm, "-", "0", "no call at this M"])
+            for op, impls in sorted(cov["by_op"].items()):
+                tuned = sum(v for k, v in impls.items() if k.startswith("tuned:"))
+                fb = ", ".join(f"{k.split(':', 1)[1]} x{v}" for k, v in sorted(impls.items())
+                               if not k.startswith("tuned:"))
+                rows.append([str(row["batch"]), arm, op, str(tuned), fb or "-"])
+    return head, rows
+
+
+def agreement_table(serve: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    head = ["B", "pair", "sequences", "ids equal", "near ties", "max abs logprob diff", "failed", "verdict"]
+    rows = []
+    for row in serve["batches"]:
+        ag = row.get("agreement") or {}
+        for pair in ("tuned_vs_vanilla", "passthrough_vs_vanilla", "vanilla_vs_vanilla"):
+            a = ag.get(pair)
+            if not a:
+                continue
+            rows.append([str(row["batch"]), pair.replace("_vs_", " vs "), str(a["sequences"]), str(a["ids_equal"]),
+                         str(a["near_ties"]), f"{a['max_abs_logprob_diff']:.3g}", str(a["failed"]),
+                         "pass" if a["ok"] else "FAIL"])
+    return head, rows
+
+
+def write_markdown(serve: dict[str, Any], path: Path) -> Path:
+    """The report section: settings, TPOT per arm, prediction vs measurement, coverage, agreement, notes."""
+    s = serve.get("settings", {})
+    endpoint = serve.get("mode") == "endpoint"
+    lines = [f"## Served decode: {serve.get('model') or 'endpoints'}", ""]
+    if endpoint:
+        lines.append("A/B against running OpenAI-compatible servers (streaming /v1/completions, token-id prompts, "
+                     f"greedy, ignore_eos): {', '.join(f'{a} {u}' for a, u in serve.get('endpoints', {}).items())}; "
+                     f"{s.get('tokens')} new tokens, prompts of {s.get('prompt_len')} tokens, {s.get('repeats')} "
+                     "rounds per arm and concurrency, arms alternated per round. TPOT per request = (last token - "
+                     "first token) / (tokens - 1).")
+    else:
+        tokens = s.get("tokens") or 2
+        layers = f" ({serve['layers']} layers)" if serve.get("layers") else ""
+        lines += [f"Evidence: {EVIDENCE}.", "",
+                  f"Device {serve.get('device')}, vLLM {serve.get('vllm')}, torch {serve.get('torch')}, tunekit "
+                  f"{(serve.get('tunekit_commit') or '?')[:12]}; model {serve.get('model')}{layers}, bf16, "
+                  f"{s.get('processes', '?')} processes per arm, {s.get('repeats')} repeats per process, {tokens} new "
+                  f"tokens after prompts of {s.get('prompt_len')} tokens. TPOT = (t({tokens} tokens) - t(1 token)) / "
+                  f"{tokens - 1} per generate of B prompts; an arm's figure is the median of its processes' medians, "
+                  "(min-max) over processes; speedup spread over the process pairs of one round.", "",
+                  "Arms: vanilla = tunekit's plugin excluded by VLLM_PLUGINS; passthrough = plugin loaded, no table "
+                  "(its cost alone); tuned = plugin with TUNEKIT_TABLE = "
+                  + ", ".join(f"`{t}`" for t in serve.get("tables", [])) + "."]
+    lines += ["", _md_table(*tpot_table(serve))]
+    if endpoint:
+        head = ["C"] + [f"{a} TTFT ms" for a in _arms(serve)] + [f"{a} tokens/s (all requests)" for a in _arms(serve)]
+        rows = [[str(r["batch"])] + [_f((r.get("ttft_ms") or {}).get(a), ".1f") for a in _arms(serve)]
+                + [_f((r.get("throughput_tokens_per_s") or {}).get(a), ".1f") for a in _arms(serve)]
+                for r in serve["batches"]]
+        lines += ["", _md_table(head, rows)]
+    if any(r.get("predicted_saving_ms") is not None for r in serve["batches"]):
+        lines += ["", "Prediction from the tables' standalone figures (per token at M = B: sum of count x "
+                  "(baseline - tuned) over the model's problems a table serves; predicted speedup = vanilla / "
+                  "(vanilla - saving)):", "", _md_table(*prediction_table(serve))]
+    cov = coverage_table(serve)
+    if cov[1]:
+        lines += ["", "Dispatch coverage at M = B, merged over the processes' TUNEKIT_DISPATCH_LOG files. "
+                  "Under CUDA graphs calls are counted at capture (replays run no Python): counts are captures "
+                  "and eager calls, not executions.", "", _md_table(*cov)]
+    ag = agreement_table(serve)
+    if ag[1]:
+        tol = next((r["agreement"]["tolerance"] for r in serve["batches"] if r.get("agreement")), None)
+        lines += ["", f"Agreement over the first {s.get('agree_steps')} decode steps (chosen-token logprobs while the "
+                  f"ids agree; a differing id passes as a near tie when both tokens are within the tolerance in both "
+                  f"runs). Tolerance {_f(tol, '.4g')} nats = 4 BF16 unit roundoffs; vanilla vs vanilla is the "
+                  "run-to-run floor. Dummy weights make every distribution nearly uniform, so ids are near ties "
+                  "and the text is meaningless.", "", _md_table(*ag)]
+    if serve.get("notes"):
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in serve["notes"]]
+    if path.with_suffix(".png").exists():
+        lines += ["", f"![TPOT per arm]({path.with_suffix('.png').name})"]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def write_plot(serve: dict[str, Any], path: Path) -> Path | None:
+    """TPOT per arm per batch size (bars: median; whiskers: min-max over processes). None without matplotlib."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    arms = _arms(serve)
+    rows = serve["batches"]
+    if not arms or not rows:
+        return None
+    fig = Figure(figsize=(1.6 + 1.4 * len(rows), 4.0))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    width = 0.8 / len(arms)
+    colors = {"vanilla": "#7f7f7f", "passthrough": "#ff7f0e", "tuned": "#1f77b4"}
+    for j, arm in enumerate(arms):
+        xs, ys, lo, hi = [], [], [], []
+        for i, row in enumerate(rows):
+            tp = row["tpot"].get(arm)
+            if not tp:
+                continue
+            xs.append(i + (j - (len(arms) - 1) / 2) * width)
+            ys.append(tp["median_ms"])
+            lo.append(tp["median_ms"] - tp["min_ms"])
+            hi.append(tp["max_ms"] - tp["median_ms"])
+        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=arm, color=colors.get(arm))
+    ax.set_xticks(range(len(rows)))
+    unit = "concurrency" if serve.get("mode") == "endpoint" else "batch"
+    ax.set_xticklabels([f"{unit} {r['batch']}" for r in rows])
+    ax.set_ylabel("TPOT (ms per token)")
+    ax.set_title(f"{serve.get('model') or 'served model'}: decode TPOT per arm"
+                 + (f" ({serve['device']})" if serve.get("device") else ""), fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
