@@ -334,6 +334,61 @@ def chain(
         console.print(f"wrote {out / 'chain.json'}")
 
 
+@app.command("serve-bench")
+def serve_bench(
+    table: Annotated[list[Path], typer.Option(
+        help="dispatch table the tuned arm serves (repeatable; the first wins a key)")] = [],  # noqa: B006
+    model: Annotated[str | None, typer.Option(help="built-in model name")] = None,
+    config: Annotated[Path | None, typer.Option(help="path to a Hugging Face config.json")] = None,
+    batch: Annotated[str, typer.Option(help="batch sizes (concurrent sequences), e.g. 1,2,4,8")] = "1,2,4,8",
+    tokens: Annotated[int, typer.Option(help="new tokens per timed generate (TPOT: vs a 1-token generate)")] = 128,
+    prompt_len: Annotated[int, typer.Option(help="prompt tokens per sequence")] = 64,
+    repeats: Annotated[int, typer.Option(help="timed (1, --tokens) pairs per batch size and process")] = 5,
+    processes: Annotated[int, typer.Option(help="processes (engine starts) per arm, arms alternated")] = 3,
+    layers: Annotated[int | None, typer.Option(help="first N decoder layers only (a quick run)")] = None,
+    out: Annotated[Path | None, typer.Option(help="folder (default runs/serve-<model>); rerun to resume")] = None,
+    endpoint: Annotated[list[str], typer.Option(
+        help="ARM=URL of a running OpenAI-compatible server (vanilla=, tuned=, optional passthrough=; "
+             "repeatable): A/B against servers instead of offline engines")] = [],  # noqa: B006
+    concurrency: Annotated[str, typer.Option(help="--endpoint: concurrent requests, e.g. 1,4,8")] = "1,4,8",
+    arms: Annotated[str, typer.Option(help="vanilla plus any of passthrough, tuned")] = "vanilla,passthrough,tuned",
+    gpu_memory_utilization: Annotated[float, typer.Option(help="vLLM's share of GPU memory")] = 0.85,
+    python: Annotated[Path | None, typer.Option(
+        help="Python with vLLM that runs the engines (default: this one)")] = None,
+    eager: Annotated[bool, typer.Option(help="vLLM enforce_eager (no CUDA graphs, no compile)")] = False,
+    agree_steps: Annotated[int, typer.Option(help="decode steps whose logprobs are compared")] = 8,
+    logprob_tol: Annotated[float | None, typer.Option(
+        help="agreement tolerance in nats (default 2^-6: four BF16 roundoffs)")] = None,
+    runner_timeout: Annotated[float, typer.Option(help="seconds before one engine process is killed")] = 3600.0,
+    report_only: Annotated[bool, typer.Option(help="rebuild serve.json/.md/.png from --out's results")] = False,
+) -> None:
+    """vLLM decode end to end: vanilla vs plugin without table vs tuned, TPOT per batch size, vs the prediction."""
+    from tunekit.serve import bench
+    from tunekit.serve import endpoint as endpoint_mod
+    from tunekit.serve.analysis import DEFAULT_TOL
+
+    def log(text: str) -> None:
+        console.print(text, markup=False, highlight=False)
+
+    tol = DEFAULT_TOL if logprob_tol is None else logprob_tol
+    if endpoint:
+        urls = endpoint_mod.parse_endpoints(endpoint)
+        endpoint_mod.run(urls, out or Path("runs") / "serve-endpoints", bench.parse_sizes(concurrency, "--concurrency"),
+                         tokens, prompt_len, repeats, model, config, table, log=log)
+        return
+    if report_only:
+        if out is None:
+            raise UserError("--report-only needs --out DIR (a serve-bench folder)")
+        bench.report_dir(out, tol, log)
+        return
+    settings = bench.build_settings(
+        model, config, table, bench.parse_sizes(batch, "--batch"), tokens=tokens, prompt_len=prompt_len,
+        repeats=repeats, processes=processes, layers=layers, arms=[a.strip() for a in arms.split(",") if a.strip()],
+        gpu_memory_utilization=gpu_memory_utilization, enforce_eager=eager, agree_steps=agree_steps,
+        logprob_tol=tol, python=str(python) if python else sys.executable, runner_timeout_s=runner_timeout)
+    bench.run_offline(settings, out or Path("runs") / f"serve-{settings.model}", log)
+
+
 @app.command()
 def probe() -> None:
     """Describe the device and measure its read-bandwidth limit."""
