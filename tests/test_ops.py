@@ -435,6 +435,67 @@ def test_elementwise_tuned_path_passes_eps_and_the_rows(tmp_path: Path) -> None:
     assert _rows(op="rms_norm", shape="32x32")[0]["impl"] == "fallback:no_entry"
 
 
+def test_fallbacks_run_the_installed_vendor_kernel_and_the_markers_name_it(tmp_path: Path, caplog) -> None:
+    ops.load_tables(str(make_table(tmp_path / "ew.json", [
+        _entry("rms_norm", 4, 64, 64, backend="test_ops:TORCH_NORM", params={})])))
+    x = torch.randn(9, 64).bfloat16()  # M above the table's M=4
+    w = torch.randn(64).bfloat16()
+    seen: list[tuple[int, ...]] = []
+
+    def vendor_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        seen.append(tuple(x.shape))
+        return _hf_rms(x, w, eps)
+
+    def broken(*args):
+        raise RuntimeError("no kernel image")
+
+    try:
+        torch.ops.tunekit.rms_norm(x, w, 1e-6)  # nothing installed: tunekit's composition
+        ops.set_vendor_elementwise("rms_norm", vendor_rms_norm, "test.rms_norm", ("cpu",))
+        assert torch.equal(torch.ops.tunekit.rms_norm(x, w, 1e-6), _hf_rms(x, w, 1e-6))
+        torch.ops.tunekit.rms_norm(x[:2], w, 1e-6)  # a table hit never reaches the vendor kernel
+        torch.ops.tunekit.rms_norm(torch.randn(9, 128).bfloat16()[:, ::2], w, 1e-6)  # nor inputs failing a check
+        assert seen == [(9, 64)]
+        ops.set_vendor_elementwise("rms_norm", vendor_rms_norm, "test.rms_norm", ("cuda",))  # not for CPU tensors
+        torch.ops.tunekit.rms_norm(x, w, 1e-6)
+        ops.set_vendor_elementwise("rms_norm", broken, "test.broken", ("cpu",))
+        with caplog.at_level(logging.WARNING, logger="tunekit.ops"):
+            for _ in range(2):  # never raises; logged once
+                assert torch.equal(torch.ops.tunekit.rms_norm(x, w, 1e-6), ops._vendor_rms_norm(x, w, 1e-6, False))
+        assert len([r for r in caplog.records if "test.broken" in r.getMessage()]) == 1
+        ops.set_vendor_elementwise("rms_norm", None, "looked, found none")
+        torch.ops.tunekit.rms_norm(x, w, 1e-6)
+        assert ops.vendor_kernels()["rms_norm"] == {"name": "eager:no_vendor_kernel", "device_types": [],
+                                                    "why": "looked, found none"}
+        assert ops.dispatch_log()["vendors"]["rms_norm"]["why"] == "looked, found none"
+        with pytest.raises(ValueError):
+            ops.set_vendor_elementwise("gemv", vendor_rms_norm, "test", ("cpu",))
+    finally:
+        ops.clear_vendor_elementwise()
+    got = {(r["m"], r["impl"], r["vendor"]): r["calls"] for r in ops.dispatch_stats()}
+    assert got == {
+        (9, "fallback:m_above_table", "eager"): 1,
+        (9, "fallback:m_above_table", "test.rms_norm"): 1,
+        (2, "tuned:test_ops:TORCH_NORM", None): 1,
+        (9, "fallback:strided", "eager"): 1,
+        (9, "fallback:m_above_table", "eager:no_vendor_kernel"): 2,
+        (9, "fallback:m_above_table", "eager:vendor_error"): 2,
+    }
+    # gemv's fallbacks name theirs too (CPU tensors: always F.linear)
+    torch.ops.tunekit.gemv(torch.randn(2, K).bfloat16(), torch.randn(N, K).bfloat16())
+    assert _rows(op="gemv")[0]["vendor"] == "F.linear"
+
+
+def test_covers_follows_the_loaded_tables(tmp_path: Path) -> None:
+    assert not ops.covers("gemv", "bf16", N, K, "cpu")
+    ops.load_tables(str(make_table(tmp_path / "t.json", [_entry("gemv", 1, N, K)])))
+    for _ in range(2):  # the second answer is the cached one
+        assert ops.covers("gemv", "bf16", N, K, "cpu")
+        assert not ops.covers("gemv", "bf16", N, 2 * K, "cpu") and not ops.covers("gemv", "fp16", N, K, "cpu")
+    ops.load_tables([])
+    assert not ops.covers("gemv", "bf16", N, K, "cpu")
+
+
 def _triton_has(op: str) -> bool:
     from tunekit import backends
 

@@ -96,6 +96,7 @@ from tunekit import table as table_mod
 __all__ = [
     "EAGER_VENDORS",
     "FALLBACK_REASONS",
+    "clear_vendor_elementwise",
     "covers",
     "dispatch_log",
     "dispatch_stats",
