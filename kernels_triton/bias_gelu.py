@@ -36,7 +36,10 @@ _TWO_C = 2.0 * math.sqrt(2.0 / math.pi)
 _A = 0.044715
 #: The same two constants for the jitted kernel: Triton's compiler only reads
 #: module globals that are ``tl.constexpr`` (its interpreter reads any).
-_TWO_C_K = tl.constexpr(_TWO_C)
+#: Written with the tensor as the left operand in the kernel: Triton >= 3.9's
+#: interpreter returns a constexpr-wrapped tensor for ``constexpr * tensor``,
+#: which ``tl.exp`` then rejects (the products are the same bits either way).
+_NEG_TWO_C_K = tl.constexpr(-_TWO_C)
 _A_K = tl.constexpr(_A)
 
 
@@ -78,7 +81,7 @@ def _bias_gelu_kernel(
     v = x + b[None, :]
     if ROUND_SUM:
         v = round_bf16(v, BY_BITS)
-    y = round_bf16(v / (1.0 + tl.exp(-_TWO_C_K * (v + _A_K * v * v * v))), BY_BITS)
+    y = round_bf16(v / (1.0 + tl.exp((v + v * _A_K * v * v) * _NEG_TWO_C_K)), BY_BITS)
     tl.store(y_ptr + rows64 * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 

@@ -180,16 +180,20 @@ def _gemv_kernel(
             wf = w.to(tl.float32)
             xk = x_ptr + (offs_k + k0)[None, :]
             km = (offs_k + k0)[None, :] < K
+            # Row r's mask is ``km & (r0 + r < M)`` with r0 a [1, BLOCK_K] int32 zero
+            # tensor: a bare ``r < M`` can be a Python bool (the interpreter passes M
+            # as an int), which Triton >= 3.9 turns into an int32 mask and rejects.
+            r0 = tl.zeros([1, BLOCK_K], dtype=tl.int32)
             acc0 += wf * tl.load(xk, mask=km, other=0.0).to(tl.float32)
-            acc1 += wf * tl.load(xk + stride_xm, mask=km & (1 < M), other=0.0).to(tl.float32)
+            acc1 += wf * tl.load(xk + stride_xm, mask=km & (r0 + 1 < M), other=0.0).to(tl.float32)
             if BLOCK_M > 2:
-                acc2 += wf * tl.load(xk + 2 * stride_xm, mask=km & (2 < M), other=0.0).to(tl.float32)
-                acc3 += wf * tl.load(xk + 3 * stride_xm, mask=km & (3 < M), other=0.0).to(tl.float32)
+                acc2 += wf * tl.load(xk + 2 * stride_xm, mask=km & (r0 + 2 < M), other=0.0).to(tl.float32)
+                acc3 += wf * tl.load(xk + 3 * stride_xm, mask=km & (r0 + 3 < M), other=0.0).to(tl.float32)
             if BLOCK_M > 4:
-                acc4 += wf * tl.load(xk + 4 * stride_xm, mask=km & (4 < M), other=0.0).to(tl.float32)
-                acc5 += wf * tl.load(xk + 5 * stride_xm, mask=km & (5 < M), other=0.0).to(tl.float32)
-                acc6 += wf * tl.load(xk + 6 * stride_xm, mask=km & (6 < M), other=0.0).to(tl.float32)
-                acc7 += wf * tl.load(xk + 7 * stride_xm, mask=km & (7 < M), other=0.0).to(tl.float32)
+                acc4 += wf * tl.load(xk + 4 * stride_xm, mask=km & (r0 + 4 < M), other=0.0).to(tl.float32)
+                acc5 += wf * tl.load(xk + 5 * stride_xm, mask=km & (r0 + 5 < M), other=0.0).to(tl.float32)
+                acc6 += wf * tl.load(xk + 6 * stride_xm, mask=km & (r0 + 6 < M), other=0.0).to(tl.float32)
+                acc7 += wf * tl.load(xk + 7 * stride_xm, mask=km & (r0 + 7 < M), other=0.0).to(tl.float32)
         elif USE_DOT and SWAP_AB:
             # [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M(>=16)]: W is the MMA's M side
             if DOT_IN_FP32:

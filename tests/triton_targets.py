@@ -187,7 +187,9 @@ def compile_bound(launch: Launch, bound: Bound, target_name: str, diag_path: str
                 backend.add_stages(stages, bound.options, src.language)
                 if last_stage not in stages:
                     return f"target {target_name} has no stage {last_stage!r} (stages: {list(stages)})"
-                metadata: dict = {}
+                # Seeded as triton.compiler.compile does: stages read the options from it
+                # (Triton 3.9's AMD backend reads metadata["num_ctas"]).
+                metadata: dict = {"hash": "0" * 64, "target": target, **bound.options.__dict__}
                 for stage, lower in stages.items():
                     module = lower(module, metadata)
                     if stage == last_stage:
