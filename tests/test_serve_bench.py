@@ -95,7 +95,8 @@ def _vllm_loads(value: str | None, names: list[str]) -> list[str]:
 
 
 def test_plugin_allow_lists_follow_vllms_semantics() -> None:
-    eps = {"vllm.general_plugins": ["qwen35_text", "tunekit"], "vllm.platform_plugins": ["oot_gpu"]}
+    eps = {"vllm.general_plugins": ["qwen35_text", "tunekit"], "vllm.platform_plugins": ["oot_gpu"],
+           "vllm.endpoint_plugins": ["routes"]}  # opt-in: off unless named, so never named here
     without, with_plugin = bench.plugin_allow_lists(eps, None)
     names = ["oot_gpu", "qwen35_text", "tunekit"]
     assert _vllm_loads(without, names) == ["oot_gpu", "qwen35_text"]  # the platform plugin stays
@@ -140,6 +141,7 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.delenv("FAKE_PROBE", raising=False)
     monkeypatch.delenv("FAKE_TUNED_MISMATCH", raising=False)
     monkeypatch.delenv("FAKE_FAIL_ARM", raising=False)
+    monkeypatch.delenv("FAKE_ENGINE_SLEEP", raising=False)
     return record
 
 
@@ -235,6 +237,18 @@ def test_run_offline_on_the_stub_engine(fake: Path, tmp_path: Path) -> None:
         bench.run_offline(_settings(tokens=32), out, lines.append)
     # the report alone, from the files
     assert bench.report_dir(out, log=lines.append)["batches"][1]["agreement"]["verdict"] == "pass"
+
+
+def test_stop_after_leaves_the_rest_to_a_rerun(fake: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    lines: list[str] = []
+    settings = _settings(processes=1, arms=("vanilla", "tuned"))
+    monkeypatch.setenv("FAKE_ENGINE_SLEEP", "1.0")  # the first process takes > 1 s: the second would end late
+    assert bench.run_offline(settings, tmp_path / "s", lines.append, stop_after_s=0.5) is None
+    assert [ln.split()[0] for ln in fake.read_text().splitlines()] == ["vanilla"]
+    assert any("1 of 2 processes left" in ln for ln in lines)
+    monkeypatch.setenv("FAKE_ENGINE_SLEEP", "0.01")
+    assert bench.run_offline(settings, tmp_path / "s", lines.append)["batches"][0]["speedup"] > 1.0
+    assert [ln.split()[0] for ln in fake.read_text().splitlines()] == ["vanilla", "tuned"]
 
 
 def test_a_table_tuned_elsewhere_warns_and_the_report_says_nothing_was_served(

@@ -38,6 +38,7 @@ import dataclasses
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -57,6 +58,9 @@ RUNNER_ENV = "TUNEKIT_SERVE_RUNNER"
 #: The plugin's entry-point name in ``vllm.general_plugins`` (pyproject.toml).
 PLUGIN_NAME = "tunekit"
 GENERAL_GROUP = "vllm.general_plugins"
+#: Groups vLLM loads only when VLLM_PLUGINS names them (0.33: endpoint plugins, HTTP routes of the API
+#: server); listing every name of these would switch them on where an unset VLLM_PLUGINS leaves them off.
+OPT_IN_GROUPS = ("vllm.endpoint_plugins",)
 SETTINGS_FILE = "serve-settings.json"
 #: Architectures vLLM registers for the model types tunekit derives (configs without ``architectures``).
 ARCHITECTURES: dict[str, str] = {
@@ -241,9 +245,10 @@ def schedule(arms: Sequence[str], processes: int) -> list[tuple[str, int]]:
 def plugin_allow_lists(entry_points: dict[str, list[str]], user_value: str | None) -> tuple[str, str]:
     """(``VLLM_PLUGINS`` without tunekit, with tunekit). vLLM splits the value on commas and loads a
     plugin of any ``vllm.*`` group whose name is listed; an empty value loads none. The names are the
-    caller's own list when ``VLLM_PLUGINS`` is set, else every entry point of those groups."""
+    caller's own list when ``VLLM_PLUGINS`` is set, else every entry point of those groups that an
+    unset ``VLLM_PLUGINS`` loads (not the opt-in groups)."""
     if user_value is None:
-        names = sorted({n for group in entry_points.values() for n in group})
+        names = sorted({n for g, group in entry_points.items() if g not in OPT_IN_GROUPS for n in group})
     else:
         names = [n.strip() for n in user_value.split(",") if n.strip()]
     without = [n for n in names if n != PLUGIN_NAME]
@@ -341,9 +346,15 @@ def _run_process(cmd: list[str], env: dict[str, str], log_path: Path, timeout: f
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             rc = -9
+        except BaseException:
+            # interrupted (Ctrl-C, SIGTERM from a timeout): an orphaned engine would hold the GPU's
+            # memory and make the next run's engine fail
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
         reader.join(timeout=10)
     return rc
 
@@ -369,10 +380,29 @@ def _check_resume(out_dir: Path, settings: Settings) -> None:
     path.write_text(json.dumps(settings.key(), indent=1) + "\n")
 
 
+def _sigterm(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # unwinds through _run_process, which kills the engine process
+
+
 def run_offline(settings: Settings, out_dir: Path, log: Callable[[str], None] = print,
-                base_env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Probe, run every (arm, process) not finished yet, then write the report; returns ``serve.json``."""
-    out_dir = Path(out_dir)
+                base_env: dict[str, str] | None = None, stop_after_s: float | None = None) -> dict[str, Any] | None:
+    """Probe, run every (arm, process) not finished yet, then write the report; returns ``serve.json``.
+
+    ``stop_after_s``: start no further process once the next one (as long as the longest so far)
+    would end past this many seconds after the first started; returns None then (a rerun resumes).
+    """
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _sigterm)
+    try:
+        return _run_offline(settings, Path(out_dir), log, base_env, stop_after_s)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run_offline(settings: Settings, out_dir: Path, log: Callable[[str], None], base_env: dict[str, str] | None,
+                 stop_after_s: float | None) -> dict[str, Any] | None:
     base = dict(base_env if base_env is not None else os.environ)
     info = probe(settings, base)
     mismatch = {p: d for p, d in info.get("table_mismatch", {}).items() if d}
@@ -390,6 +420,7 @@ def run_offline(settings: Settings, out_dir: Path, log: Callable[[str], None] = 
         f"{settings.processes}), batches {','.join(map(str, settings.batches))}, {settings.tokens} tokens, "
         f"vLLM {info['vllm']} ({info.get('python')})")
     started = time.perf_counter()
+    longest = 0.0
     for n, (arm, i) in enumerate(order, 1):
         out = runs_dir / f"{arm}-{i}.json"
         if out.is_file():
@@ -400,6 +431,12 @@ def run_offline(settings: Settings, out_dir: Path, log: Callable[[str], None] = 
             if not done.get("error") and done.get("batches"):
                 log(f"[{n}/{len(order)}] {arm} #{i}: finished earlier, kept ({out})")
                 continue
+        elapsed = time.perf_counter() - started
+        if stop_after_s is not None and (elapsed >= stop_after_s or elapsed + longest > stop_after_s):
+            left = len(order) - n + 1
+            log(f"stopped after {elapsed:.0f} s (--stop-after {stop_after_s:.0f}): {left} of {len(order)} "
+                "processes left; rerun the same command to resume")
+            return None
         spec = {"arm": arm, "index": i, "engine": settings.engine(model_dir.resolve()),
                 "batches": list(settings.batches), "tokens": settings.tokens, "prompt_len": settings.prompt_len,
                 "repeats": settings.repeats, "agree_steps": settings.agree_steps, "logprobs": settings.logprobs,
@@ -412,7 +449,9 @@ def run_offline(settings: Settings, out_dir: Path, log: Callable[[str], None] = 
             + (f" TUNEKIT_TABLE={env['TUNEKIT_TABLE']}" if "TUNEKIT_TABLE" in env else "")
             + f" ({time.perf_counter() - started:.0f} s so far)")
         log_path = out_dir / "logs" / f"{arm}-{i}.log"
+        t0 = time.perf_counter()
         rc = _run_process(cmd, env, log_path, settings.runner_timeout_s, log)
+        longest = max(longest, time.perf_counter() - t0)
         result = json.loads(out.read_text()) if out.is_file() else {}
         if rc != 0 or result.get("error") or not result.get("batches"):
             why = result.get("error") or (f"killed after {settings.runner_timeout_s:.0f} s" if rc == -9

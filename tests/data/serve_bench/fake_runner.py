@@ -8,7 +8,8 @@ to TUNEKIT_DISPATCH_LOG), and returns deterministic greedy tokens and logprobs (
 at B=2 request 1 flips to a near tie at step 5). Every call appends "arm index pid" to FAKE_RECORD.
 
 Environment knobs: FAKE_PROBE (JSON merged into the probe answer), FAKE_TUNED_MISMATCH=1 (the tuned arm's
-ops find the table tuned elsewhere: every call env_mismatch), FAKE_FAIL_ARM=ARM (that arm's engine raises).
+ops find the table tuned elsewhere: every call env_mismatch), FAKE_FAIL_ARM=ARM (that arm's engine raises),
+FAKE_ENGINE_SLEEP (seconds the engine takes to start).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class LLM:
             raise RuntimeError("CUDA out of memory (stub)")
         if _plugins_allowed("tunekit"):
             _load_stub_plugin(self)
-        time.sleep(0.01)
+        time.sleep(float(os.environ.get("FAKE_ENGINE_SLEEP", "0.01")))
 
     def generate(self, prompts: list[dict], params: SamplingParams, use_tqdm: bool = True) -> list[_Output]:
         self.batches_seen.add(len(prompts))
