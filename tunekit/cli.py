@@ -360,6 +360,8 @@ def serve_bench(
     logprob_tol: Annotated[float | None, typer.Option(
         help="agreement tolerance in nats (default 2^-6: four BF16 roundoffs)")] = None,
     runner_timeout: Annotated[float, typer.Option(help="seconds before one engine process is killed")] = 3600.0,
+    stop_after: Annotated[float | None, typer.Option(
+        help="start no engine process that would end past this many seconds; exit status 3 (rerun resumes)")] = None,
     report_only: Annotated[bool, typer.Option(help="rebuild serve.json/.md/.png from --out's results")] = False,
 ) -> None:
     """vLLM decode end to end: vanilla vs plugin without table vs tuned, TPOT per batch size, vs the prediction."""
@@ -386,7 +388,9 @@ def serve_bench(
         repeats=repeats, processes=processes, layers=layers, arms=[a.strip() for a in arms.split(",") if a.strip()],
         gpu_memory_utilization=gpu_memory_utilization, enforce_eager=eager, agree_steps=agree_steps,
         logprob_tol=tol, python=str(python) if python else sys.executable, runner_timeout_s=runner_timeout)
-    bench.run_offline(settings, out or Path("runs") / f"serve-{settings.model}", log)
+    serve = bench.run_offline(settings, out or Path("runs") / f"serve-{settings.model}", log, stop_after_s=stop_after)
+    if serve is None:
+        sys.exit(3)  # stopped early on purpose: not an error, not done
 
 
 @app.command()
