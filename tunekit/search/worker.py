@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
+import threading
 import time
 import traceback
 from typing import Any
@@ -47,7 +49,17 @@ class Worker:
     def _start(self) -> None:
         parent, child = self._ctx.Pipe()
         self._proc = self._ctx.Process(target=_child_main, args=(child, self._env), daemon=True)
-        self._proc.start()
+        # Ctrl-C reaches the whole process group: the parent decides (it stops the
+        # search, keeps the trials and closes the worker), so the worker must not
+        # die on it with a traceback of its own. An ignored SIGINT survives the
+        # spawn's exec, which covers the child's start-up before _child_main runs.
+        ignore = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if ignore else None
+        try:
+            self._proc.start()
+        finally:
+            if ignore:  # None: a handler set outside Python; Python's own is the nearest
+                signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
         child.close()
         self._conn = parent
 
@@ -92,6 +104,7 @@ class Worker:
 
 
 def _child_main(conn, env: dict[str, str]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C (see Worker._start)
     os.environ.update(env)
     state = _ChildState()
     while True:
