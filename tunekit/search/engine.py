@@ -5,7 +5,7 @@ Flow of ``run_search``::
     run folder + storage (SQLite in the folder unless --storage URL)
     worker: describe device, probe the read-bandwidth limit (once per run)
     for each problem, for each backend:
-        study (resumed if it exists; interrupted trials marked failed)
+        study (resumed if it exists; trials a dead process left RUNNING marked failed)
         enqueue the default config first
         ask -> skip duplicates / invalid -> worker builds, verifies, times -> tell
     for each problem: top candidates of every backend + the baselines (vendor;
@@ -19,13 +19,24 @@ study only adds trials until ``trials`` of them exist, so nothing finished is
 measured again. A parameter set already evaluated in the study is never sent
 to the worker again: the new trial is told the stored outcome and marked
 ``duplicate_of``.
+
+Sharing: the run folder is locked for the whole run (``results.RunLock``: a
+second search on it is refused). Several searches may share one storage
+(``--storage``): SQLite in WAL mode with a busy timeout, and every trial in
+flight records its owner (``host:pid``) and Optuna's heartbeat, so a search
+fails only the RUNNING trials whose process is gone, never another live
+search's.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import socket
+import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +58,11 @@ FINAL_REPEATS = 30
 #: Stop asking a study for new parameter sets after this many attempts per
 #: wanted trial (duplicates and invalid sets are cheap but not free).
 MAX_ATTEMPTS_PER_TRIAL = 25
+#: Seconds between the heartbeats of a trial in flight, and the silence after which a
+#: search sharing the storage from another host may fail it (Optuna's heartbeat:
+#: RDBStorage(heartbeat_interval, grace_period) and storages.fail_stale_trials).
+HEARTBEAT_S = 10
+STALE_AFTER_S = 60
 
 
 @dataclass
@@ -152,25 +168,77 @@ class _Progress:
             self._progress.stop()
 
 
+def open_storage(url: str) -> optuna.storages.RDBStorage:
+    """The Optuna storage at ``url``, with the heartbeat on; a SQLite file is checked first
+    (an empty or corrupt one is refused, not recreated) and put in WAL mode."""
+    from tunekit.search import results
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    kwargs: dict[str, Any] = {}
+    db = results.sqlite_path(url)
+    if db is not None:
+        results.prepare_sqlite_file(db)
+        # wait for another search's write instead of failing with "database is locked"
+        kwargs["engine_kwargs"] = {"connect_args": {"timeout": 60}}
+    error: Exception | None = None
+    for _ in range(3):  # two searches creating the tables of a new shared database at once: one retries
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=STALE_AFTER_S,
+                                                  **kwargs)
+        except Exception as exc:  # bad URL, unreachable DB, missing driver
+            error = exc
+            time.sleep(0.5)
+    raise UserError(f"cannot open storage {url}: {error}") from None
+
+
 def run_search(cfg: SearchConfig, progress: bool = True, log: Callable[[str], None] = print) -> SearchOutcome:
-    """Run (or resume) the search described by ``cfg``; see the module docstring."""
-    from tunekit import table as table_mod
+    """Run (or resume) the search described by ``cfg``; see the module docstring.
+
+    Holds the run folder's lock throughout. When the run stops early (Ctrl-C,
+    an error), the trial in flight is recorded as interrupted and trials.csv
+    is written from the storage before the exception goes on.
+    """
     from tunekit.search import results
 
     if cfg.sampler not in SAMPLERS:
         raise UserError(f"unknown sampler {cfg.sampler!r} (choose from {', '.join(SAMPLERS)})")
     if cfg.trials < 1:
         raise UserError("--trials must be at least 1")
-    out_dir = cfg.out_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    url = storage_url(out_dir, cfg.storage)
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    try:
-        storage = optuna.storages.RDBStorage(url)
-    except Exception as exc:  # bad URL, unreachable DB, missing driver
-        raise UserError(f"cannot open storage {url}: {exc}") from None
+    if not (math.isfinite(cfg.min_gain) and cfg.min_gain >= 0):
+        raise UserError(f"--min-gain must be a number >= 0 (got {cfg.min_gain}); 0.01 asks a 1% gain")
+    results.make_run_dir(cfg.out_dir)
+    url = storage_url(cfg.out_dir, cfg.storage)
+    with results.RunLock(cfg.out_dir, cfg.command):
+        storage = open_storage(url)
+        results.check_trials_kept(cfg.out_dir, _stored_trials(storage), url)
+        outcome = SearchOutcome(run_dir=cfg.out_dir)
+        live = _Liveness(storage)
+        try:
+            return _run_locked(cfg, storage, url, live, outcome, progress, log)
+        except BaseException as exc:
+            live.fail_current(f"interrupted (the search process stopped: {type(exc).__name__})")
+            if outcome.device and outcome.trials_path is None:
+                try:  # the finished trials are in the storage; the csv too, where that still works
+                    results.write_trials(cfg.out_dir, storage, cfg, outcome.device, outcome.probe)
+                except Exception:  # noqa: BLE001 - the stop's own exception is the one to report
+                    pass
+            raise
+        finally:
+            live.close()
 
-    outcome = SearchOutcome(run_dir=out_dir)
+
+def _stored_trials(storage: optuna.storages.BaseStorage) -> int:
+    return sum(s.n_trials for s in optuna.get_all_study_summaries(storage, include_best_trial=False))
+
+
+def _run_locked(cfg: SearchConfig, storage, url: str, live: _Liveness, outcome: SearchOutcome, progress: bool,
+                log: Callable[[str], None]) -> SearchOutcome:
+    from tunekit import table as table_mod
+    from tunekit.search import results
+
+    out_dir = cfg.out_dir
     started = time.monotonic()
     with Worker() as worker:
         reply = worker.call({"kind": "device"})
@@ -186,8 +254,12 @@ def run_search(cfg: SearchConfig, progress: bool = True, log: Callable[[str], No
             raise UserError(f"bandwidth probe failed: {reply.get('error')}")
         probe = reply["probe"]
         outcome.probe = probe
-        log(f"read-bandwidth limit: {probe['read_gbps']:.0f} GB/s (copy {probe['copy_gbps']:.0f} GB/s, "
-            f"{probe['kind']} timing)")
+        if probe["kind"] == "cpu":
+            log("timing: CPU interpreter (TRITON_INTERPRET=1): times and GB/s here show that the pipeline "
+                "works; they are not bandwidth evidence (no read-bandwidth limit is measured on a CPU)")
+        else:
+            log(f"read-bandwidth limit: {probe['read_gbps']:.0f} GB/s (copy {probe['copy_gbps']:.0f} GB/s, "
+                f"{probe['kind']} timing)")
         results.write_run_json(out_dir, cfg, url, device, probe, usable)
         extra = _extra_baselines(cfg.problems, device, log)
 
@@ -201,7 +273,7 @@ def run_search(cfg: SearchConfig, progress: bool = True, log: Callable[[str], No
                     # a budget cut never starves the last problems
                     remaining = cfg.timeout_s - (time.monotonic() - started)
                     share = remaining / (len(studies) - index)
-                stats = _run_study(cfg, storage, worker, device, probe, problem, backend, bar, share)
+                stats = _run_study(cfg, storage, worker, device, probe, problem, backend, bar, share, live)
                 outcome.stats.append(stats)
             for problem in cfg.problems:
                 outcome.final_rows.extend(
@@ -211,6 +283,9 @@ def run_search(cfg: SearchConfig, progress: bool = True, log: Callable[[str], No
             bar.stop()
 
     outcome.trials_path = results.write_trials(out_dir, storage, cfg, device, probe)
+    if outcome.trials_path.name != "trials.csv":
+        log(f"warning: {out_dir / 'trials.csv'} lists more trials than this storage holds for {device['arch']}; "
+            f"kept as it is, this run's trials are in {outcome.trials_path}")
     results.write_final(out_dir, outcome.final_rows)
     table = table_mod.build_table(outcome.final_rows, device, probe, cfg.min_gain, usable)
     outcome.table_path = table_mod.save(table, out_dir / "table.json")
@@ -261,17 +336,112 @@ def _limit_gbps(problem: Problem, probe: dict[str, Any]) -> float | None:
     return probe.get(f"{opspec.get(problem.op).limit}_gbps") or None
 
 
-def _mark_interrupted(study: optuna.Study, storage: optuna.storages.BaseStorage) -> None:
-    """Trials left RUNNING by a killed run never finished: record them as failed."""
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING)):
-        if trial.state == TrialState.WAITING:
-            continue  # an enqueued default that was never asked: keep it queued
-        storage.set_trial_user_attr(trial._trial_id, "status", "interrupted")
-        storage.set_trial_user_attr(trial._trial_id, "error", "interrupted (the search process stopped)")
-        storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+class _Liveness:
+    """The trial this process has in flight: its owner and Optuna's heartbeat for it.
+
+    Every asked trial records its owner (``host:pid``) as a user attribute and
+    gets a heartbeat every HEARTBEAT_S from a thread, so a search opening a
+    study can tell a trial a dead process left RUNNING (failed as interrupted,
+    ``_fail_dead_trials``) from one another live search sharing the storage is
+    measuring (left alone). ``fail_current`` records this process's own trial
+    in flight as interrupted when the run stops.
+    """
+
+    def __init__(self, storage) -> None:
+        self.storage = storage
+        self.owner = f"{socket.gethostname()}:{os.getpid()}"
+        self._trial_id: int | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="tunekit-heartbeat", daemon=True)
+        self._thread.start()
+
+    def begin(self, trial: optuna.Trial) -> None:
+        trial.set_user_attr("owner", self.owner)
+        with self._lock:
+            self._trial_id = trial._trial_id
+        self.storage.record_heartbeat(trial._trial_id)
+
+    def end(self) -> None:
+        with self._lock:
+            self._trial_id = None
+
+    def fail_current(self, error: str) -> None:
+        with self._lock:
+            trial_id, self._trial_id = self._trial_id, None
+        if trial_id is not None:
+            _fail_interrupted(self.storage, trial_id, error)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            with self._lock:
+                trial_id = self._trial_id
+            if trial_id is not None:
+                try:
+                    self.storage.record_heartbeat(trial_id)
+                except Exception:  # noqa: BLE001 - a busy database: the next beat is in HEARTBEAT_S
+                    pass
 
 
-def _run_study(cfg, storage, worker, device, probe, problem, backend_name, bar, remaining_s) -> StudyStats:
+def _fail_interrupted(storage, trial_id: int, error: str = "interrupted (the search process stopped)") -> None:
+    """Record a RUNNING trial that will never finish as failed, status ``interrupted``."""
+    try:
+        if storage.get_trial(trial_id).state != TrialState.RUNNING:
+            return
+        storage.set_trial_user_attr(trial_id, "status", "interrupted")
+        storage.set_trial_user_attr(trial_id, "error", error)
+        storage.set_trial_state_values(trial_id, TrialState.FAIL)
+    except optuna.exceptions.UpdateFinishedTrialError:
+        pass  # another search sharing the storage recorded it first
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def _fail_dead_trials(study: optuna.Study, storage) -> None:
+    """Trials left RUNNING by a process that is gone never finish: record them as failed.
+
+    A RUNNING trial may also be in flight in another search sharing the
+    storage; it is failed only when its owner is a dead process on this host
+    (or this very process, whose trials are all told by now: a reused pid), or,
+    for an owner elsewhere, when Optuna's heartbeat has been silent for
+    STALE_AFTER_S. A trial without an owner (recorded before owners were, or
+    asked a moment ago by another search) only once it is that old.
+    """
+    import datetime as _dt
+
+    host, now = socket.gethostname(), _dt.datetime.now()
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        owner = trial.user_attrs.get("owner")
+        if owner is None:
+            started = trial.datetime_start
+            if started is not None and (now - started).total_seconds() < STALE_AFTER_S:
+                continue
+        else:
+            owner_host, _, pid = str(owner).rpartition(":")
+            if owner_host != host or not pid.isdigit():
+                continue  # elsewhere: the heartbeat decides, below
+            if int(pid) != os.getpid() and _pid_alive(int(pid)):
+                continue
+        _fail_interrupted(storage, trial._trial_id)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
+
+
+def _run_study(cfg, storage, worker, device, probe, problem, backend_name, bar, remaining_s,
+               live: _Liveness) -> StudyStats:
     backend = backend_registry.get(backend_name)
     space = backend.space(problem)
     stats = StudyStats(problem=problem, backend=backend_name)
@@ -308,7 +478,7 @@ def _run_study(cfg, storage, worker, device, probe, problem, backend_name, bar, 
                 f"trials ran ({previous_source} -> {source}); they are kept, not re-measured "
                 "(use a new --out to start over)")
     study.set_user_attr("source_hash", source)
-    _mark_interrupted(study, storage)
+    _fail_dead_trials(study, storage)
     if emptied:
         # the study exists (the final re-measure reads it) but gets no new trial
         bar.log(f"{name}: --restrict {' '.join(emptied)} leaves no valid value for this problem; no new trials")
@@ -346,13 +516,18 @@ def _run_study(cfg, storage, worker, device, probe, problem, backend_name, bar, 
     attempts = 0
     deadline = None if remaining_s is None else time.monotonic() + max(remaining_s, 0.0)
     while measured < wanted and attempts < wanted * MAX_ATTEMPTS_PER_TRIAL:
+        live.end()  # the previous trial is told
         if deadline is not None and time.monotonic() > deadline:
             bar.log(f"--timeout reached: {name} stops at {measured} measured trials")
             break
         if isinstance(study.sampler, optuna.samplers.GridSampler) and study.sampler.is_exhausted(study):
             break
         attempts += 1
-        trial = study.ask(distributions)
+        with warnings.catch_warnings():
+            # ask/tell, not optimize(): the heartbeat is this module's (_Liveness)
+            warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
+            trial = study.ask(distributions)
+        live.begin(trial)
         params = dict(space.fixed) | dict(trial.params)
         key = _params_key(trial.params)
         if key in seen:
@@ -391,6 +566,7 @@ def _run_study(cfg, storage, worker, device, probe, problem, backend_name, bar, 
         best = _best_us(study)
         stats.best_us = best
         bar.update(task, advance=1, best=f"best {best:.2f} us" if best else "")
+    live.end()
     if stats.best_us is None:
         stats.best_us = _best_us(study)
     return stats

@@ -6,19 +6,184 @@
                       times, GB/s, % of limit, error vs reference
     RUN/final.csv     interleaved re-measure: top candidates + vendor baseline
     RUN/table.json    the dispatch table
+    RUN/.lock         held (fcntl.flock) by the search writing the folder: pid, host, start, command
+
+Nothing here destroys data: a search holds the folder's lock, a missing or
+corrupt database is refused rather than recreated, and trials.csv is never
+replaced by a file holding fewer trials.
 """
 
 from __future__ import annotations
 
+import csv
 import datetime as _dt
 import json
 import os
+import socket
+import sqlite3
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from tunekit.errors import UserError
+
+
+def make_run_dir(path: Path) -> None:
+    """Create the run folder (``--out``), or say in one line why it cannot be one."""
+    if path.exists() and not path.is_dir():
+        raise UserError(f"--out {path}: exists and is not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--out {path}: cannot create the run folder ({exc.strerror})") from None
+    check_writable_dir(path, "the run folder")
+
+
+def check_writable_dir(path: Path, what: str) -> None:
+    """A UserError unless a file can be created in ``path``. Tried for real: as root,
+    permission bits say nothing (a read-only mount or an immutable folder still refuses)."""
+    if not path.is_dir():
+        raise UserError(f"{path}: no such folder ({what})")
+    try:
+        fd, name = tempfile.mkstemp(dir=path, prefix=".tunekit-write-check-")
+    except OSError as exc:
+        raise UserError(f"cannot write in {path} ({exc.strerror}): {what} must be writable") from None
+    os.close(fd)
+    os.unlink(name)
+
+
+class RunLock:
+    """The exclusive lock of a run folder, held by one search from start to end.
+
+    ``fcntl.flock`` on ``RUN/.lock``: the kernel drops it when the holder exits,
+    however it dies, so a killed search never leaves a stale lock. The holder
+    writes its pid, host, start time and command in the file, for the error a
+    second search on the same folder gets. The file is never removed (removing
+    it would let two processes lock two different files of one name).
+    """
+
+    def __init__(self, run_dir: Path, command: str = "") -> None:
+        self.path = Path(run_dir) / ".lock"
+        self.command = command
+        self._fd: int | None = None
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def acquire(self) -> None:
+        import fcntl
+
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise UserError(f"cannot write in the run folder {self.path.parent} ({exc.strerror})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = _describe_holder(os.pread(fd, 65536, 0))
+            os.close(fd)
+            raise UserError(f"{self.path.parent} is in use by another search ({holder}); wait for it to "
+                            "finish, or give this one another --out") from None
+        info = {"pid": os.getpid(), "host": socket.gethostname(),
+                "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                "command": self.command}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            import fcntl
+
+            os.ftruncate(self._fd, 0)  # no holder any more: a stale description would mislead
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def _describe_holder(raw: bytes) -> str:
+    try:
+        info = json.loads(raw.decode())
+        return (f"pid {info['pid']} on {info['host']}, started {info['started']}: "
+                f"{info.get('command') or '(command not recorded)'}")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return "a process that has not written its details yet"
+
+
+def sqlite_path(url: str) -> Path | None:
+    """The database file of a ``sqlite:///`` URL; None for another database or an in-memory one."""
+    prefix = "sqlite:///"
+    if not url.startswith(prefix):
+        return None
+    name = url[len(prefix):].split("?", 1)[0]
+    return None if name in ("", ":memory:") else Path(name)
+
+
+#: A database file still empty this long after it was seen is not one being created.
+_EMPTY_DB_WAIT_S = 3.0
+
+
+def prepare_sqlite_file(path: Path) -> None:
+    """Refuse a database file that exists but cannot hold the trials it should; put it in WAL mode.
+
+    An empty file would be taken by SQLite as a new empty database, and a
+    corrupt one fails deep inside Optuna: either way the run would go on
+    without its trials. A file is empty only for the moment another process
+    creates it (searches sharing one --storage), hence the short wait. WAL
+    (persistent in the file) lets searches sharing it read while one writes.
+    """
+    if not path.exists():
+        try:
+            con = sqlite3.connect(path, timeout=60)
+            try:
+                con.execute("PRAGMA journal_mode=WAL")  # writes the header: the file is never seen empty
+            finally:
+                con.close()
+        except sqlite3.Error as exc:
+            raise UserError(f"cannot create the database {path} ({exc})") from None
+        return
+    deadline = time.monotonic() + _EMPTY_DB_WAIT_S
+    while path.stat().st_size == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if path.stat().st_size == 0:
+        raise UserError(f"{path} is empty (0 bytes): the trials it held are gone. Restore it from a backup, or "
+                        "move it away (and trials.csv with it) to start over")
+    try:
+        con = sqlite3.connect(f"file:{path}?mode=rw", uri=True, timeout=60)
+        try:
+            check = con.execute("PRAGMA quick_check").fetchone()
+            if check is None or check[0] != "ok":
+                raise sqlite3.DatabaseError(f"quick_check: {check[0] if check else 'no answer'}")
+            con.execute("PRAGMA journal_mode=WAL")
+        finally:
+            con.close()
+    except sqlite3.Error as exc:
+        raise UserError(f"{path} is not a readable SQLite database ({exc}): restore it from a backup, or move it "
+                        "away to start over") from None
+
+
+def csv_rows(path: Path) -> int:
+    """Rows of a CSV file (quoted newlines inside a field count once); 0 if it does not exist."""
+    if not path.is_file():
+        return 0
+    with path.open(newline="") as handle:
+        return max(sum(1 for _ in csv.reader(handle)) - 1, 0)
+
+
+def check_trials_kept(out_dir: Path, stored: int, url: str) -> None:
+    """Refuse a storage holding fewer trials than ``RUN/trials.csv`` lists: its trials were
+    lost or it is another database, and this run's trials.csv would drop the missing ones."""
+    listed = csv_rows(out_dir / "trials.csv")
+    if listed > stored:
+        raise UserError(f"{out_dir / 'trials.csv'} lists {listed} trials but the storage {url} holds {stored}: "
+                        "restore the database the run used, or move trials.csv away to start over")
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -90,8 +255,14 @@ def trials_frame(storage, study_prefix: str | None = None) -> pd.DataFrame:
 
 
 def write_trials(out_dir: Path, storage, cfg, device: dict, probe: dict) -> Path:
+    """Write RUN/trials.csv; where that file lists more trials than this storage holds for the
+    device (another database, or another device's studies), write beside it instead: the
+    returned path is then ``trials-<UTC time>.csv``."""
     frame = trials_frame(storage, study_prefix=f"{device['arch']}|")
     path = out_dir / "trials.csv"
+    if csv_rows(path) > len(frame):
+        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        path = out_dir / f"trials-{stamp}.csv"
     frame.to_csv(path.with_suffix(".csv.tmp"), index=False)
     os.replace(path.with_suffix(".csv.tmp"), path)
     return path
