@@ -28,6 +28,17 @@ Format (``format`` = ``tunekit.dispatch/1``)::
      "entries": [{"op", "dtype", "m", "n", "k", "backend", "kernel", "params",
                   "time_us", "baseline_us", "speedup", "gbps", "pct_of_limit",
                   "max_abs_err", "err_ratio", "count"}]}
+
+Validation (``validate``; ``load`` runs it): the structure and every field's
+type and range always (finite positive times, ``pct_of_limit`` a number or
+null, the stamp's fields, known op and dtype, params a flat dict). With
+``strict=True`` (``tunekit show``) also what each entry means: a tuned
+backend that serves its op, params non-empty, named and typed as the
+backend's search space has them, and accepted by the kernel's own predicate
+(``Backend.invalid_reason``) for the entry's problem. Serving loads tables
+without ``strict``: an entry that does not build there takes the vendor path
+on its own (``tunekit.ops``), and a backend that cannot be imported on the
+serving machine does not make the rest of the table unusable.
 """
 
 from __future__ import annotations
@@ -58,6 +69,13 @@ _ENTRY_FIELDS: dict[str, tuple[type, ...]] = {
     "gbps": (int, float),
 }
 _ENV_FIELDS = ("gpu", "arch", "cu_count", "wave_size", "runtime", "torch", "triton", "tunekit", "kernel_hash")
+_ENV_TYPES: dict[str, tuple[type, ...]] = {
+    "gpu": (str,), "arch": (str,), "cu_count": (int,), "wave_size": (int,), "runtime": (str,), "torch": (str,),
+    "triton": (str, type(None)), "tunekit": (str,), "kernel_hash": (dict,),
+}
+#: Entry fields that hold a number >= 0 or null (a figure some devices cannot give).
+_OPTIONAL_NUMBERS = ("pct_of_limit", "max_abs_err", "err_ratio")
+_PARAM_VALUE_TYPES = (int, float, str, bool)
 
 
 class TableError(UserError):
@@ -179,8 +197,10 @@ def save(table: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def load(path: str | Path) -> dict[str, Any]:
-    """Read and validate a table; TableError (one line) if unreadable or invalid."""
+def load(path: str | Path, strict: bool = False) -> dict[str, Any]:
+    """Read and validate a table; TableError (one line) if unreadable or invalid.
+
+    ``strict``: also check every entry against its backend (see the module docstring)."""
     path = Path(path)
     if not path.is_file():
         raise TableError(f"{path}: no such table file")
@@ -188,11 +208,100 @@ def load(path: str | Path) -> dict[str, Any]:
         table = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise TableError(f"{path}: corrupt table (not JSON: {exc})") from None
-    validate(table, source=str(path))
+    validate(table, source=str(path), strict=strict)
     return table
 
 
-def validate(table: Any, source: str = "table") -> None:
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _entry_label(i: int, entry: dict[str, Any]) -> str:
+    """``entry 3 (gemv bf16 m1 96x5120 triton)``: which entry a message is about."""
+    parts = [str(entry.get(f, "?")) for f in ("op", "dtype")] + [f"m{entry.get('m', '?')}",
+                                                                 f"{entry.get('n', '?')}x{entry.get('k', '?')}",
+                                                                 str(entry.get("backend", "?"))]
+    return f"entry {i} ({' '.join(parts)})"
+
+
+def _entry_problem(entry: dict[str, Any]) -> str | None:
+    """Why an entry's fields are malformed (types, ranges, names), else None."""
+    from tunekit.shapes import DTYPE_BYTES, OPS
+
+    for name, types in _ENTRY_FIELDS.items():
+        value = entry.get(name)
+        if not isinstance(value, types) or isinstance(value, bool):
+            return f"field {name!r} missing or not {types[0].__name__} (got {value!r})"
+    for name in ("m", "n", "k"):
+        if entry[name] < 1:
+            return f"{name}={entry[name]} (must be > 0)"
+    for name in ("time_us", "baseline_us", "speedup", "gbps"):
+        if not math.isfinite(entry[name]) or entry[name] <= 0:
+            return f"{name}={entry[name]} (must be finite and > 0)"
+    for name in _OPTIONAL_NUMBERS:
+        value = entry.get(name)
+        if value is not None and not (_is_number(value) and math.isfinite(value) and value >= 0):
+            return f"{name}={value!r} (must be a number >= 0 or null)"
+    count = entry.get("count", 1)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        return f"count={count!r} (must be an integer > 0)"
+    if not isinstance(entry.get("timing_kind", ""), str):
+        return f"timing_kind={entry['timing_kind']!r} (must be a string)"
+    if entry["op"] not in OPS:
+        return f"unknown op {entry['op']!r} (known: {', '.join(OPS)})"
+    if entry["dtype"] not in DTYPE_BYTES:
+        return f"unknown dtype {entry['dtype']!r} (known: {', '.join(DTYPE_BYTES)})"
+    for key, value in entry["params"].items():
+        if not isinstance(value, _PARAM_VALUE_TYPES):
+            return f"params {key}={value!r}: not a number or a string"
+    return None
+
+
+def _entry_meaning(entry: dict[str, Any]) -> str | None:
+    """Why a well-formed entry cannot serve its problem (strict validation), else None."""
+    from tunekit import backends as registry
+    from tunekit.shapes import Problem
+
+    name, params = entry["backend"], entry["params"]
+    if name in registry.BASELINES:
+        return f"backend {name!r} is a baseline: the vendor path needs no entry"
+    if name not in registry.BUILTIN and ":" not in name:
+        return f"unknown backend {name!r} (known: {', '.join(registry.TUNED)}, or module:ATTR)"
+    if not params:
+        return "params is empty (a tuned entry names its config)"
+    try:
+        backend = registry.get(name)
+    except ImportError as exc:
+        if name in registry.BUILTIN:
+            return None  # not installed here (no triton, say): the structure is all that can be checked
+        return f"backend {name!r} cannot be imported ({exc})"
+    except (KeyError, AttributeError) as exc:
+        return f"backend {name!r} cannot be loaded ({exc})"
+    if entry["op"] not in getattr(backend, "ops", ()):
+        return f"backend {name!r} has no kernel for op {entry['op']!r}"
+    problem = Problem(entry["op"], entry["dtype"], entry["m"], entry["n"], entry["k"])
+    try:
+        space = backend.space(problem)
+        known = {**space.domains, **{k: [v] for k, v in {**space.default, **space.reference,
+                                                          **space.fixed}.items()}}
+        for key, value in params.items():
+            if key not in known:
+                return f"params {key}={value!r}: {name} {entry['op']} has no tunable {key!r}"
+            types = {type(v) for v in known[key]}
+            if type(value) not in types and not (type(value) is int and float in types):
+                wanted = " or ".join(sorted(t.__name__ for t in types))
+                return f"params {key}={value!r} is {type(value).__name__}, expected {wanted}"
+        reason = backend.invalid_reason(problem, params)
+    except ImportError:
+        return None  # the kernel module needs what is not installed here (see above)
+    except Exception as exc:  # noqa: BLE001 - a predicate that chokes on the params: that is the verdict
+        reason = f"{type(exc).__name__}: {exc}"
+    return None if reason is None else f"params rejected by the {name} kernel: {reason}"
+
+
+def validate(table: Any, source: str = "table", strict: bool = False) -> None:
+    """TableError (one line naming the entry and why) unless ``table`` is a valid table;
+    ``strict`` also checks each entry against its backend (see the module docstring)."""
     if not isinstance(table, dict):
         raise TableError(f"{source}: a table must be a JSON object")
     if table.get("format") != FORMAT:
@@ -203,27 +312,35 @@ def validate(table: Any, source: str = "table") -> None:
     missing = [f for f in _ENV_FIELDS if f not in env]
     if missing:
         raise TableError(f"{source}: environment stamp lacks {missing}")
+    for name, types in _ENV_TYPES.items():
+        value = env[name]
+        if not isinstance(value, types) or isinstance(value, bool):
+            raise TableError(f"{source}: environment {name}={value!r} is not {types[0].__name__}")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in env["kernel_hash"].items()):
+        raise TableError(f"{source}: environment kernel_hash must map backend names to hash strings")
+    for name in ("read_limit_gbps", "min_gain"):
+        value = table.get(name)
+        if value is not None and not (_is_number(value) and math.isfinite(value) and value >= 0):
+            raise TableError(f"{source}: {name}={value!r} (must be a number >= 0 or null)")
     entries = table.get("entries")
     if not isinstance(entries, list):
         raise TableError(f"{source}: 'entries' must be a list")
     seen = set()
+    problems: list[str] = []
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict):
-            raise TableError(f"{source}: entry {i} is not an object")
-        for name, types in _ENTRY_FIELDS.items():
-            value = entry.get(name)
-            if not isinstance(value, types) or isinstance(value, bool):
-                raise TableError(f"{source}: entry {i} field {name!r} missing or not {types[0].__name__}")
-        for name in ("m", "n", "k"):
-            if entry[name] < 1:
-                raise TableError(f"{source}: entry {i} has {name}={entry[name]}")
-        for name in ("time_us", "baseline_us", "speedup", "gbps"):
-            if not math.isfinite(entry[name]) or entry[name] <= 0:
-                raise TableError(f"{source}: entry {i} has {name}={entry[name]}")
-        key = (entry["op"], entry["dtype"], entry["m"], entry["n"], entry["k"])
-        if key in seen:
-            raise TableError(f"{source}: duplicate entry for {key}")
-        seen.add(key)
+            problems.append(f"entry {i} is not an object")
+            continue
+        why = _entry_problem(entry)
+        if why is None:
+            key = (entry["op"], entry["dtype"], entry["m"], entry["n"], entry["k"])
+            why = f"duplicate entry for {key}" if key in seen else (_entry_meaning(entry) if strict else None)
+            seen.add(key)
+        if why is not None:
+            problems.append(f"{_entry_label(i, entry)}: {why}")
+    if problems:
+        more = f" (and {len(problems) - 1} more invalid entries)" if len(problems) > 1 else ""
+        raise TableError(f"{source}: {problems[0]}{more}")
 
 
 def environment_mismatch(table: dict[str, Any], device: dict[str, Any]) -> list[str]:
