@@ -1,13 +1,18 @@
 """Thin CLI verbs; the library does the work.
 
-User errors (unknown model, malformed config, corrupt table, bad option) are
-one line on stderr and exit status 2, never a traceback.
+User errors (unknown model, malformed config, corrupt table, bad option or
+option value, a file or folder that cannot be read or written) are one
+``error:`` line on stderr and exit status 2, never a traceback; Ctrl-C is one
+``interrupted:`` line and exit status 130. A bare ``tunekit`` prints the help
+and exits 2 (no command is a usage error).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import shlex
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -16,11 +21,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tunekit.errors import UserError
+from tunekit.errors import Interrupted, UserError
+from tunekit.report import make_console
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="tunekit: tune decode GEMVs per real model shape and serve the winners.")
-console = Console()
+console: Console = make_console()
 
 
 def _problems(model: str | None, shape: list[str], tp: int, m: str, config: Path | None, ops: str = "gemv"):
@@ -72,6 +78,11 @@ _SHAPE_HELP = ("ad-hoc problem (repeatable): NxK is a GEMV; OP:SIZE an elementwi
 _OPS_HELP = ("ops of the model to list / tune: gemv, rms_norm, fused_add_rms_norm, gated_rms_norm, silu_and_mul, "
              "bias_gelu (norm families follow the model's weight convention)")
 _M_HELP = "batch sizes (tokens per step), e.g. 1,2,4,8; gemv takes 1..8, elementwise ops up to 65536"
+#: What `search --model/--config` tunes unless --m / --ops narrow it: M = the small decode
+#: batch sizes vLLM captures as CUDA graphs (GEMV takes 1..8), every op the model runs.
+_MODEL_M = "1,2,4,8"
+_SEARCH_M_HELP = _M_HELP + f" [default: {_MODEL_M} with --model/--config, else 1]"
+_SEARCH_OPS_HELP = _OPS_HELP + " [default: every op the model runs with --model/--config, else gemv]"
 
 
 @app.command()
@@ -135,8 +146,8 @@ def search(
     config: Annotated[Path | None, typer.Option(help="path to a Hugging Face config.json")] = None,
     shape: Annotated[list[str], typer.Option(help=_SHAPE_HELP)] = [],  # noqa: B006
     tp: Annotated[int, typer.Option(help="tensor-parallel size")] = 1,
-    m: Annotated[str, typer.Option(help=_M_HELP)] = "1",
-    ops: Annotated[str, typer.Option(help=_OPS_HELP)] = "gemv",
+    m: Annotated[str | None, typer.Option(help=_SEARCH_M_HELP, show_default=False)] = None,
+    ops: Annotated[str | None, typer.Option(help=_SEARCH_OPS_HELP, show_default=False)] = None,
     backend: Annotated[str | None, typer.Option(
         help="comma list of backends (default: every tuned backend available here)")] = None,
     trials: Annotated[int, typer.Option(help="measured trials per (problem, backend) study")] = 40,
@@ -145,7 +156,8 @@ def search(
     numerics: Annotated[str, typer.Option(help="bounded (fp64 reference + BF16 bound) or exact")] = "bounded",
     storage: Annotated[str | None, typer.Option(help="Optuna RDB URL (default: SQLite in --out)")] = None,
     out: Annotated[Path | None, typer.Option(help="run folder (default runs/<model or shapes>)")] = None,
-    min_gain: Annotated[float, typer.Option(help="minimum speedup over vendor to enter the table")] = 0.01,
+    min_gain: Annotated[float, typer.Option(
+        help="minimum gain over the fastest baseline to enter the table (0.01: 1%; >= 0)")] = 0.01,
     seed: Annotated[int, typer.Option(help="sampler and input seed")] = 0,
     warm_start: Annotated[int, typer.Option(
         help="first measure the N best configs of every other study of the op in the storage")] = 3,
@@ -158,12 +170,25 @@ def search(
              "e.g. MMA=1 or M_MODE=dot,dot_w (an empty value where the domain has one: W_EVICT=,evict_first)")] = None,
     progress: Annotated[bool, typer.Option(help="show progress bars")] = True,
 ) -> None:
-    """Search the best verified kernel per problem; write trials and the dispatch table."""
+    """Search the best verified kernel per problem; write trials and the dispatch table.
+
+    With --model/--config: every op the model runs (its GEMVs and fused elementwise ops) at
+    M = 1,2,4,8, unless --ops / --m narrow it. Rerunning the same command resumes.
+    """
     from tunekit import backends as registry
+    from tunekit import shapes as shapes_mod
     from tunekit.report import print_summary, report_after_search
     from tunekit.search.engine import SearchConfig, read_seed_records, run_search
     from tunekit.verify import NUMERICS
 
+    whole_model = bool(model or config)
+    if m is None:
+        m = _MODEL_M if whole_model else "1"
+    if ops is None:
+        # every op family: the model's spec keeps those it runs
+        ops = ",".join(shapes_mod.OPS) if whole_model else "gemv"
+    if not min_gain >= 0:  # also NaN
+        raise UserError(f"--min-gain must be a number >= 0 (got {min_gain}); 0.01 asks a 1% gain")
     spec, problems = _problems(model, shape, tp, m, config, ops)
     if numerics not in NUMERICS:
         raise UserError(f"--numerics must be one of {', '.join(NUMERICS)}")
@@ -246,18 +271,25 @@ def _default_backends() -> list[str]:
 @app.command()
 def export(
     run: Annotated[Path, typer.Argument(help="run folder written by `tunekit search`")],
-    min_gain: Annotated[float | None, typer.Option(help="minimum speedup over vendor (default: the run's)")] = None,
+    min_gain: Annotated[float | None, typer.Option(
+        help="minimum gain over the fastest baseline, >= 0 (default: the run's)")] = None,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="table (default RUN/table.json)")] = None,
 ) -> None:
     """(Re)write the dispatch table of a run from its re-measured results."""
     from tunekit import table as table_mod
     from tunekit.search import results
 
+    if min_gain is not None and not min_gain >= 0:  # also NaN
+        raise UserError(f"--min-gain must be a number >= 0 (got {min_gain}); 0.01 asks a 1% gain")
     meta = results.read_run_json(run)
     rows = results.read_final(run)
+    target = output or run / "table.json"
+    if target.is_dir():
+        raise UserError(f"{target} is a folder: give --output a file name")
+    results.check_writable_dir(target.parent, "export writes the table there")
     gain = meta.get("min_gain", 0.01) if min_gain is None else min_gain
     table = table_mod.build_table(rows, meta["device"], meta["probe"], gain, meta["backends"])
-    path = table_mod.save(table, output or run / "table.json")
+    path = table_mod.save(table, target)
     console.print(f"wrote {path}: {len(table['entries'])} entries (min gain {gain:.1%})")
 
 
@@ -276,10 +308,10 @@ def show(
     table_path: Annotated[Path, typer.Argument(metavar="TABLE", help="dispatch table JSON")],
     check: Annotated[bool, typer.Option(help="fail if the table was tuned for another device/software")] = False,
 ) -> None:
-    """Validate and print a dispatch table."""
+    """Validate every entry of a dispatch table and print it."""
     from tunekit import table as table_mod
 
-    table = table_mod.load(table_path)
+    table = table_mod.load(table_path, strict=True)
     env = table["environment"]
     console.print(f"{table_path}: {table['format']}, {len(table['entries'])} entries, tuned on {env['gpu']} "
                   f"({env['arch']}, {env['runtime']}, torch {env['torch']}, triton {env['triton']})")
@@ -403,25 +435,75 @@ def probe() -> None:
         res = worker.call({"kind": "probe"}, timeout=600)
     if res.get("status") != "ok":
         raise UserError(f"probe failed: {res.get('error')}")
-    console.print(json.dumps({"device": dev.get("device"), "probe": res["probe"]}, indent=2))
+    report = {"device": dev.get("device"), "probe": res["probe"]}
+    if res["probe"].get("kind") == "cpu":
+        report["note"] = ("CPU (interpreter) timing: these GB/s show that the probe runs; they are not "
+                          "bandwidth evidence (measure the read-bandwidth limit on a GPU)")
+    console.print(json.dumps(report, indent=2))
+
+
+_INTERRUPTED = "interrupted: finished trials are stored; rerun the same command to resume\n"
+#: OSErrors that mean a path the user gave cannot be used: one line, exit 2.
+_PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENOENT,
+                errno.ENOSPC, errno.EDQUOT, errno.ENAMETOOLONG}
+
+
+def _on_sigint(signum: int, frame: object) -> None:
+    raise Interrupted()
+
+
+def _click_error(exc: BaseException) -> str | None:
+    """The one-line message of a usage error from click or typer, else None.
+
+    typer >= 0.26 raises the exceptions of its own copy of click
+    (``typer._click``), which are not click's classes; every version's have
+    ``format_message()`` and an int ``exit_code``, so they are told by those.
+    """
+    format_message = getattr(exc, "format_message", None)
+    if not callable(format_message) or not isinstance(getattr(exc, "exit_code", None), int):
+        return None
+    ctx = getattr(exc, "ctx", None)
+    if type(exc).__name__ == "NoArgsIsHelpError":  # its message is the help text itself
+        if ctx is not None:
+            sys.stdout.write(ctx.get_help() + "\n")
+        return "missing command (the commands are listed above)"
+    message = " ".join(str(format_message()).split())
+    path = getattr(ctx, "command_path", None)
+    return f"{message} (try {path} --help)" if path else message
 
 
 def main() -> None:
+    # Ctrl-C raises Interrupted, not KeyboardInterrupt: typer and click would catch that one and
+    # turn it into an exit of their own (version-dependent); the search decides what stops.
+    signal.signal(signal.SIGINT, _on_sigint)
+    code: object = None
     try:
-        app(standalone_mode=False)
+        if not sys.argv[1:]:
+            app(["--help"], standalone_mode=False)  # the help on stdout; no command is a usage error
+            raise UserError("missing command (the commands are listed above; try tunekit COMMAND --help)")
+        code = app(standalone_mode=False)  # a command returns None; --help an exit code
     except UserError as exc:
         # plain write: rich would wrap a long message over several lines
         sys.stderr.write(f"error: {exc}\n")
         sys.exit(2)
-    except KeyboardInterrupt:
-        sys.stderr.write("interrupted: finished trials are stored; rerun the same command to resume\n")
+    except (Interrupted, KeyboardInterrupt):
+        sys.stderr.write(_INTERRUPTED)
         sys.exit(130)
-    except Exception as exc:  # click's usage errors arrive here in non-standalone mode
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        if isinstance(exc, click.exceptions.Abort):
-            sys.exit(1)
+    except Exception as exc:  # click's / typer's usage errors arrive here in non-standalone mode
+        message = _click_error(exc)
+        if message is not None:
+            sys.stderr.write(f"error: {message}\n")
+            sys.exit(2)
+        if type(exc).__name__ == "Abort":  # click's answer to EOF at a prompt, or a Ctrl-C it caught itself
+            sys.stderr.write(_INTERRUPTED if isinstance(exc.__context__, KeyboardInterrupt) else "error: aborted\n")
+            sys.exit(130 if isinstance(exc.__context__, KeyboardInterrupt) else 2)
+        if isinstance(exc, OSError) and exc.errno in _PATH_ERRNOS:
+            # a path no explicit check caught: still one line
+            where = f"{exc.filename}: " if exc.filename else ""
+            sys.stderr.write(f"error: {where}{exc.strerror or exc}\n")
+            sys.exit(2)
         raise
+    if code == 130:  # a typer that caught a KeyboardInterrupt itself returns its exit code
+        sys.stderr.write(_INTERRUPTED)
+    if isinstance(code, int) and code:
+        sys.exit(code)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,6 +13,19 @@ from rich.console import Console
 from rich.table import Table
 
 from tunekit.errors import UserError
+
+#: Columns of a report that is not printed on a terminal. Rich assumes 80 there and
+#: cuts table cells to fit ("(1.00…"); a file or a pipe has no width to respect.
+PIPE_WIDTH = 200
+
+
+def make_console() -> Console:
+    """The console reports print on: a terminal's own width; piped or redirected, PIPE_WIDTH
+    columns (or $COLUMNS) and long lines left unwrapped, so no table cell is truncated."""
+    if sys.stdout.isatty():
+        return Console()
+    columns = os.environ.get("COLUMNS", "")
+    return Console(width=int(columns) if columns.isdigit() else PIPE_WIDTH, soft_wrap=True)
 
 
 def print_summary(console: Console, outcome) -> None:
@@ -602,6 +617,10 @@ def write_plots(comp: Comparison) -> list[Path]:
 def compare_run(run_dir: Path, console: Console) -> Comparison:
     """`tunekit compare RUN`: load, print, write RUN/report.md and the PNG plots."""
     comp = load_comparison(run_dir)
+    from tunekit.search.results import check_writable_dir
+
+    # before the report is printed: a folder it cannot be written to is one line, not a report and a failure
+    check_writable_dir(Path(run_dir), "compare writes report.md and the plots into the run folder")
     print_comparison(console, comp)
     try:
         plots = write_plots(comp)
