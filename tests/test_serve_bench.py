@@ -151,6 +151,22 @@ def _settings(**kw) -> bench.Settings:
     return bench.build_settings("qwen3.5-27b", None, [TABLE], [1, 2], **opts)
 
 
+def test_prediction_equals_the_chains_for_the_same_tables() -> None:
+    """The recorded H200 chain run predicted its saving per step from these two tables (Chain.kinds);
+    the served-model prediction (ModelSpec.problems x table.lookup) must give the same figures."""
+    from tunekit import table as table_mod
+    from tunekit.models import load_model
+
+    run = REPO / "benchmarks" / "results" / "h200-chain-m1248-59df7cf" / "chain.json"
+    chain = json.loads(run.read_text())
+    merged = analysis.merged_table(table_mod.load(REPO / p) for p in chain["tables"])
+    spec = load_model(chain["model"])
+    for row in (r for r in chain["results"] if r["variant"] == "tuned"):
+        pred = analysis.predicted_saving_us(spec, merged, row["m"])
+        assert pred["saving_us"] == pytest.approx(row["predicted_saving_us"], rel=1e-9)
+        assert pred["served_calls"] == row["tuned_steps"] and pred["calls"] == chain["calls_per_step"]
+
+
 def test_run_offline_on_the_stub_engine(fake: Path, tmp_path: Path) -> None:
     out = tmp_path / "serve"
     lines: list[str] = []
