@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tunekit.errors import UserError
+from tunekit.errors import Interrupted, UserError
 from tunekit.serve import ARMS
 from tunekit.serve.analysis import DEFAULT_TOL, dispatch_logs, load_json, load_runs, merge_dispatch, summarize
 from tunekit.serve.runner import PROBE_FORMAT, PROGRESS
@@ -381,7 +381,8 @@ def _check_resume(out_dir: Path, settings: Settings) -> None:
 
 
 def _sigterm(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt  # unwinds through _run_process, which kills the engine process
+    # as the CLI's SIGINT (a timeout's SIGTERM): unwinds through _run_process, which kills the engine
+    raise Interrupted()
 
 
 def run_offline(settings: Settings, out_dir: Path, log: Callable[[str], None] = print,
