@@ -11,8 +11,10 @@ torch.compile and under vLLM's compile backend (one graph serves every M).
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
+import os
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -56,9 +58,15 @@ def _table(path: Path, entries: list[dict]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def plugin():
-    """Load vLLM's general plugins the way vLLM does (once per process)."""
+def plugin(tmp_path_factory):
+    """Load vLLM's general plugins the way vLLM does (once per process), with a table named.
+
+    Without ``TUNEKIT_TABLE`` the plugin installs nothing; an empty table
+    gets every hook in, and each test loads the table it needs.
+    """
     assert vllm.__version__.startswith("0.33"), vllm.__version__
+    if not os.environ.get("TUNEKIT_TABLE"):
+        os.environ["TUNEKIT_TABLE"] = str(_table(tmp_path_factory.mktemp("tables") / "empty.json", []))
     vllm.plugins.load_general_plugins()
     from tunekit.integrations import vllm_plugin
 
@@ -83,14 +91,27 @@ def _impls(**match) -> list[tuple]:
             if all(r[k] == v for k, v in match.items())]
 
 
+def _vendors(**match) -> list[tuple]:
+    """(op, m, impl, vendor) of the markers: which vendor served each fallback."""
+    from tunekit import ops
+
+    return [(r["op"], r["m"], r["impl"], r["vendor"]) for r in ops.dispatch_stats()
+            if all(r[k] == v for k, v in match.items())]
+
+
 # ----------------------------------------------------------------------------- loading
 
 
 def test_entry_point_loads_once_and_installs_every_hook(plugin) -> None:
     eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "tunekit"]
     assert [ep.value for ep in eps] == ["tunekit.integrations.vllm_plugin:register"]
-    assert set(plugin.installed()) == {"linear", "RMSNorm", "GemmaRMSNorm", "RMSNormGated", "SiluAndMul"}
+    assert set(plugin.installed()) == {"linear", "RMSNorm", "GemmaRMSNorm", "RMSNormGated", "SiluAndMul",
+                                       "compile_cache_key"}
     assert plugin.skipped() == {}
+    # the tables join vLLM's compile-cache key: a graph traced under another table is not reused
+    import vllm.envs as envs
+
+    assert envs.compile_factors()[plugin.COMPILE_FACTOR] == plugin._tables_digest()
     import vllm.model_executor.layers.linear as linear
     import vllm.model_executor.layers.utils as utils
     import vllm.model_executor.layers.vocab_parallel_embedding as vocab
@@ -110,6 +131,31 @@ def test_entry_point_loads_once_and_installs_every_hook(plugin) -> None:
     assert {name: op_registry_oot[name] for name in registered} == registered
     assert len([r for r in PLUGIN_LOG.records if "installed" in r.getMessage()]) == 1
     assert not torch.cuda.is_initialized()  # no GPU work at load
+
+
+def test_without_a_table_nothing_is_installed(plugin, monkeypatch) -> None:
+    import vllm.model_executor.layers.linear as linear
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    registry_before = dict(op_registry_oot)
+    gemm_before = linear.dispatch_unquantized_gemm
+    calls = []
+    monkeypatch.setattr(plugin, "_install", lambda: calls.append("install") or ({}, {}))
+    for value in (None, "", " : "):
+        # a fresh process's plugin state: register() decides again
+        monkeypatch.setattr(plugin, "_STATE", {"registered": False, "installed": {}, "skipped": {}})
+        if value is None:
+            monkeypatch.delenv("TUNEKIT_TABLE", raising=False)
+        else:
+            monkeypatch.setenv("TUNEKIT_TABLE", value)
+        plugin.register()
+        assert plugin.installed() == {}
+        assert set(plugin.skipped()) == {"linear", "RMSNorm", "GemmaRMSNorm", "RMSNormGated", "SiluAndMul",
+                                         "compile_cache_key"}
+        assert all("TUNEKIT_TABLE is not set" in why for why in plugin.skipped().values())
+    assert calls == []  # no hook was attempted
+    assert dict(op_registry_oot) == registry_before and linear.dispatch_unquantized_gemm is gemm_before
+    assert any("nothing installed" in r.getMessage() for r in PLUGIN_LOG.records)
 
 
 # ----------------------------------------------------------------------------- linear
@@ -134,14 +180,34 @@ def test_unquantized_linear_and_lm_head_route_to_tunekit_gemv(plugin, vllm_confi
         assert y.shape == (m, 48) and (y.double() - ref).abs().max() < 0.05
         if m == 3:  # the vendor path: F.linear's own bits
             assert torch.equal(y, F.linear(x, layer.weight))
-    assert _impls(shape="48x64") == [("gemv", "48x64", 1, "tuned:triton"), ("gemv", "48x64", 2, "tuned:triton"),
-                                     ("gemv", "48x64", 3, "fallback:m_above_table")]
+    assert _vendors(op="gemv") == [("gemv", 1, "tuned:triton", None), ("gemv", 2, "tuned:triton", None),
+                                   ("gemv", 3, "fallback:m_above_table", "F.linear")]
+    # linears no table covers (another N x K; the tabulated N x K in another dtype) keep vLLM's own GEMM:
+    # the tunekit op is never entered
     head = ParallelLMHead(96, 64, params_dtype=torch.bfloat16)
     head.weight.data.normal_()
     x = torch.randn(2, 64).bfloat16()
     assert torch.equal(head.quant_method.apply(head, x), F.linear(x, head.weight))
-    shape = "x".join(map(str, head.weight.shape))  # the vocabulary padded to a multiple of 64
-    assert _impls(shape=shape) == [("gemv", shape, 2, "fallback:no_entry")]
+    half = MergedColumnParallelLinear(64, [32, 16], bias=False, params_dtype=torch.float16)
+    half.weight.data.normal_(0, 64**-0.5)
+    xh = torch.randn(2, 64).half()
+    assert torch.equal(half(xh)[0], F.linear(xh, half.weight))
+    assert len(_impls()) == 3  # only the covered layer's three calls
+
+
+def test_uncovered_linear_runs_vllms_impl_itself(plugin) -> None:
+    calls = []
+
+    def plain(layer, x, weight, bias=None):
+        calls.append(tuple(weight.shape))
+        return F.linear(x, weight, bias)
+
+    wrapped = plugin._wrap_gemm(plain, (plain,))
+    assert wrapped is not plain and getattr(wrapped, "_tunekit_wrapped", False)
+    w = torch.randn(40, 64).bfloat16()
+    x = torch.randn(3, 64).bfloat16()
+    assert torch.equal(wrapped(None, x, w, None), F.linear(x, w))  # no table loaded: vLLM's impl, called as is
+    assert calls == [(40, 64)] and _impls() == []
 
 
 def test_linear_hook_respects_rocm_aiter_and_older_forks(plugin, monkeypatch) -> None:
@@ -197,7 +263,8 @@ def test_norms_and_activation_route_to_tunekit_ops(plugin, vllm_config, elementw
     x = torch.randn(3, 64).bfloat16()
     r = torch.randn(3, 64).bfloat16()
     norm = RMSNorm(64, eps=1e-5, dtype=torch.bfloat16)
-    assert type(norm).__name__ == "TunekitRMSNorm" and norm._forward_method == norm.forward_cuda
+    assert type(norm).__name__ == "TunekitRMSNorm" and norm._forward_method == norm._tunekit_forward
+    assert norm._tunekit_stock_forward == norm.forward_cuda  # vLLM's own choice here (custom ops on: "all")
     norm.weight.data.normal_()
     assert (norm(x).float() - norm.forward_native(x).float()).abs().max() < 0.05
     y, s = norm(x, r)
@@ -231,25 +298,136 @@ def test_norms_and_activation_route_to_tunekit_ops(plugin, vllm_config, elementw
     assert ("gemma_fused_add_rms_norm", "64x64", 3, "tuned:serving_backend:BACKEND") in impls
     assert ("gated_rms_norm", "128x32", 2, "tuned:serving_backend:BACKEND") in impls
     assert ("silu_and_mul", "48x96", 3, "tuned:serving_backend:BACKEND") in impls
-    # a miss inside a covered layer (M above the table) falls back in the op
+    # a miss inside a covered layer (M above the table) falls back in the op; this CPU wheel has no
+    # vLLM _C kernel, so the composition serves and the marker says so
     big = torch.randn(9, 64).bfloat16()
     assert torch.equal(norm(big), torch.ops.tunekit.rms_norm(big, norm.weight.data, 1e-5))
-    assert ("rms_norm", "64x64", 9, "fallback:m_above_table") in _impls()
+    assert _vendors(op="rms_norm", m=9) == [("rms_norm", 9, "fallback:m_above_table", "eager:no_vendor_kernel")]
 
 
-def test_uncovered_layers_keep_vllms_own_path(plugin, vllm_config, elementwise_table: Path) -> None:
-    from vllm.model_executor.layers.layernorm import RMSNorm
+class _Block(nn.Module):
+    """A decoder's elementwise + linear mix at width 32: fused add + norm, norm, up proj, SiLU-and-mul, gated norm."""
 
-    norm = RMSNorm(32, dtype=torch.bfloat16)  # a width the table does not hold
-    x = torch.randn(2, 32).bfloat16()
-    # what the stock class would run: its forward_cuda when vLLM enables the
-    # op (the eager compile backend here), forward_native when it does not
-    # (custom ops are off by default under inductor)
-    assert norm._tunekit_stock_enabled == RMSNorm.enabled()
-    assert torch.equal(norm(x), norm.forward_native(x))
-    norm._tunekit_stock_enabled = not norm._tunekit_stock_enabled
-    assert torch.equal(norm(x), norm.forward_native(x))
-    assert _impls(op="rms_norm") == []  # never entered the tunekit op
+    def __init__(self, full: bool) -> None:
+        from vllm.model_executor.layers.activation import SiluAndMul
+        from vllm.model_executor.layers.layernorm import RMSNorm, RMSNormGated
+        from vllm.model_executor.layers.linear import ReplicatedLinear
+
+        super().__init__()
+        # full=False: the layers whose enabled (forward_cuda) path runs on this CPU platform too
+        self.full = full
+        self.norm = RMSNorm(32, eps=1e-6, dtype=torch.bfloat16)
+        self.up = ReplicatedLinear(32, 64, bias=False, params_dtype=torch.bfloat16)
+        if full:
+            self.act = SiluAndMul()
+            self.gate_norm = RMSNormGated(16, eps=1e-6, group_size=None, norm_before_gate=True,
+                                          dtype=torch.bfloat16, activation="silu")
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.norm(x, residual)
+        h = self.up(self.norm(h))[0]
+        if self.full:
+            a = self.act(h)  # [T, 32]
+            h = self.gate_norm(a.view(a.shape[0], 2, 16), h[:, 32:].reshape(a.shape[0], 2, 16))
+        return h, residual
+
+
+def _traced(model: nn.Module, *inputs: torch.Tensor) -> tuple[list[str], object]:
+    """The call targets of the graph torch.compile traces for ``model`` (dynamic M), and its output."""
+    torch._dynamo.reset()
+    targets: list[str] = []
+
+    def backend(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    for t in inputs:  # as vLLM compiles: the token dim dynamic, the widths static
+        torch._dynamo.mark_dynamic(t, 0)
+    out = torch.compile(model, backend=backend, fullgraph=True)(*inputs)
+    torch._dynamo.reset()
+    return targets, out
+
+
+def _stock_block(monkeypatch, full: bool, state: dict) -> nn.Module:
+    """The same block built by vLLM without the plugin: OOT classes and GEMM wrapper taken out meanwhile."""
+    import vllm.model_executor.layers.linear as linear
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    with monkeypatch.context() as mp:
+        for name in ("RMSNorm", "GemmaRMSNorm", "RMSNormGated", "SiluAndMul"):
+            mp.delitem(op_registry_oot, name)
+        mp.setattr(linear, "dispatch_unquantized_gemm", linear.dispatch_unquantized_gemm.__wrapped__)
+        block = _Block(full)
+    assert not any(type(m).__name__.startswith("Tunekit") for m in block.modules())
+    block.load_state_dict(state)
+    return block
+
+
+@pytest.mark.parametrize("tables", ["none loaded", "other shapes only"])
+@pytest.mark.parametrize("custom_ops", ["none", "all"])
+def test_uncovered_layers_trace_vanillas_graph(plugin, vllm_config, monkeypatch, tmp_path: Path, tables: str,
+                                                custom_ops: str) -> None:
+    from vllm.config import get_cached_compilation_config
+
+    from tunekit import ops
+
+    if tables == "other shapes only":  # every op tabulated, none at this block's widths
+        ops.load_tables(str(_table(tmp_path / "other.json", [
+            _entry("gemv", 4, 96, 64), *[_entry(op, 4, n, k, backend="serving_backend:BACKEND", params={})
+                                         for op, n, k in (("rms_norm", 64, 64), ("fused_add_rms_norm", 64, 64),
+                                                          ("silu_and_mul", 48, 96), ("gated_rms_norm", 128, 32))]])))
+    # custom ops off is vLLM's default under inductor (forward_native, which inductor fuses); on, its
+    # kernels. On this CPU platform SiluAndMul / RMSNormGated have no enabled path, so "all" leaves them out.
+    monkeypatch.setattr(vllm_config.compilation_config, "custom_ops", [custom_ops])
+    get_cached_compilation_config.cache_clear()
+    try:
+        full = custom_ops == "none"
+        torch.manual_seed(0)
+        block = _Block(full)
+        assert type(block.norm).__name__ == "TunekitRMSNorm"
+        for p in block.parameters():
+            p.data.normal_(0, 0.2)
+        stock = _stock_block(monkeypatch, full, block.state_dict())
+        # the subclass kept vLLM's own forward as its stock one
+        assert block.norm._tunekit_stock_forward == (block.norm.forward_native if full else block.norm.forward_cuda)
+        assert stock.norm._forward_method == (stock.norm.forward_native if full else stock.norm.forward_cuda)
+        x, r = torch.randn(5, 32).bfloat16(), torch.randn(5, 32).bfloat16()
+        got, y = _traced(block, x.clone(), r.clone())
+        want, y_stock = _traced(stock, x.clone(), r.clone())
+        assert not [t for t in got if "tunekit" in t], got
+        # the very graph vLLM traces without the plugin
+        assert got == want, "\n".join(difflib.unified_diff(want, got, "vLLM", "with the plugin", lineterm=""))
+        assert all(torch.equal(a, b) for a, b in zip(y, y_stock))
+        assert _impls() == []  # and, eagerly too, no tunekit op was entered
+        block(x.clone(), r.clone())
+        assert _impls() == []
+    finally:
+        get_cached_compilation_config.cache_clear()
+
+
+def test_the_same_block_covered_reaches_the_tunekit_ops(plugin, vllm_config, monkeypatch, tmp_path: Path) -> None:
+    """The counterpart of the test above: with its widths tabulated, the block's graph holds the tunekit ops."""
+    from vllm.config import get_cached_compilation_config
+
+    from tunekit import ops
+
+    ops.load_tables(str(_table(tmp_path / "block.json", [
+        _entry("gemv", 4, 64, 32), *[_entry(op, 4, n, k, backend="serving_backend:BACKEND", params={})
+                                     for op, n, k in (("rms_norm", 32, 32), ("fused_add_rms_norm", 32, 32),
+                                                      ("silu_and_mul", 32, 64), ("gated_rms_norm", 32, 16))]])))
+    monkeypatch.setattr(vllm_config.compilation_config, "custom_ops", ["none"])
+    get_cached_compilation_config.cache_clear()
+    try:
+        torch.manual_seed(0)
+        block = _Block(True)
+        for p in block.parameters():
+            p.data.normal_(0, 0.2)
+        got, _ = _traced(block, torch.randn(5, 32).bfloat16(), torch.randn(5, 32).bfloat16())
+    finally:
+        get_cached_compilation_config.cache_clear()
+    assert [t for t in got if t.startswith("tunekit.")] == [
+        "tunekit.fused_add_rms_norm", "tunekit.rms_norm", "tunekit.gemv", "tunekit.silu_and_mul",
+        "tunekit.gated_rms_norm"], got
 
 
 def test_norm_inputs_the_op_would_not_serve_keep_vllms_own_path(plugin, vllm_config, elementwise_table: Path) -> None:

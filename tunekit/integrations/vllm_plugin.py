@@ -10,13 +10,38 @@ Call protocol::
     # or, in a script: import vllm.plugins; vllm.plugins.load_general_plugins()
     tunekit.integrations.vllm_plugin.installed()   # {"linear": "...", "RMSNorm": "...", ...} hook -> what it does
 
+The rule: the plugin never makes vLLM slower. A layer reaches a tunekit op
+only where the loaded tables can serve it; everything else is vLLM's own
+code, untouched, so its traced graph is the one plain vLLM traces.
+
+* No table named (``TUNEKIT_TABLE`` unset or empty): nothing is installed
+  (logged once); vLLM runs exactly as without the plugin.
+* Per layer, from static facts only (op, dtype, N, K of the layer, device)
+  and the tables' keys (``tunekit.ops.covers``: an entry at some M),
+  decided once per trace and baked into the graph: a covered layer calls
+  the tunekit op, any other runs vLLM's own forward / GEMM.
+* Inside a covered layer's op, per call (M is dynamic under vLLM's
+  compile): a tuned kernel where the table has one for this M, else the
+  fallback, which runs what vLLM itself would have run: ``F.linear`` (vLLM's
+  ``rocm_unquantized_gemm`` on ROCm) for GEMMs, vLLM's own kernels for the
+  elementwise ops (``torch.ops._C.rms_norm``, ``torch.ops._C.silu_and_mul``,
+  the FLA gated-norm Triton kernel; feature-detected, see
+  :func:`_install_vendor_kernels`). Where vLLM has none (GemmaRMSNorm runs
+  its native math; CPU wheels lack ``_C``) the op's PyTorch composition
+  serves, and the markers say so (``vendor: "eager:no_vendor_kernel"``).
+  Every call is counted with its impl and the vendor that served it.
+* The tables' digest joins vLLM's compile-cache key
+  (``TUNEKIT_TABLE_DIGEST``), so a graph traced under one table (or under
+  plain vLLM) is never loaded under another.
+
 Guarantees (an exception escaping a general plugin stops vLLM's start-up):
 
 * idempotent per process: a second :func:`register` is a no-op;
 * catches its own exceptions: a hook that cannot be installed is skipped
   and logged, the others still go in;
 * touches no GPU at load: ROCm is told by ``torch.version.hip`` and the
-  tables are read at the first op call, not here;
+  tables are parsed at the first op call, not here (only their bytes are
+  hashed, for the compile-cache key);
 * logs once, at INFO, which hooks it installed and which it skipped and why.
 
 Hooks:
@@ -26,28 +51,31 @@ Hooks:
   ``layers.vocab_parallel_embedding``), so both the per-call use (older vLLM,
   the vocab embedding's ``dispatch_unquantized_gemm()(layer, x, w, b)``) and
   the bind-at-construction use of vLLM 0.33 (``UnquantizedLinearMethod.
-  _gemm_impl``) go through tunekit. The wrapped GEMM calls
-  ``torch.ops.tunekit.gemv(x, weight, bias)`` when vLLM picked its plain
-  path (``default_unquantized_gemm`` = ``F.linear`` on CUDA,
-  ``rocm_unquantized_gemm`` on ROCm); the op chooses tuned kernel or vendor
-  path inside, at run time. On ROCm the op's vendor path is vLLM's own
+  _gemm_impl``) go through tunekit. When vLLM picked its plain path
+  (``default_unquantized_gemm`` = ``F.linear`` on CUDA,
+  ``rocm_unquantized_gemm`` on ROCm), the wrapped GEMM calls
+  ``torch.ops.tunekit.gemv(x, weight, bias)`` for a weight whose (gemv,
+  dtype, N, K) the tables cover and vLLM's ``impl(layer, x, weight, bias)``
+  for any other. On ROCm the op's vendor path is vLLM's own
   ``torch.ops.vllm.rocm_unquantized_gemm`` (LLMM1 / wvSplitK kept). Other
   paths vLLM may pick (FlashInfer mm_bf16 by ``--linear-backend``, the CPU
   platform's prepacked oneDNN / SGL GEMMs, which drop the weight) are left
   as they are. Off when vLLM's AITER linear path is enabled on ROCm.
 * norms and activation: ``CustomOp.register_oot`` subclasses of ``RMSNorm``,
-  ``GemmaRMSNorm``, ``RMSNormGated`` and ``SiluAndMul`` whose
-  ``forward_cuda`` / ``forward_hip`` call the tunekit elementwise op for the
-  layers the loaded tables cover (an entry for the layer's dtype and width at
-  some M; decided once per trace) and, for the others, what the stock class would have
-  run (``super().forward_cuda`` when vLLM enables the op, else
-  ``forward_native``, as under vLLM's default compile mode). ``enabled()``
-  is True so that vLLM's compile mode (custom ops off by default) still
-  reaches them. Installed only for ops ``tunekit.ops`` defines.
+  ``GemmaRMSNorm``, ``RMSNormGated`` and ``SiluAndMul``. Each keeps the
+  forward vLLM's own class would use (``dispatch_forward`` with vLLM's
+  ``enabled()`` for the in-tree name: ``forward_cuda`` when the custom op
+  is on, ``forward_native`` - compiled where vLLM compiles it - when off, as
+  under inductor) and puts the coverage check in front of it: a covered
+  layer (an entry for its op, dtype and width; a plain layout) calls the
+  tunekit op, on the platforms whose enabled forward is ``forward_cuda`` /
+  ``forward_hip``; every other layer runs that stock forward. Installed only
+  for ops ``tunekit.ops`` defines.
+* ``compile_cache_key``: the tables' digest as a vLLM compile factor.
 
 No hook branches on M: vLLM compiles with dynamic token counts and drops
 shape guards, so every choice that depends on M is made inside the op. The
-static checks here (dtype, hidden size, flags) are fixed per layer.
+static checks here (dtype, hidden size, flags, coverage) are fixed per layer.
 
 Every vLLM name is feature-detected; an older vLLM (the forks DCU users run)
 missing one gets that hook skipped with a log line naming what is missing.
@@ -56,7 +84,9 @@ missing one gets that hook skipped with a log line naming what is missing.
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
+import importlib.util
 import logging
 import os
 import threading
@@ -76,6 +106,7 @@ GEMM_DISPATCH_MODULES: tuple[str, ...] = (
     "vllm.model_executor.layers.vocab_parallel_embedding",
 )
 _UTILS = GEMM_DISPATCH_MODULES[0]
+TABLE_ENV = "TUNEKIT_TABLE"
 
 _LOCK = threading.Lock()
 _STATE: dict[str, Any] = {"registered": False, "installed": {}, "skipped": {}}
@@ -89,6 +120,9 @@ def register() -> None:
             return
         _STATE["registered"] = True
     try:
+        if not _table_paths():
+            _install_nothing()
+            return
         installed, skipped = _install()
     except Exception as exc:  # nothing may escape a general plugin
         logger.exception("tunekit vLLM plugin: not installed (%s); vLLM runs without tunekit", exc)
@@ -100,6 +134,25 @@ def register() -> None:
         ", ".join(f"{k} ({v})" for k, v in skipped.items()) or "nothing",
         "TUNEKIT_TABLE", os.environ.get("TUNEKIT_TABLE", ""),
     )
+
+
+def _table_paths() -> list[str]:
+    return [p for p in os.environ.get(TABLE_ENV, "").split(os.pathsep) if p.strip()]
+
+
+def _hook_names() -> list[str]:
+    return ["linear", *_OOT_SPECS, "compile_cache_key"]
+
+
+def _install_nothing() -> None:
+    """No table named: vLLM must run exactly as without tunekit, so no hook goes in at all."""
+    # The ops are still defined (no GPU work, no table read): a compiled graph
+    # that names them, loaded from a cache, resolves instead of failing.
+    import tunekit.ops  # noqa: F401
+
+    why = f"{TABLE_ENV} is not set: no table, so nothing is routed and vLLM's own layers run unchanged"
+    _STATE["installed"], _STATE["skipped"] = {}, {name: why for name in _hook_names()}
+    logger.info("tunekit vLLM plugin: nothing installed (%s)", why)
 
 
 def installed() -> dict[str, str]:
@@ -117,7 +170,9 @@ def _install() -> tuple[dict[str, str], dict[str, str]]:
 
     installed: dict[str, str] = {}
     skipped: dict[str, str] = {}
-    for name, hook in (("linear", _install_linear), *[(n, _oot_installer(n)) for n in _OOT_SPECS]):
+    hooks = (("linear", _install_linear), *[(n, _oot_installer(n)) for n in _OOT_SPECS],
+             ("compile_cache_key", _install_compile_factor))
+    for name, hook in hooks:
         try:
             done, why = hook()
         except Exception as exc:  # one failing hook must not cost the others
@@ -125,6 +180,46 @@ def _install() -> tuple[dict[str, str], dict[str, str]]:
             done, why = False, f"error: {type(exc).__name__}: {exc}"
         (installed if done else skipped)[name] = why
     return installed, skipped
+
+
+# ---------------------------------------------------------------------------
+# vLLM's compile cache key
+# ---------------------------------------------------------------------------
+
+#: The name under which the tables' digest joins vLLM's compile-cache factors.
+COMPILE_FACTOR = "TUNEKIT_TABLE_DIGEST"
+
+
+def _tables_digest() -> str:
+    """sha256 over the named tables' paths and bytes (an unreadable one: its path and the error)."""
+    h = hashlib.sha256()
+    for path in _table_paths():
+        h.update(os.path.abspath(path).encode() + b"\0")
+        try:
+            with open(path, "rb") as f:
+                h.update(f.read())
+        except OSError as exc:
+            h.update(f"unreadable: {exc}".encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _install_compile_factor() -> tuple[bool, str]:
+    # Which layers reach a tunekit op is decided while vLLM traces the model
+    # and baked into the graph; vLLM's compile cache (AOT artifacts included)
+    # is keyed on its config and its own env vars only, so a graph traced
+    # under one table (or under plain vLLM) would be loaded under another.
+    # The tables' digest joins those factors: another table, another graph.
+    try:
+        import vllm.envs as envs
+    except ImportError:
+        return False, "vllm.envs not importable"
+    factors = getattr(envs, "environment_variables", None)
+    if not isinstance(factors, dict) or not hasattr(envs, "compile_factors"):
+        return False, "this vLLM has no envs.environment_variables / compile_factors: compile cache not keyed"
+    digest = _tables_digest()  # hashed here (bytes only): the tables are parsed at the first op call
+    factors[COMPILE_FACTOR] = lambda: digest
+    return True, f"{COMPILE_FACTOR}={digest[:12]} joins vLLM's compile-cache factors"
 
 
 # ---------------------------------------------------------------------------
@@ -170,8 +265,8 @@ def _install_linear() -> tuple[bool, str]:
         except (AttributeError, RuntimeError):
             rocm_gemm = None
         if rocm_gemm is not None:
-            ops.set_vendor_gemm(lambda x, w, b: rocm_gemm(x, w, b))
             vendor = "torch.ops.vllm.rocm_unquantized_gemm"
+            ops.set_vendor_gemm(lambda x, w, b: rocm_gemm(x, w, b), vendor)
     wrapped = _wrap_dispatch(getattr(original, "__wrapped__", original) if getattr(original, _MARK, False)
                              else original, plain)
     places = []
@@ -214,8 +309,11 @@ def _wrap_gemm(impl: Callable[..., Any], plain: tuple[Callable[..., Any], ...]) 
     def tunekit_unquantized_gemm(
         layer: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        # Static per layer (traced once): no M here; the op decides per call.
-        if weight.dim() == 2:
+        # Static per layer (dtype, N, K, device; traced once): no M here, the
+        # op decides per call. A linear no loaded table covers runs vLLM's own
+        # GEMM, untouched: an opaque op there would only cost (no tuned kernel
+        # to gain, and vLLM's compiler passes lose sight of the matmul).
+        if weight.dim() == 2 and weight.dtype == x.dtype and _covered("gemv", x, weight.shape[0], weight.shape[1]):
             return torch.ops.tunekit.gemv(x, weight, bias)
         return impl(layer, x, weight, bias)
 
@@ -273,49 +371,63 @@ except AttributeError:  # torch without torch.compiler: eager only anyway
 def _covered(op: str, x: torch.Tensor, n: int, k: int) -> bool:
     from tunekit.ops import dtype_name
 
-    return bool(_covers(op, dtype_name(x.dtype), int(n), int(k), str(x.device)))
+    # vLLM marks only the token dim dynamic, so widths are plain ints here; a
+    # width that is symbolic (a caller compiling with every dim dynamic) can
+    # not be decided per layer, and undecided means vLLM's own path.
+    if not isinstance(n, int) or not isinstance(k, int):
+        return False
+    return bool(_covers(op, dtype_name(x.dtype), n, k, str(x.device)))
+
+
+def _same_rows(a: torch.Tensor, x: torch.Tensor) -> bool:
+    """a matches x in dtype and in every dim but the token dim. That one is dynamic and never compared
+    here, so no shape check enters the traced graph; the op itself rejects a token-count mismatch."""
+    return a.dtype == x.dtype and a.dim() == x.dim() and a.shape[1:] == x.shape[1:]
 
 
 def _norm_route(self: Any, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                 plain_op: str, fused_op: str) -> Any:
-    """The tunekit op for a norm (``plain_op``) or fused add + norm (``fused_op``), or None (stock method)."""
-    n = x.shape[-1]
-    if n != weight.shape[0] or not _x_ok(x, weight) or not _rows_even(x):
+    """The tunekit op for a norm (``plain_op``) or fused add + norm (``fused_op``), or None (stock method).
+
+    ``weight`` is the layer's parameter: only its static shape and dtype are
+    read until the layer is known to be covered, so an uncovered layer adds
+    nothing to the traced graph (not even a ``.data`` access).
+    """
+    n = weight.shape[0]
+    op = plain_op if residual is None else fused_op
+    if x.shape[-1] != n or not _x_ok(x, weight) or not _covered(op, x, n, n) or not _rows_even(x):
         return None
+    eps = float(self.variance_epsilon)
     if residual is None:
-        if not _covered(plain_op, x, n, n):
-            return None
-        return getattr(torch.ops.tunekit, plain_op)(x, weight, float(self.variance_epsilon))
-    if residual.dtype != x.dtype or residual.shape != x.shape or not _covered(fused_op, x, n, n):
+        return getattr(torch.ops.tunekit, plain_op)(x, weight.data, eps)
+    if not _same_rows(residual, x):
         return None
-    out, res = getattr(torch.ops.tunekit, fused_op)(x, residual, weight, float(self.variance_epsilon))
+    out, res = getattr(torch.ops.tunekit, fused_op)(x, residual, weight.data, eps)
     return out, res
 
 
 def _rms_norm_route(self: Any, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
     """tunekit op for RMSNorm's plain cases, or None (the stock method runs)."""
     if (getattr(self, "variance_size_override", None) is not None or not getattr(self, "has_weight", True)
-            or _env_flag("VLLM_BATCH_INVARIANT", False)):
+            or not isinstance(self.weight, torch.Tensor) or _env_flag("VLLM_BATCH_INVARIANT", False)):
         return None
-    weight = self.weight.data if isinstance(self.weight, torch.nn.Parameter) else self.weight
-    return _norm_route(self, x, residual, weight, "rms_norm", "fused_add_rms_norm")
+    return _norm_route(self, x, residual, self.weight, "rms_norm", "fused_add_rms_norm")
 
 
 def _gemma_rms_norm_route(self: Any, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
-    return _norm_route(self, x, residual, self.weight.data, "gemma_rms_norm", "gemma_fused_add_rms_norm")
+    return _norm_route(self, x, residual, self.weight, "gemma_rms_norm", "gemma_fused_add_rms_norm")
 
 
 def _rms_norm_gated_route(self: Any, x: torch.Tensor, z: torch.Tensor | None = None) -> Any:
     # tunekit's gated_rms_norm: y = rms_norm(x) * w * silu(z), one group (norm before gate).
     hidden = self.weight.shape[0]
     if (z is None or not self.norm_before_gate or self.activation not in ("swish", "silu")
-            or self.group_size not in (None, hidden) or x.shape[-1] != hidden or z.shape != x.shape
-            or z.dtype != x.dtype or not _x_ok(x, self.weight) or not _rows_even(x, 2 if x.dim() >= 3 else 1)
-            or not _rows_even(z, 2 if z.dim() >= 3 else 1)):
+            or self.group_size not in (None, hidden) or x.shape[-1] != hidden or not _x_ok(x, self.weight)):
         return None
     # The op's table key: rows = leading dims but [heads, head_dim] (vLLM passes [T, H, D]).
     n = hidden * (x.shape[-2] if x.dim() >= 3 else 1)
-    if not _covered("gated_rms_norm", x, n, hidden):
+    if (not _covered("gated_rms_norm", x, n, hidden) or not _same_rows(z, x)
+            or not _rows_even(x, 2 if x.dim() >= 3 else 1) or not _rows_even(z, 2 if z.dim() >= 3 else 1)):
         return None
     return torch.ops.tunekit.gated_rms_norm(x, z, self.weight, float(self.eps))
 
@@ -362,7 +474,7 @@ def _oot_installer(class_name: str) -> Callable[[], tuple[bool, str]]:
             base = getattr(importlib.import_module(module_name), class_name)
         except (ImportError, AttributeError):
             return False, f"this vLLM has no {module_name}.{class_name}"
-        for method in ("forward_cuda", "forward_native", "enabled"):
+        for method in ("forward_cuda", "forward_native", "enabled", "dispatch_forward"):
             if not hasattr(base, method):
                 return False, f"{class_name} has no {method} in this vLLM"
         current = registry.get(class_name)
@@ -372,58 +484,252 @@ def _oot_installer(class_name: str) -> Callable[[], tuple[bool, str]]:
             return False, f"another plugin registered {class_name} ({current.__module__}.{current.__qualname__})"
         subclass = _make_oot_subclass(base, route)
         base.register_oot(subclass, name=class_name)
-        return True, f"{subclass.__name__}: forward_cuda/forward_hip -> torch.ops.tunekit.{'/'.join(needed)}"
+        fallbacks = _install_vendor_kernels(needed)
+        return True, (f"{subclass.__name__}: covered layers -> torch.ops.tunekit.{'/'.join(needed)}, the others "
+                      f"vLLM's own forward; fallback {fallbacks}")
 
     return install
 
 
 def _make_oot_subclass(base: type, route: Callable[..., Any]) -> type:
-    """A subclass of vLLM's ``base`` that tries ``route`` first and otherwise runs what ``base`` would."""
-    # The stock decision: vLLM asks the in-tree class (its registered name,
-    # e.g. "rms_norm") whether the custom kernel is on; when it is not (the
-    # default under compile mode) the stock class would run forward_native.
+    """A subclass of vLLM's ``base`` that serves covered layers by ``route`` and is ``base`` for the others.
+
+    vLLM picks a CustomOp's forward once, at construction
+    (``dispatch_forward``: the platform's ``forward_cuda`` when the op is
+    enabled, else ``forward_native``, compiled where vLLM compiles it). The
+    subclass keeps that choice, made by vLLM's own rule for the in-tree class,
+    as the stock forward and puts in front of it a check of static facts
+    (width, dtype, layout, tables: fixed per layer, so decided once per
+    trace): a layer the tables cover reaches the tunekit op; any other runs
+    the stock forward, exactly what ``base`` would have run, so its traced
+    graph is the stock one (vLLM's kernel, or the native math inductor fuses).
+    """
+    # vLLM's decision for the in-tree class: its registered name ("rms_norm")
+    # is what custom_ops spells ("+rms_norm"); the subclass is registered
+    # under the class name ("RMSNorm"), which CustomOp.enabled would look up.
     stock_enabled = base.enabled
 
-    def _stock(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
-        if self._tunekit_stock_enabled:
-            return getattr(super(subclass, self), method)(*args, **kwargs)
-        return self.forward_native(*args, **kwargs)
-
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        base.__init__(self, *args, **kwargs)
-        try:
-            self._tunekit_stock_enabled = bool(getattr(self, "_enforce_enable", False) or stock_enabled())
-        except Exception:  # no vLLM config in scope (unit construction): the custom kernel is vLLM's default
-            self._tunekit_stock_enabled = True
-
-    def forward_cuda(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = route(self, *args, **kwargs)
-        if out is not None:
-            return out
-        return _stock(self, "forward_cuda", *args, **kwargs)
-
-    def forward_hip(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = route(self, *args, **kwargs)
-        if out is not None:
-            return out
-        return _stock(self, "forward_hip", *args, **kwargs)
-
     def enabled(cls: type) -> bool:
-        # vLLM's compile mode turns custom ops off by default ("none"); the
-        # tunekit ops are opaque nodes that must still be reached.
-        return True
+        return stock_enabled()
+
+    def dispatch_forward(self: Any, *args: Any, **kwargs: Any) -> Callable[..., Any]:
+        self._tunekit_stock_forward = super(subclass, self).dispatch_forward(*args, **kwargs)
+        self._tunekit_routes = _routes_on_platform()
+        return self._tunekit_forward
+
+    def _tunekit_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._tunekit_routes:
+            out = route(self, *args, **kwargs)
+            if out is not None:
+                return out
+        return self._tunekit_stock_forward(*args, **kwargs)
 
     subclass = type(
         f"Tunekit{base.__name__}",
         (base,),
         {
-            "__init__": __init__,
-            "forward_cuda": forward_cuda,
-            "forward_hip": forward_hip,
+            "dispatch_forward": dispatch_forward,
+            "_tunekit_forward": _tunekit_forward,
             "enabled": classmethod(enabled),
             "__module__": __name__,
-            "__doc__": f"vLLM {base.__name__} served by tunekit's ops where they apply (tunekit vLLM plugin).",
+            "__doc__": f"vLLM {base.__name__} served by tunekit's ops where the tables cover the layer "
+                       f"(tunekit vLLM plugin); vLLM's own {base.__name__} elsewhere.",
             _MARK: True,
         },
     )
     return subclass
+
+
+def _routes_on_platform() -> bool:
+    """True where vLLM runs an enabled CustomOp's forward_cuda / forward_hip: the platforms tunekit's ops serve."""
+    try:
+        from vllm.platforms import current_platform
+    except Exception:
+        return False
+    for probe in ("is_cpu", "is_tpu", "is_xpu", "is_out_of_tree"):
+        check = getattr(current_platform, probe, None)
+        try:
+            if check is not None and check():
+                return False
+        except Exception:
+            return False
+    return True
+
+
+# ---------------------------------------------------------------------------
+# vLLM's kernels as the elementwise ops' vendor path
+# ---------------------------------------------------------------------------
+#
+# Inside a covered layer's op, a call the table does not serve (M above the
+# table under vLLM's dynamic-M graph, a capture before build, ...) takes the
+# op's vendor path. Its PyTorch composition is several launches inside an
+# opaque op, where vLLM would have run one kernel, so the plugin installs
+# vLLM's own kernels there (tunekit.ops.set_vendor_elementwise). Each is
+# feature-detected: names differ between vLLM releases, and a vLLM without
+# its _C extension (CPU wheels) has none; then the composition serves and the
+# markers say so (vendor "eager:no_vendor_kernel").
+
+#: torch device type -> the dispatch key whose kernel serves its tensors
+_DISPATCH_KEYS: dict[str, str] = {"cuda": "CUDA", "cpu": "CPU"}
+
+#: (function with the tunekit op's signature, the markers' name, device types it serves)
+VendorKernel = tuple[Callable[..., Any], str, frozenset[str]]
+
+
+def _torch_op(namespace: str, name: str) -> tuple[Any, frozenset[str]] | None:
+    """``torch.ops.<namespace>.<name>`` and the device types it has a kernel for, or None."""
+    try:
+        op = getattr(getattr(torch.ops, namespace), name)
+    except (AttributeError, RuntimeError):
+        return None
+    qualname = f"{namespace}::{name}"
+    devices = set()
+    for device_type, key in _DISPATCH_KEYS.items():
+        for dispatch_key in (key, "CompositeExplicitAutograd", "CompositeImplicitAutograd"):
+            try:
+                if torch._C._dispatch_has_kernel_for_dispatch_key(qualname, dispatch_key):
+                    devices.add(device_type)
+                    break
+            except Exception:  # a torch without this query: the op is not trusted on any device
+                break
+    return (op, frozenset(devices)) if devices else None
+
+
+def _load_vllm_kernels() -> None:
+    # Loads vLLM's compiled extensions (torch.ops._C.*): library loading only,
+    # no CUDA context. Importing vllm.model_executor.layers.layernorm already
+    # does it in the vLLM releases seen so far; this covers the others.
+    try:
+        from vllm.platforms import current_platform
+
+        current_platform.import_kernels()
+    except Exception:
+        logger.debug("tunekit vLLM plugin: vLLM's kernels not loaded", exc_info=True)
+
+
+def _vllm_has_triton() -> bool:
+    try:
+        from vllm.triton_utils import HAS_TRITON
+    except ImportError:
+        return importlib.util.find_spec("triton") is not None
+    return bool(HAS_TRITON)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as contiguous [rows, width] (a view unless x has odd strides): vLLM's kernels index rows densely."""
+    return (x if x.is_contiguous() else x.contiguous()).view(-1, x.shape[-1])
+
+
+def _vllm_rms_norm() -> VendorKernel | str:
+    found = _torch_op("_C", "rms_norm")
+    if found is None:
+        return "no torch.ops._C.rms_norm (vLLM's _C extension is not loaded here)"
+    kernel, devices = found
+
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        rows = _rows(x)
+        out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+        kernel(out, rows, weight, eps)
+        return out.view(x.shape)
+
+    return rms_norm, "torch.ops._C.rms_norm", devices
+
+
+def _vllm_fused_add_rms_norm() -> VendorKernel | str:
+    found = _torch_op("_C", "rms_norm")
+    if found is None:
+        return "no torch.ops._C.rms_norm (vLLM's _C extension is not loaded here)"
+    kernel, devices = found
+
+    def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        # vLLM's _C.fused_add_rms_norm works in place on x and residual, and
+        # the tunekit op is functional: copying both first would cost more
+        # than this add. That kernel rounds the sum to x's dtype before
+        # normalising, as this add does, so the results agree.
+        total = _rows(x + residual)
+        out = torch.empty(total.shape, dtype=x.dtype, device=x.device)
+        kernel(out, total, weight, eps)
+        return out.view(x.shape), total.view(x.shape)
+
+    return fused_add_rms_norm, "torch.ops._C.rms_norm(x + residual)", devices
+
+
+def _vllm_silu_and_mul() -> VendorKernel | str:
+    found = _torch_op("_C", "silu_and_mul")
+    if found is None:
+        return "no torch.ops._C.silu_and_mul (vLLM's _C extension is not loaded here)"
+    kernel, devices = found
+
+    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+        x = x if x.is_contiguous() else x.contiguous()
+        out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype, device=x.device)
+        kernel(out, x)
+        return out
+
+    return silu_and_mul, "torch.ops._C.silu_and_mul", devices
+
+
+def _vllm_gated_rms_norm() -> VendorKernel | str:
+    # What vLLM's RMSNormGated.forward_cuda runs: the FLA Triton kernel,
+    # wrapped as torch.ops.vllm.fla_rms_norm_gated in newer releases and
+    # called as layernorm_guard.rmsnorm_fn in older ones.
+    if not _vllm_has_triton():
+        return "vLLM has no Triton here (its gated norm is the FLA Triton kernel)"
+    found = _torch_op("vllm", "fla_rms_norm_gated")
+    if found is not None:
+        kernel, devices = found
+
+        def gated_op(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+            k = weight.shape[0]  # one group of len(weight) per row, norm before the gate, as the tunekit op
+            return kernel(x.reshape(-1, k), z.reshape(-1, k), weight, eps, None, True, "silu").view(x.shape)
+
+        return gated_op, "torch.ops.vllm.fla_rms_norm_gated", devices
+    try:
+        from vllm.third_party.flash_linear_attention.ops.layernorm_guard import rmsnorm_fn
+    except Exception:
+        return "neither torch.ops.vllm.fla_rms_norm_gated nor layernorm_guard.rmsnorm_fn in this vLLM"
+
+    def gated_fn(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        k = weight.shape[0]
+        return rmsnorm_fn(x.reshape(-1, k), weight, None, z=z.reshape(-1, k), eps=eps, group_size=None,
+                          norm_before_gate=True, activation="silu").view(x.shape)
+
+    return gated_fn, "vllm layernorm_guard.rmsnorm_fn", frozenset({"cuda"})
+
+
+def _no_gemma_kernel() -> str:
+    return "vLLM's GemmaRMSNorm has no kernel of its own: its forward_cuda runs the native math"
+
+
+#: tunekit elementwise op -> how to find vLLM's kernel for its fallbacks (or why there is none)
+_VENDOR_RESOLVERS: dict[str, Callable[[], VendorKernel | str]] = {
+    "rms_norm": _vllm_rms_norm,
+    "fused_add_rms_norm": _vllm_fused_add_rms_norm,
+    "gemma_rms_norm": _no_gemma_kernel,
+    "gemma_fused_add_rms_norm": _no_gemma_kernel,
+    "gated_rms_norm": _vllm_gated_rms_norm,
+    "silu_and_mul": _vllm_silu_and_mul,
+}
+
+
+def _install_vendor_kernels(ops_needed: tuple[str, ...]) -> str:
+    """Install vLLM's kernel as the vendor path of each op in ``ops_needed``; returns what was found."""
+    from tunekit import ops
+
+    _load_vllm_kernels()
+    found_parts = []
+    for op in ops_needed:
+        resolver = _VENDOR_RESOLVERS.get(op)
+        try:
+            found = resolver() if resolver is not None else "no vLLM kernel known for this op"
+        except Exception as exc:  # a detection that fails leaves the composition, never the hook
+            found = f"detection failed: {type(exc).__name__}: {exc}"
+        if isinstance(found, str):
+            ops.set_vendor_elementwise(op, None, found)
+            found_parts.append(f"{op}: PyTorch composition ({found})")
+        else:
+            fn, name, devices = found
+            ops.set_vendor_elementwise(op, fn, name, devices)
+            found_parts.append(f"{op}: {name} on {'/'.join(sorted(devices))}")
+    return "; ".join(found_parts)
