@@ -1,12 +1,15 @@
 """The tunekit vLLM plugin against real vLLM 0.33 on the CPU (run in the vLLM virtualenv).
 
-What is checked: the entry point is found and loads once; vLLM's
-UnquantizedLinearMethod (bind-at-construction) and ParallelLMHead (per-call
-dispatch) reach ``tunekit::gemv``; RMSNorm, GemmaRMSNorm, RMSNormGated and
-SiluAndMul built by vLLM are the plugin's subclasses and reach the tunekit
-elementwise ops for the widths the table covers, and vLLM's own path
-otherwise; table misses fall back; the ops are single opaque nodes under
-torch.compile and under vLLM's compile backend (one graph serves every M).
+What is checked: the entry point is found and loads once, and installs
+nothing without a table; vLLM's UnquantizedLinearMethod (bind-at-construction)
+reaches ``tunekit::gemv`` for a covered (dtype, N, K) and vLLM's own GEMM
+otherwise; RMSNorm, GemmaRMSNorm, RMSNormGated and SiluAndMul built by vLLM
+are the plugin's subclasses and reach the tunekit elementwise ops for the
+widths the table covers; uncovered layers (no table, or tables for other
+shapes; custom ops on or off) trace exactly the graph vLLM traces without the
+plugin; misses inside a covered layer run vLLM's kernel where it has one and
+the markers name it; the ops are single opaque nodes under torch.compile and
+under vLLM's compile backend (one graph serves every M).
 """
 
 from __future__ import annotations
@@ -444,7 +447,145 @@ def test_norm_inputs_the_op_would_not_serve_keep_vllms_own_path(plugin, vllm_con
     assert _impls(op="rms_norm") == [("rms_norm", "64x64", 4, "tuned:serving_backend:BACKEND")]
 
 
+# ----------------------------------------------------------------------------- fallbacks: vLLM's kernels
+
+
+@pytest.fixture
+def vllm_c_kernels(plugin):
+    """``torch.ops._C.rms_norm`` / ``silu_and_mul`` as vLLM's CUDA build registers them (schema and calling
+    convention), with counting CPU kernels: this CPU wheel has no _C extension. The plugin's vendor
+    state is put back afterwards."""
+    from tunekit import ops
+
+    for name in ("rms_norm", "silu_and_mul"):  # the real ones would shadow the counting ones
+        assert plugin._torch_op("_C", name) is None, f"this vLLM has torch.ops._C.{name}"
+    calls: list[tuple[str, tuple[int, ...]]] = []
+    lib = torch.library.Library("_C", "FRAGMENT")
+    lib.define("rms_norm(Tensor(a!) result, Tensor input, Tensor weight, float epsilon) -> ()")
+    lib.define("silu_and_mul(Tensor(a!) result, Tensor input) -> ()")
+
+    def rms_norm(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, eps: float) -> None:
+        calls.append(("rms_norm", tuple(x.shape)))
+        xf = x.float()
+        out.copy_((xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w)
+
+    def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
+        calls.append(("silu_and_mul", tuple(x.shape)))
+        d = x.shape[-1] // 2
+        out.copy_(F.silu(x[..., :d]) * x[..., d:])
+
+    lib.impl("rms_norm", rms_norm, "CPU")
+    lib.impl("silu_and_mul", silu_and_mul, "CPU")
+    saved = dict(ops._STATE.vendor_ew)
+    try:
+        yield calls
+    finally:
+        with ops._STATE.lock:
+            ops._STATE.vendor_ew.clear()
+            ops._STATE.vendor_ew.update(saved)
+        lib._destroy()
+
+
+def test_covered_layers_above_the_table_run_vllms_kernels(plugin, vllm_config, elementwise_table: Path,
+                                                          vllm_c_kernels, monkeypatch, caplog) -> None:
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm, RMSNormGated
+
+    found = plugin._install_vendor_kernels(("rms_norm", "fused_add_rms_norm", "silu_and_mul", "gemma_rms_norm",
+                                            "gated_rms_norm"))
+    assert "rms_norm: torch.ops._C.rms_norm on cpu" in found
+    assert "fused_add_rms_norm: torch.ops._C.rms_norm(x + residual) on cpu" in found
+    assert "silu_and_mul: torch.ops._C.silu_and_mul on cpu" in found
+    assert "gemma_rms_norm: PyTorch composition (vLLM's GemmaRMSNorm has no kernel" in found
+    assert "gated_rms_norm: PyTorch composition (vLLM has no Triton here" in found
+
+    torch.manual_seed(0)
+    x, r = torch.randn(9, 64).bfloat16(), torch.randn(9, 64).bfloat16()  # 9 tokens: above the table's M=4
+    norm = RMSNorm(64, eps=1e-5, dtype=torch.bfloat16)
+    norm.weight.data.normal_()
+    assert (norm(x).float() - norm.forward_native(x).float()).abs().max() < 0.05
+    y, s = norm(x, r)
+    y_ref, s_ref = norm.forward_native(x.clone(), r.clone())
+    assert torch.equal(s, s_ref) and (y.float() - y_ref.float()).abs().max() < 0.05
+    act = SiluAndMul()
+    a = torch.randn(9, 96).bfloat16()
+    assert torch.equal(act(a), act.forward_native(a))
+    assert vllm_c_kernels == [("rms_norm", (9, 64)), ("rms_norm", (9, 64)), ("silu_and_mul", (9, 96))]
+    # vLLM has no kernel of its own for these here: the composition, and the markers say so
+    gemma = GemmaRMSNorm(64, eps=1e-6).to(torch.bfloat16)
+    assert (gemma(x).float() - gemma.forward_native(x).float()).abs().max() < 0.05
+    gated = RMSNormGated(32, eps=1e-6, group_size=None, norm_before_gate=True, dtype=torch.bfloat16,
+                         activation="silu")
+    h, z = torch.randn(9, 4, 32).bfloat16(), torch.randn(9, 4, 32).bfloat16()
+    assert (gated(h, z).float() - gated.forward_native(h, z).float()).abs().max() < 0.05
+    # vLLM's real gated-norm op is found once Triton is claimed; here its Triton is a placeholder, so it
+    # raises: the call is still served (the composition), logged once, and the marker says why
+    monkeypatch.setattr(plugin, "_vllm_has_triton", lambda: True)
+    assert "gated_rms_norm: torch.ops.vllm.fla_rms_norm_gated on cpu" in plugin._install_vendor_kernels(
+        ("gated_rms_norm",))
+    with caplog.at_level(logging.WARNING, logger="tunekit.ops"):
+        assert (gated(h, z).float() - gated.forward_native(h, z).float()).abs().max() < 0.05
+    assert any("fla_rms_norm_gated raised" in rec.getMessage() for rec in caplog.records)
+    assert sorted(_vendors(m=9)) == [
+        ("fused_add_rms_norm", 9, "fallback:m_above_table", "torch.ops._C.rms_norm(x + residual)"),
+        ("gated_rms_norm", 9, "fallback:m_above_table", "eager:no_vendor_kernel"),
+        ("gated_rms_norm", 9, "fallback:m_above_table", "eager:vendor_error"),
+        ("gemma_rms_norm", 9, "fallback:m_above_table", "eager:no_vendor_kernel"),
+        ("rms_norm", 9, "fallback:m_above_table", "torch.ops._C.rms_norm"),
+        ("silu_and_mul", 9, "fallback:m_above_table", "torch.ops._C.silu_and_mul"),
+    ]
+    # a table hit never reaches vLLM's kernel
+    norm(x[:3])
+    assert len(vllm_c_kernels) == 3 and _vendors(op="rms_norm", m=3) == [
+        ("rms_norm", 3, "tuned:serving_backend:BACKEND", None)]
+
+
 # ----------------------------------------------------------------------------- compilation
+
+
+def test_vllm_compile_without_a_table_traces_no_tunekit_op(plugin, vllm_config, monkeypatch) -> None:
+    from vllm.compilation import backends
+    from vllm.compilation.decorators import support_torch_compile
+    from vllm.config import get_cached_compilation_config
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+
+    graphs = []
+    original = backends.VllmBackend.__call__
+
+    def recording(self, graph, example_inputs):
+        graphs.append(graph)
+        return original(self, graph, example_inputs)
+
+    @support_torch_compile(dynamic_arg_dims={"x": 0})
+    class Plain(nn.Module):
+        def __init__(self, *, vllm_config, prefix: str = "") -> None:
+            super().__init__()
+            self.norm = RMSNorm(64, dtype=torch.bfloat16)
+            self.up = ReplicatedLinear(64, 96, bias=False, params_dtype=torch.bfloat16)
+            self.act = SiluAndMul()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.act(self.up(self.norm(x))[0])
+
+    # custom ops off, as under inductor: forward_native everywhere (SiluAndMul's kernel path needs _C)
+    monkeypatch.setattr(vllm_config.compilation_config, "custom_ops", ["none"])
+    get_cached_compilation_config.cache_clear()
+    monkeypatch.setattr(backends.VllmBackend, "__call__", recording)
+    try:
+        torch.manual_seed(0)
+        model = Plain(vllm_config=vllm_config)
+        model.up.weight.data.normal_(0, 0.125)
+        for m in (2, 7):
+            x = torch.randn(m, 64).bfloat16()
+            assert torch.equal(model(x), Plain.forward(model, x))
+    finally:
+        get_cached_compilation_config.cache_clear()
+    assert len(graphs) == 1
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert not [t for t in targets if "tunekit" in t] and any("linear" in t for t in targets), targets
+    assert _impls() == []
 
 
 def test_ops_are_opaque_under_vllm_compile_and_torch_compile(plugin, vllm_config, tmp_path: Path) -> None:
