@@ -1,45 +1,71 @@
 #!/usr/bin/env bash
-# Set up tunekit on a fresh Debian machine, with or without a GPU:
-#  - Debian's hipcc + HIP headers + ROCm device libs, so the HIP kernels can be
-#    compiled for AMD targets (gfx906/gfx90a/gfx940) even without an AMD GPU;
+# Set up tunekit on a fresh Debian machine, with or without a GPU, into the
+# Python environment that runs this script (use a virtualenv: README):
+#  - Debian's hipcc + HIP headers + ROCm device libs (root only), so the HIP
+#    kernels can be compiled for AMD targets (gfx906/gfx90a/gfx940) even
+#    without an AMD GPU;
 #  - PyTorch, if none is installed (2.13.0; on the CPU machines of this project
 #    pip takes its CPU build from the local wheel cache);
-#  - tunekit itself (editable) with the test, NVRTC and Hugging Face extras;
-#  - vLLM 0.33.0 in its own virtualenv outside the clone (it pins torch 2.14,
-#    ~9.4 GB, ~8 minutes from PyPI on a fresh machine), made once per machine
-#    and reused, with tunekit installed into it: tests/test_vllm_plugin.py runs
-#    the plugin's tests there. TUNEKIT_VLLM_VENV moves it; TUNEKIT_SKIP_VLLM=1
-#    skips it (that test is then skipped).
+#  - tunekit itself (editable) with the test, NVRTC and Hugging Face extras, at
+#    the newest versions pyproject.toml allows (a new user's versions);
+#    TUNEKIT_CONSTRAINTS=FILE pins them instead (constraints/ has the GPU stack).
+#
+#   bash scripts/setup.sh --vllm-tier   also builds the vLLM test tier: vLLM
+#       0.33.0 in its own virtualenv (it pins its own torch): ~9.4 GB of disk and
+#       ~8 minutes from PyPI, at TUNEKIT_VLLM_VENV (default
+#       ~/.cache/tunekit/vllm-venv). tests/test_vllm_plugin.py runs the plugin's
+#       tests there and is skipped, saying so, where it does not exist.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+vllm_tier=0
+for arg in "$@"; do
+  case "$arg" in
+    --vllm-tier) vllm_tier=1 ;;
+    *) echo "setup: unknown argument $arg (known: --vllm-tier)" >&2; exit 2 ;;
+  esac
+done
+
+if [ -z "${VIRTUAL_ENV:-}" ] && [ "$(python -c 'import sys; print(sys.prefix == sys.base_prefix)')" = True ]; then
+  echo "setup: note: no virtualenv is active; installing into $(command -v python)'s environment" >&2
+fi
+
 if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && ! command -v hipcc >/dev/null 2>&1; then
+  echo "setup: installing Debian's hipcc, libamdhip64-dev, rocm-device-libs (HIP compile checks)"
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq hipcc libamdhip64-dev rocm-device-libs >/dev/null
 fi
 
-if ! python -c "import torch" >/dev/null 2>&1; then
-  python -m pip install -q "torch==2.13.0"
+constraints=()
+if [ -n "${TUNEKIT_CONSTRAINTS:-}" ]; then
+  constraints=(-c "$TUNEKIT_CONSTRAINTS")
 fi
-python -m pip install -q -e ".[test,nvrtc,hf]"
 
-VLLM_VENV="${TUNEKIT_VLLM_VENV:-$HOME/.cache/tunekit/vllm-venv}"
-if [ "${TUNEKIT_SKIP_VLLM:-0}" != 1 ]; then
+if ! python -c "import torch" >/dev/null 2>&1; then
+  echo "setup: installing torch 2.13.0"
+  python -m pip install -q "${constraints[@]}" "torch==2.13.0"
+fi
+echo "setup: installing tunekit (editable) with its test, nvrtc and hf extras"
+python -m pip install -q "${constraints[@]}" -e ".[test,nvrtc,hf]"
+python - <<'PY'
+import importlib.metadata as m
+names = ("torch", "triton", "optuna", "numpy", "pandas", "typer", "click", "rich", "transformers", "cuda-core")
+print("setup: versions: " + ", ".join(f"{n} {m.version(n)}" for n in names))
+PY
+
+if [ "$vllm_tier" = 1 ]; then
+  VLLM_VENV="${TUNEKIT_VLLM_VENV:-$HOME/.cache/tunekit/vllm-venv}"
   has_vllm() {
     "$VLLM_VENV/bin/python" -c 'import importlib.metadata as m; assert m.version("vllm") == "0.33.0"' >/dev/null 2>&1
   }
   if ! has_vllm; then
-    echo "setup: creating the vLLM 0.33.0 virtualenv at $VLLM_VENV (once per machine, ~8 min)"
+    echo "setup: creating the vLLM 0.33.0 test virtualenv at $VLLM_VENV (~9.4 GB, ~8 minutes)"
     mkdir -p "$(dirname "$VLLM_VENV")"
-    if ! { python -m venv "$VLLM_VENV" && "$VLLM_VENV/bin/python" -m pip install -q "vllm==0.33.0" pytest; }; then
-      # Not fatal: without it only the vLLM tier is skipped (and says why).
-      echo "setup: warning: the vLLM virtualenv could not be made; tests/test_vllm_plugin.py will be skipped" >&2
-      rm -rf "$VLLM_VENV"
-    fi
+    python -m venv "$VLLM_VENV"
+    "$VLLM_VENV/bin/python" -m pip install -q "vllm==0.33.0" pytest
   fi
-  if has_vllm; then
-    # Editable, so its entry point (vllm.general_plugins) and code follow this clone.
-    "$VLLM_VENV/bin/python" -m pip install -q pytest
-    "$VLLM_VENV/bin/python" -m pip install -q --no-deps -e .
-  fi
+  # Editable, so its entry point (vllm.general_plugins) and code follow this clone.
+  "$VLLM_VENV/bin/python" -m pip install -q pytest
+  "$VLLM_VENV/bin/python" -m pip install -q --no-deps -e .
+  echo "setup: vLLM tier ready at $VLLM_VENV ($(du -sh "$VLLM_VENV" | cut -f1))"
 fi
