@@ -400,7 +400,7 @@ def test_uncovered_layers_trace_vanillas_graph(plugin, vllm_config, monkeypatch,
         assert not [t for t in got if "tunekit" in t], got
         # the very graph vLLM traces without the plugin
         assert got == want, "\n".join(difflib.unified_diff(want, got, "vLLM", "with the plugin", lineterm=""))
-        assert all(torch.equal(a, b) for a, b in zip(y, y_stock))
+        assert all(torch.equal(a, b) for a, b in zip(y, y_stock, strict=True))
         assert _impls() == []  # and, eagerly too, no tunekit op was entered
         block(x.clone(), r.clone())
         assert _impls() == []
