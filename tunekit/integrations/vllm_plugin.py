@@ -89,6 +89,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -352,9 +353,13 @@ def _rows_even(x: torch.Tensor, row_dims: int = 1) -> bool:
 
 
 def _covers_impl(op: str, dtype: str, n: int, k: int, device: str) -> bool:
-    from tunekit import ops
-
+    # Eager vLLM asks on every call of every layer: no import statement here.
+    ops = sys.modules.get("tunekit.ops") or importlib.import_module("tunekit.ops")
     return ops.covers(op, dtype, n, k, device)
+
+
+#: torch dtype -> the tables' dtype name (tunekit.ops' names; other dtypes are never tabulated)
+_TABLE_DTYPES: dict[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 # Evaluated once per trace and baked in as a constant: whether the tables hold
@@ -369,14 +374,13 @@ except AttributeError:  # torch without torch.compiler: eager only anyway
 
 
 def _covered(op: str, x: torch.Tensor, n: int, k: int) -> bool:
-    from tunekit.ops import dtype_name
-
     # vLLM marks only the token dim dynamic, so widths are plain ints here; a
     # width that is symbolic (a caller compiling with every dim dynamic) can
     # not be decided per layer, and undecided means vLLM's own path.
-    if not isinstance(n, int) or not isinstance(k, int):
+    dtype = _TABLE_DTYPES.get(x.dtype)
+    if dtype is None or not isinstance(n, int) or not isinstance(k, int):
         return False
-    return bool(_covers(op, dtype_name(x.dtype), n, k, str(x.device)))
+    return bool(_covers(op, dtype, n, k, str(x.device)))
 
 
 def _same_rows(a: torch.Tensor, x: torch.Tensor) -> bool:
@@ -395,7 +399,8 @@ def _norm_route(self: Any, x: torch.Tensor, residual: torch.Tensor | None, weigh
     """
     n = weight.shape[0]
     op = plain_op if residual is None else fused_op
-    if x.shape[-1] != n or not _x_ok(x, weight) or not _covered(op, x, n, n) or not _rows_even(x):
+    # coverage first: an uncovered layer (the common case) leaves after the fewest checks in eager mode
+    if x.shape[-1] != n or not _covered(op, x, n, n) or not _x_ok(x, weight) or not _rows_even(x):
         return None
     eps = float(self.variance_epsilon)
     if residual is None:
@@ -409,7 +414,7 @@ def _norm_route(self: Any, x: torch.Tensor, residual: torch.Tensor | None, weigh
 def _rms_norm_route(self: Any, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
     """tunekit op for RMSNorm's plain cases, or None (the stock method runs)."""
     if (getattr(self, "variance_size_override", None) is not None or not getattr(self, "has_weight", True)
-            or not isinstance(self.weight, torch.Tensor) or _env_flag("VLLM_BATCH_INVARIANT", False)):
+            or not isinstance(self.weight, torch.Tensor) or self._tunekit_batch_invariant):
         return None
     return _norm_route(self, x, residual, self.weight, "rms_norm", "fused_add_rms_norm")
 
@@ -422,11 +427,11 @@ def _rms_norm_gated_route(self: Any, x: torch.Tensor, z: torch.Tensor | None = N
     # tunekit's gated_rms_norm: y = rms_norm(x) * w * silu(z), one group (norm before gate).
     hidden = self.weight.shape[0]
     if (z is None or not self.norm_before_gate or self.activation not in ("swish", "silu")
-            or self.group_size not in (None, hidden) or x.shape[-1] != hidden or not _x_ok(x, self.weight)):
+            or self.group_size not in (None, hidden) or x.shape[-1] != hidden):
         return None
     # The op's table key: rows = leading dims but [heads, head_dim] (vLLM passes [T, H, D]).
     n = hidden * (x.shape[-2] if x.dim() >= 3 else 1)
-    if (not _covered("gated_rms_norm", x, n, hidden) or not _same_rows(z, x)
+    if (not _covered("gated_rms_norm", x, n, hidden) or not _x_ok(x, self.weight) or not _same_rows(z, x)
             or not _rows_even(x, 2 if x.dim() >= 3 else 1) or not _rows_even(z, 2 if z.dim() >= 3 else 1)):
         return None
     return torch.ops.tunekit.gated_rms_norm(x, z, self.weight, float(self.eps))
@@ -434,7 +439,7 @@ def _rms_norm_gated_route(self: Any, x: torch.Tensor, z: torch.Tensor | None = N
 
 def _silu_and_mul_route(self: Any, x: torch.Tensor) -> Any:
     k = x.shape[-1]
-    if k % 2 or not _x_ok(x, None) or not _covered("silu_and_mul", x, k // 2, k):
+    if k % 2 or not _covered("silu_and_mul", x, k // 2, k):  # _covered admits only the tabulated dtypes
         return None
     return torch.ops.tunekit.silu_and_mul(x)
 
@@ -484,7 +489,10 @@ def _oot_installer(class_name: str) -> Callable[[], tuple[bool, str]]:
             return False, f"another plugin registered {class_name} ({current.__module__}.{current.__qualname__})"
         subclass = _make_oot_subclass(base, route)
         base.register_oot(subclass, name=class_name)
-        fallbacks = _install_vendor_kernels(needed)
+        try:
+            fallbacks = _install_vendor_kernels(needed)
+        except Exception as exc:  # the subclass is in: report it, with the composition as the fallback
+            fallbacks = f"PyTorch composition (looking for vLLM's kernels failed: {type(exc).__name__}: {exc})"
         return True, (f"{subclass.__name__}: covered layers -> torch.ops.tunekit.{'/'.join(needed)}, the others "
                       f"vLLM's own forward; fallback {fallbacks}")
 
@@ -515,6 +523,8 @@ def _make_oot_subclass(base: type, route: Callable[..., Any]) -> type:
     def dispatch_forward(self: Any, *args: Any, **kwargs: Any) -> Callable[..., Any]:
         self._tunekit_stock_forward = super(subclass, self).dispatch_forward(*args, **kwargs)
         self._tunekit_routes = _routes_on_platform()
+        # Read once per layer, not per call (vLLM's env lookup costs microseconds; it is fixed per process).
+        self._tunekit_batch_invariant = _env_flag("VLLM_BATCH_INVARIANT", False)
         return self._tunekit_forward
 
     def _tunekit_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
