@@ -30,9 +30,11 @@ search's.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import signal
 import socket
 import threading
 import time
@@ -399,6 +401,27 @@ def _fail_interrupted(storage, trial_id: int, error: str = "interrupted (the sea
         pass  # another search sharing the storage recorded it first
 
 
+@contextlib.contextmanager
+def _stops_deferred():
+    """Ctrl-C waits until the block ends: a trial is asked and its owner recorded as one step,
+    so a stop never leaves a RUNNING trial that no process owns (only age would tell it dead)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[tuple[int, Any]] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append((signum, frame)))
+    try:
+        yield
+    finally:
+        # None: a handler set outside Python, which cannot be put back; Python's own is the nearest
+        signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
+        if caught:
+            if callable(previous):
+                previous(*caught[0])  # raises now (the CLI's Interrupted, or KeyboardInterrupt)
+            elif previous == signal.SIG_DFL:
+                signal.raise_signal(signal.SIGINT)
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -523,11 +546,11 @@ def _run_study(cfg, storage, worker, device, probe, problem, backend_name, bar, 
         if isinstance(study.sampler, optuna.samplers.GridSampler) and study.sampler.is_exhausted(study):
             break
         attempts += 1
-        with warnings.catch_warnings():
+        with _stops_deferred(), warnings.catch_warnings():
             # ask/tell, not optimize(): the heartbeat is this module's (_Liveness)
             warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
             trial = study.ask(distributions)
-        live.begin(trial)
+            live.begin(trial)
         params = dict(space.fixed) | dict(trial.params)
         key = _params_key(trial.params)
         if key in seen:
