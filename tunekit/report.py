@@ -38,9 +38,13 @@ def print_summary(console: Console, outcome) -> None:
                       "-" if s.best_us is None else f"{s.best_us:.2f}")
     console.print(stats)
     limit = outcome.probe.get("read_gbps")
-    final = Table("problem", "count", "vendor µs", "best", "us", "speedup", "GB/s", "% limit",
-                  title=f"interleaved re-measure ({outcome.probe.get('kind')} timing, "
-                        f"read limit {limit:.0f} GB/s)" if limit else "interleaved re-measure")
+    if outcome.probe.get("kind") == "cpu":
+        title = "interleaved re-measure (CPU interpreter timing: not bandwidth evidence)"
+    elif limit:
+        title = f"interleaved re-measure ({outcome.probe.get('kind')} timing, read limit {limit:.0f} GB/s)"
+    else:
+        title = "interleaved re-measure"
+    final = Table("problem", "count", "vendor µs", "best", "us", "speedup", "GB/s", "% limit", title=title)
     by_problem: dict[tuple, list[dict]] = {}
     for row in outcome.final_rows:
         by_problem.setdefault((row["op"], row["m"], row["n"], row["k"]), []).append(row)
@@ -56,6 +60,39 @@ def print_summary(console: Console, outcome) -> None:
     console.print(final)
     if outcome.table_path:
         console.print(f"dispatch table: {outcome.table_path}; trials: {outcome.trials_path}")
+        advice = empty_table_advice(outcome)
+        if advice:
+            from rich.markup import escape
+
+            console.print(f"[yellow]{escape(advice)}[/]")
+
+
+def empty_table_advice(outcome) -> str | None:
+    """Why a search's dispatch table came out empty, with counts, and what to try next; None if it has entries."""
+    try:
+        table = json.loads(Path(outcome.table_path).read_text())
+    except (OSError, ValueError):
+        return None
+    if table.get("entries"):
+        return None
+    problems = {(s.problem.op, s.problem.m, s.problem.n, s.problem.k) for s in outcome.stats}
+    verified = {(r["op"], r["m"], r["n"], r["k"]) for r in outcome.final_rows
+                if r["backend"] not in _baseline_names()}
+    beaten = len(problems & verified)  # a verified candidate existed; a baseline stayed ahead
+    none_ok = len(problems - verified)  # no candidate passed verification (or none was re-measured)
+    failed = sum(s.failed for s in outcome.stats)
+    gain = table.get("min_gain")
+    parts = []
+    if beaten:
+        parts.append(f"the baseline (vendor) stayed fastest on {beaten} of {len(problems)} problems "
+                     f"(no candidate {'' if gain is None else f'{gain:.0%} '}ahead)")
+    if none_ok:
+        parts.append(f"{none_ok} of {len(problems)} had no verified candidate ({failed} failed trials in this run)")
+    cpu = " CPU interpreter timings rank kernels arbitrarily: a GPU run is what counts." \
+        if outcome.probe.get("kind") == "cpu" else ""
+    return (f"the dispatch table is empty: {'; '.join(parts) or 'no problem was searched'}. Next: more --trials, "
+            f"a lower --min-gain, and the status / error columns of {outcome.trials_path} for the failures; "
+            f"meanwhile the vendor path serves every problem.{cpu}")
 
 
 def _baseline_names() -> tuple[str, ...]:
@@ -415,6 +452,7 @@ def _header_lines(comp: Comparison) -> list[str]:
     device = meta.get("device", {})
     return [
         f"GPU: {comp.gpu}, {device.get('cu_count', '?')} CUs, {device.get('runtime', '?')}",
+        "read limit: none (CPU interpreter timing is not bandwidth evidence)" if comp.is_interpreter else
         f"read limit: {_gbps(comp.read_gbps)} GB/s (probe, {probe.get('kind', '?')} timing; "
         f"copy {_gbps(probe.get('copy_gbps'))} GB/s)",
         f"model: {meta.get('model') or '-'}; tuned backends in this run: {', '.join(comp.present) or 'none'}",
