@@ -77,3 +77,16 @@ class _PinnedFaultBackend(FaultBackend):
 
 #: for the pinned-parameter test: only BLOCK_N=4 may ever be measured
 PINNED = _PinnedFaultBackend([4, 32])
+
+
+class _SlowBackend(FaultBackend):
+    """Every candidate is correct and takes ``SLOW_BUILD_S`` to build, so a trial stays RUNNING
+    that long: for the test of two searches sharing a storage."""
+
+    def build(self, problem, params, device):
+        time.sleep(float(os.environ.get("TUNEKIT_TEST_SLOW_BUILD_S", "12")))
+        return super().build(problem, dict(params, BLOCK_N=4), device)
+
+
+#: slow but correct candidates (three names of one kernel)
+SLOW = _SlowBackend([4, 32, 64])
