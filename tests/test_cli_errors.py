@@ -63,6 +63,43 @@ def test_bare_tunekit_prints_the_help_and_one_error_line() -> None:
     assert _run("--help").returncode == 0
 
 
+def test_bad_files_are_one_line(tmp_path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(RECORDED, run)
+    (run / "final.csv").write_text("")
+    _assert_one_error(_run("export", str(run)), "final.csv has no rows")
+    _assert_one_error(_run("compare", str(run)), "final.csv has no rows")
+    (run / "final.csv").write_bytes(b'\x00\x01garbage"\n"a')
+    _assert_one_error(_run("export", str(run)), "not a readable re-measure table")
+    _assert_one_error(_run("compare", str(run)), "not a readable re-measure table")
+    (run / "run.json").write_text("{")
+    _assert_one_error(_run("export", str(run)), "corrupt run file")
+
+    search = ["search", "--shape", "96x256", "--backend", "triton", "--out", str(tmp_path / "never")]
+    bad = tmp_path / "trials.csv"
+    for content, fragment in [(b"", "the file is empty"), (b'\x00garbage"\n"a', "not a readable trials table"),
+                              (b"op,dtype\ngemv,bf16\n", "not a trials table")]:
+        bad.write_bytes(content)
+        _assert_one_error(_run(*search, "--seed-from", str(bad)), fragment)
+    _assert_one_error(_run(*search, "--seed-from", str(tmp_path)), "no such file")
+    assert not (tmp_path / "never").exists()  # refused before anything was written
+
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"format": "other/1"}))
+    _assert_one_error(_run("chain", "--model", "qwen3-8b", "--table", str(table)), "unknown format")
+
+
+def test_an_unreadable_final_csv_is_kept_beside_the_new_one(tmp_path) -> None:
+    from tunekit.search import results
+
+    (tmp_path / "final.csv").write_bytes(b'\x00garbage"\n"a')
+    row = {"op": "gemv", "dtype": "bf16", "m": 1, "n": 96, "k": 256, "backend": "vendor", "time_us": 1.0}
+    results.write_final(tmp_path, [row])
+    assert len(results.read_final(tmp_path)) == 1
+    (aside,) = tmp_path.glob("final-unreadable-*.csv")
+    assert aside.read_bytes() == b'\x00garbage"\n"a'
+
+
 def test_out_at_a_file_under_a_file_and_in_a_read_only_folder(tmp_path) -> None:
     afile = tmp_path / "afile"
     afile.write_text("not a folder\n")

@@ -283,6 +283,8 @@ def export(
         raise UserError(f"--min-gain must be a number >= 0 (got {min_gain}); 0.01 asks a 1% gain")
     meta = results.read_run_json(run)
     rows = results.read_final(run)
+    if not rows:
+        raise UserError(f"{run}/final.csv has no rows: the final re-measure produced nothing to export")
     target = output or run / "table.json"
     if target.is_dir():
         raise UserError(f"{target} is a folder: give --output a file name")
@@ -356,6 +358,10 @@ def chain(
     missing = [str(p) for p in table if not p.exists()]
     if missing:
         raise UserError(f"no such table: {', '.join(missing)}")
+    from tunekit import table as table_mod
+
+    for path in table:  # a bad table is one line here, not a served fallback and a log line later
+        table_mod.load(path)
     report = chain_mod.run(spec, [str(p) for p in table], m_list, tp=tp, layers=layers, iters=iters,
                            repeats=repeats, log=console.print)
     if not report["timed"]:

@@ -734,22 +734,38 @@ SEEDS_FROM_FILES = 8
 def read_seed_records(path: Path) -> list[dict[str, Any]]:
     """(op, backend, m, n, k, params, time_us) records of the verified configs in a
     dispatch table (``table.json``) or a trials table (``trials.csv`` / ``.parquet``)."""
-    if not path.exists():
+    if not path.is_file():
         raise UserError(f"--seed-from {path}: no such file")
+    if path.stat().st_size == 0:
+        raise UserError(f"--seed-from {path}: the file is empty")
     if path.suffix == ".json":
         from tunekit import table as table_mod
 
         return [dict(e) for e in table_mod.load(path)["entries"]]
     import pandas as pd
 
-    frame = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
-    needed = {"op", "backend", "m", "n", "k", "params", "status", "time_us"}
-    if not needed <= set(frame.columns):
-        raise UserError(f"--seed-from {path}: not a trials table (columns {sorted(needed - set(frame.columns))} "
-                        "missing)")
+    from tunekit.search import results
+
+    needed = ("op", "backend", "m", "n", "k", "params", "status", "time_us")
+    if path.suffix == ".parquet":
+        try:
+            frame = pd.read_parquet(path)
+        except Exception as exc:  # noqa: BLE001 - pyarrow's errors have no common base worth naming
+            raise UserError(f"--seed-from {path}: not a readable parquet file ({exc})") from None
+        missing = sorted(set(needed) - set(frame.columns))
+        if missing:
+            raise UserError(f"--seed-from {path}: not a trials table (columns {missing} missing)")
+    else:
+        try:
+            frame = results.read_csv(path, "trials table", needed)
+        except UserError as exc:
+            raise UserError(f"--seed-from {exc}") from None
     frame = frame[frame["status"] == "ok"]
-    return [{"op": r.op, "backend": r.backend, "m": int(r.m), "n": int(r.n), "k": int(r.k),
-             "params": json.loads(r.params), "time_us": float(r.time_us)} for r in frame.itertuples()]
+    try:
+        return [{"op": r.op, "backend": r.backend, "m": int(r.m), "n": int(r.n), "k": int(r.k),
+                 "params": json.loads(r.params), "time_us": float(r.time_us)} for r in frame.itertuples()]
+    except (TypeError, ValueError) as exc:  # ValueError covers a params cell that is not JSON
+        raise UserError(f"--seed-from {path}: a verified trial's row is malformed ({exc})") from None
 
 
 def _seeds_from_files(paths: Sequence[Path], backend: str, problem: Problem, domains: dict[str, list[Any]],

@@ -273,8 +273,14 @@ def write_final(out_dir: Path, rows: list[dict[str, Any]]) -> Path:
     path = out_dir / "final.csv"
     new = pd.DataFrame(rows)
     if path.is_file() and path.stat().st_size > 0:
-        old = pd.read_csv(path)
-        if not new.empty:
+        try:
+            old = read_csv(path, "re-measure table", FINAL_COLUMNS)
+        except UserError:
+            # unreadable: kept beside the new one, never overwritten
+            stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+            os.replace(path, path.with_name(f"final-unreadable-{stamp}.csv"))
+            old = pd.DataFrame()
+        if not new.empty and not old.empty:
             keys = {(r["op"], r["dtype"], r["m"], r["n"], r["k"]) for r in rows}
             keep = [tuple(x) not in keys for x in old[["op", "dtype", "m", "n", "k"]].itertuples(index=False)]
             old = old[keep]
@@ -284,10 +290,32 @@ def write_final(out_dir: Path, rows: list[dict[str, Any]]) -> Path:
     return path
 
 
+#: Columns without which final.csv cannot be read back (export, compare).
+FINAL_COLUMNS = ("op", "dtype", "m", "n", "k", "backend", "time_us")
+
+
+def read_csv(path: Path, what: str, columns: tuple[str, ...] = ()) -> pd.DataFrame:
+    """A CSV file the run wrote, or a UserError (one line) saying why it cannot be read.
+    An empty (0-byte) file is an empty frame."""
+    if path.is_file() and path.stat().st_size == 0:
+        return pd.DataFrame(columns=list(columns))
+    try:
+        frame = pd.read_csv(path)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, ValueError) as exc:
+        raise UserError(f"{path}: not a readable {what} ({' '.join(str(exc).split())})") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read the {what} ({exc.strerror})") from None
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise UserError(f"{path}: not a {what} (columns {missing} missing)")
+    return frame
+
+
 def read_final(run_dir: Path) -> list[dict[str, Any]]:
+    """The rows of RUN/final.csv; [] for an empty file (no re-measure produced a row)."""
     path = Path(run_dir) / "final.csv"
     if not path.is_file():
         raise UserError(f"{run_dir} has no final.csv: the search did not reach its final re-measure")
-    frame = pd.read_csv(path)
+    frame = read_csv(path, "re-measure table (final.csv)", FINAL_COLUMNS)
     frame = frame.astype(object).where(frame.notna(), None)
     return frame.to_dict("records")
