@@ -450,21 +450,21 @@ def test_fallbacks_run_the_installed_vendor_kernel_and_the_markers_name_it(tmp_p
         raise RuntimeError("no kernel image")
 
     try:
-        torch.ops.tunekit.rms_norm(x, w, 1e-6)  # nothing installed: tunekit's composition
+        torch.ops.tunekit.rms_norm(x, w, 1e-6)  # nothing installed: tunekit's default-config kernel
         ops.set_vendor_elementwise("rms_norm", vendor_rms_norm, "test.rms_norm", ("cpu",))
         assert torch.equal(torch.ops.tunekit.rms_norm(x, w, 1e-6), _hf_rms(x, w, 1e-6))
         torch.ops.tunekit.rms_norm(x[:2], w, 1e-6)  # a table hit never reaches the vendor kernel
         torch.ops.tunekit.rms_norm(torch.randn(9, 128).bfloat16()[:, ::2], w, 1e-6)  # nor inputs failing a check
         assert seen == [(9, 64)]
         ops.set_vendor_elementwise("rms_norm", vendor_rms_norm, "test.rms_norm", ("cuda",))  # not for CPU tensors
-        torch.ops.tunekit.rms_norm(x, w, 1e-6)
+        torch.ops.tunekit.rms_norm(x, w, 1e-6)  # no vendor kernel for the CPU: the default-config kernel
         ops.set_vendor_elementwise("rms_norm", broken, "test.broken", ("cpu",))
         with caplog.at_level(logging.WARNING, logger="tunekit.ops"):
             for _ in range(2):  # never raises; logged once
                 assert torch.equal(torch.ops.tunekit.rms_norm(x, w, 1e-6), ops._vendor_rms_norm(x, w, 1e-6, False))
         assert len([r for r in caplog.records if "test.broken" in r.getMessage()]) == 1
         ops.set_vendor_elementwise("rms_norm", None, "looked, found none")
-        torch.ops.tunekit.rms_norm(x, w, 1e-6)
+        torch.ops.tunekit.rms_norm(x, w, 1e-6)  # the default-config kernel again
         assert ops.vendor_kernels()["rms_norm"] == {"name": "eager:no_vendor_kernel", "device_types": [],
                                                     "why": "looked, found none"}
         assert ops.dispatch_log()["vendors"]["rms_norm"]["why"] == "looked, found none"
@@ -474,11 +474,10 @@ def test_fallbacks_run_the_installed_vendor_kernel_and_the_markers_name_it(tmp_p
         ops.clear_vendor_elementwise()
     got = {(r["m"], r["impl"], r["vendor"]): r["calls"] for r in ops.dispatch_stats()}
     assert got == {
-        (9, "fallback:m_above_table", "eager"): 1,
+        (9, "fallback:m_above_table", ops.DEFAULT_VENDOR): 3,
         (9, "fallback:m_above_table", "test.rms_norm"): 1,
         (2, "tuned:test_ops:TORCH_NORM", None): 1,
         (9, "fallback:strided", "eager"): 1,
-        (9, "fallback:m_above_table", "eager:no_vendor_kernel"): 2,
         (9, "fallback:m_above_table", "eager:vendor_error"): 2,
     }
     # gemv's fallbacks name theirs too (CPU tensors: always F.linear)
@@ -601,3 +600,180 @@ def test_an_entry_whose_config_cannot_run_a_smaller_m_is_a_reasoned_fallback(tmp
     impls = {r["m"]: r["impl"] for r in _rows(shape=f"{N}x{K}")}
     assert impls == {1: "fallback:config_invalid_at_m", 2: "tuned:triton"}
     assert "config_invalid_at_m" in ops.FALLBACK_REASONS
+
+
+# ----------------------------------------------------------------------------- default-config kernel
+
+
+def _gemma_table(tmp_path: Path, n: int = 64) -> None:
+    """Gemma norms of width ``n`` tabulated at M=4 (Triton): M=9 is above the table."""
+    entries = [_entry("gemma_rms_norm", 4, n, n, params={}), _entry("gemma_fused_add_rms_norm", 4, n, n, params={})]
+    ops.load_tables(str(make_table(tmp_path / "gemma.json", entries)))
+
+
+def _within_op_bound(op: str, got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...],
+                     inputs: tuple[torch.Tensor, ...]) -> bool:
+    """Every output of ``got`` within the op's BF16 bound (OpSpec.error_bound, verify's) of ``want``."""
+    m, n = inputs[0].shape
+    spec = opspec.get(op)
+    ref = spec.reference(inputs)
+    refs = ref if isinstance(ref, tuple) else (ref,)
+    bound = spec.error_bound(Problem(op, "bf16", m, n, n), inputs, ref)
+    bounds = bound if isinstance(bound, tuple) else (bound,)
+    return all(bool(((g.double() - w.double()).abs() <= b).all())
+               for g, w, b in zip(got, want or refs, bounds, strict=True))
+
+
+def _count_builds(monkeypatch) -> list[tuple]:
+    from tunekit import backends
+
+    backend = backends.get("triton")
+    original = backend.build
+    built: list[tuple] = []
+
+    def build(problem, params, device):
+        built.append((problem.op, problem.m, tuple(sorted(params.items()))))
+        return original(problem, params, device)
+
+    monkeypatch.setattr(backend, "build", build)
+    return built
+
+
+@pytest.mark.skipif(not _triton_has_kernels(), reason="kernels_triton has no elementwise kernels yet")
+@pytest.mark.parametrize("width", [64, 1536])  # one pass, and the default BLOCK_N=1024's chunked two passes
+def test_gemma_norm_above_the_table_without_a_vendor_kernel_runs_the_default_config_kernel(
+        tmp_path: Path, monkeypatch, width: int) -> None:
+    _gemma_table(tmp_path, width)
+    built = _count_builds(monkeypatch)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(9, width, generator=gen).bfloat16()
+    r = torch.randn(9, width, generator=gen).bfloat16()
+    w = (torch.randn(width, generator=gen) * 0.3).bfloat16()
+    eps = ops.DEFAULT_EPS
+    for _ in range(2):  # built once per key, then the cached kernel
+        y = torch.ops.tunekit.gemma_rms_norm(x, w, eps)
+        assert _within_op_bound("gemma_rms_norm", (y,), (), (x, w))  # the fp64 reference
+        assert _within_op_bound("gemma_rms_norm", (y,), (ops._vendor_rms_norm(x, w, eps, True),), (x, w))
+        y2, s = torch.ops.tunekit.gemma_fused_add_rms_norm(x, r, w, eps)
+        comp = ops._vendor_fused_add(x, r, w, eps, True)
+        assert torch.equal(s, comp[1])  # the residual sum: one rounding either way
+        assert _within_op_bound("gemma_fused_add_rms_norm", (y2, s), (), (x, r, w))
+        assert _within_op_bound("gemma_fused_add_rms_norm", (y2, s), comp, (x, r, w))
+    default = {"BLOCK_N": 1024, "ROWS": 1, "num_warps": 4, "VLLM_ROUNDING": 1}  # search_spaces' default + fixed
+    assert built == [("gemma_rms_norm", 9, tuple(sorted(default.items()))),
+                     ("gemma_fused_add_rms_norm", 9, tuple(sorted(default.items())))]
+    # an integration that looked and found no kernel (vLLM's GemmaRMSNorm) is served the same way
+    try:
+        ops.set_vendor_elementwise("gemma_rms_norm", None, "no kernel in this engine")
+        torch.ops.tunekit.gemma_rms_norm(x, w, eps)
+    finally:
+        ops.clear_vendor_elementwise()
+    got = {(r["op"], r["m"], r["impl"], r["vendor"]): r["calls"] for r in ops.dispatch_stats()}
+    assert got == {("gemma_rms_norm", 9, "fallback:m_above_table", ops.DEFAULT_VENDOR): 3,
+                   ("gemma_fused_add_rms_norm", 9, "fallback:m_above_table", ops.DEFAULT_VENDOR): 2}
+    assert ops.DEFAULT_VENDOR in ops.dispatch_log()["default_vendor"]
+
+
+@pytest.mark.skipif(not _triton_has_kernels(), reason="kernels_triton has no elementwise kernels yet")
+def test_an_installed_vendor_kernel_is_preferred_to_the_default_config_kernel(tmp_path: Path, monkeypatch) -> None:
+    _gemma_table(tmp_path)
+    built = _count_builds(monkeypatch)
+    x = torch.randn(9, 64).bfloat16()
+    w = torch.randn(64).bfloat16()
+    seen: list[tuple[int, ...]] = []
+
+    def vendor(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        seen.append(tuple(x.shape))
+        return _hf_rms(x, w, eps, gemma=True)
+
+    try:
+        ops.set_vendor_elementwise("gemma_rms_norm", vendor, "test.gemma", ("cpu",))
+        assert torch.equal(torch.ops.tunekit.gemma_rms_norm(x, w, 1e-6), _hf_rms(x, w, 1e-6, gemma=True))
+    finally:
+        ops.clear_vendor_elementwise()
+    assert seen == [(9, 64)] and built == []
+    assert [(r["impl"], r["vendor"]) for r in ops.dispatch_stats()] == [("fallback:m_above_table", "test.gemma")]
+    # prepare() builds the tabulated Ms and leaves those above the table to an installed vendor kernel
+    try:
+        ops.set_vendor_elementwise("gemma_rms_norm", vendor, "test.gemma", ("cpu",))
+        ops.set_vendor_elementwise("gemma_fused_add_rms_norm", vendor, "test.gemma", ("cpu",))
+        summary = ops.prepare("cpu", ms=[4, 16])
+    finally:
+        ops.clear_vendor_elementwise()
+    assert summary["keys"] == summary["tuned"] == 2 and summary["default"] == 0, summary
+    assert [b[:2] for b in built] == [("gemma_fused_add_rms_norm", 4), ("gemma_rms_norm", 4)]
+
+
+@pytest.mark.skipif(not _triton_has_kernels(), reason="kernels_triton has no elementwise kernels yet")
+def test_default_config_kernel_failures_fall_back_to_the_composition_with_a_counted_reason(
+        tmp_path: Path, monkeypatch, caplog) -> None:
+    from tunekit import backends
+
+    _gemma_table(tmp_path)
+    backend = backends.get("triton")
+    x = torch.randn(9, 64).bfloat16()
+    w = torch.randn(64).bfloat16()
+    comp = ops._vendor_rms_norm(x, w, 1e-6, True)
+
+    def no_build(problem, params, device):
+        raise RuntimeError("ptxas died")
+
+    with monkeypatch.context() as mp, caplog.at_level(logging.WARNING, logger="tunekit.ops"):
+        mp.setattr(backend, "build", no_build)
+        for _ in range(2):  # never raises; logged once; the key keeps the composition
+            assert torch.equal(torch.ops.tunekit.gemma_rms_norm(x, w, 1e-6), comp)
+    assert len([r for r in caplog.records if "ptxas died" in r.getMessage()]) == 1
+    with monkeypatch.context() as mp:
+        mp.setattr(backend, "unavailable_reason", lambda device: "triton is not installed")
+        assert torch.equal(torch.ops.tunekit.gemma_rms_norm(x[:7], w, 1e-6), comp[:7])
+    torch.ops.tunekit.gemma_rms_norm(x[:6], w, 1e-5)  # the built kernel has a fixed eps
+    assert torch.equal(torch.ops.tunekit.gemma_rms_norm(x[:6].half(), w.half(), 1e-6),
+                       ops._vendor_rms_norm(x[:6].half(), w.half(), 1e-6, True))  # BF16 kernels only
+
+    def broken_launch(problem, params, device):
+        def kernel(inputs, out):
+            raise RuntimeError("illegal memory access")
+
+        return kernel
+
+    with monkeypatch.context() as mp:
+        mp.setattr(backend, "build", broken_launch)
+        for _ in range(2):
+            assert torch.equal(torch.ops.tunekit.gemma_rms_norm(x[:5], w, 1e-6), comp[:5])
+    got = {(r["m"], r["impl"], r["vendor"]): r["calls"] for r in ops.dispatch_stats()}
+    assert got == {(9, "fallback:m_above_table", "eager:default_build_error"): 2,
+                   (7, "fallback:m_above_table", "eager:default_unavailable"): 1,
+                   (6, "fallback:m_above_table", "eager:default_eps"): 1,
+                   (6, "fallback:no_entry", "eager:default_dtype"): 1,
+                   (5, "fallback:m_above_table", "eager:default_kernel_error"): 2}
+    assert all(v in ops.EAGER_VENDORS for _, _, v in got)
+
+
+@pytest.mark.skipif(not _triton_has_kernels(), reason="kernels_triton has no elementwise kernels yet")
+def test_capture_before_build_keeps_the_composition_and_prepare_builds_the_default(tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    _gemma_table(tmp_path)
+    capturing = {"on": True}
+    monkeypatch.setattr(ops, "_capturing", lambda x: capturing["on"])
+    x = torch.randn(9, 64).bfloat16()
+    w = torch.randn(64).bfloat16()
+    comp = ops._vendor_rms_norm(x, w, 1e-6, True)
+    assert torch.equal(torch.ops.tunekit.gemma_rms_norm(x, w, 1e-6), comp)  # unbuilt under capture
+    capturing["on"] = False
+    torch.ops.tunekit.gemma_rms_norm(x, w, 1e-6)  # eager warm-up builds it
+    capturing["on"] = True
+    y = torch.ops.tunekit.gemma_rms_norm(x, w, 1e-6)
+    assert _within_op_bound("gemma_rms_norm", (y,), (comp,), (x, w))
+    assert {(r["vendor"], r["counted_at"]) for r in ops.dispatch_stats()} == {
+        ("eager:default_not_built_at_capture", "capture"), (ops.DEFAULT_VENDOR, "call"),
+        (ops.DEFAULT_VENDOR, "capture")}
+    # prepare(ms=...) builds the default kernels of the capture sizes above the table
+    ops.reset_stats()
+    capturing["on"] = False
+    summary = ops.prepare("cpu", ms=[2, 4, 12])
+    assert summary["keys"] == 6 and summary["tuned"] == 4 and summary["default"] == 2, summary
+    assert not summary["errors"] and ops.dispatch_stats() == []
+    capturing["on"] = True
+    torch.ops.tunekit.gemma_fused_add_rms_norm(x[:3].repeat(4, 1), x[:3].repeat(4, 1), w, 1e-6)
+    assert [(r["m"], r["vendor"], r["counted_at"]) for r in ops.dispatch_stats()] == [
+        (12, ops.DEFAULT_VENDOR, "capture")]

@@ -67,9 +67,14 @@ The tuned kernel is ``backend.build(...)(inputs, out[, eps=eps])`` with
 ``inputs``/``out`` laid out as ``tunekit.opspec`` makes them; a kernel without
 an ``eps`` parameter serves only ``eps == DEFAULT_EPS``. Their vendor path is
 the kernel an integration installed with :func:`set_vendor_elementwise` (the
-vLLM plugin: vLLM's own CUDA / Triton kernels), else the PyTorch math of
+vLLM plugin: vLLM's own CUDA / Triton kernels); where none is installed for
+the op and device, tunekit's own Triton kernel at the search space's default
+config (``search_spaces/<op>.toml``, valid for every M), built and cached per
+key as a tuned entry is (``vendor: "tunekit:triton-default"``, see
+:func:`_ew_default`); else, or where that cannot serve, the PyTorch math of
 vLLM's native implementations (``vllm.ir.ops.rms_norm`` ...), rounding where
-those round. Each fallback row's ``vendor`` says which served it.
+those round. Each fallback row's ``vendor`` says which served it, and why the
+composition did (:data:`EAGER_VENDORS`).
 
 Adding an op: its schema, run-time impl (on :func:`_resolve` / :func:`_count`,
 as :func:`_ew_serve` does) and fake impl in ``ELEMENTWISE_SCHEMAS`` /
@@ -94,6 +99,7 @@ import torch.nn.functional as F
 from tunekit import table as table_mod
 
 __all__ = [
+    "DEFAULT_VENDOR",
     "EAGER_VENDORS",
     "FALLBACK_REASONS",
     "clear_vendor_elementwise",
@@ -147,13 +153,28 @@ FALLBACK_REASONS: dict[str, str] = {
     "kernel_error": "the tuned kernel raised at launch (logged once; the key stays on the vendor path)",
 }
 
+#: The ``vendor`` of an elementwise fallback served by tunekit's Triton kernel at the op's default config.
+DEFAULT_VENDOR = "tunekit:triton-default"
+
 #: The ``vendor`` of a fallback row when tunekit's own PyTorch composition served it (elementwise ops).
 EAGER_VENDORS: dict[str, str] = {
     "eager": "tunekit's PyTorch composition of the native math: no integration installed a vendor kernel for "
-             "this op (the Hugging Face patch), or the inputs failed a per-call check before the lookup",
-    "eager:no_vendor_kernel": "an integration looked for a vendor kernel for this op and device and found none "
-                              "(vLLM's GemmaRMSNorm has no CUDA kernel; vLLM without its _C extension)",
+             "this op and no table serves this device (so no default-config kernel either), or the inputs "
+             "failed a per-call check before the lookup",
+    "eager:no_vendor_kernel": "an integration looked for a vendor kernel for this op and device and found none, "
+                              "and no table serves this device (so no default-config kernel either)",
     "eager:vendor_error": "the installed vendor kernel raised (logged once); the composition served the call",
+    "eager:default_unavailable": f"no vendor kernel, and {DEFAULT_VENDOR} cannot run here (the Triton "
+                                 "backend's unavailable reason, logged once)",
+    "eager:default_dtype": f"no vendor kernel, and {DEFAULT_VENDOR} serves BF16 only (its kernels round to BF16)",
+    "eager:default_eps": f"no vendor kernel, and {DEFAULT_VENDOR} is built for DEFAULT_EPS (takes no eps)",
+    "eager:default_invalid": "no vendor kernel, and the default config is invalid at this shape (logged once)",
+    "eager:default_build_error": f"no vendor kernel, and {DEFAULT_VENDOR} failed to build (logged once)",
+    "eager:default_kernel_error": f"no vendor kernel, and {DEFAULT_VENDOR} raised at launch (logged once; the "
+                                  "key keeps the composition)",
+    "eager:default_not_built_at_capture": f"no vendor kernel, and {DEFAULT_VENDOR} was first needed under "
+                                          "CUDA-graph capture, where kernels are never built (the graph keeps "
+                                          "the composition; tunekit.ops.prepare(ms=...) or a warm-up builds it)",
 }
 
 _CAPTURE_NOTE = (
@@ -183,6 +204,17 @@ class _VendorKernel:
     device_types: frozenset[str]
 
 
+@dataclass(frozen=True)
+class _DefaultKernel:
+    """The default-config kernel of one (op, dtype, m, n, k, device), or why there is none."""
+
+    kernel: Callable[..., None] | None
+    #: None with a kernel; with none, the EAGER_VENDORS key saying why, or None where the default path
+    #: does not apply at all (no table serves the device: the vendor of an untouched fallback)
+    why: str | None = None
+    takes_eps: bool = False
+
+
 class _State:
     """Process-wide serving state; every mutation under ``lock``."""
 
@@ -206,6 +238,9 @@ class _State:
         self.vendor_ew: dict[str, _VendorKernel] = {}
         #: (op, dtype, n, k, device) -> covers(); cleared with the tables
         self.covers: dict[tuple, bool] = {}
+        #: (op, dtype, m, n, k, device key) -> the default-config kernel serving fallbacks that have no
+        #: vendor kernel (or why none does); cleared with the tables
+        self.defaults: dict[tuple, _DefaultKernel] = {}
         self.atexit_registered = False
 
 
@@ -253,6 +288,7 @@ def load_tables(paths: str | os.PathLike | Sequence[str | os.PathLike] | None) -
         _STATE.gated_layouts.clear()
         _STATE.built.clear()
         _STATE.covers.clear()
+        _STATE.defaults.clear()
     _maybe_register_atexit()
     return loaded_tables()
 
@@ -505,8 +541,8 @@ def dispatch_stats(reset: bool = False) -> list[dict[str, Any]]:
     ``shape`` is ``"NxK"`` for gemv; ``impl`` is ``"tuned:<backend>"`` or
     ``"fallback:<reason>"`` (see :data:`FALLBACK_REASONS`); ``vendor`` is None
     for a tuned kernel, else what served the fallback (``"F.linear"``, a kernel
-    an integration installed such as ``"torch.ops._C.rms_norm"``, or one of
-    :data:`EAGER_VENDORS`); ``counted_at`` is
+    an integration installed such as ``"torch.ops._C.rms_norm"``,
+    :data:`DEFAULT_VENDOR`, or one of :data:`EAGER_VENDORS`); ``counted_at`` is
     ``"call"`` or ``"capture"`` (CUDA-graph capture: counted once per capture,
     replays are not counted because Python does not run; such rows carry a
     ``note`` saying so). ``reset=True`` clears the counters after reading.
@@ -541,6 +577,8 @@ def dispatch_log() -> dict[str, Any]:
         "fallback_reasons": FALLBACK_REASONS,
         "vendors": vendor_kernels(),
         "eager_vendors": EAGER_VENDORS,
+        "default_vendor": {DEFAULT_VENDOR: "tunekit's Triton kernel at the op's default config (valid for every "
+                                           "M), serving an elementwise fallback that has no vendor kernel"},
         "calls": dispatch_stats(),
     }
 
@@ -606,8 +644,11 @@ def set_vendor_elementwise(op: str, fn: Callable[..., Any] | None, name: str,
     composition. The vLLM plugin installs vLLM's own kernels here, so that a
     covered layer at an M the table lacks runs what vLLM would have run
     instead of several eager launches. ``fn=None`` records that an integration
-    looked and found none (``name`` says why; markers say
-    ``eager:no_vendor_kernel``). ``name`` is the markers' ``vendor``.
+    looked and found none (``name`` says why): those fallbacks are served as
+    with nothing installed, by the op's default-config Triton kernel where a
+    table serves the device (markers: ``tunekit:triton-default``, see
+    :func:`_ew_default`), else by the composition (``eager:no_vendor_kernel``).
+    ``name`` is the markers' ``vendor``.
     """
     if op not in ELEMENTWISE_SCHEMAS:
         raise ValueError(f"unknown elementwise op {op!r}; one of {sorted(ELEMENTWISE_SCHEMAS)}")
@@ -811,7 +852,8 @@ def _ew_serve(
 
     ``vendor`` is the PyTorch composition; ``vendor_args`` the op's arguments
     for an installed vendor kernel (:func:`set_vendor_elementwise`), which
-    serves the lookup's fallbacks in its place.
+    serves the lookup's fallbacks in its place; without one, the op's
+    default-config kernel does where it can (:func:`_ew_vendor`).
     """
     x = tensors[0]
     capturing = _capturing(x)
@@ -843,7 +885,8 @@ def _ew_serve(
     if choice.kernel is not None and eps is not None and not choice.takes_eps and eps != DEFAULT_EPS:
         choice = _Choice("fallback:eps")
     if choice.kernel is None:
-        out, served_by = _ew_vendor(op, x.device, vendor_args, vendor)
+        out, served_by = _ew_vendor(op, x.device, vendor_args, vendor, lambda: _ew_default(
+            op, dtype, m, n, k, x, capturing, inputs, make_out, finish, eps))
         _count(op, dtype, shape, m, False, choice.impl, capturing, served_by)
         return _dense(out)
     try:
@@ -854,34 +897,152 @@ def _ew_serve(
             choice.kernel(inputs, out)
     except Exception as exc:  # the serving path never raises for tunekit's sake
         _mark_broken(op, dtype, m, n, k, x.device, exc)
-        out, served_by = _ew_vendor(op, x.device, vendor_args, vendor)
+        out, served_by = _ew_vendor(op, x.device, vendor_args, vendor, lambda: _ew_default(
+            op, dtype, m, n, k, x, capturing, inputs, make_out, finish, eps))
         _count(op, dtype, shape, m, False, "fallback:kernel_error", capturing, served_by)
         return _dense(out)
     _count(op, dtype, shape, m, False, choice.impl, capturing)
     return finish(out)
 
 
-def _ew_vendor(op: str, device: torch.device, args: tuple[Any, ...],
-               eager: Callable[[], Any]) -> tuple[Any, str]:
+def _ew_vendor(op: str, device: torch.device, args: tuple[Any, ...], eager: Callable[[], Any],
+               default: Callable[[], tuple[Any, str | None]] | None = None) -> tuple[Any, str]:
     """(result, what served it) for a call the lookup sent to the vendor path.
 
-    The installed vendor kernel when there is one for this device (the one
-    kernel the integration would have run), else the PyTorch composition.
-    A vendor kernel that raises is logged once and the composition serves:
-    the serving path never raises for tunekit's sake.
+    In this order: the installed vendor kernel when there is one for this
+    device (the one kernel the integration would have run: preferred, it is
+    what the engine runs without tunekit); else ``default`` (tunekit's
+    default-config kernel, :func:`_ew_default`: one launch where the
+    composition is several); else the PyTorch composition, with the reason
+    in the vendor name. A vendor kernel that raises is logged once and the
+    composition serves: the serving path never raises for tunekit's sake.
     """
     vk = _STATE.vendor_ew.get(op)  # lock-free read (atomic under the GIL): hot path
-    if vk is None:
-        return eager(), "eager"
-    if vk.fn is None or device.type not in vk.device_types:
-        return eager(), "eager:no_vendor_kernel"
+    if vk is not None and vk.fn is not None and device.type in vk.device_types:
+        try:
+            return vk.fn(*args), vk.name
+        except Exception as exc:
+            _log_once(f"vendor:{op}:{vk.name}", logging.WARNING,
+                      "tunekit: %s: vendor kernel %s raised %s: %s; PyTorch composition instead",
+                      op, vk.name, type(exc).__name__, exc)
+            return eager(), "eager:vendor_error"
+    if default is not None:
+        out, why = default()
+        if why is None and out is not None:
+            return out, DEFAULT_VENDOR
+        if why is not None:
+            return eager(), why
+    return eager(), "eager" if vk is None else "eager:no_vendor_kernel"
+
+
+#: The backend whose default config serves fallbacks without a vendor kernel.
+_DEFAULT_BACKEND = "triton"
+
+
+def _ew_default(op: str, dtype: str, m: int, n: int, k: int, x: torch.Tensor, capturing: bool,
+                inputs: tuple[torch.Tensor, ...], make_out: Callable[[int, int, torch.Tensor], Any],
+                finish: Callable[[Any], Any], eps: float | None) -> tuple[Any, str | None]:
+    """Serve a fallback that has no vendor kernel with tunekit's Triton kernel at the op's default config.
+
+    The default config (``search_spaces/<op>.toml``'s ``default``, with its
+    ``fixed`` numerics switches, as the search enqueues it first) is valid
+    for every M, so it serves any M the table lacks in one launch, where the
+    composition takes several. Its numerics are those of the tuned kernels
+    of the family (``VLLM_ROUNDING=1``): within the op's BF16 error bound of
+    the fp64 reference (``OpSpec.error_bound``, what ``tunekit.verify``
+    checks every tuned candidate against), and so within that bound of the
+    composition's result too, not bit-equal to it.
+
+    Built once per (op, dtype, M, N, K, device), like a tuned entry, and
+    cached; never built under CUDA-graph capture (the composition serves,
+    ``eager:default_not_built_at_capture``, and the next eager call builds
+    it; :func:`prepare` builds it for the Ms it is given). Returns
+    ``(result, None)`` when it served, ``(None, why)`` with an
+    :data:`EAGER_VENDORS` key when it could not, ``(None, None)`` where it
+    does not apply (no table serves this device). Never raises.
+    """
+    device = x.device
+    key = (op, dtype, m, n, k, str(device))
+    dk = _STATE.defaults.get(key)  # lock-free read (atomic under the GIL): hot path
+    if dk is None:
+        if capturing:
+            # Never compile or load a module inside a capture (as for tuned entries); not cached,
+            # so the next eager call builds it.
+            merged, _ = _tables_for(device, str(device))
+            return None, (None if merged is None else "eager:default_not_built_at_capture")
+        dk = _build_default(op, dtype, m, n, k, device)
+        with _STATE.lock:
+            dk = _STATE.defaults.setdefault(key, dk)
+    if dk.kernel is None:
+        return None, dk.why
+    if eps is not None and not dk.takes_eps and eps != DEFAULT_EPS:
+        return None, "eager:default_eps"
     try:
-        return vk.fn(*args), vk.name
-    except Exception as exc:
-        _log_once(f"vendor:{op}:{vk.name}", logging.WARNING,
-                  "tunekit: %s: vendor kernel %s raised %s: %s; PyTorch composition instead",
-                  op, vk.name, type(exc).__name__, exc)
-        return eager(), "eager:vendor_error"
+        out = make_out(m, n, x)
+        if dk.takes_eps and eps is not None:
+            dk.kernel(inputs, out, eps=eps)
+        else:
+            dk.kernel(inputs, out)
+    except Exception as exc:  # the serving path never raises for tunekit's sake
+        _log_once(f"default-kernel:{op}:{dtype}:{m}:{n}:{k}:{device}", logging.WARNING,
+                  "tunekit: %s %s M=%d N=%d K=%d: default-config kernel raised %s: %s; PyTorch composition "
+                  "from now on", op, dtype, m, n, k, type(exc).__name__, exc)
+        with _STATE.lock:
+            _STATE.defaults[key] = _DefaultKernel(None, "eager:default_kernel_error")
+        return None, "eager:default_kernel_error"
+    return finish(out), None
+
+
+def _build_default(op: str, dtype: str, m: int, n: int, k: int, device: torch.device) -> _DefaultKernel:
+    """Build the default-config kernel of one key (slow path: once per key). Never raises."""
+    merged, _ = _tables_for(device, str(device))
+    if merged is None:
+        # No table serves this device (none loaded, or tuned for another one, or Triton's
+        # interpreter mode does not match the tensors): tunekit is not serving here at all.
+        return _DefaultKernel(None)
+    if dtype != "bf16":
+        return _DefaultKernel(None, "eager:default_dtype")
+    from tunekit import backends
+    from tunekit.shapes import Problem
+
+    info = merged["device"]
+    name = _DEFAULT_BACKEND
+    try:
+        backend = backends.get(name)
+        why = backend.unavailable_reason(info) if op in backend.ops else f"no {name} kernel for {op}"
+        if why:
+            _log_once(f"default-unavailable:{name}:{op}:{info.arch}", logging.WARNING,
+                      "tunekit: %s: no vendor kernel and backend %s unavailable here (%s); PyTorch composition "
+                      "for its fallbacks", op, name, why)
+            return _DefaultKernel(None, "eager:default_unavailable")
+        problem = Problem(op, dtype, m, n, k)
+        space = backend.space(problem)
+        params = dict(space.fixed) | dict(space.default)  # as the search enqueues the default
+        invalid = backend.invalid_reason(problem, params)
+        if invalid is not None:
+            _log_once(f"default-invalid:{op}:{dtype}:{m}:{n}:{k}", logging.WARNING,
+                      "tunekit: %s %s M=%d N=%d K=%d: the default %s config does not run here (%s); PyTorch "
+                      "composition", op, dtype, m, n, k, name, invalid)
+            return _DefaultKernel(None, "eager:default_invalid")
+        build_key = (name, op, dtype, m, n, k, json.dumps(params, sort_keys=True), info.torch_device)
+        with _STATE.lock:
+            kernel = _STATE.built.get(build_key)
+        if kernel is None:
+            kernel = backend.build(problem, params, info)
+            with _STATE.lock:
+                _STATE.built[build_key] = kernel
+        return _DefaultKernel(kernel, takes_eps=_takes_eps(kernel))
+    except Exception as exc:  # a kernel that does not build is the composition, never an error
+        _log_once(f"default-build:{op}:{dtype}:{m}:{n}:{k}", logging.WARNING,
+                  "tunekit: %s %s M=%d N=%d K=%d: default-config %s kernel did not build (%s); PyTorch "
+                  "composition", op, dtype, m, n, k, name, exc)
+        return _DefaultKernel(None, "eager:default_build_error")
+
+
+def _has_vendor_kernel(op: str, device: torch.device) -> bool:
+    """True if an integration installed a vendor kernel for elementwise ``op`` on ``device``'s type."""
+    vk = _STATE.vendor_ew.get(op)
+    return vk is not None and vk.fn is not None and device.type in vk.device_types
 
 
 def _row_views(kernel_inputs: Callable[[int, int], tuple[torch.Tensor, ...]], m: int,
@@ -1070,14 +1231,21 @@ def prepare(device: torch.device | str | None = None, ms: Iterable[int] | None =
     For each (op, dtype, N, K) of the matching tables it calls the op at
     every M its entries serve under the lookup rule (1 up to the largest
     tabulated M) when that range is at most 64 wide, else at the tabulated
-    Ms; or at ``ms`` when given (pass the CUDA-graph capture sizes). Each M is
+    Ms; or at ``ms`` when given (pass the CUDA-graph capture sizes). For an
+    elementwise op with no vendor kernel installed for ``device``, the given
+    ``ms`` above the table are called too, which builds the default-config
+    kernels serving those fallbacks (:func:`_ew_default`), so captured graphs
+    hold them instead of the composition. Each M is
     launched once because decisions are cached per M and Triton specialises
     on M's block size. Inputs come from ``tunekit.opspec`` (random, nothing is
     checked here: verification happened at search time). Must not be called
     while a CUDA graph is being captured. Never raises; returns
-    ``{"device", "keys", "tuned", "fallback": {impl: count}, "errors": [...]}``.
+    ``{"device", "keys", "tuned", "default", "fallback": {impl: count}, "errors": [...]}``
+    (``default``: keys whose fallback the default-config kernel serves; ``fallback``: the other
+    keys the table does not serve).
     """
-    summary: dict[str, Any] = {"device": str(device), "keys": 0, "tuned": 0, "fallback": {}, "errors": []}
+    summary: dict[str, Any] = {"device": str(device), "keys": 0, "tuned": 0, "default": 0, "fallback": {},
+                               "errors": []}
     try:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
@@ -1106,7 +1274,8 @@ def prepare(device: torch.device | str | None = None, ms: Iterable[int] | None =
     for (op, dtype, n, k), tab_ms in sorted(by_shape.items()):
         top = max(tab_ms)
         if wanted is not None:
-            served = [m for m in wanted if m <= top]
+            above = op != "gemv" and not _has_vendor_kernel(op, device)
+            served = [m for m in wanted if m <= top or above]
         else:
             served = list(range(1, top + 1)) if top <= 64 else sorted(set(tab_ms))
         for m in served:
@@ -1117,11 +1286,18 @@ def prepare(device: torch.device | str | None = None, ms: Iterable[int] | None =
             except Exception as exc:
                 summary["errors"].append(f"{op} {dtype} m={m} n={n} k={k}: {type(exc).__name__}: {exc}")
                 continue
-            choice = _STATE.choices.get((op, dtype, m, n, k, str(device)))
+            key = (op, dtype, m, n, k, str(device))
+            if op == "gated_rms_norm":  # served in the layout _gated_layout chose
+                m_rows, n_rows = _STATE.gated_layouts.get((dtype, m, n, k, str(device)), (m, n))
+                key = (op, dtype, m_rows, n_rows, k, str(device))
+            choice = _STATE.choices.get(key)
             impl = choice.impl if choice else "fallback:unknown"
+            default = _STATE.defaults.get(key)
             summary["keys"] += 1
             if impl.startswith("tuned:"):
                 summary["tuned"] += 1
+            elif default is not None and default.kernel is not None:
+                summary["default"] += 1
             else:
                 summary["fallback"][impl] = summary["fallback"].get(impl, 0) + 1
     with _STATE.lock:

@@ -27,8 +27,11 @@ code, untouched, so its traced graph is the one plain vLLM traces.
   elementwise ops (``torch.ops._C.rms_norm``, ``torch.ops._C.silu_and_mul``,
   the FLA gated-norm Triton kernel; feature-detected, see
   :func:`_install_vendor_kernels`). Where vLLM has none (GemmaRMSNorm runs
-  its native math; CPU wheels lack ``_C``) the op's PyTorch composition
-  serves, and the markers say so (``vendor: "eager:no_vendor_kernel"``).
+  its native math, which vLLM's Inductor compiles to one kernel; CPU wheels
+  lack ``_C``) tunekit's own Triton kernel at the op's default config
+  serves, one launch as well (``vendor: "tunekit:triton-default"``, see
+  ``tunekit.ops._ew_default``), and the op's PyTorch composition only where
+  that cannot (``vendor: "eager:..."`` says why).
   Every call is counted with its impl and the vendor that served it.
 * The tables' digest joins vLLM's compile-cache key
   (``TUNEKIT_TABLE_DIGEST``), so a graph traced under one table (or under
@@ -491,8 +494,9 @@ def _oot_installer(class_name: str) -> Callable[[], tuple[bool, str]]:
         base.register_oot(subclass, name=class_name)
         try:
             fallbacks = _install_vendor_kernels(needed)
-        except Exception as exc:  # the subclass is in: report it, with the composition as the fallback
-            fallbacks = f"PyTorch composition (looking for vLLM's kernels failed: {type(exc).__name__}: {exc})"
+        except Exception as exc:  # the subclass is in: report it, with tunekit's own fallbacks
+            fallbacks = (f"tunekit's default-config Triton kernel, else the PyTorch composition (looking for "
+                         f"vLLM's kernels failed: {type(exc).__name__}: {exc})")
         return True, (f"{subclass.__name__}: covered layers -> torch.ops.tunekit.{'/'.join(needed)}, the others "
                       f"vLLM's own forward; fallback {fallbacks}")
 
@@ -576,8 +580,8 @@ def _routes_on_platform() -> bool:
 # opaque op, where vLLM would have run one kernel, so the plugin installs
 # vLLM's own kernels there (tunekit.ops.set_vendor_elementwise). Each is
 # feature-detected: names differ between vLLM releases, and a vLLM without
-# its _C extension (CPU wheels) has none; then the composition serves and the
-# markers say so (vendor "eager:no_vendor_kernel").
+# its _C extension (CPU wheels) has none; then tunekit's default-config Triton
+# kernel serves (vendor "tunekit:triton-default"), else the composition.
 
 #: torch device type -> the dispatch key whose kernel serves its tensors
 _DISPATCH_KEYS: dict[str, str] = {"cuda": "CUDA", "cpu": "CPU"}
@@ -733,11 +737,12 @@ def _install_vendor_kernels(ops_needed: tuple[str, ...]) -> str:
         resolver = _VENDOR_RESOLVERS.get(op)
         try:
             found = resolver() if resolver is not None else "no vLLM kernel known for this op"
-        except Exception as exc:  # a detection that fails leaves the composition, never the hook
+        except Exception as exc:  # a detection that fails is "no vLLM kernel", never a lost hook
             found = f"detection failed: {type(exc).__name__}: {exc}"
         if isinstance(found, str):
             ops.set_vendor_elementwise(op, None, found)
-            found_parts.append(f"{op}: PyTorch composition ({found})")
+            found_parts.append(f"{op}: no vLLM kernel ({found}): tunekit's default-config Triton kernel, "
+                               "else the PyTorch composition")
         else:
             fn, name, devices = found
             ops.set_vendor_elementwise(op, fn, name, devices)
