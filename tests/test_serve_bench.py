@@ -440,6 +440,29 @@ def test_compare_sequences() -> None:
     assert not apart["ok"] and apart["divergence_margin"] is None
 
 
+def test_merged_dispatch_keeps_what_served_each_fallback() -> None:
+    from tunekit.serve import report
+
+    def call(m: int, impl: str, vendor: str | None, calls: int) -> dict:
+        return {"op": "gemma_rms_norm", "dtype": "bf16", "shape": "64x64", "m": m, "bias": False, "impl": impl,
+                "counted_at": "capture", "vendor": vendor, "calls": calls}
+
+    above = "fallback:m_above_table"
+    logs = [{"calls": [call(4, "tuned:triton", None, 3), call(16, above, "tunekit:triton-default", 2)]},
+            {"calls": [call(16, above, "tunekit:triton-default", 1), call(16, above, "eager:default_eps", 5)]},
+            {"calls": [{k: v for k, v in call(32, above, None, 1).items() if k != "vendor"}]}]  # an older log
+    cov = analysis.merge_dispatch(logs)
+    assert [(r["m"], r["vendor"], r["calls"]) for r in cov["rows"]] == [
+        (16, "eager:default_eps", 5), (16, "tunekit:triton-default", 3), (32, None, 1), (4, None, 3)]
+    assert cov["by_op"]["gemma_rms_norm"] == {"tuned:triton": 3, f"{above} [tunekit:triton-default]": 3,
+                                              f"{above} [eager:default_eps]": 5, above: 1}
+    assert cov["fallback_reasons"] == {"m_above_table": 9}
+    assert cov["fallback_vendors"] == {"tunekit:triton-default": 3, "eager:default_eps": 5}
+    _, rows = report.coverage_table({"batches": [{"batch": 16, "coverage": {"tuned": analysis.coverage_at(cov, 16)}}]})
+    assert rows == [["16", "tuned", "gemma_rms_norm", "0",
+                     "m_above_table [eager:default_eps] x5, m_above_table [tunekit:triton-default] x3"]]
+
+
 # ---------------------------------------------------------------------------
 # Endpoint mode against a fake OpenAI-compatible streaming server
 # ---------------------------------------------------------------------------

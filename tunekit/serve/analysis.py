@@ -186,31 +186,41 @@ def predicted_saving_us(spec: Any, table: dict[str, Any], m: int, tp: int = 1) -
 
 
 def merge_dispatch(logs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Sum the markers of several dispatch logs: rows per (op, dtype, shape, m, bias, impl, counted_at)
-    and totals of tuned / fallback calls, per reason and per place of counting."""
+    """Sum the markers of several dispatch logs: rows per (op, dtype, shape, m, bias, impl, counted_at,
+    vendor) and totals of tuned / fallback calls, per reason, per vendor and per place of counting.
+
+    ``vendor`` is what served a fallback (vLLM's kernel, tunekit's default-config kernel or the
+    composition and why; None for a tuned call and in logs written before markers carried it): one
+    reason served by two vendors is two rows, since their costs differ."""
     rows: dict[tuple, int] = {}
     tables: list[Any] = []
     for log in logs:
         tables.append(log.get("tables"))
         for c in log.get("calls", []):
             key = (c["op"], c["dtype"], c["shape"], int(c["m"]), bool(c.get("bias")), c["impl"],
-                   c.get("counted_at", "call"))
+                   c.get("counted_at", "call"), c.get("vendor"))
             rows[key] = rows.get(key, 0) + int(c["calls"])
     merged = [{"op": k[0], "dtype": k[1], "shape": k[2], "m": k[3], "bias": k[4], "impl": k[5],
-               "counted_at": k[6], "calls": v} for k, v in sorted(rows.items(), key=lambda kv: str(kv[0]))]
+               "counted_at": k[6], "vendor": k[7], "calls": v}
+              for k, v in sorted(rows.items(), key=lambda kv: str(kv[0]))]
     out = _coverage_totals(merged)
     out.update({"processes": len(logs), "rows": merged, "tables": tables, "note": _CAPTURE_NOTE})
     return out
 
 
 def _coverage_totals(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Totals of merged rows. ``by_op``: op -> {impl: calls}, a fallback's impl suffixed with
+    `` [vendor]`` where the row names what served it (what the report prints per op and impl)."""
     by_op: dict[str, dict[str, int]] = {}
     reasons: dict[str, int] = {}
+    vendors: dict[str, int] = {}
     counted: dict[str, int] = {}
     tuned = fallback = 0
     for r in rows:
+        vendor = r.get("vendor")
+        impl = f"{r['impl']} [{vendor}]" if vendor and not r["impl"].startswith("tuned:") else r["impl"]
         by_op.setdefault(r["op"], {})
-        by_op[r["op"]][r["impl"]] = by_op[r["op"]].get(r["impl"], 0) + r["calls"]
+        by_op[r["op"]][impl] = by_op[r["op"]].get(impl, 0) + r["calls"]
         counted[r["counted_at"]] = counted.get(r["counted_at"], 0) + r["calls"]
         if r["impl"].startswith("tuned:"):
             tuned += r["calls"]
@@ -218,8 +228,10 @@ def _coverage_totals(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             fallback += r["calls"]
             reason = r["impl"].split(":", 1)[-1]
             reasons[reason] = reasons.get(reason, 0) + r["calls"]
+            if vendor:
+                vendors[vendor] = vendors.get(vendor, 0) + r["calls"]
     return {"tuned_calls": tuned, "fallback_calls": fallback, "by_op": by_op, "fallback_reasons": reasons,
-            "counted_at": counted}
+            "fallback_vendors": vendors, "counted_at": counted}
 
 
 def coverage_at(coverage: dict[str, Any] | None, m: int) -> dict[str, Any] | None:
