@@ -361,7 +361,10 @@ def chain(
     from tunekit import table as table_mod
 
     for path in table:  # a bad table is one line here, not a served fallback and a log line later
-        table_mod.load(path)
+        try:
+            table_mod.load(path)
+        except table_mod.TableError as exc:
+            raise UserError(f"table not usable: {exc}") from None
     report = chain_mod.run(spec, [str(p) for p in table], m_list, tp=tp, layers=layers, iters=iters,
                            repeats=repeats, log=console.print)
     if not report["timed"]:

@@ -296,12 +296,12 @@ FINAL_COLUMNS = ("op", "dtype", "m", "n", "k", "backend", "time_us")
 
 def read_csv(path: Path, what: str, columns: tuple[str, ...] = ()) -> pd.DataFrame:
     """A CSV file the run wrote, or a UserError (one line) saying why it cannot be read.
-    An empty (0-byte) file is an empty frame."""
-    if path.is_file() and path.stat().st_size == 0:
-        return pd.DataFrame(columns=list(columns))
+    An empty file (no columns: what a frame without rows writes) is an empty frame."""
     try:
         frame = pd.read_csv(path)
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, ValueError) as exc:
+    except pd.errors.EmptyDataError:
+        return pd.DataFrame(columns=list(columns))
+    except (pd.errors.ParserError, UnicodeDecodeError, ValueError) as exc:
         raise UserError(f"{path}: not a readable {what} ({' '.join(str(exc).split())})") from None
     except OSError as exc:
         raise UserError(f"{path}: cannot read the {what} ({exc.strerror})") from None
