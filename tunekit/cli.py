@@ -81,8 +81,8 @@ _M_HELP = "batch sizes (tokens per step), e.g. 1,2,4,8; gemv takes 1..8, element
 #: What `search --model/--config` tunes unless --m / --ops narrow it: M = the small decode
 #: batch sizes vLLM captures as CUDA graphs (GEMV takes 1..8), every op the model runs.
 _MODEL_M = "1,2,4,8"
-_SEARCH_M_HELP = _M_HELP + f" [default: {_MODEL_M} with --model/--config, else 1]"
-_SEARCH_OPS_HELP = _OPS_HELP + " [default: every op the model runs with --model/--config, else gemv]"
+_SEARCH_M_HELP = _M_HELP + f" (default: {_MODEL_M} with --model/--config, else 1)"
+_SEARCH_OPS_HELP = _OPS_HELP + " (default: every op the model runs with --model/--config, else gemv)"
 
 
 @app.command()
