@@ -154,4 +154,6 @@ def test_corrupt_table_is_an_error_not_a_silent_vendor_run(tiny: Path, tmp_path:
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     res = _run("chain", "--config", str(tiny), "--table", str(bad))
-    assert res.returncode == 2 and "table not usable" in res.stderr
+    # refused before any chain is built: one line naming the file and what is wrong with it
+    assert res.returncode == 2 and "corrupt table" in res.stderr and str(bad) in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1

@@ -548,3 +548,67 @@ def test_endpoint_errors() -> None:
         endpoint.parse_endpoints(["fast=http://h:1", "vanilla=http://h:2"])
     with pytest.raises(UserError, match="no model listed"):
         endpoint.served_model("http://127.0.0.1:1", timeout=2)
+
+
+# ---------------------------------------------------------------------------
+# Real recorded files (the H200 run of benchmarks/results)
+# ---------------------------------------------------------------------------
+
+RECORDED = REPO / "benchmarks" / "results" / "h200-serve-qwen35-27b-2b88dba"
+
+
+def test_the_recorded_h200_run_parses_to_its_own_report(tmp_path: Path) -> None:
+    """The runner results, dispatch logs and settings vLLM 0.26.0 wrote on the H200 rebuild the recorded
+    serve.json: TPOTs, speedups, prediction, coverage and agreement come from the raw files alone."""
+    import shutil
+
+    out = tmp_path / "serve"
+    for name in ("runs", "dispatch", "serve-settings.json"):
+        src = RECORDED / name
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, out / name if src.is_dir() else out)
+    key = json.loads((out / "serve-settings.json").read_text())
+    # the table the tuned arm served lay on the GPU machine; its copy is recorded beside the run
+    key["tables"] = [str(RECORDED / "table-remeasure" / "table.json")]
+    (out / "serve-settings.json").write_text(json.dumps(key))
+    rebuilt = bench.report_dir(out, log=lambda s: None)
+    recorded = json.loads((RECORDED / "serve.json").read_text())
+    assert recorded["vllm"] == rebuilt["vllm"] == "0.26.0" and rebuilt["device"] == "NVIDIA H200"
+    assert [b["batch"] for b in rebuilt["batches"]] == [1, 2, 4, 8]
+    for mine, theirs in zip(rebuilt["batches"], recorded["batches"], strict=True):
+        for field in ("vanilla_tpot_ms", "passthrough_tpot_ms", "tuned_tpot_ms", "speedup", "speedup_min",
+                      "speedup_max", "passthrough_ratio", "predicted_saving_ms", "measured_saving_ms"):
+            assert mine[field] == pytest.approx(theirs[field], rel=1e-9), (mine["batch"], field)
+        assert mine["agreement"]["verdict"] == theirs["agreement"]["verdict"] == "pass"
+    # what the recorded numbers say, re-derived from the per-process medians
+    b1 = rebuilt["batches"][0]
+    per_arm = {arm: sorted(json.loads(p.read_text())["batches"][0]["tpot_ms_median"]
+                           for p in (out / "runs").glob(f"{arm}-?.json"))
+               for arm in ("vanilla", "passthrough", "tuned")}
+    assert all(len(v) == 3 for v in per_arm.values())
+    assert b1["vanilla_tpot_ms"] == pytest.approx(per_arm["vanilla"][1])
+    assert b1["tuned_tpot_ms"] == pytest.approx(per_arm["tuned"][1])
+    assert 1.08 < b1["speedup"] < 1.11 and abs(1 - b1["passthrough_ratio"]) < 0.01
+    # every tuned process served the table inside vLLM's decode graph at M=1: tuned calls, no fallback
+    cov = analysis.coverage_at(rebuilt["coverage"]["tuned"], 1)
+    assert cov is not None and cov["tuned_calls"] > 0 and cov["fallback_calls"] == 0
+
+
+def test_git_commit_is_none_for_a_copy_inside_another_repository(tmp_path: Path) -> None:
+    """An exported tree inside some other checkout must not report that checkout's HEAD as its own."""
+    import shutil
+
+    outer = tmp_path / "outer"
+    (outer / "copy").mkdir(parents=True)
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    subprocess.run(["git", "init", "-q", str(outer)], check=True, env=env)
+    subprocess.run(["git", "-C", str(outer), "commit", "-q", "--allow-empty", "-m", "x"], check=True, env=env)
+    shutil.copytree(REPO / "tunekit", outer / "copy" / "tunekit")
+    code = "from tunekit.serve.bench import _git_commit; print(_git_commit())"
+    res = subprocess.run([sys.executable, "-c", code], cwd=outer / "copy", capture_output=True, text=True,
+                         env={**env, "PYTHONPATH": str(outer / "copy")}, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "None"
+    # and the checkout itself reports its HEAD
+    assert bench._git_commit() == subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                                                 text=True).stdout.strip()

@@ -360,12 +360,22 @@ def _run_process(cmd: list[str], env: dict[str, str], log_path: Path, timeout: f
 
 
 def _git_commit() -> str | None:
+    """HEAD of the checkout tunekit runs from, or None when that is not a git checkout of its own.
+
+    A copy of the sources inside some other repository (an exported tree on a
+    GPU machine) must not report that repository's HEAD: the toplevel must be
+    the package root itself.
+    """
+    root = _package_root()
     try:
-        res = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_package_root(), capture_output=True, text=True,
-                             timeout=10)
+        res = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=root, capture_output=True,
+                             text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return res.stdout.strip() or None if res.returncode == 0 else None
+    lines = res.stdout.split()
+    if res.returncode != 0 or len(lines) != 2 or Path(lines[0]).resolve() != Path(root).resolve():
+        return None
+    return lines[1]
 
 
 def _check_resume(out_dir: Path, settings: Settings) -> None:
