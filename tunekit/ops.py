@@ -890,11 +890,7 @@ def _ew_serve(
         _count(op, dtype, shape, m, False, choice.impl, capturing, served_by)
         return _dense(out)
     try:
-        out = make_out(m, n, x)
-        if choice.takes_eps and eps is not None:
-            choice.kernel(inputs, out, eps=eps)
-        else:
-            choice.kernel(inputs, out)
+        out = _launch_ew(choice.kernel, choice.takes_eps, inputs, make_out(m, n, x), eps)
     except Exception as exc:  # the serving path never raises for tunekit's sake
         _mark_broken(op, dtype, m, n, k, x.device, exc)
         out, served_by = _ew_vendor(op, x.device, vendor_args, vendor, lambda: _ew_default(
@@ -903,6 +899,16 @@ def _ew_serve(
         return _dense(out)
     _count(op, dtype, shape, m, False, choice.impl, capturing)
     return finish(out)
+
+
+def _launch_ew(kernel: Callable[..., None], takes_eps: bool, inputs: tuple[torch.Tensor, ...], out: Any,
+               eps: float | None) -> Any:
+    """Run a built elementwise kernel into ``out`` (eps passed only to kernels that take it); returns ``out``."""
+    if takes_eps and eps is not None:
+        kernel(inputs, out, eps=eps)
+    else:
+        kernel(inputs, out)
+    return out
 
 
 def _ew_vendor(op: str, device: torch.device, args: tuple[Any, ...], eager: Callable[[], Any],
@@ -978,11 +984,7 @@ def _ew_default(op: str, dtype: str, m: int, n: int, k: int, x: torch.Tensor, ca
     if eps is not None and not dk.takes_eps and eps != DEFAULT_EPS:
         return None, "eager:default_eps"
     try:
-        out = make_out(m, n, x)
-        if dk.takes_eps and eps is not None:
-            dk.kernel(inputs, out, eps=eps)
-        else:
-            dk.kernel(inputs, out)
+        out = _launch_ew(dk.kernel, dk.takes_eps, inputs, make_out(m, n, x), eps)
     except Exception as exc:  # the serving path never raises for tunekit's sake
         _log_once(f"default-kernel:{op}:{dtype}:{m}:{n}:{k}:{device}", logging.WARNING,
                   "tunekit: %s %s M=%d N=%d K=%d: default-config kernel raised %s: %s; PyTorch composition "

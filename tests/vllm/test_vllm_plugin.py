@@ -546,23 +546,15 @@ def test_covered_layers_above_the_table_run_vllms_kernels(plugin, vllm_config, e
 # ----------------------------------------------------------------------------- compilation
 
 
-def test_vllm_compile_without_a_table_traces_no_tunekit_op(plugin, vllm_config, monkeypatch) -> None:
-    from vllm.compilation import backends
+def _norm_up_act_block() -> type:
+    """A vLLM-compiled block, RMSNorm(64) -> ReplicatedLinear(64 -> 96) -> SiluAndMul, dynamic in the token dim."""
     from vllm.compilation.decorators import support_torch_compile
-    from vllm.config import get_cached_compilation_config
     from vllm.model_executor.layers.activation import SiluAndMul
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.model_executor.layers.linear import ReplicatedLinear
 
-    graphs = []
-    original = backends.VllmBackend.__call__
-
-    def recording(self, graph, example_inputs):
-        graphs.append(graph)
-        return original(self, graph, example_inputs)
-
     @support_torch_compile(dynamic_arg_dims={"x": 0})
-    class Plain(nn.Module):
+    class Block(nn.Module):
         def __init__(self, *, vllm_config, prefix: str = "") -> None:
             super().__init__()
             self.norm = RMSNorm(64, dtype=torch.bfloat16)
@@ -572,10 +564,32 @@ def test_vllm_compile_without_a_table_traces_no_tunekit_op(plugin, vllm_config, 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.act(self.up(self.norm(x))[0])
 
+    return Block
+
+
+@pytest.fixture
+def vllm_graphs(monkeypatch) -> list:
+    """The FX graphs vLLM's compile backend receives while the test runs."""
+    from vllm.compilation import backends
+
+    graphs: list = []
+    original = backends.VllmBackend.__call__
+
+    def recording(self, graph, example_inputs):
+        graphs.append(graph)
+        return original(self, graph, example_inputs)
+
+    monkeypatch.setattr(backends.VllmBackend, "__call__", recording)
+    return graphs
+
+
+def test_vllm_compile_without_a_table_traces_no_tunekit_op(plugin, vllm_config, monkeypatch, vllm_graphs) -> None:
+    from vllm.config import get_cached_compilation_config
+
+    Plain, graphs = _norm_up_act_block(), vllm_graphs
     # custom ops off, as under inductor: forward_native everywhere (SiluAndMul's kernel path needs _C)
     monkeypatch.setattr(vllm_config.compilation_config, "custom_ops", ["none"])
     get_cached_compilation_config.cache_clear()
-    monkeypatch.setattr(backends.VllmBackend, "__call__", recording)
     try:
         torch.manual_seed(0)
         model = Plain(vllm_config=vllm_config)
@@ -591,11 +605,8 @@ def test_vllm_compile_without_a_table_traces_no_tunekit_op(plugin, vllm_config, 
     assert _impls() == []
 
 
-def test_ops_are_opaque_under_vllm_compile_and_torch_compile(plugin, vllm_config, tmp_path: Path) -> None:
-    from vllm.compilation import backends
-    from vllm.compilation.decorators import support_torch_compile
-    from vllm.model_executor.layers.activation import SiluAndMul
-    from vllm.model_executor.layers.layernorm import RMSNorm
+def test_ops_are_opaque_under_vllm_compile_and_torch_compile(plugin, vllm_config, tmp_path: Path,
+                                                             vllm_graphs) -> None:
     from vllm.model_executor.layers.linear import ReplicatedLinear
 
     from tunekit import ops
@@ -604,36 +615,15 @@ def test_ops_are_opaque_under_vllm_compile_and_torch_compile(plugin, vllm_config
                                                   params={}),
                _entry("silu_and_mul", 4, 48, 96, backend="serving_backend:BACKEND", params={})]
     ops.load_tables(str(_table(tmp_path / "c.json", entries)))
-    graphs = []
-    original = backends.VllmBackend.__call__
-
-    def recording(self, graph, example_inputs):
-        graphs.append(graph)
-        return original(self, graph, example_inputs)
-
-    @support_torch_compile(dynamic_arg_dims={"x": 0})
-    class Tiny(nn.Module):
-        def __init__(self, *, vllm_config, prefix: str = "") -> None:
-            super().__init__()
-            self.norm = RMSNorm(64, dtype=torch.bfloat16)
-            self.up = ReplicatedLinear(64, 96, bias=False, params_dtype=torch.bfloat16)
-            self.act = SiluAndMul()
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.act(self.up(self.norm(x))[0])
-
-    backends.VllmBackend.__call__ = recording
-    try:
-        torch.manual_seed(0)
-        model = Tiny(vllm_config=vllm_config)
-        model.up.weight.data.normal_(0, 0.125)
-        eager = Tiny.forward  # the undecorated forward, for the reference
-        for m in (2, 3, 6):
-            x = torch.randn(m, 64).bfloat16()
-            y = model(x)
-            assert torch.equal(y, eager(model, x)), m
-    finally:
-        backends.VllmBackend.__call__ = original
+    Tiny, graphs = _norm_up_act_block(), vllm_graphs
+    torch.manual_seed(0)
+    model = Tiny(vllm_config=vllm_config)
+    model.up.weight.data.normal_(0, 0.125)
+    eager = Tiny.forward  # the undecorated forward, for the reference
+    for m in (2, 3, 6):
+        x = torch.randn(m, 64).bfloat16()
+        y = model(x)
+        assert torch.equal(y, eager(model, x)), m
     assert len(graphs) == 1  # one graph for every M: the choice is inside the ops
     targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert [t for t in targets if t.startswith("tunekit.")] == ["tunekit.rms_norm", "tunekit.gemv",
