@@ -137,6 +137,10 @@ def test_triton_only_run_and_cpu_warning(tmp_path) -> None:
     assert comp.tokens[1].tuned_us == 2 * 11.0 + 3 * 4.0
     md = (run / "report.md").read_text()
     assert "CPU TIMINGS" in md and "NOT performance evidence" in md
+    # the rows carry a % of the CPU probe's "limit": shown nowhere, and no read-limit floor either
+    assert all(x.pct_of_limit is None and p.limit_gbps is None
+               for p in comp.problems for x in (p.vendor, *p.best.values()))
+    assert all(t.floor_us is None for t in comp.tokens)
 
 
 def test_rows_of_an_earlier_search_are_left_out(tmp_path) -> None:

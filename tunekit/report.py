@@ -52,7 +52,7 @@ def print_summary(console: Console, outcome) -> None:
         tuned = [r for r in rows if r["backend"] not in _baseline_names()]
         vendor = next(r for r in rows if r["backend"] == "vendor")
         best = min(tuned, key=lambda r: r["time_us"]) if tuned else vendor
-        pct = best.get("pct_of_limit")
+        pct = None if outcome.probe.get("kind") == "cpu" else best.get("pct_of_limit")
         # speedup: over the faster baseline (vendor, or Inductor for elementwise ops)
         final.add_row(_problem_label(op, m, n, k), str(vendor["count"]), f"{vendor['time_us']:.2f}", best["label"],
                       f"{best['time_us']:.2f}", f"{best['speedup']:.3f}", f"{best['gbps']:.0f}",
@@ -244,8 +244,9 @@ def amdahl(f: float, s: float) -> float:
     return 1.0 / ((1.0 - f) + f / s)
 
 
-def _measure(row: dict[str, Any], limit_gbps: float | None, base_us: float) -> Measure:
-    pct = row.get("pct_of_limit")
+def _measure(row: dict[str, Any], limit_gbps: float | None, base_us: float, cpu: bool = False) -> Measure:
+    # CPU interpreter rows carry a % of a CPU "limit": no bandwidth meaning, not shown
+    pct = None if cpu else row.get("pct_of_limit")
     if pct is None and limit_gbps:
         pct = 100.0 * float(row["gbps"]) / limit_gbps
     time_us = float(row["time_us"])
@@ -297,6 +298,7 @@ def load_comparison(run_dir: Path) -> Comparison:
             notes.append(f"{len(missing)} problem(s) of run.json have no final re-measure: not in the sums")
         groups = {key: value for key, value in groups.items() if key in wanted}
     probe = meta.get("probe", {})
+    cpu = probe.get("kind") == "cpu"  # interpreter timings: no % of limit, no floor
     baseline_names = _baseline_names()
     problems = []
     for (op, dtype, m, n, k), group in groups.items():
@@ -308,7 +310,7 @@ def load_comparison(run_dir: Path) -> Comparison:
         except KeyError as exc:
             raise UserError(f"{run_dir}/final.csv: {exc.args[0]}") from None
         # % of limit against the op's own limit: read bandwidth for GEMV, copy for elementwise
-        limit_gbps = probe.get(f"{spec.limit}_gbps") or None
+        limit_gbps = None if cpu else probe.get(f"{spec.limit}_gbps") or None
         # speedups against the fastest baseline, as the engine and the dispatch table take them
         base_us = min(float(r["time_us"]) for r in group if r["backend"] in baseline_names)
         best: dict[str, Measure] = {}
@@ -316,14 +318,14 @@ def load_comparison(run_dir: Path) -> Comparison:
         for row in group:
             if row["backend"] == "vendor":
                 continue
-            cand = _measure(row, limit_gbps, base_us)
+            cand = _measure(row, limit_gbps, base_us, cpu)
             pool = others if cand.backend in baseline_names else best
             if cand.backend not in pool or cand.time_us < pool[cand.backend].time_us:
                 pool[cand.backend] = cand
         nbytes = spec.bytes_moved(Problem(op, dtype, m, n, k))
         problems.append(ProblemResult(op, dtype, m, n, k, int(vendor_row["count"] or 1),
                                       str(vendor_row.get("names") or ""), Problem(op, dtype, m, n, k).weight_bytes,
-                                      nbytes, _measure(vendor_row, limit_gbps, base_us), best, others, limit_gbps))
+                                      nbytes, _measure(vendor_row, limit_gbps, base_us, cpu), best, others, limit_gbps))
     found = {b for p in problems for b in p.best}
     backends = list(REPORT_BACKENDS) + sorted(found - set(REPORT_BACKENDS))
     kinds = sorted({str(r.get("timing_kind") or "?") for g in groups.values() for r in g})
