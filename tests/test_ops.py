@@ -17,6 +17,8 @@ import tunekit
 from tunekit import ops, opspec
 from tunekit import table as table_mod
 from tunekit.device import detect
+from tunekit.serving import elementwise
+from tunekit.serving import gemv as serving_gemv
 from tunekit.shapes import Problem
 
 REPO = Path(__file__).resolve().parents[1]
@@ -263,7 +265,7 @@ RAISING = _RaisingBackend()
 
 def test_capture_counts_at_capture_and_never_builds_there(gemv_table: Path, monkeypatch) -> None:
     capturing = {"on": True}
-    monkeypatch.setattr(ops, "_capturing", lambda x: capturing["on"])
+    monkeypatch.setattr(serving_gemv, "is_capturing", lambda x: capturing["on"])
     x, w = _xw(1)
     assert torch.equal(torch.ops.tunekit.gemv(x, w, None), F.linear(x, w))  # unbuilt under capture
     capturing["on"] = False
@@ -282,7 +284,7 @@ def test_prepare_builds_every_served_m_without_counting(gemv_table: Path, monkey
     summary = ops.prepare("cpu")
     assert summary["keys"] == 4 and summary["tuned"] == 4 and not summary["errors"], summary
     assert ops.dispatch_stats() == []
-    monkeypatch.setattr(ops, "_capturing", lambda x: True)
+    monkeypatch.setattr(serving_gemv, "is_capturing", lambda x: True)
     x, w = _xw(3)
     torch.ops.tunekit.gemv(x, w, None)
     assert [(r["impl"], r["counted_at"]) for r in ops.dispatch_stats()] == [("tuned:triton", "capture")]
@@ -461,7 +463,8 @@ def test_fallbacks_run_the_installed_vendor_kernel_and_the_markers_name_it(tmp_p
         ops.set_vendor_elementwise("rms_norm", broken, "test.broken", ("cpu",))
         with caplog.at_level(logging.WARNING, logger="tunekit.ops"):
             for _ in range(2):  # never raises; logged once
-                assert torch.equal(torch.ops.tunekit.rms_norm(x, w, 1e-6), ops._vendor_rms_norm(x, w, 1e-6, False))
+                assert torch.equal(torch.ops.tunekit.rms_norm(x, w, 1e-6),
+                                   elementwise._vendor_rms_norm(x, w, 1e-6, False))
         assert len([r for r in caplog.records if "test.broken" in r.getMessage()]) == 1
         ops.set_vendor_elementwise("rms_norm", None, "looked, found none")
         torch.ops.tunekit.rms_norm(x, w, 1e-6)  # the default-config kernel again
@@ -527,17 +530,17 @@ def test_row_strided_inputs_are_served_through_the_kernels_row_stride(tmp_path: 
     q = qg[..., :64]  # [tokens, heads, head_dim], rows 128 apart
     w = torch.randn(64, generator=gen).bfloat16()
     y = torch.ops.tunekit.gemma_rms_norm(q, w, 1e-6)
-    want = ops._vendor_rms_norm(q.contiguous(), w, 1e-6, True)
+    want = elementwise._vendor_rms_norm(q.contiguous(), w, 1e-6, True)
     assert y.is_contiguous() and y.shape == q.shape
     assert ((y.float() - want.float()).abs() <= 2**-6 * want.float().abs() + 1e-3).all()
     h = torch.randn(2, 6, 32, generator=gen).bfloat16()[:, :4]  # tokens 6*32 apart, heads contiguous
     z = torch.randn(2, 4, 32, generator=gen).bfloat16()
     g = torch.ops.tunekit.gated_rms_norm(h, z, w[:32], 1e-6)
-    want = ops._vendor_gated(h.contiguous(), z, w[:32], 1e-6)
+    want = elementwise._vendor_gated(h.contiguous(), z, w[:32], 1e-6)
     assert ((g.float() - want.float()).abs() <= 2**-6 * want.float().abs() + 1e-3).all()
     a = torch.randn(4, 100, generator=gen).bfloat16()[:, :96]
     s = torch.ops.tunekit.silu_and_mul(a)
-    want = ops._vendor_silu_and_mul(a.contiguous())
+    want = elementwise._vendor_silu_and_mul(a.contiguous())
     assert ((s.float() - want.float()).abs() <= 2**-6 * want.float().abs() + 1e-3).all()
     assert [r["impl"] for r in ops.dispatch_stats()] == ["tuned:triton"] * 3
 
@@ -558,13 +561,13 @@ def test_elementwise_ops_launch_the_real_triton_kernels(tmp_path: Path) -> None:
     def close(got: torch.Tensor, want: torch.Tensor) -> bool:  # BF16 results, a rounding or two apart
         return bool(((got.float() - want.float()).abs() <= 2**-6 * want.float().abs() + 1e-3).all())
 
-    assert close(torch.ops.tunekit.rms_norm(x, w, 1e-6), ops._vendor_rms_norm(x, w, 1e-6, False))
-    assert close(torch.ops.tunekit.gemma_rms_norm(x, w, 1e-6), ops._vendor_rms_norm(x, w, 1e-6, True))
+    assert close(torch.ops.tunekit.rms_norm(x, w, 1e-6), elementwise._vendor_rms_norm(x, w, 1e-6, False))
+    assert close(torch.ops.tunekit.gemma_rms_norm(x, w, 1e-6), elementwise._vendor_rms_norm(x, w, 1e-6, True))
     y, s = torch.ops.tunekit.fused_add_rms_norm(x, x, w, 1e-6)
-    assert torch.equal(s, x + x) and close(y, ops._vendor_fused_add(x, x, w, 1e-6, False)[0])
-    assert close(torch.ops.tunekit.gated_rms_norm(h, h, w[:32], 1e-6), ops._vendor_gated(h, h, w[:32], 1e-6))
-    assert close(torch.ops.tunekit.silu_and_mul(a), ops._vendor_silu_and_mul(a))
-    assert close(torch.ops.tunekit.bias_gelu(x, w), ops._vendor_bias_gelu(x, w))
+    assert torch.equal(s, x + x) and close(y, elementwise._vendor_fused_add(x, x, w, 1e-6, False)[0])
+    assert close(torch.ops.tunekit.gated_rms_norm(h, h, w[:32], 1e-6), elementwise._vendor_gated(h, h, w[:32], 1e-6))
+    assert close(torch.ops.tunekit.silu_and_mul(a), elementwise._vendor_silu_and_mul(a))
+    assert close(torch.ops.tunekit.bias_gelu(x, w), elementwise._vendor_bias_gelu(x, w))
     # the kernels take a fixed eps: another one is served by the vendor path
     torch.ops.tunekit.rms_norm(x, w, 1e-5)
     impls = {(r["op"], r["impl"]) for r in ops.dispatch_stats()}
@@ -581,7 +584,7 @@ def test_gated_norm_in_another_row_layout_is_served_by_the_tabulated_one(tmp_pat
     z = torch.randn(4, 32, generator=gen).bfloat16()
     w = torch.randn(32, generator=gen).bfloat16()
     y = torch.ops.tunekit.gated_rms_norm(x, z, w, 1e-6)
-    want = ops._vendor_gated(x, z, w, 1e-6)
+    want = elementwise._vendor_gated(x, z, w, 1e-6)
     assert y.shape == x.shape and ((y.float() - want.float()).abs() <= 2**-6 * want.float().abs() + 1e-3).all()
     torch.ops.tunekit.gated_rms_norm(x[:3], z[:3], w, 1e-6)  # 96 elements: no tabulated grouping of them
     assert [(r["shape"], r["m"], r["impl"]) for r in ops.dispatch_stats()] == [
@@ -653,9 +656,9 @@ def test_gemma_norm_above_the_table_without_a_vendor_kernel_runs_the_default_con
     for _ in range(2):  # built once per key, then the cached kernel
         y = torch.ops.tunekit.gemma_rms_norm(x, w, eps)
         assert _within_op_bound("gemma_rms_norm", (y,), (), (x, w))  # the fp64 reference
-        assert _within_op_bound("gemma_rms_norm", (y,), (ops._vendor_rms_norm(x, w, eps, True),), (x, w))
+        assert _within_op_bound("gemma_rms_norm", (y,), (elementwise._vendor_rms_norm(x, w, eps, True),), (x, w))
         y2, s = torch.ops.tunekit.gemma_fused_add_rms_norm(x, r, w, eps)
-        comp = ops._vendor_fused_add(x, r, w, eps, True)
+        comp = elementwise._vendor_fused_add(x, r, w, eps, True)
         assert torch.equal(s, comp[1])  # the residual sum: one rounding either way
         assert _within_op_bound("gemma_fused_add_rms_norm", (y2, s), (), (x, r, w))
         assert _within_op_bound("gemma_fused_add_rms_norm", (y2, s), comp, (x, r, w))
@@ -713,7 +716,7 @@ def test_default_config_kernel_failures_fall_back_to_the_composition_with_a_coun
     backend = backends.get("triton")
     x = torch.randn(9, 64).bfloat16()
     w = torch.randn(64).bfloat16()
-    comp = ops._vendor_rms_norm(x, w, 1e-6, True)
+    comp = elementwise._vendor_rms_norm(x, w, 1e-6, True)
 
     def no_build(problem, params, device):
         raise RuntimeError("ptxas died")
@@ -728,7 +731,7 @@ def test_default_config_kernel_failures_fall_back_to_the_composition_with_a_coun
         assert torch.equal(torch.ops.tunekit.gemma_rms_norm(x[:7], w, 1e-6), comp[:7])
     torch.ops.tunekit.gemma_rms_norm(x[:6], w, 1e-5)  # the built kernel has a fixed eps
     assert torch.equal(torch.ops.tunekit.gemma_rms_norm(x[:6].half(), w.half(), 1e-6),
-                       ops._vendor_rms_norm(x[:6].half(), w.half(), 1e-6, True))  # BF16 kernels only
+                       elementwise._vendor_rms_norm(x[:6].half(), w.half(), 1e-6, True))  # BF16 kernels only
 
     def broken_launch(problem, params, device):
         def kernel(inputs, out):
@@ -754,10 +757,10 @@ def test_capture_before_build_keeps_the_composition_and_prepare_builds_the_defau
                                                                                    monkeypatch) -> None:
     _gemma_table(tmp_path)
     capturing = {"on": True}
-    monkeypatch.setattr(ops, "_capturing", lambda x: capturing["on"])
+    monkeypatch.setattr(elementwise, "is_capturing", lambda x: capturing["on"])
     x = torch.randn(9, 64).bfloat16()
     w = torch.randn(64).bfloat16()
-    comp = ops._vendor_rms_norm(x, w, 1e-6, True)
+    comp = elementwise._vendor_rms_norm(x, w, 1e-6, True)
     assert torch.equal(torch.ops.tunekit.gemma_rms_norm(x, w, 1e-6), comp)  # unbuilt under capture
     capturing["on"] = False
     torch.ops.tunekit.gemma_rms_norm(x, w, 1e-6)  # eager warm-up builds it

@@ -217,6 +217,7 @@ def test_linear_hook_respects_rocm_aiter_and_older_forks(plugin, monkeypatch) ->
     import vllm.model_executor.layers.utils as utils
 
     from tunekit import ops
+    from tunekit.serving.state import STATE
 
     monkeypatch.setattr(torch.version, "hip", "6.3.0")
     monkeypatch.setenv("VLLM_ROCM_USE_AITER", "1")
@@ -226,7 +227,7 @@ def test_linear_hook_respects_rocm_aiter_and_older_forks(plugin, monkeypatch) ->
     try:
         done, why = plugin._install_linear()  # ROCm without AITER: vLLM's rocm gemm is the fallback
         assert done and "rocm_unquantized_gemm" in why
-        assert ops._STATE.vendor_gemm is not None
+        assert STATE.vendor_gemm is not None
         assert getattr(utils.dispatch_unquantized_gemm, "_tunekit_wrapped", False)
     finally:
         ops.set_vendor_gemm(None)
@@ -456,7 +457,7 @@ def vllm_c_kernels(plugin):
     """``torch.ops._C.rms_norm`` / ``silu_and_mul`` as vLLM's CUDA build registers them (schema and calling
     convention), with counting CPU kernels: this CPU wheel has no _C extension. The plugin's vendor
     state is put back afterwards."""
-    from tunekit import ops
+    from tunekit.serving.state import STATE
 
     for name in ("rms_norm", "silu_and_mul"):  # the real ones would shadow the counting ones
         assert plugin._torch_op("_C", name) is None, f"this vLLM has torch.ops._C.{name}"
@@ -477,13 +478,13 @@ def vllm_c_kernels(plugin):
 
     lib.impl("rms_norm", rms_norm, "CPU")
     lib.impl("silu_and_mul", silu_and_mul, "CPU")
-    saved = dict(ops._STATE.vendor_ew)
+    saved = dict(STATE.vendor_ew)
     try:
         yield calls
     finally:
-        with ops._STATE.lock:
-            ops._STATE.vendor_ew.clear()
-            ops._STATE.vendor_ew.update(saved)
+        with STATE.lock:
+            STATE.vendor_ew.clear()
+            STATE.vendor_ew.update(saved)
         lib._destroy()
 
 

@@ -30,7 +30,7 @@ code, untouched, so its traced graph is the one plain vLLM traces.
   its native math, which vLLM's Inductor compiles to one kernel; CPU wheels
   lack ``_C``) tunekit's own Triton kernel at the op's default config
   serves, one launch as well (``vendor: "tunekit:triton-default"``, see
-  ``tunekit.ops._ew_default``), and the op's PyTorch composition only where
+  ``tunekit.serving.elementwise._ew_default``), and the op's PyTorch composition only where
   that cannot (``vendor: "eager:..."`` says why).
   Every call is counted with its impl and the vendor that served it.
 * The tables' digest joins vLLM's compile-cache key

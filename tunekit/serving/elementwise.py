@@ -1,0 +1,457 @@
+"""The elementwise ops (the fused decode ops of ``tunekit.opspec``): run-time impls, fallbacks, fake impls.
+
+Call protocol: each op's impl computes its table key (m, n, k), rejects
+inputs that are not the op at all (``fallback:bad_input``) and hands the
+rest to :func:`_ew_serve`, which checks dtypes, devices and row layouts,
+reads the decision cache (``tunekit.serving.decisions``), launches the
+tuned kernel, and counts the call (``tunekit.serving.markers``). The
+lookup's fallbacks are served, in this order, by the vendor kernel an
+integration installed (``tunekit.serving.vendors``), by tunekit's Triton
+kernel at the op's default config (:func:`_ew_default`, built and cached
+per key like a tuned entry), else by the PyTorch composition of vLLM's
+native math (``_vendor_*``). :data:`ELEMENTWISE_IMPLS` maps each op to its
+(run-time impl, fake impl) for ``tunekit.serving.registry``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tunekit import table as table_mod
+from tunekit.serving.decisions import is_capturing, kernel_takes_eps, mark_broken, resolve
+from tunekit.serving.markers import count
+from tunekit.serving.state import (
+    DEFAULT_EPS,
+    DEFAULT_VENDOR,
+    DTYPE_NAMES,
+    STATE,
+    Choice,
+    DefaultKernel,
+    dtype_name,
+    log_once,
+)
+from tunekit.serving.tables import tables_for
+
+# Vendor paths: the PyTorch math of vLLM's native implementations
+# (vllm.ir.ops.rms_norm / fused_add_rms_norm, GemmaRMSNorm.forward_native,
+# RMSNormGated.forward_static with norm_before_gate=True, SiluAndMul.forward_native),
+# rounding where they round.
+
+
+def _vendor_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
+    w = weight.float() + 1.0 if gemma else weight
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (xf.to(w.dtype) * w).to(x.dtype)
+
+
+def _vendor_fused_add(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                      gemma: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    w = weight.float() + 1.0 if gemma else weight
+    s = x.float() + residual.float()
+    residual_out = s.to(x.dtype)
+    s = s * torch.rsqrt(s.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (s.to(w.dtype) * w).to(x.dtype), residual_out
+
+
+def _vendor_gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    k = weight.shape[0]
+    g = x.float().reshape(*x.shape[:-1], x.shape[-1] // k, k)
+    normed = (g * torch.rsqrt(g.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()).reshape(x.shape)
+    return (normed * F.silu(z.float())).to(x.dtype)
+
+
+def _vendor_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+def _vendor_bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x + bias, approximate="tanh")
+
+
+def _ew_serve(
+    op: str,
+    tensors: tuple[torch.Tensor, ...],
+    weight: torch.Tensor | None,
+    mnk: tuple[int, int, int],
+    eps: float | None,
+    make_out: Callable[[int, int, torch.Tensor], Any],
+    kernel_inputs: Callable[[int, int], tuple[torch.Tensor, ...]],
+    vendor: Callable[[], Any],
+    finish: Callable[[Any], Any],
+    vendor_args: tuple[Any, ...] = (),
+) -> Any:
+    """Shared body of the elementwise ops: checks, lookup, tuned launch or vendor path, marker.
+
+    ``vendor`` is the PyTorch composition; ``vendor_args`` the op's arguments
+    for an installed vendor kernel (:func:`set_vendor_elementwise`), which
+    serves the lookup's fallbacks in its place; without one, the op's
+    default-config kernel does where it can (:func:`_ew_vendor`).
+    """
+    x = tensors[0]
+    capturing = is_capturing(x)
+    dtype = dtype_name(x.dtype)
+    m, n, k = mnk
+    shape = f"{n}x{k}"
+    reason = None
+    if dtype not in DTYPE_NAMES.values() or any(t.dtype != x.dtype for t in tensors):
+        reason = "dtype"
+    elif weight is not None and (weight.dtype != x.dtype or weight.dim() != 1 or not weight.is_contiguous()):
+        reason = "dtype" if weight.dtype != x.dtype else "strided"
+    elif any(t.device != x.device for t in (*tensors, *(() if weight is None else (weight,)))) or \
+            x.device.type not in ("cuda", "cpu"):
+        reason = "device"
+    elif m == 0 or n == 0 or k == 0:
+        reason = "empty"
+    else:
+        # Rows may be strided (HF's q_norm gets every other head_dim slice of q):
+        # the kernels take a row stride. Each tensor must view as [m, width]
+        # rows with unit stride inside a row; anything else is the vendor's.
+        inputs = _row_views(kernel_inputs, m, n)
+        if inputs is None:
+            reason = "strided"
+    if reason is not None:
+        # inputs a vendor kernel may not take either (odd strides, dtypes, devices): the composition
+        count(op, dtype, shape, m, False, f"fallback:{reason}", capturing, "eager")
+        return _dense(vendor())
+    choice = resolve(op, dtype, m, n, k, x.device, capturing)
+    if choice.kernel is not None and eps is not None and not choice.takes_eps and eps != DEFAULT_EPS:
+        choice = Choice("fallback:eps")
+    if choice.kernel is None:
+        out, served_by = _ew_vendor(op, x.device, vendor_args, vendor, lambda: _ew_default(
+            op, dtype, m, n, k, x, capturing, inputs, make_out, finish, eps))
+        count(op, dtype, shape, m, False, choice.impl, capturing, served_by)
+        return _dense(out)
+    try:
+        out = _launch_ew(choice.kernel, choice.takes_eps, inputs, make_out(m, n, x), eps)
+    except Exception as exc:  # the serving path never raises for tunekit's sake
+        mark_broken(op, dtype, m, n, k, x.device, exc)
+        out, served_by = _ew_vendor(op, x.device, vendor_args, vendor, lambda: _ew_default(
+            op, dtype, m, n, k, x, capturing, inputs, make_out, finish, eps))
+        count(op, dtype, shape, m, False, "fallback:kernel_error", capturing, served_by)
+        return _dense(out)
+    count(op, dtype, shape, m, False, choice.impl, capturing)
+    return finish(out)
+
+
+def _launch_ew(kernel: Callable[..., None], takes_eps: bool, inputs: tuple[torch.Tensor, ...], out: Any,
+               eps: float | None) -> Any:
+    """Run a built elementwise kernel into ``out`` (eps passed only to kernels that take it); returns ``out``."""
+    if takes_eps and eps is not None:
+        kernel(inputs, out, eps=eps)
+    else:
+        kernel(inputs, out)
+    return out
+
+
+def _ew_vendor(op: str, device: torch.device, args: tuple[Any, ...], eager: Callable[[], Any],
+               default: Callable[[], tuple[Any, str | None]] | None = None) -> tuple[Any, str]:
+    """(result, what served it) for a call the lookup sent to the vendor path.
+
+    In this order: the installed vendor kernel when there is one for this
+    device (the one kernel the integration would have run: preferred, it is
+    what the engine runs without tunekit); else ``default`` (tunekit's
+    default-config kernel, :func:`_ew_default`: one launch where the
+    composition is several); else the PyTorch composition, with the reason
+    in the vendor name. A vendor kernel that raises is logged once and the
+    composition serves: the serving path never raises for tunekit's sake.
+    """
+    vk = STATE.vendor_ew.get(op)  # lock-free read (atomic under the GIL): hot path
+    if vk is not None and vk.fn is not None and device.type in vk.device_types:
+        try:
+            return vk.fn(*args), vk.name
+        except Exception as exc:
+            log_once(f"vendor:{op}:{vk.name}", logging.WARNING,
+                      "tunekit: %s: vendor kernel %s raised %s: %s; PyTorch composition instead",
+                      op, vk.name, type(exc).__name__, exc)
+            return eager(), "eager:vendor_error"
+    if default is not None:
+        out, why = default()
+        if why is None and out is not None:
+            return out, DEFAULT_VENDOR
+        if why is not None:
+            return eager(), why
+    return eager(), "eager" if vk is None else "eager:no_vendor_kernel"
+
+
+#: The backend whose default config serves fallbacks without a vendor kernel.
+_DEFAULT_BACKEND = "triton"
+
+
+def _ew_default(op: str, dtype: str, m: int, n: int, k: int, x: torch.Tensor, capturing: bool,
+                inputs: tuple[torch.Tensor, ...], make_out: Callable[[int, int, torch.Tensor], Any],
+                finish: Callable[[Any], Any], eps: float | None) -> tuple[Any, str | None]:
+    """Serve a fallback that has no vendor kernel with tunekit's Triton kernel at the op's default config.
+
+    The default config (``search_spaces/<op>.toml``'s ``default``, with its
+    ``fixed`` numerics switches, as the search enqueues it first) is valid
+    for every M, so it serves any M the table lacks in one launch, where the
+    composition takes several. Its numerics are those of the tuned kernels
+    of the family (``VLLM_ROUNDING=1``): within the op's BF16 error bound of
+    the fp64 reference (``OpSpec.error_bound``, what ``tunekit.verify``
+    checks every tuned candidate against), and so within that bound of the
+    composition's result too, not bit-equal to it.
+
+    Built once per (op, dtype, M, N, K, device), like a tuned entry, and
+    cached; never built under CUDA-graph capture (the composition serves,
+    ``eager:default_not_built_at_capture``, and the next eager call builds
+    it; :func:`prepare` builds it for the Ms it is given). Returns
+    ``(result, None)`` when it served, ``(None, why)`` with an
+    :data:`EAGER_VENDORS` key when it could not, ``(None, None)`` where it
+    does not apply (no table serves this device). Never raises.
+    """
+    device = x.device
+    key = (op, dtype, m, n, k, str(device))
+    dk = STATE.defaults.get(key)  # lock-free read (atomic under the GIL): hot path
+    if dk is None:
+        if capturing:
+            # Never compile or load a module inside a capture (as for tuned entries); not cached,
+            # so the next eager call builds it.
+            merged, _ = tables_for(device, str(device))
+            return None, (None if merged is None else "eager:default_not_built_at_capture")
+        dk = _build_default(op, dtype, m, n, k, device)
+        with STATE.lock:
+            dk = STATE.defaults.setdefault(key, dk)
+    if dk.kernel is None:
+        return None, dk.why
+    if eps is not None and not dk.takes_eps and eps != DEFAULT_EPS:
+        return None, "eager:default_eps"
+    try:
+        out = _launch_ew(dk.kernel, dk.takes_eps, inputs, make_out(m, n, x), eps)
+    except Exception as exc:  # the serving path never raises for tunekit's sake
+        log_once(f"default-kernel:{op}:{dtype}:{m}:{n}:{k}:{device}", logging.WARNING,
+                  "tunekit: %s %s M=%d N=%d K=%d: default-config kernel raised %s: %s; PyTorch composition "
+                  "from now on", op, dtype, m, n, k, type(exc).__name__, exc)
+        with STATE.lock:
+            STATE.defaults[key] = DefaultKernel(None, "eager:default_kernel_error")
+        return None, "eager:default_kernel_error"
+    return finish(out), None
+
+
+def _build_default(op: str, dtype: str, m: int, n: int, k: int, device: torch.device) -> DefaultKernel:
+    """Build the default-config kernel of one key (slow path: once per key). Never raises."""
+    merged, _ = tables_for(device, str(device))
+    if merged is None:
+        # No table serves this device (none loaded, or tuned for another one, or Triton's
+        # interpreter mode does not match the tensors): tunekit is not serving here at all.
+        return DefaultKernel(None)
+    if dtype != "bf16":
+        return DefaultKernel(None, "eager:default_dtype")
+    from tunekit import backends
+    from tunekit.shapes import Problem
+
+    info = merged["device"]
+    name = _DEFAULT_BACKEND
+    try:
+        backend = backends.get(name)
+        why = backend.unavailable_reason(info) if op in backend.ops else f"no {name} kernel for {op}"
+        if why:
+            log_once(f"default-unavailable:{name}:{op}:{info.arch}", logging.WARNING,
+                      "tunekit: %s: no vendor kernel and backend %s unavailable here (%s); PyTorch composition "
+                      "for its fallbacks", op, name, why)
+            return DefaultKernel(None, "eager:default_unavailable")
+        problem = Problem(op, dtype, m, n, k)
+        space = backend.space(problem)
+        params = dict(space.fixed) | dict(space.default)  # as the search enqueues the default
+        invalid = backend.invalid_reason(problem, params)
+        if invalid is not None:
+            log_once(f"default-invalid:{op}:{dtype}:{m}:{n}:{k}", logging.WARNING,
+                      "tunekit: %s %s M=%d N=%d K=%d: the default %s config does not run here (%s); PyTorch "
+                      "composition", op, dtype, m, n, k, name, invalid)
+            return DefaultKernel(None, "eager:default_invalid")
+        build_key = (name, op, dtype, m, n, k, json.dumps(params, sort_keys=True), info.torch_device)
+        with STATE.lock:
+            kernel = STATE.built.get(build_key)
+        if kernel is None:
+            kernel = backend.build(problem, params, info)
+            with STATE.lock:
+                STATE.built[build_key] = kernel
+        return DefaultKernel(kernel, takes_eps=kernel_takes_eps(kernel))
+    except Exception as exc:  # a kernel that does not build is the composition, never an error
+        log_once(f"default-build:{op}:{dtype}:{m}:{n}:{k}", logging.WARNING,
+                  "tunekit: %s %s M=%d N=%d K=%d: default-config %s kernel did not build (%s); PyTorch "
+                  "composition", op, dtype, m, n, k, name, exc)
+        return DefaultKernel(None, "eager:default_build_error")
+
+
+def _row_views(kernel_inputs: Callable[[int, int], tuple[torch.Tensor, ...]], m: int,
+               n: int) -> tuple[torch.Tensor, ...] | None:
+    """The kernel's [rows, width] views of the inputs, or None if some input has no such view
+    (rows not evenly strided, or a stride inside a row)."""
+    try:
+        views = kernel_inputs(m, n)
+    except RuntimeError:  # .view() of a layout that needs a copy
+        return None
+    for t in views:
+        if t.dim() == 2 and t.shape[1] > 1 and t.stride(1) != 1:
+            return None
+    return views
+
+
+def _dense(out: Any) -> Any:
+    """Contiguous result(s), as the fake impls promise (a non-contiguous input keeps its strides in eager math)."""
+    if isinstance(out, tuple):
+        return tuple(t if t.is_contiguous() else t.contiguous() for t in out)
+    return out if out.is_contiguous() else out.contiguous()
+
+
+def _rows(x: torch.Tensor, width: int) -> int:
+    return x.numel() // width if width else 0
+
+
+def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
+    op = "gemma_rms_norm" if gemma else "rms_norm"
+    n = x.shape[-1] if x.dim() else 0
+    m = _rows(x, n)
+    if weight.dim() != 1 or weight.shape[0] != n:
+        count(op, dtype_name(x.dtype), f"{n}x{n}", m, False, "fallback:bad_input", is_capturing(x), "eager")
+        return _dense(_vendor_rms_norm(x, weight, eps, gemma))
+    return _ew_serve(
+        op, (x,), weight, (m, n, n), eps,
+        make_out=lambda m, n, x: torch.empty((m, n), dtype=x.dtype, device=x.device),
+        kernel_inputs=lambda m, n: (x.view(m, n), weight),
+        vendor=lambda: _vendor_rms_norm(x, weight, eps, gemma),
+        finish=lambda out: out.view(x.shape),
+        vendor_args=(x, weight, eps),
+    )
+
+
+def _fused_add_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                    gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    op = "gemma_fused_add_rms_norm" if gemma else "fused_add_rms_norm"
+    n = x.shape[-1] if x.dim() else 0
+    m = _rows(x, n)
+    if weight.dim() != 1 or weight.shape[0] != n or residual.shape != x.shape:
+        count(op, dtype_name(x.dtype), f"{n}x{n}", m, False, "fallback:bad_input", is_capturing(x), "eager")
+        return _dense(_vendor_fused_add(x, residual, weight, eps, gemma))
+
+    def make_out(m: int, n: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.empty((m, n), dtype=x.dtype, device=x.device),
+                torch.empty((m, n), dtype=x.dtype, device=x.device))
+
+    return _ew_serve(
+        op, (x, residual), weight, (m, n, n), eps, make_out=make_out,
+        kernel_inputs=lambda m, n: (x.view(m, n), residual.view(m, n), weight),
+        vendor=lambda: _vendor_fused_add(x, residual, weight, eps, gemma),
+        finish=lambda out: (out[0].view(x.shape), out[1].view(x.shape)),
+        vendor_args=(x, residual, weight, eps),
+    )
+
+
+def _gated_impl(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Rows are the leading dims but the last two: vLLM's Qwen3.5 passes
+    # [tokens, heads, head_dim], the table's problem is m = tokens, n = heads * head_dim.
+    k = weight.shape[0] if weight.dim() == 1 else 0
+    n = x.shape[-1] * (x.shape[-2] if x.dim() >= 3 else 1) if x.dim() else 0
+    m = _rows(x, n)
+    if k == 0 or z.shape != x.shape or x.shape[-1] % k:
+        count("gated_rms_norm", dtype_name(x.dtype), f"{n}x{k}", m, False, "fallback:bad_input", is_capturing(x),
+               "eager")
+        return _dense(_vendor_gated(x, z, weight, eps))
+    if m and n:
+        m, n = _gated_layout(dtype_name(x.dtype), m, n, k, x.device)
+    return _ew_serve(
+        "gated_rms_norm", (x, z), weight, (m, n, k), eps,
+        make_out=lambda m, n, x: torch.empty((m, n), dtype=x.dtype, device=x.device),
+        kernel_inputs=lambda m, n: (x.view(m, n), z.view(m, n), weight),
+        vendor=lambda: _vendor_gated(x, z, weight, eps),
+        finish=lambda out: out.view(x.shape),
+        vendor_args=(x, z, weight, eps),
+    )
+
+
+def _gated_layout(dtype: str, m: int, n: int, k: int, device: torch.device) -> tuple[int, int]:
+    """The [rows, width] a gated_rms_norm call of m x n is served as (cached per key).
+
+    The norm works per group of k, so how groups are cut into rows does not
+    change the result: when the table holds no entry for (m, n) it may hold
+    one for the same groups as [m * n / n', n']. Hugging Face passes
+    [tokens * heads, head_dim] where vLLM (whose layout ``tunekit search
+    --model`` tunes) passes [tokens, heads * head_dim].
+    """
+    key = (dtype, m, n, k, str(device))
+    with STATE.lock:
+        layout = STATE.gated_layouts.get(key)
+    if layout is not None:
+        return layout
+    layout = (m, n)
+    merged, _ = tables_for(device, str(device))
+    if merged is not None and table_mod.lookup(merged, "gated_rms_norm", dtype, m, n, k) is None:
+        widths = sorted({e["n"] for e in merged["entries"]
+                         if e["op"] == "gated_rms_norm" and e["dtype"] == dtype and e["k"] == k and e["n"] != n
+                         and e["n"] % k == 0 and (m * n) % e["n"] == 0})
+        for width in widths:
+            if table_mod.lookup(merged, "gated_rms_norm", dtype, m * n // width, width, k) is not None:
+                layout = (m * n // width, width)
+                break
+    with STATE.lock:
+        STATE.gated_layouts.setdefault(key, layout)
+        return STATE.gated_layouts[key]
+
+
+def _silu_and_mul_impl(x: torch.Tensor) -> torch.Tensor:
+    k = x.shape[-1] if x.dim() else 0
+    n = k // 2
+    m = _rows(x, k)
+    if k % 2:
+        count("silu_and_mul", dtype_name(x.dtype), f"{n}x{k}", m, False, "fallback:bad_input", is_capturing(x),
+               "eager")
+        return _dense(_vendor_silu_and_mul(x))
+    return _ew_serve(
+        "silu_and_mul", (x,), None, (m, n, k), None,
+        make_out=lambda m, n, x: torch.empty((m, n), dtype=x.dtype, device=x.device),
+        kernel_inputs=lambda m, n: (x.view(m, 2 * n),),
+        vendor=lambda: _vendor_silu_and_mul(x),
+        finish=lambda out: out.view(*x.shape[:-1], n),
+        vendor_args=(x,),
+    )
+
+
+def _bias_gelu_impl(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    n = x.shape[-1] if x.dim() else 0
+    m = _rows(x, n)
+    if bias.dim() != 1 or bias.shape[0] != n:
+        count("bias_gelu", dtype_name(x.dtype), f"{n}x{n}", m, False, "fallback:bad_input", is_capturing(x),
+               "eager")
+        return _dense(_vendor_bias_gelu(x, bias))
+    return _ew_serve(
+        "bias_gelu", (x,), bias, (m, n, n), None,
+        make_out=lambda m, n, x: torch.empty((m, n), dtype=x.dtype, device=x.device),
+        kernel_inputs=lambda m, n: (x.view(m, n), bias),
+        vendor=lambda: _vendor_bias_gelu(x, bias),
+        finish=lambda out: out.view(x.shape),
+        vendor_args=(x, bias),
+    )
+
+
+def _fake_like(x: torch.Tensor, *args: Any) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _fake_pair(x: torch.Tensor, residual: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
+def _fake_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+#: op -> (run-time impl for the CUDA and CPU keys, fake impl).
+ELEMENTWISE_IMPLS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+    "rms_norm": (lambda x, w, eps: _rms_norm_impl(x, w, eps, False), _fake_like),
+    "gemma_rms_norm": (lambda x, w, eps: _rms_norm_impl(x, w, eps, True), _fake_like),
+    "fused_add_rms_norm": (lambda x, r, w, eps: _fused_add_impl(x, r, w, eps, False), _fake_pair),
+    "gemma_fused_add_rms_norm": (lambda x, r, w, eps: _fused_add_impl(x, r, w, eps, True), _fake_pair),
+    "gated_rms_norm": (_gated_impl, _fake_like),
+    "silu_and_mul": (_silu_and_mul_impl, _fake_silu_and_mul),
+    "bias_gelu": (_bias_gelu_impl, _fake_like),
+}
+

@@ -1,0 +1,118 @@
+"""Dispatch markers: every served call counted, and the dispatch log written from them.
+
+Call protocol: each op impl calls :func:`count` once per call with what
+served it (``tuned:<backend>`` or ``fallback:<reason>``, and the vendor of a
+fallback); :func:`dispatch_stats` / :func:`reset_stats` read and clear the
+counters; :func:`dispatch_log` is the JSON document ``TUNEKIT_DISPATCH_LOG``
+names, written by :func:`write_dispatch_log` at interpreter exit once
+:func:`maybe_register_atexit` registered it (on ``import tunekit.ops`` and
+on every :func:`~tunekit.serving.tables.load_tables`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from tunekit.serving.state import (
+    CAPTURE_NOTE,
+    DEFAULT_VENDOR,
+    EAGER_VENDORS,
+    FALLBACK_REASONS,
+    LOG_ENV,
+    STATE,
+    STATS_FORMAT,
+    logger,
+)
+from tunekit.serving.tables import loaded_tables
+from tunekit.serving.vendors import vendor_kernels
+
+
+def count(op: str, dtype: str, shape: str, m: int, bias: bool, impl: str, capturing: bool,
+           vendor: str | None = None) -> None:
+    # vendor: what served a fallback (None for a tuned kernel), so the log shows
+    # whether a miss ran the integration's kernel or tunekit's eager composition.
+    key = (op, dtype, shape, m, bias, impl, "capture" if capturing else "call", vendor)
+    with STATE.lock:
+        STATE.stats[key] = STATE.stats.get(key, 0) + 1
+
+
+def dispatch_stats(reset: bool = False) -> list[dict[str, Any]]:
+    """Every call counted so far: one row per (op, dtype, shape, m, bias, impl, counted_at, vendor).
+
+    ``shape`` is ``"NxK"`` for gemv; ``impl`` is ``"tuned:<backend>"`` or
+    ``"fallback:<reason>"`` (see :data:`FALLBACK_REASONS`); ``vendor`` is None
+    for a tuned kernel, else what served the fallback (``"F.linear"``, a kernel
+    an integration installed such as ``"torch.ops._C.rms_norm"``,
+    :data:`DEFAULT_VENDOR`, or one of :data:`EAGER_VENDORS`); ``counted_at`` is
+    ``"call"`` or ``"capture"`` (CUDA-graph capture: counted once per capture,
+    replays are not counted because Python does not run; such rows carry a
+    ``note`` saying so). ``reset=True`` clears the counters after reading.
+    """
+    with STATE.lock:
+        items = sorted(STATE.stats.items(), key=lambda kv: tuple(str(v) for v in kv[0]))
+        if reset:
+            STATE.stats.clear()
+    rows = []
+    for (op, dtype, shape, m, bias, impl, counted_at, vendor), calls in items:
+        row: dict[str, Any] = {"op": op, "dtype": dtype, "shape": shape, "m": m, "bias": bias, "impl": impl,
+                               "vendor": vendor, "calls": calls, "counted_at": counted_at}
+        if counted_at == "capture":
+            row["note"] = "counted at capture: CUDA-graph replays run without Python and are not counted"
+        rows.append(row)
+    return rows
+
+
+def reset_stats() -> None:
+    """Forget the dispatch markers (not the tables or the built kernels)."""
+    with STATE.lock:
+        STATE.stats.clear()
+
+
+def dispatch_log() -> dict[str, Any]:
+    """The JSON document ``TUNEKIT_DISPATCH_LOG`` writes: tables, markers and the capture note."""
+    return {
+        "format": STATS_FORMAT,
+        "pid": os.getpid(),
+        "tables": loaded_tables(),
+        "note": CAPTURE_NOTE,
+        "fallback_reasons": FALLBACK_REASONS,
+        "vendors": vendor_kernels(),
+        "eager_vendors": EAGER_VENDORS,
+        "default_vendor": {DEFAULT_VENDOR: "tunekit's Triton kernel at the op's default config (valid for every "
+                                           "M), serving an elementwise fallback that has no vendor kernel"},
+        "calls": dispatch_stats(),
+    }
+
+
+def write_dispatch_log(path: str | os.PathLike | None = None) -> Path | None:
+    """Write :func:`dispatch_log` to ``path`` (default: ``TUNEKIT_DISPATCH_LOG``); ``{pid}`` is expanded.
+
+    Returns the path written, or None when no path is set or writing failed
+    (logged: this runs at interpreter exit, where raising helps nobody).
+    """
+    target = str(path) if path is not None else os.environ.get(LOG_ENV, "")
+    if not target:
+        return None
+    out = Path(target.replace("{pid}", str(os.getpid())))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(dispatch_log(), indent=2, default=str) + "\n")
+        os.replace(tmp, out)
+    except Exception as exc:
+        logger.error("tunekit: could not write the dispatch log %s: %s", out, exc)
+        return None
+    return out
+
+
+def maybe_register_atexit() -> None:
+    with STATE.lock:
+        if STATE.atexit_registered or not os.environ.get(LOG_ENV):
+            return
+        STATE.atexit_registered = True
+    atexit.register(write_dispatch_log)
+
