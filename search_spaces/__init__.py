@@ -19,6 +19,10 @@ import tomllib
 FILES: dict[str, str] = {
     "gemma_rms_norm": "rms_norm",
     "gemma_fused_add_rms_norm": "fused_add_rms_norm",
+    # norm -> GEMV: one kernel for both weight conventions, with or without a residual
+    "gemma_rms_norm_gemv": "rms_norm_gemv",
+    "fused_add_rms_norm_gemv": "rms_norm_gemv",
+    "gemma_fused_add_rms_norm_gemv": "rms_norm_gemv",
 }
 
 

@@ -328,6 +328,30 @@ def elementwise_cases() -> list[Case]:
     return cases
 
 
+def norm_gemv_cases() -> list[Case]:
+    """RMSNorm -> GEMV: every op (residual x weight convention) at M = 1, 3, 8 with DEFAULT,
+    and a wide multi-stage tile at M = 1, 3; K=300 is not a multiple of BLOCK_K (masked steps)."""
+    import torch
+
+    from kernels_triton import rms_norm_gemv as f
+
+    n, k = 40, 300
+    wide = f.RmsNormGemvConfig(BLOCK_N=16, BLOCK_K=128, num_warps=2, num_stages=3)
+    cases: list[Case] = []
+    for op in f.OPS:
+        for m, config in [(1, f.DEFAULT), (3, f.DEFAULT), (8, f.DEFAULT), (1, wide), (3, wide)]:
+            if f.invalid_reason(config, m, n, k) is not None:
+                continue
+            x, g, w = _bf16(m, k), _bf16(k), _bf16(n, k)
+            res = (_bf16(m, k), torch.empty(m, k, dtype=torch.bfloat16)) if op in f.FUSED_ADD_OPS else (None, None)
+            out = torch.empty(m, n, dtype=torch.bfloat16)
+            cases.append((f"{op}[M={m},N={n},K={k}] {_params(config)}",
+                          lambda x=x, g=g, w=w, res=res, config=config, out=out, op=op: f.rms_norm_gemv(
+                              x, g, w, config, out=out, residual=res[0], residual_out=res[1],
+                              gemma=op.startswith("gemma_"))))
+    return cases
+
+
 def stream_cases() -> list[Case]:
     """The bandwidth probe's kernels (``stream_copy`` only where the module has it), first and last probe config."""
     import torch
@@ -347,7 +371,7 @@ def stream_cases() -> list[Case]:
 
 def repo_cases() -> list[Case]:
     """Every Triton kernel of kernels_triton, through its wrapper."""
-    return gemv_cases() + elementwise_cases() + stream_cases()
+    return gemv_cases() + elementwise_cases() + norm_gemv_cases() + stream_cases()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tunekit.shapes import DTYPE_BYTES, Problem
+from tunekit.shapes import DTYPE_BYTES, NORM_GEMV_OPS, Problem
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -369,10 +369,103 @@ BIAS_GELU = _elementwise(
     error_bound=_bias_gelu_bound, bytes_moved=_bias_gelu_bytes, rotated_input=(0,),
 )
 
+# ------------------------------------------------------------------ norm -> gemv
+# RMSNorm in the GEMV prologue (kernels_triton/rms_norm_gemv.py): inputs
+# (x[m,k], g[k], W[n,k]) -> y[m,n], or with a residual (x, residual[m,k], g, W)
+# -> (y, residual_out[m,k]); the norm width is the GEMV's k.
+_NORM_GEMV_ADD_OPS = ("fused_add_rms_norm_gemv", "gemma_fused_add_rms_norm_gemv")
+
+
+def _norm_gemv_inputs(problem: Problem, device: torch.device, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    # Unit-variance rows, an N(0, 1) norm weight (a (1 + g) / g mix-up is O(1))
+    # and W scaled by k^-0.5 as the GEMV's, so |y| ~ 1.
+    dtype = TORCH_DTYPES[problem.dtype]
+    m, n, k = problem.m, problem.n, problem.k
+    x = _randn((m, k), gen, device, dtype)
+    residual = (_randn((m, k), gen, device, dtype),) if problem.op in _NORM_GEMV_ADD_OPS else ()
+    g = _randn((k,), gen, device, dtype)
+    w = _randn((n, k), gen, device, dtype, scale=k**-0.5)
+    return (x, *residual, g, w)
+
+
+def _norm_gemv_output(problem: Problem, device: torch.device) -> Outputs:
+    y = _gemv_output(problem, device)
+    if problem.op in _NORM_GEMV_ADD_OPS:
+        return y, torch.empty((problem.m, problem.k), dtype=TORCH_DTYPES[problem.dtype], device=device)
+    return y
+
+
+def _norm_gemv_activations(op: str, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a, s) in fp64: the normalised activations the GEMV multiplies, and the row sum s."""
+    if op in _NORM_GEMV_ADD_OPS:
+        x, residual, g, _ = inputs
+        s = x.double() + residual.double()
+    else:
+        x, g, _ = inputs
+        s = x.double()
+    g64 = g.double() + 1.0 if op.startswith("gemma_") else g.double()
+    return _rms_scaled(s, s.shape[1]) * g64, s
+
+
+def _norm_gemv_reference(op: str) -> Callable[[tuple[torch.Tensor, ...]], Outputs]:
+    def reference(inputs: tuple[torch.Tensor, ...]) -> Outputs:
+        """fp64 of the unfused sequence (norm, then GEMV), no intermediate rounding."""
+        a, s = _norm_gemv_activations(op, inputs)
+        y = a @ inputs[-1].double().T
+        return (y, s) if op in _NORM_GEMV_ADD_OPS else y
+
+    return reference
+
+
+def _norm_gemv_bound(problem: Problem, inputs: tuple[torch.Tensor, ...], ref: Outputs) -> Outputs:
+    """The GEMV's bound on the activations a norm kernel would write, plus their own error.
+
+    The unfused sequence (vLLM's norm kernel writes BF16 a-hat, the GEMV reads
+    it) has a-hat_j = a_j (1 + d_j) with |d_j| <= c r + (k + 16) u32 (see
+    ``_norm_bound`` / ``_fused_add_bound``; r = 2u): c = 2 without a residual
+    (x*rstd rounded before the weight, the norm's output; Gemma: one allowed
+    spare), c = 4 with one (the BF16 sum perturbs s_j and rstd by r each).
+    The GEMV on a-hat errs by 2u |a-hat.W| + k u32 |a-hat|.|W| (``_gemv_bound``),
+    and a-hat.W = y + sum_j a_j d_j W_ij. With |a|.|W| the fp64 ``abs_dot``:
+      |y-hat - y| <= 2u|y| + (1.01 c r + (2k + 32) u32) abs_dot + tiny
+    (1.01 covers the products of small terms). Mistakes it catches: a missing
+    rstd or residual, or (1 + g) for g, change y by O(abs_dot / sqrt(k)) in
+    every element; the tests also compare with the standalone norm + GEMV
+    kernels. residual_out: as ``_fused_add_bound``'s, r |s| relative.
+    """
+    op = problem.op
+    a, s = _norm_gemv_activations(op, inputs)
+    abs_dot = a.abs() @ inputs[-1].double().abs().T
+    u_out = _UNIT_ROUNDOFF[problem.dtype]
+    r = 2 * u_out
+    c = 4 if op in _NORM_GEMV_ADD_OPS else 2
+    y = ref[0] if isinstance(ref, tuple) else ref
+    y_bound = 2 * u_out * y.abs() + (1.01 * c * r + (2 * problem.k + 32) * _FP32_U) * abs_dot + _TINY
+    if op in _NORM_GEMV_ADD_OPS:
+        return y_bound, (r + _FP32_U) * s.abs() + _TINY
+    return y_bound
+
+
+def _norm_gemv_bytes(problem: Problem) -> int:
+    size = DTYPE_BYTES[problem.dtype]
+    m, n, k = problem.m, problem.n, problem.k
+    residual = 2 * m * k if problem.op in _NORM_GEMV_ADD_OPS else 0  # residual in + residual_out
+    return (n * k + m * k + k + m * n + residual) * size  # W, x, g, y (+ residual in / out)
+
+
+def _norm_gemv(name: str) -> OpSpec:
+    add = name in _NORM_GEMV_ADD_OPS
+    return OpSpec(
+        name=name, make_inputs=_norm_gemv_inputs, make_output=_norm_gemv_output,
+        reference=_norm_gemv_reference(name), error_bound=_norm_gemv_bound, bytes_moved=_norm_gemv_bytes,
+        rotated_input=3 if add else 2, output_names=("out", "residual_out") if add else ("out",),
+    )
+
+
 OPS: dict[str, OpSpec] = {
     spec.name: spec
     for spec in (GEMV, RMS_NORM, GEMMA_RMS_NORM, FUSED_ADD_RMS_NORM, GEMMA_FUSED_ADD_RMS_NORM, GATED_RMS_NORM,
-                 SILU_AND_MUL, BIAS_GELU)
+                 SILU_AND_MUL, BIAS_GELU, *(_norm_gemv(name) for name in NORM_GEMV_OPS))
 }
 
 

@@ -30,6 +30,10 @@ ELEMENTWISE_MAX_M = 65536
 NORM_OPS = ("rms_norm", "gemma_rms_norm", "fused_add_rms_norm", "gemma_fused_add_rms_norm")
 ELEMENTWISE_OPS = NORM_OPS + ("gated_rms_norm", "silu_and_mul", "bias_gelu")
 OPS = ("gemv",) + ELEMENTWISE_OPS
+#: RMSNorm in the GEMV prologue (kernels_triton/rms_norm_gemv.py): n, k are the GEMV's, the
+#: norm width is k. Ad-hoc (``--shape OP:NxK``) only, and in no default op set: nothing
+#: serves them yet, so a default search must not tune them.
+NORM_GEMV_OPS = ("rms_norm_gemv", "gemma_rms_norm_gemv", "fused_add_rms_norm_gemv", "gemma_fused_add_rms_norm_gemv")
 #: ``--ops`` names -> the ops they select (a family selects both weight conventions;
 #: the model's norm style decides which one its problems use).
 OP_FAMILIES: dict[str, tuple[str, ...]] = {
@@ -82,7 +86,7 @@ class Problem:
         """Bytes of weight read per call (GEMV: the matrix, its roofline numerator;
         norms: the weight vector; bias_gelu: the bias; silu_and_mul: none)."""
         size = DTYPE_BYTES[self.dtype]
-        if self.op == "gemv":
+        if self.op == "gemv" or self.op in NORM_GEMV_OPS:
             return self.n * self.k * size
         if self.op == "silu_and_mul":
             return 0
@@ -94,7 +98,7 @@ class Problem:
     def shape_text(self) -> str:
         """Human form of the per-token shape: ``NxK`` (gemv), ``GROUPSxSIZE`` (gated
         norm), ``2N->N`` (silu_and_mul), ``N`` (the other elementwise ops)."""
-        if self.op == "gemv":
+        if self.op == "gemv" or self.op in NORM_GEMV_OPS:
             return f"{self.n}x{self.k}"
         if self.op == "gated_rms_norm":
             return f"{self.n // self.k}x{self.k}"
@@ -145,7 +149,7 @@ def parse_m_list(text: str | Sequence[int], ops: Iterable[str] = ("gemv",)) -> l
     if not values:
         raise UserError("bad --m: the list is empty")
     ops = tuple(ops)
-    if "gemv" in ops:
+    if "gemv" in ops or set(ops) & set(NORM_GEMV_OPS):
         bad = [m for m in values if not 1 <= m <= GEMV_MAX_M]
         if bad:
             extra = " (elementwise ops take larger M: leave gemv out of --ops)" if len(ops) > 1 else ""
@@ -234,13 +238,18 @@ def parse_op_shape(text: str) -> tuple[str, int, int]:
     """``OP:SIZE`` (``gated_rms_norm:GROUPSxSIZE``) -> (op, n, k) of an ad-hoc elementwise problem.
 
     Examples: ``bias_gelu:4096``, ``gemma_rms_norm:5120``, ``silu_and_mul:17408``
-    (the output width d), ``gated_rms_norm:48x128`` (48 groups of 128).
+    (the output width d), ``gated_rms_norm:48x128`` (48 groups of 128),
+    ``rms_norm_gemv:96x5120`` (the GEMV's NxK, ``NORM_GEMV_OPS``).
     """
     match = _OP_SHAPE_RE.match(text)
     if not match:
         raise UserError(f"bad --shape {text!r}: expected NxK (gemv) or OP:SIZE, for example bias_gelu:4096 "
                         "or gated_rms_norm:48x128")
     op, first, second = match.group(1), int(match.group(2)), match.group(3)
+    if op in NORM_GEMV_OPS:
+        if second is None or first < 1 or int(second) < 1:
+            raise UserError(f"bad --shape {text!r}: {op} takes the GEMV's NxK, for example {op}:96x5120")
+        return op, first, int(second)
     if op not in ELEMENTWISE_OPS:
         raise UserError(f"bad --shape {text!r}: unknown op {op!r} (known: {', '.join(ELEMENTWISE_OPS)})")
     if op == "gated_rms_norm":

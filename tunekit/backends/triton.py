@@ -32,6 +32,10 @@ _OP_MODULES = {
     "gated_rms_norm": "kernels_triton.gated_rms_norm",
     "silu_and_mul": "kernels_triton.silu_and_mul",
     "bias_gelu": "kernels_triton.bias_gelu",
+    "rms_norm_gemv": "kernels_triton.rms_norm_gemv",
+    "gemma_rms_norm_gemv": "kernels_triton.rms_norm_gemv",
+    "fused_add_rms_norm_gemv": "kernels_triton.rms_norm_gemv",
+    "gemma_fused_add_rms_norm_gemv": "kernels_triton.rms_norm_gemv",
 }
 #: Modules the elementwise kernels import (part of the source hash).
 _HELPER_MODULES = ("kernels_triton.rounding", "kernels_triton.tiles")

@@ -99,10 +99,34 @@ ELEMENTWISE: dict[str, Callable[..., None]] = {
 }
 
 
+def _norm_then_mm(norm_op: str) -> Callable[..., None]:
+    """The unfused sequence a norm -> GEMV op replaces: the eager norm writes BF16, then mm."""
+    norm = ELEMENTWISE[norm_op]
+    with_residual = norm_op.startswith(("fused_add", "gemma_fused_add"))
+
+    def kernel(inputs: Tensors, out) -> None:
+        *norm_inputs, w = inputs
+        y = out[0] if with_residual else out
+        normed = torch.empty_like(inputs[0])
+        norm(tuple(norm_inputs), (normed, out[1]) if with_residual else normed)
+        torch.mm(normed, w.t(), out=y)
+
+    kernel.__name__ = f"{norm_op}_then_mm"
+    return kernel
+
+
+#: norm -> GEMV op (kernels_triton/rms_norm_gemv.py) -> its unfused eager sequence. Kept out of
+#: ``ELEMENTWISE``, which the Inductor baseline compiles.
+NORM_GEMV: dict[str, Callable[..., None]] = {
+    f"{norm_op}_gemv": _norm_then_mm(norm_op)
+    for norm_op in ("rms_norm", "gemma_rms_norm", "fused_add_rms_norm", "gemma_fused_add_rms_norm")
+}
+
+
 class VendorBackend:
     name = "vendor"
     kind = "vendor"
-    ops = ("gemv", *ELEMENTWISE)
+    ops = ("gemv", *ELEMENTWISE, *NORM_GEMV)
 
     def unavailable_reason(self, device: DeviceInfo) -> str | None:
         return None
@@ -116,6 +140,8 @@ class VendorBackend:
     def build(self, problem: Problem, params: Params, device: DeviceInfo) -> Kernel:
         if problem.op in ELEMENTWISE:
             return ELEMENTWISE[problem.op]
+        if problem.op in NORM_GEMV:
+            return NORM_GEMV[problem.op]
         if problem.op != "gemv":
             raise BuildError(f"no vendor path for op {problem.op!r}")
 
@@ -135,6 +161,8 @@ class VendorBackend:
     def kernel_name(self, problem: Problem) -> str:
         if problem.op in ELEMENTWISE:
             return f"tunekit.backends.vendor:{ELEMENTWISE[problem.op].__name__} (PyTorch eager)"
+        if problem.op in NORM_GEMV:
+            return f"tunekit.backends.vendor:{NORM_GEMV[problem.op].__name__} (PyTorch eager + mm)"
         return "torch.nn.functional.linear"
 
 

@@ -1,0 +1,242 @@
+"""Triton RMSNorm-in-the-GEMV-prologue family: y[M, N] = W[N, K] . norm(x)[M, K].
+
+Ops (``OPS``; the weight convention and the residual are in the name):
+
+- ``rms_norm_gemv``: a = x / rms(x) * g, y = a @ W^T;
+- ``gemma_rms_norm_gemv``: the same with * (1 + g) (Gemma / Qwen3.5 norms);
+- ``fused_add_rms_norm_gemv`` / ``gemma_...``: s = x + residual, a = norm(s),
+  y = a @ W^T; s is also an output (the updated residual).
+
+This is one kernel in place of a decoder layer's ``input_layernorm ->
+qkv_proj`` (or ``in_proj_qkvz``) and ``post_attention_layernorm ->
+gate_up_proj``: the normalised activations never go through memory. BF16 in
+and out, FP32 math; the caller passes an explicit ``RmsNormGemvConfig`` (no
+``@triton.autotune``); ``DEFAULT`` is valid for every shape and M = 1..8.
+
+Design (the GEMV of ``kernels_triton.gemv``, M_MODE="tile", SPLIT_K=1):
+- every program computes rstd of the M rows itself in a prologue pass over
+  x (+ residual): a row is 10-35 KB, every program reads it in its K loop
+  anyway, and a separate norm kernel or a grid-wide reduction would cost a
+  launch or a grid sync, more than re-reading x from L2;
+- the K loop then streams its BLOCK_N rows of W, normalises the matching x
+  chunk on the fly (x, residual and g are L1/L2 hits) and accumulates in an
+  fp32 register tile reduced over K once after the loop, as the GEMV;
+- rows past N are clamped onto row N-1 (unmasked W loads), only the store is
+  masked, as the GEMV.
+
+The residual s (fused-add ops) is written exactly once, spread over the
+grid: BLOCK_K chunk j of s is stored by program ``j % num_programs`` during
+its prologue pass, when the chunk is in its registers anyway. One writer per
+element keeps the bytes at M*K; round-robin keeps the store off one
+program's critical path (a single writer would add up to M*K*2 = 280 KB of
+stores at M = 8, K = 17408 to one program, the grid's tail). Every program
+reads x and residual until its prologue ends, so residual_out must not
+alias them (the wrapper refuses; vLLM's in-place form needs separate
+buffers here).
+
+Numerics (where BF16 rounding happens) are those of vLLM's unfused sequence,
+fixed: the rms_norm / fused_add_rms_norm kernels with VLLM_ROUNDING=1 write a
+BF16 tensor that the GEMV reads. So: s = bf16(x + residual) before the
+variance; plain weight: a = bf16(bf16(s * rstd) * g); Gemma: a = bf16(s *
+rstd * (1 + g)); the GEMV multiplies the BF16 a by W in fp32 and rounds y
+once. ``_apply_weight`` is the norm kernels' own function. rstd is the fp32
+sum of squares in this kernel's chunk order, so it can differ from the
+standalone norm's in the last bit (the tests compare within the op's bound).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels_triton.config import StrictConfig
+from kernels_triton.rms_norm import _apply_weight
+from kernels_triton.rounding import RNE_BY_BITS, round_bf16
+
+OPS = ("rms_norm_gemv", "gemma_rms_norm_gemv", "fused_add_rms_norm_gemv", "gemma_fused_add_rms_norm_gemv")
+#: The ops with a residual input and output.
+FUSED_ADD_OPS = ("fused_add_rms_norm_gemv", "gemma_fused_add_rms_norm_gemv")
+
+
+@dataclass(frozen=True)
+class RmsNormGemvConfig(StrictConfig):
+    BLOCK_N: int = 4  # rows of W per program
+    BLOCK_K: int = 256  # K per loop step (prologue and GEMV loop)
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+Config = RmsNormGemvConfig
+#: Valid for every shape and M = 1..8 (the fallback config).
+DEFAULT = RmsNormGemvConfig()
+
+#: fp32 accumulator values per thread before Triton spills (as the GEMV's budget).
+_MAX_ACC_PER_THREAD = 128
+
+
+def _next_pow2(value: int) -> int:
+    return 1 << (max(value, 1) - 1).bit_length()
+
+
+def _pow2(value: int) -> bool:
+    return value >= 1 and value & (value - 1) == 0
+
+
+def invalid_reason(config: RmsNormGemvConfig, m: int, n: int, k: int) -> str | None:
+    """None if ``config`` can run (m, n, k) (the GEMV's dims; norm width = k), else a short reason. Pure."""
+    for name in ("BLOCK_N", "BLOCK_K", "num_warps"):
+        if not _pow2(getattr(config, name)):
+            return f"{name}={getattr(config, name)} is not a power of two"
+    if not 1 <= config.num_stages <= 4:
+        return f"num_stages={config.num_stages} outside 1..4"
+    if not 1 <= m <= 8:
+        return f"M={m} outside 1..8"
+    if n < 1 or k < 1:
+        return f"empty problem (N={n}, K={k})"
+    threads = 32 * config.num_warps
+    if _next_pow2(m) * config.BLOCK_N * config.BLOCK_K > _MAX_ACC_PER_THREAD * threads:
+        return "accumulator tile exceeds the register budget"
+    if config.BLOCK_N * config.BLOCK_K < threads:
+        return "fewer tile elements than threads"
+    if config.BLOCK_K > max(2 * _next_pow2(k), DEFAULT.BLOCK_K):
+        return "BLOCK_K far larger than K"
+    return None
+
+
+@triton.jit
+def _rms_norm_gemv_kernel(
+    x_ptr, r_ptr, g_ptr, w_ptr, y_ptr, o_ptr,
+    M, N, K, eps,
+    stride_xm, stride_rm, stride_wn, stride_ym, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, BY_BITS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1)  # clamped: unmasked W loads (module docstring)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m[:, None] < M
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    r_rows = r_ptr + offs_m[:, None] * stride_rm
+    o_rows = o_ptr + offs_m[:, None] * stride_om
+
+    # Prologue: rstd of each row of s = x (+ residual), sum of squares in a
+    # register tile reduced once; the fused-add ops store their chunks of s.
+    sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        c = (k0 + offs_k)[None, :]
+        mask = m_mask & (c < K)
+        s = tl.load(x_rows + c, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            # rounded before the variance, as vLLM's fused_add_rms_norm
+            s = round_bf16(s + tl.load(r_rows + c, mask=mask, other=0.0).to(tl.float32), BY_BITS)
+            # chunk j of s is written by program j % num_programs only (a tensor
+            # compare, so the mask stays a tensor under the interpreter)
+            chunk = tl.zeros([1, BLOCK_K], dtype=tl.int32) + k0 // BLOCK_K
+            mine = (chunk % nprog) == pid
+            tl.store(o_rows + c, s.to(o_ptr.dtype.element_ty), mask=mask & mine)
+        sq += s * s
+    rstd = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
+
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < K
+        w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
+        c = kk[None, :]
+        mask = m_mask & (c < K)
+        s = tl.load(x_rows + c, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            s = round_bf16(s + tl.load(r_rows + c, mask=mask, other=0.0).to(tl.float32), BY_BITS)
+        g = tl.load(g_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+        # the BF16 activation vLLM's norm kernel would write (0 past K: s is 0 there)
+        a = _apply_weight(s * rstd, g[None, :], GEMMA, True, BY_BITS)
+        if BLOCK_M == 1:
+            acc += w * a
+        else:
+            acc += w[None, :, :] * a[:, None, :]
+        w_ptrs += BLOCK_K
+    if BLOCK_M == 1:
+        out = tl.sum(acc, axis=1)[None, :]
+    else:
+        out = tl.sum(acc, axis=2)
+    y_mask = m_mask & (offs_n[None, :] < N)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], out.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+def rms_norm_gemv(
+    x: torch.Tensor,
+    g: torch.Tensor,
+    w: torch.Tensor,
+    config: RmsNormGemvConfig = DEFAULT,
+    out: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    gemma: bool = False,
+) -> torch.Tensor:
+    """y = norm(x (+ residual)) @ w.T; x [M, K], g [K] (norm weight), w [N, K]; unit stride on K.
+
+    With ``residual`` the sum x + residual (BF16) is written to ``residual_out``
+    (required, not aliasing x or residual: see the module docstring).
+    """
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k or g.shape != (k,):
+        raise ValueError(f"x is [{m}, {k}] but w is {list(w.shape)} and g {list(g.shape)}")
+    if (residual is None) != (residual_out is None):
+        raise ValueError("residual and residual_out go together")
+    if residual is not None:
+        if residual.shape != (m, k) or residual_out.shape != (m, k):
+            raise ValueError(f"residual {list(residual.shape)} / residual_out {list(residual_out.shape)} "
+                             f"must be [{m}, {k}]")
+        if residual_out.data_ptr() in (x.data_ptr(), residual.data_ptr()):
+            raise ValueError("residual_out must not alias x or residual (other programs still read them)")
+    tensors = (x, w) + ((residual, residual_out) if residual is not None else ())
+    if any(t.stride(1) != 1 for t in tensors) or g.stride(0) != 1:
+        raise ValueError("rms_norm_gemv needs unit stride along K")
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    has_res = residual is not None
+    r = residual if has_res else x  # unused by the kernel without a residual
+    o = residual_out if has_res else x
+    _rms_norm_gemv_kernel[(triton.cdiv(n, config.BLOCK_N),)](
+        x, r, g, w, out, o,
+        m, n, k, eps,
+        x.stride(0), r.stride(0), w.stride(0), out.stride(0), o.stride(0),
+        BLOCK_M=_next_pow2(m), BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
+        HAS_RESIDUAL=has_res, GEMMA=gemma, BY_BITS=RNE_BY_BITS,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+def launch(op: str, inputs: tuple[torch.Tensor, ...], out, config: RmsNormGemvConfig, eps: float = 1e-6) -> None:
+    """The backend's entry, ``tunekit.opspec``'s protocol: inputs ``(x, g, W)`` -> ``y``, or
+    ``(x, residual, g, W)`` -> ``(y, residual_out)`` for the fused-add ops."""
+    gemma = op.startswith("gemma_")
+    if op in FUSED_ADD_OPS:
+        x, residual, g, w = inputs
+        y, residual_out = out
+        rms_norm_gemv(x, g, w, config, out=y, residual=residual, residual_out=residual_out, eps=eps, gemma=gemma)
+    else:
+        x, g, w = inputs
+        rms_norm_gemv(x, g, w, config, out=out, eps=eps, gemma=gemma)
+
+
+def reference(x: torch.Tensor, g: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
+              eps: float = 1e-6, gemma: bool = False) -> torch.Tensor:
+    """fp64 reference of the unfused sequence (norm, then GEMV) on the same BF16 values, no rounding."""
+    s = x.double() if residual is None else x.double() + residual.double()
+    g64 = g.double() + 1.0 if gemma else g.double()
+    a = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * g64
+    return a @ w.double().T
