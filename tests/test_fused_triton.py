@@ -174,3 +174,24 @@ def test_cli_search_of_a_tiny_fused_problem(tmp_path) -> None:
     table = json.loads((out / "table.json").read_text())
     # an entry exists exactly when the tuned kernel beat the unfused eager sequence in the re-measure
     assert bool(table["entries"]) == bool((final[final["backend"] == "triton"]["speedup"] >= 1.01).any())
+
+
+def test_models_list_the_fused_problems_only_when_asked() -> None:
+    from tunekit import shapes
+    from tunekit.models import load_model
+
+    assert not set(shapes.OPS) & set(OPS)  # the default op set of `search --model` never tunes them
+    selected = shapes.parse_ops("rms_norm_gemv")
+    qwen = load_model("qwen3.5-27b")
+    assert not [p for p in qwen.problems(tp=1, m_list=(1,), ops=shapes.OPS) if p.op in OPS]
+    listed = {(p.op, p.n, p.k): p.count for p in qwen.problems(tp=1, m_list=(1,), ops=selected)}
+    linears = {name: n for name, n, _, _ in qwen.linears(1)}
+    h = qwen.hidden_size
+    # Gemma-style norms; gate_up after every layer; the input norm's GEMV per layer type, layer 0 without residual
+    assert listed[("gemma_fused_add_rms_norm_gemv", linears["mlp.gate_up_proj"], h)] == qwen.num_layers
+    assert sum(listed.values()) == 2 * qwen.num_layers and all(op.startswith("gemma_") for op, _, _ in listed)
+    assert sum(c for (op, _, _), c in listed.items() if op == "gemma_rms_norm_gemv") == 1
+    llama = load_model("llama-3.1-8b-instruct")
+    listed = {(p.op, p.n): p.count for p in llama.problems(tp=2, m_list=(1, 8), ops=selected) if p.m == 8}
+    qkv = {name: n for name, n, _, _ in llama.linears(2)}["qkv_proj"]
+    assert listed[("rms_norm_gemv", qkv)] == 1 and listed[("fused_add_rms_norm_gemv", qkv)] == llama.num_layers - 1

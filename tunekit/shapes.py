@@ -45,6 +45,8 @@ OP_FAMILIES: dict[str, tuple[str, ...]] = {
     "bias_gelu": ("bias_gelu",),
     "gemma_rms_norm": ("gemma_rms_norm",),
     "gemma_fused_add_rms_norm": ("gemma_fused_add_rms_norm",),
+    # opt-in only (never in a default op set): the model's norm style and layers pick the ops
+    "rms_norm_gemv": NORM_GEMV_OPS,
 }
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from tunekit.errors import UserError
-from tunekit.shapes import DTYPE_BYTES, OPS, Problem, elementwise_problems, gemv_problems
+from tunekit.shapes import DTYPE_BYTES, NORM_GEMV_OPS, OPS, Problem, elementwise_problems, gemv_problems
 
 #: Model types whose decoder layer is attention + gated MLP (vLLM llama.py / qwen2.py / qwen3.py).
 DENSE_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
@@ -331,6 +331,35 @@ class ModelSpec:
             out.append((f"{mlp}act_fn", "silu_and_mul", d, 2 * d, layers))
         return out
 
+    def norm_gemvs(self, tp: int = 1) -> list[tuple[str, str, int, int, int]]:
+        """The norm -> GEMV pairs one rank executes per token, as the fused ops of
+        ``tunekit.shapes.NORM_GEMV_OPS`` (opt-in only: ``--ops rms_norm_gemv``).
+
+        Entries as ``elementwise``'s: (names, op, n, k, count), n and k the
+        GEMV's (k = hidden size, the norm width). input_layernorm feeds qkv_proj
+        in full-attention layers; in linear-attention layers it feeds both
+        in_proj_qkvz and in_proj_ba, so the fused problem is their concatenated
+        rows (one kernel must produce every consumer of the norm to make its
+        output unnecessary). Layer 0's input norm has no residual yet; every
+        post_attention_layernorm feeds gate_up_proj. The final norm feeds
+        lm_head only through the sampler's gather, so it is not listed.
+        """
+        n_of = {name: n for name, n, _, _ in self.linears(tp)}
+        h = self.hidden_size
+        prefix = "gemma_" if self.norm_style == "gemma" else ""
+        out: list[tuple[str, str, int, int, int]] = []
+        for index, layer_type in enumerate(self.layer_types):
+            op = f"{prefix}{'rms_norm' if index == 0 else 'fused_add_rms_norm'}_gemv"
+            if layer_type == FULL_ATTENTION:
+                out.append(("input_layernorm+qkv_proj", op, n_of["qkv_proj"], h, 1))
+            else:
+                n = n_of["linear_attn.in_proj_qkvz"] + n_of["linear_attn.in_proj_ba"]
+                out.append(("input_layernorm+linear_attn.in_proj_qkvz+in_proj_ba", op, n, h, 1))
+        gate_up = f"{self.mlp_prefix}gate_up_proj"
+        out.append((f"post_attention_layernorm+{gate_up}", f"{prefix}fused_add_rms_norm_gemv", n_of[gate_up], h,
+                    self.num_layers))
+        return out
+
     def problems(
         self,
         tp: int = 1,
@@ -346,12 +375,14 @@ class ModelSpec:
         ms = list(m_list)
         if not ms or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in ms):
             raise UserError(f"bad m_list {m_list!r}: expected positive integers")
-        unknown = sorted(set(ops) - set(OPS))
+        unknown = sorted(set(ops) - set(OPS) - set(NORM_GEMV_OPS))
         if unknown:
-            raise UserError(f"unknown op(s) {unknown} (known: {', '.join(OPS)})")
+            raise UserError(f"unknown op(s) {unknown} (known: {', '.join(OPS + NORM_GEMV_OPS)})")
         ms = sorted(set(ms))
         out = gemv_problems(self.linears(tp), ms, dtype) if "gemv" in ops else []
         wanted = [item for item in self.elementwise(tp) if item[1] in ops]
+        if set(ops) & set(NORM_GEMV_OPS):
+            wanted += [item for item in self.norm_gemvs(tp) if item[1] in ops]
         return out + elementwise_problems(wanted, ms, dtype)
 
 
