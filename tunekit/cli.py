@@ -76,7 +76,8 @@ def models() -> None:
 _SHAPE_HELP = ("ad-hoc problem (repeatable): NxK is a GEMV; OP:SIZE an elementwise op, e.g. bias_gelu:4096, "
                "gemma_rms_norm:5120, silu_and_mul:17408, gated_rms_norm:48x128 (groups x size)")
 _OPS_HELP = ("ops of the model to list / tune: gemv, rms_norm, fused_add_rms_norm, gated_rms_norm, silu_and_mul, "
-             "bias_gelu (norm families follow the model's weight convention)")
+             "bias_gelu (norm families follow the model's weight convention); rms_norm_gemv: the norm fused "
+             "into the GEMV that reads it (opt-in, not served yet)")
 _M_HELP = "batch sizes (tokens per step), e.g. 1,2,4,8; gemv takes 1..8, elementwise ops up to 65536"
 #: What `search --model/--config` tunes unless --m / --ops narrow it: M = the small decode
 #: batch sizes vLLM captures as CUDA graphs (GEMV takes 1..8), every op the model runs.
