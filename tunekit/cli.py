@@ -155,7 +155,11 @@ def search(
     timeout: Annotated[float | None, typer.Option(help="seconds for the trial phase of the whole run")] = None,
     sampler: Annotated[str, typer.Option(help="tpe, random or grid")] = "tpe",
     numerics: Annotated[str, typer.Option(help="bounded (fp64 reference + BF16 bound) or exact")] = "bounded",
-    storage: Annotated[str | None, typer.Option(help="Optuna RDB URL (default: SQLite in --out)")] = None,
+    storage: Annotated[str | None, typer.Option(
+        help="Optuna RDB URL (default: SQLite in --out); postgresql://... to share the work between hosts")] = None,
+    gpus: Annotated[str | None, typer.Option(
+        help="'all' or indices like 0,1: one worker per GPU, sharing the studies through the storage "
+             "(default: one worker on the current device)")] = None,
     out: Annotated[Path | None, typer.Option(help="run folder (default runs/<model or shapes>)")] = None,
     min_gain: Annotated[float, typer.Option(
         help="minimum gain over the fastest baseline to enter the table (0.01: 1%; >= 0)")] = 0.01,
@@ -212,7 +216,7 @@ def search(
         sampler=sampler, numerics=numerics, storage=storage, seed=seed, min_gain=min_gain, warm_start=warm_start,
         seed_from=tuple(seed_from or ()), restrict=restricted,
         trial_timeout_s=trial_timeout, command=shlex.join(["tunekit"] + sys.argv[1:]),
-        model=spec.name if spec else None,
+        model=spec.name if spec else None, gpus=gpus,
     )
     outcome = run_search(cfg, progress=progress and sys.stderr.isatty(), log=lambda s: console.print(s))
     print_summary(console, outcome)
@@ -433,6 +437,46 @@ def serve_bench(
     serve = bench.run_offline(settings, out or Path("runs") / f"serve-{settings.model}", log, stop_after_s=stop_after)
     if serve is None:
         sys.exit(3)  # stopped early on purpose: not an error, not done
+
+
+@app.command("check-serving")
+def check_serving(
+    table: Annotated[list[Path], typer.Option(
+        help="dispatch table to serve (repeatable; the first wins a key; default: TUNEKIT_TABLE)")] = [],  # noqa: B006
+    model: Annotated[str, typer.Option(help="qwen3.5-27b or llama-3.1-8b (Hugging Face classes, random "
+                                            "weights, the real sizes)")] = "qwen3.5-27b",
+    layers: Annotated[int, typer.Option(help="decoder layers of the model")] = 4,
+    steps: Annotated[int, typer.Option(help="greedy tokens decoded and compared")] = 16,
+    prompt_len: Annotated[int, typer.Option(help="random prompt tokens")] = 8,
+    iters: Annotated[int, typer.Option(help="timed decode steps per variant and round")] = 10,
+    rounds: Annotated[int, typer.Option(help="interleaved timing rounds (ratios: median over rounds)")] = 5,
+    warmup: Annotated[int, typer.Option(help="untimed decode steps per variant first")] = 5,
+    seed: Annotated[int, typer.Option(help="weights, prompt and op-input seed")] = 0,
+    tol_factor: Annotated[float, typer.Option(
+        help="a variant may be this many times as far from fp32 as the unpatched model (>= 1)")] = 2.0,
+    tiny: Annotated[bool, typer.Option(
+        help="tiny sizes: the correctness parts on the CPU (TRITON_INTERPRET=1)")] = False,
+    skip_ops: Annotated[bool, typer.Option(help="skip the per-entry op check")] = False,
+    skip_model: Annotated[bool, typer.Option(help="skip the model check")] = False,
+    skip_graphed: Annotated[bool, typer.Option(help="no graphed decode (eager variants only)")] = False,
+    out: Annotated[Path | None, typer.Option(help="folder for serving_check.json")] = None,
+) -> None:
+    """Serving evidence: the tables' ops under compile / CUDA graphs; a patched HF model's tokens and step times.
+
+    The model check decodes eager and graphed (static cache + torch.compile reduce-overhead), unpatched and
+    patched; timing needs a GPU, --tiny runs the correctness parts on the CPU. Exit status 1 if a check fails.
+    """
+    from tunekit.evidence import serving
+
+    settings = serving.Settings(
+        model=model, tables=[str(p) for p in table], layers=layers, steps=steps, prompt_len=prompt_len, iters=iters,
+        rounds=rounds, warmup=warmup, seed=seed, tol_factor=tol_factor, tiny=tiny, skip_ops=skip_ops,
+        skip_model=skip_model, skip_graphed=skip_graphed, out=str(out) if out is not None else None)
+    serving.validate(settings)
+    results = serving.run_check(settings, log=lambda s: console.print(s, markup=False, highlight=False),
+                                argv=["tunekit"] + sys.argv[1:])
+    if results["failures"]:
+        sys.exit(1)
 
 
 @app.command()
