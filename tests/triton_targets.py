@@ -352,6 +352,26 @@ def norm_gemv_cases() -> list[Case]:
     return cases
 
 
+def act_gemv_cases() -> list[Case]:
+    """SiLU-and-mul -> GEMV at M = 1, 3, 8 with DEFAULT and a wide multi-stage tile at M = 1, 3;
+    K=300 is not a multiple of BLOCK_K (masked steps), K=256 is (EVEN_K)."""
+    import torch
+
+    from kernels_triton import silu_mul_gemv as f
+
+    n = 40
+    wide = f.SiluMulGemvConfig(BLOCK_N=16, BLOCK_K=128, num_warps=2, num_stages=3)
+    cases: list[Case] = []
+    for k in (300, 256):
+        for m, config in [(1, f.DEFAULT), (3, f.DEFAULT), (8, f.DEFAULT), (1, wide), (3, wide)]:
+            if f.invalid_reason(config, m, n, k) is not None:
+                continue
+            x, w, out = _bf16(m, 2 * k), _bf16(n, k), torch.empty(m, n, dtype=torch.bfloat16)
+            cases.append((f"silu_mul_gemv[M={m},N={n},K={k}] {_params(config)}",
+                          lambda x=x, w=w, config=config, out=out: f.silu_mul_gemv(x, w, config, out=out)))
+    return cases
+
+
 def stream_cases() -> list[Case]:
     """The bandwidth probe's kernels (``stream_copy`` only where the module has it), first and last probe config."""
     import torch
@@ -371,7 +391,7 @@ def stream_cases() -> list[Case]:
 
 def repo_cases() -> list[Case]:
     """Every Triton kernel of kernels_triton, through its wrapper."""
-    return gemv_cases() + elementwise_cases() + norm_gemv_cases() + stream_cases()
+    return gemv_cases() + elementwise_cases() + norm_gemv_cases() + act_gemv_cases() + stream_cases()
 
 
 # ---------------------------------------------------------------------------------------------

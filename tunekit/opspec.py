@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tunekit.shapes import DTYPE_BYTES, NORM_GEMV_OPS, Problem
+from tunekit.shapes import ACT_GEMV_OPS, DTYPE_BYTES, NORM_GEMV_OPS, Problem
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -462,10 +462,72 @@ def _norm_gemv(name: str) -> OpSpec:
     )
 
 
+# ------------------------------------------------------------ silu_and_mul -> gemv
+# SiLU-and-mul in the GEMV prologue (kernels_triton/silu_mul_gemv.py): inputs
+# (gate_up[m,2k], W[n,k]) -> y[m,n]; gate_up is vLLM's merged gate_up_proj output
+# (gate in columns [0, k), up in [k, 2k)).
+
+
+def _act_gemv_inputs(problem: Problem, device: torch.device, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    # gate_up with std 2 as silu_and_mul's (both SiLU regimes and its curved middle),
+    # W scaled by k^-0.5 as the GEMV's, so |y| ~ 1.
+    dtype = TORCH_DTYPES[problem.dtype]
+    m, n, k = problem.m, problem.n, problem.k
+    gate_up = _randn((m, 2 * k), gen, device, dtype, scale=2.0)
+    return gate_up, _randn((n, k), gen, device, dtype, scale=k**-0.5)
+
+
+def _act_gemv_activations(inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """silu(gate) * up in fp64: the activations the GEMV multiplies."""
+    gate_up, w = inputs
+    k = w.shape[1]
+    gate, up = gate_up[:, :k].double(), gate_up[:, k:].double()
+    return gate * torch.sigmoid(gate) * up
+
+
+def _act_gemv_reference(inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """fp64 of the unfused sequence (SiLU-and-mul, then GEMV), no intermediate rounding."""
+    return _act_gemv_activations(inputs) @ inputs[1].double().T
+
+
+def _act_gemv_bound(problem: Problem, inputs: tuple[torch.Tensor, ...], ref: torch.Tensor) -> torch.Tensor:
+    """The GEMV's bound on the activations vLLM's silu_and_mul writes, plus their own error.
+
+    As ``_norm_gemv_bound``: the unfused sequence (vLLM's silu_and_mul writes
+    BF16 a-hat, the GEMV reads it) has a-hat_j = a_j (1 + d_j) with |d_j| <=
+    2r + 64 u32 (``_silu_and_mul_bound``: silu rounded before the multiply and
+    the product, r = 2u; fp32 exp / divide / multiply). The GEMV on a-hat errs
+    by 2u |a-hat.W| + k u32 |a-hat|.|W|, and a-hat.W = y + sum_j a_j d_j W_ij.
+    With abs_dot = |a|.|W| in fp64:
+      |y-hat - y| <= 2u|y| + (1.01 * 2r + (2k + 64) u32) abs_dot + tiny.
+    The fused kernel rounds a exactly where vLLM does (bit-identical a-hat),
+    so only the fp32 sum order differs from the unfused path; a kernel that
+    skipped the BF16 rounding of a stays inside the bound too (it is closer
+    to the fp64 reference). Mistakes it catches: gate and up swapped, a
+    missing SiLU, or the wrong half of gate_up change y by O(abs_dot /
+    sqrt(k)) in every element; a dropped or repeated K chunk as the GEMV's.
+    """
+    abs_dot = _act_gemv_activations(inputs).abs() @ inputs[1].double().abs().T
+    u_out = _UNIT_ROUNDOFF[problem.dtype]
+    r = 2 * u_out
+    return 2 * u_out * ref.abs() + (1.01 * 2 * r + (2 * problem.k + 64) * _FP32_U) * abs_dot + _TINY
+
+
+def _act_gemv_bytes(problem: Problem) -> int:
+    m, n, k = problem.m, problem.n, problem.k
+    return (n * k + 2 * m * k + m * n) * DTYPE_BYTES[problem.dtype]  # W, gate_up, y
+
+
+SILU_MUL_GEMV = OpSpec(
+    name="silu_mul_gemv", make_inputs=_act_gemv_inputs, make_output=_gemv_output, reference=_act_gemv_reference,
+    error_bound=_act_gemv_bound, bytes_moved=_act_gemv_bytes, rotated_input=1,
+)
+assert ACT_GEMV_OPS == (SILU_MUL_GEMV.name,)
+
 OPS: dict[str, OpSpec] = {
     spec.name: spec
     for spec in (GEMV, RMS_NORM, GEMMA_RMS_NORM, FUSED_ADD_RMS_NORM, GEMMA_FUSED_ADD_RMS_NORM, GATED_RMS_NORM,
-                 SILU_AND_MUL, BIAS_GELU, *(_norm_gemv(name) for name in NORM_GEMV_OPS))
+                 SILU_AND_MUL, BIAS_GELU, *(_norm_gemv(name) for name in NORM_GEMV_OPS), SILU_MUL_GEMV)
 }
 
 

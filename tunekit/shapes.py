@@ -34,6 +34,11 @@ OPS = ("gemv",) + ELEMENTWISE_OPS
 #: norm width is k. Ad-hoc (``--shape OP:NxK``) only, and in no default op set: nothing
 #: serves them yet, so a default search must not tune them.
 NORM_GEMV_OPS = ("rms_norm_gemv", "gemma_rms_norm_gemv", "fused_add_rms_norm_gemv", "gemma_fused_add_rms_norm_gemv")
+#: SiLU-and-mul in the GEMV prologue (kernels_triton/silu_mul_gemv.py): act_fn -> down_proj; n, k
+#: are the GEMV's (the input gate_up is [m, 2k]). Opt-in as the norm family.
+ACT_GEMV_OPS = ("silu_mul_gemv",)
+#: Every op that fuses an elementwise prologue into a GEMV (the problem's n, k are the GEMV's).
+FUSED_GEMV_OPS = NORM_GEMV_OPS + ACT_GEMV_OPS
 #: ``--ops`` names -> the ops they select (a family selects both weight conventions;
 #: the model's norm style decides which one its problems use).
 OP_FAMILIES: dict[str, tuple[str, ...]] = {
@@ -47,6 +52,8 @@ OP_FAMILIES: dict[str, tuple[str, ...]] = {
     "gemma_fused_add_rms_norm": ("gemma_fused_add_rms_norm",),
     # opt-in only (never in a default op set): the model's norm style and layers pick the ops
     "rms_norm_gemv": NORM_GEMV_OPS,
+    "silu_mul_gemv": ACT_GEMV_OPS,
+    "fused_gemv": FUSED_GEMV_OPS,  # both fused families
 }
 
 
@@ -65,7 +72,9 @@ class Problem:
       own, y = x / rms_group(x) * w * silu(z), w[k] shared by the n / k groups
       (vLLM RMSNormGated, norm_before_gate=True);
     * ``silu_and_mul``: x[m, k] with k = 2n -> y[m, n] = silu(x[:, :n]) * x[:, n:];
-    * ``bias_gelu``: y[m, n] = gelu_tanh(x[m, n] + b[n]); k = n.
+    * ``bias_gelu``: y[m, n] = gelu_tanh(x[m, n] + b[n]); k = n;
+    * ``FUSED_GEMV_OPS``: the GEMV's n, k; the norm family normalises x[m, k],
+      ``silu_mul_gemv`` reads gate_up[m, 2k] (gate, then up) -> silu(gate) * up.
 
     ``names`` lists the model layers that execute it (for reports).
     """
@@ -88,7 +97,7 @@ class Problem:
         """Bytes of weight read per call (GEMV: the matrix, its roofline numerator;
         norms: the weight vector; bias_gelu: the bias; silu_and_mul: none)."""
         size = DTYPE_BYTES[self.dtype]
-        if self.op == "gemv" or self.op in NORM_GEMV_OPS:
+        if self.op == "gemv" or self.op in FUSED_GEMV_OPS:
             return self.n * self.k * size
         if self.op == "silu_and_mul":
             return 0
@@ -100,7 +109,7 @@ class Problem:
     def shape_text(self) -> str:
         """Human form of the per-token shape: ``NxK`` (gemv), ``GROUPSxSIZE`` (gated
         norm), ``2N->N`` (silu_and_mul), ``N`` (the other elementwise ops)."""
-        if self.op == "gemv" or self.op in NORM_GEMV_OPS:
+        if self.op == "gemv" or self.op in FUSED_GEMV_OPS:
             return f"{self.n}x{self.k}"
         if self.op == "gated_rms_norm":
             return f"{self.n // self.k}x{self.k}"
@@ -151,7 +160,7 @@ def parse_m_list(text: str | Sequence[int], ops: Iterable[str] = ("gemv",)) -> l
     if not values:
         raise UserError("bad --m: the list is empty")
     ops = tuple(ops)
-    if "gemv" in ops or set(ops) & set(NORM_GEMV_OPS):
+    if "gemv" in ops or set(ops) & set(FUSED_GEMV_OPS):
         bad = [m for m in values if not 1 <= m <= GEMV_MAX_M]
         if bad:
             extra = " (elementwise ops take larger M: leave gemv out of --ops)" if len(ops) > 1 else ""
@@ -241,14 +250,14 @@ def parse_op_shape(text: str) -> tuple[str, int, int]:
 
     Examples: ``bias_gelu:4096``, ``gemma_rms_norm:5120``, ``silu_and_mul:17408``
     (the output width d), ``gated_rms_norm:48x128`` (48 groups of 128),
-    ``rms_norm_gemv:96x5120`` (the GEMV's NxK, ``NORM_GEMV_OPS``).
+    ``rms_norm_gemv:96x5120``, ``silu_mul_gemv:5120x17408`` (the GEMV's NxK, ``FUSED_GEMV_OPS``).
     """
     match = _OP_SHAPE_RE.match(text)
     if not match:
         raise UserError(f"bad --shape {text!r}: expected NxK (gemv) or OP:SIZE, for example bias_gelu:4096 "
                         "or gated_rms_norm:48x128")
     op, first, second = match.group(1), int(match.group(2)), match.group(3)
-    if op in NORM_GEMV_OPS:
+    if op in FUSED_GEMV_OPS:
         if second is None or first < 1 or int(second) < 1:
             raise UserError(f"bad --shape {text!r}: {op} takes the GEMV's NxK, for example {op}:96x5120")
         return op, first, int(second)

@@ -123,6 +123,18 @@ NORM_GEMV: dict[str, Callable[..., None]] = {
 }
 
 
+def silu_and_mul_then_mm(inputs: Tensors, out: torch.Tensor) -> None:
+    """The unfused sequence silu_mul_gemv replaces: eager SiLU-and-mul writes BF16, then mm (down_proj)."""
+    gate_up, w = inputs
+    act = torch.empty((gate_up.shape[0], w.shape[1]), dtype=gate_up.dtype, device=gate_up.device)
+    silu_and_mul((gate_up,), act)
+    torch.mm(act, w.t(), out=out)
+
+
+# SiLU-and-mul -> GEMV (kernels_triton/silu_mul_gemv.py) joins the fused GEMVs' baselines.
+NORM_GEMV["silu_mul_gemv"] = silu_and_mul_then_mm
+
+
 class VendorBackend:
     name = "vendor"
     kind = "vendor"

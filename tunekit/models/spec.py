@@ -34,7 +34,16 @@ from pathlib import Path
 from typing import Any
 
 from tunekit.errors import UserError
-from tunekit.shapes import DTYPE_BYTES, NORM_GEMV_OPS, OPS, Problem, elementwise_problems, gemv_problems
+from tunekit.shapes import (
+    ACT_GEMV_OPS,
+    DTYPE_BYTES,
+    FUSED_GEMV_OPS,
+    NORM_GEMV_OPS,
+    OPS,
+    Problem,
+    elementwise_problems,
+    gemv_problems,
+)
 
 #: Model types whose decoder layer is attention + gated MLP (vLLM llama.py / qwen2.py / qwen3.py).
 DENSE_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
@@ -360,6 +369,20 @@ class ModelSpec:
                     self.num_layers))
         return out
 
+    def act_gemvs(self, tp: int = 1) -> list[tuple[str, str, int, int, int]]:
+        """The act_fn -> down_proj pairs one rank executes per token, as ``silu_mul_gemv``
+        (opt-in only: ``--ops silu_mul_gemv`` or ``fused_gemv``); SiLU MLPs only.
+
+        Entries as ``elementwise``'s: (names, op, n, k, count) with n, k down_proj's
+        (k = intermediate / tp, the fused op reads gate_up_proj's [m, 2k] output).
+        """
+        if str(self.config.get("hidden_act", "silu")) not in ("silu", "swish"):
+            return []
+        n_of = {name: (n, k) for name, n, k, _ in self.linears(tp)}
+        mlp = self.mlp_prefix
+        n, k = n_of[f"{mlp}down_proj"]
+        return [(f"{mlp}act_fn+{mlp}down_proj", "silu_mul_gemv", n, k, self.num_layers)]
+
     def problems(
         self,
         tp: int = 1,
@@ -375,14 +398,16 @@ class ModelSpec:
         ms = list(m_list)
         if not ms or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in ms):
             raise UserError(f"bad m_list {m_list!r}: expected positive integers")
-        unknown = sorted(set(ops) - set(OPS) - set(NORM_GEMV_OPS))
+        unknown = sorted(set(ops) - set(OPS) - set(FUSED_GEMV_OPS))
         if unknown:
-            raise UserError(f"unknown op(s) {unknown} (known: {', '.join(OPS + NORM_GEMV_OPS)})")
+            raise UserError(f"unknown op(s) {unknown} (known: {', '.join(OPS + FUSED_GEMV_OPS)})")
         ms = sorted(set(ms))
         out = gemv_problems(self.linears(tp), ms, dtype) if "gemv" in ops else []
         wanted = [item for item in self.elementwise(tp) if item[1] in ops]
         if set(ops) & set(NORM_GEMV_OPS):
             wanted += [item for item in self.norm_gemvs(tp) if item[1] in ops]
+        if set(ops) & set(ACT_GEMV_OPS):
+            wanted += [item for item in self.act_gemvs(tp) if item[1] in ops]
         return out + elementwise_problems(wanted, ms, dtype)
 
 

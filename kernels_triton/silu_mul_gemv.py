@@ -1,0 +1,180 @@
+"""Triton SiLU-and-mul in the GEMV prologue: y[M, N] = (silu(gate) * up)[M, K] . W[N, K]^T.
+
+One op, ``silu_mul_gemv``: one kernel in place of a SwiGLU MLP's ``act_fn ->
+down_proj``. The input is laid out as vLLM's merged ``gate_up_proj`` output,
+gate_up [M, 2K]: columns [0, K) are the gate, [K, 2K) the up projection; W is
+down_proj's weight [N, K] (N = hidden size, K = intermediate size / TP). So
+(m, n, k) of the problem are the GEMV's; the activation input is 2k wide.
+BF16 in and out, FP32 math; the caller passes an explicit
+``SiluMulGemvConfig`` (no ``@triton.autotune``); ``DEFAULT`` is valid for
+every shape and M = 1..8.
+
+Design (the GEMV of ``kernels_triton.gemv``, M_MODE="tile", SPLIT_K=1):
+- one program owns BLOCK_N rows of W and streams them along K in BLOCK_K
+  steps; in the same step it loads the matching gate and up chunks of the M
+  rows (L1/L2 hits after the first program: the whole activation input is
+  M * 2K * 2 bytes, 70 KB per row at K = 17408), computes the activation and
+  accumulates W * a in an fp32 register tile reduced once after the loop;
+- every program recomputes the activation of its K range (there is no
+  reduction in SiLU-and-mul, so no prologue pass is needed, unlike the norm
+  family): M * K exp per program, so BLOCK_N also trades exp work against
+  program count (4 rows: 1280 programs on 5120 x 17408);
+- rows past N are clamped onto row N-1 (unmasked W loads), only the store is
+  masked; K steps are unmasked when BLOCK_K divides K (EVEN_K), as the GEMV;
+- no split-K: down_proj has N = the hidden size (>= 2048 rows for every
+  built-in model), enough programs to fill a GPU at any TP.
+
+Numerics, fixed (as the unfused sequence vLLM runs): vLLM's silu_and_mul
+kernel (csrc act_and_mul_kernel, and eager ``F.silu(a) * b``) rounds silu(a)
+to BF16, multiplies by b and writes the BF16 product that the down_proj GEMV
+reads. This kernel rounds at the same two points, a = bf16(bf16(silu(gate))
+* up), and multiplies the BF16 a by W in fp32 with one rounding of y: the
+activations the dot sees are bit-identical to those of vLLM's unfused path
+(``_silu_and_mul_kernel`` with VLLM_ROUNDING=1), so the fused and unfused y
+differ only by the order of the fp32 sum. silu(a) = a / (1 + exp(-a)), as
+vLLM's kernel and ``kernels_triton.silu_and_mul``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels_triton.config import StrictConfig
+from kernels_triton.rounding import RNE_BY_BITS, round_bf16
+
+OPS = ("silu_mul_gemv",)
+
+
+@dataclass(frozen=True)
+class SiluMulGemvConfig(StrictConfig):
+    BLOCK_N: int = 4  # rows of W per program
+    BLOCK_K: int = 256  # K per loop step
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+Config = SiluMulGemvConfig
+#: Valid for every shape and M = 1..8 (the fallback config).
+DEFAULT = SiluMulGemvConfig()
+
+#: fp32 accumulator values per thread before Triton spills (as the GEMV's budget).
+_MAX_ACC_PER_THREAD = 128
+
+
+def _next_pow2(value: int) -> int:
+    return 1 << (max(value, 1) - 1).bit_length()
+
+
+def _pow2(value: int) -> bool:
+    return value >= 1 and value & (value - 1) == 0
+
+
+def invalid_reason(config: SiluMulGemvConfig, m: int, n: int, k: int) -> str | None:
+    """None if ``config`` can run (m, n, k) (the GEMV's dims; the input is [m, 2k]), else a short reason. Pure."""
+    for name in ("BLOCK_N", "BLOCK_K", "num_warps"):
+        if not _pow2(getattr(config, name)):
+            return f"{name}={getattr(config, name)} is not a power of two"
+    if not 1 <= config.num_stages <= 4:
+        return f"num_stages={config.num_stages} outside 1..4"
+    if not 1 <= m <= 8:
+        return f"M={m} outside 1..8"
+    if n < 1 or k < 1:
+        return f"empty problem (N={n}, K={k})"
+    threads = 32 * config.num_warps
+    # the accumulator tile, plus the gate / up / activation tiles of the step
+    if _next_pow2(m) * config.BLOCK_N * config.BLOCK_K > _MAX_ACC_PER_THREAD * threads:
+        return "accumulator tile exceeds the register budget"
+    if config.BLOCK_N * config.BLOCK_K < threads:
+        return "fewer tile elements than threads"
+    if config.BLOCK_K > max(2 * _next_pow2(k), DEFAULT.BLOCK_K):
+        return "BLOCK_K far larger than K"
+    return None
+
+
+@triton.jit
+def _silu_mul_gemv_kernel(
+    x_ptr, w_ptr, y_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, BY_BITS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1)  # clamped: unmasked W loads (module docstring)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m[:, None] < M
+    gate_rows = x_ptr + offs_m[:, None] * stride_xm  # columns [0, K): gate; [K, 2K): up
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        c = (k0 + offs_k)[None, :]
+        if EVEN_K:
+            w = tl.load(w_ptrs).to(tl.float32)
+        else:
+            w = tl.load(w_ptrs, mask=c < K, other=0.0).to(tl.float32)
+        mask = m_mask & (c < K)
+        gate = tl.load(gate_rows + c, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gate_rows + K + c, mask=mask, other=0.0).to(tl.float32)
+        # the BF16 activation vLLM's silu_and_mul kernel would write (0 where masked: silu(0) = 0)
+        act = round_bf16(gate / (1.0 + tl.exp(-gate)), BY_BITS)
+        a = round_bf16(act * up, BY_BITS)
+        if BLOCK_M == 1:
+            acc += w * a
+        else:
+            acc += w[None, :, :] * a[:, None, :]
+        w_ptrs += BLOCK_K
+    if BLOCK_M == 1:
+        out = tl.sum(acc, axis=1)[None, :]
+    else:
+        out = tl.sum(acc, axis=2)
+    y_mask = m_mask & (offs_n[None, :] < N)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], out.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+def silu_mul_gemv(
+    gate_up: torch.Tensor,
+    w: torch.Tensor,
+    config: SiluMulGemvConfig = DEFAULT,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y = (silu(gate_up[:, :K]) * gate_up[:, K:]) @ w.T; gate_up [M, 2K], w [N, K]; unit stride on K."""
+    m, two_k = gate_up.shape
+    n, k = w.shape
+    if two_k != 2 * k:
+        raise ValueError(f"gate_up is [{m}, {two_k}] but w is {list(w.shape)}: expected [{m}, {2 * k}]")
+    if gate_up.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError("silu_mul_gemv needs unit stride along K")
+    if out is None:
+        out = torch.empty((m, n), dtype=gate_up.dtype, device=gate_up.device)
+    _silu_mul_gemv_kernel[(triton.cdiv(n, config.BLOCK_N),)](
+        gate_up, w, out,
+        m, n, k,
+        gate_up.stride(0), w.stride(0), out.stride(0),
+        BLOCK_M=_next_pow2(m), BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
+        EVEN_K=k % config.BLOCK_K == 0, BY_BITS=RNE_BY_BITS,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+def launch(op: str, inputs: tuple[torch.Tensor, ...], out: torch.Tensor, config: SiluMulGemvConfig,
+           eps: float = 1e-6) -> None:
+    """The backend's entry, ``tunekit.opspec``'s protocol: inputs ``(gate_up, W)`` -> ``y`` (``eps`` unused)."""
+    gate_up, w = inputs
+    silu_mul_gemv(gate_up, w, config, out=out)
+
+
+def reference(gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """fp64 reference of the unfused sequence (SiLU-and-mul, then GEMV) on the same BF16 values, no rounding."""
+    k = w.shape[1]
+    gate, up = gate_up[:, :k].double(), gate_up[:, k:].double()
+    return (gate * torch.sigmoid(gate) * up) @ w.double().T
