@@ -116,5 +116,9 @@ def mark_broken(op: str, dtype: str, m: int, n: int, k: int, device: torch.devic
         STATE.choices[(op, dtype, m, n, k, str(device))] = Choice("fallback:kernel_error")
 
 
+#: torch.cuda.is_current_stream_capturing without its Python wrapper (per call on the hot path)
+_stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+
+
 def is_capturing(x: torch.Tensor) -> bool:
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+    return x.is_cuda and _stream_capturing()

@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tunekit.serving import launch
 from tunekit.serving.decisions import is_capturing, mark_broken, resolve
-from tunekit.serving.markers import count
+from tunekit.serving.markers import count, counter
 from tunekit.serving.state import DTYPE_NAMES, STATE, dtype_name
 
 
@@ -31,11 +32,12 @@ def _vendor_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def _gemv_precheck(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
-    """Per-call checks that need no table: None if the tuned path may serve the call, else the reason.
+    """Per-call checks that need no table: None if the tuned path may serve the call, else the reason."""
+    return _static_reason(x, weight) or _layout_reason(x, weight, bias)
 
-    Written for the hot path (every linear of every step runs it in eager
-    mode): each tensor attribute is read once.
-    """
+
+def _static_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """The checks that shapes, dtypes and devices decide (a route's key): once per route."""
     wshape, xshape = weight.shape, x.shape
     if len(wshape) != 2 or not xshape or xshape[-1] != wshape[1]:
         return "bad_input"
@@ -44,60 +46,135 @@ def _gemv_precheck(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return "dtype"
     if weight.device != device or device.type not in ("cuda", "cpu"):
         return "device"
-    n, k = wshape
-    if n == 0 or k == 0 or x.numel() == 0:
+    if wshape[0] == 0 or wshape[1] == 0 or x.numel() == 0:
         return "empty"
+    return None
+
+
+def _layout_reason(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
+    """The checks that strides and the bias decide: per call (after :func:`_static_reason` passed)."""
+    n, k = weight.shape
     ws0, ws1 = weight.stride()
     if (k > 1 and (ws1 != 1 or x.stride(-1) != 1)) or ws0 < k:
         return "strided"
     if bias is not None and (
-        bias.dim() != 1 or bias.shape[0] != n or bias.dtype != xdtype or bias.device != device
+        bias.dim() != 1 or bias.shape[0] != n or bias.dtype != x.dtype or bias.device != x.device
         or not bias.is_contiguous()
     ):
         return "bias"
     return None
 
 
+class _Route:
+    """What serves one (x shape, W shape, dtypes, devices), resolved once: the hot path's whole state.
+
+    Valid while the decision cache still holds its choice and the vendor
+    hook is the one it was made with (checked per call by identity).
+    """
+
+    __slots__ = ("static", "ckey", "choice", "vendor_fn", "vendor_name", "dtype", "shape", "m", "n", "k",
+                 "x2d", "out_shape", "final_shape", "out_dtype", "device", "kernel", "launcher", "bind", "ticks",
+                 "impl")
+
+    def __init__(self, x: torch.Tensor, weight: torch.Tensor, capturing: bool) -> None:
+        self.vendor_fn, self.vendor_name = STATE.vendor_gemm, STATE.vendor_gemm_name
+        self.dtype = dtype_name(x.dtype)
+        wshape = weight.shape
+        self.shape = f"{wshape[0]}x{wshape[1]}" if len(wshape) == 2 else "x".join(map(str, wshape))
+        self.static = _static_reason(x, weight)
+        k = x.shape[-1] if x.dim() else 0
+        self.m, self.k = (x.numel() // k if k else 0), k
+        self.n = wshape[0] if len(wshape) == 2 else 0
+        self.x2d = x.dim() == 2
+        self.out_shape, self.final_shape = (self.m, self.n), (*x.shape[:-1], self.n)
+        self.out_dtype, self.device = x.dtype, x.device
+        self.ckey = ("gemv", self.dtype, self.m, self.n, self.k, str(x.device))
+        self.choice = self.kernel = self.launcher = None
+        self.bind = False
+        if self.static is None:
+            self.choice = STATE.choices.get(self.ckey) or resolve(
+                "gemv", self.dtype, self.m, self.n, self.k, x.device, capturing)
+            self.kernel = self.choice.kernel
+            if self.kernel is not None and self.choice.impl == "tuned:triton":
+                tried, self.launcher = launch.bound(self.kernel)
+                self.bind = not tried
+        self.impl = self.choice.impl if self.static is None else f"fallback:{self.static}"
+        vendor = None if self.kernel is not None else _gemv_vendor_name(x)
+        # ticks[bias][capturing]: the marker rows of what this route serves
+        self.ticks = [[counter("gemv", self.dtype, self.shape, self.m, b, self.impl, c, vendor).tick
+                       for c in (False, True)] for b in (False, True)]
+
+    def valid(self) -> bool:
+        return (STATE.vendor_gemm is self.vendor_fn and STATE.vendor_gemm_name is self.vendor_name
+                and (self.static is not None or STATE.choices.get(self.ckey) is self.choice))
+
+
+#: (x shape, W shape, x dtype, W dtype, x device, W device) -> _Route
+_ROUTES: dict[tuple, _Route] = {}
+
+
 def gemv_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The CUDA/HIP and CPU kernel of ``tunekit::gemv``: tuned kernel or vendor path, counted."""
     capturing = is_capturing(x)
-    has_bias = bias is not None
-    dtype = dtype_name(x.dtype)
-    wshape = weight.shape
-    shape = f"{wshape[0]}x{wshape[1]}" if len(wshape) == 2 else "x".join(map(str, wshape))
-    reason = _gemv_precheck(x, weight, bias)
-    k = x.shape[-1] if x.dim() else 0
-    m = x.numel() // k if k else 0
-    x2 = None
-    if reason is None:
+    key = (x.shape, weight.shape, x.dtype, weight.dtype, x.device, weight.device)
+    route = _ROUTES.get(key)  # lock-free read (atomic under the GIL), as for the decision cache
+    # valid(), inlined: the hot path's one check that the decision and the vendor hook still hold
+    if route is None or STATE.vendor_gemm is not route.vendor_fn or STATE.vendor_gemm_name is not route.vendor_name \
+            or (route.static is None and STATE.choices.get(route.ckey) is not route.choice):
+        route = _new_route(key, x, weight, capturing)
+    if route.static is not None:
+        route.ticks[bias is not None][capturing]()
+        return _vendor_gemv(x, weight, bias)
+    # _layout_reason, inlined (every linear of every eager step runs it)
+    k = route.k
+    ws0, ws1 = weight.stride()
+    if (k > 1 and (ws1 != 1 or x.stride(-1) != 1)) or ws0 < k:
+        reason = "strided"
+    elif bias is not None:
+        reason = _layout_reason(x, weight, bias)
+    else:
+        reason = None
+    x2 = x
+    if reason is None and not route.x2d:
         try:
-            x2 = x.view(m, k)
+            x2 = x.view(route.m, route.k)
         except RuntimeError:  # leading dims not flattenable without a copy
             reason = "strided"
     if reason is not None:
-        count("gemv", dtype, shape, m, has_bias, f"fallback:{reason}", capturing, _gemv_vendor_name(x))
+        count("gemv", route.dtype, route.shape, route.m, bias is not None, f"fallback:{reason}", capturing,
+              _gemv_vendor_name(x))
         return _vendor_gemv(x, weight, bias)
-    n = wshape[0]
-    # Lock-free read of the decision cache (a dict read is atomic under the GIL);
-    # resolve takes the lock only to fill it.
-    choice = STATE.choices.get(("gemv", dtype, m, n, k, str(x.device))) or resolve(
-        "gemv", dtype, m, n, k, x.device, capturing)
-    if choice.kernel is None:
-        count("gemv", dtype, shape, m, has_bias, choice.impl, capturing, _gemv_vendor_name(x))
+    kernel = route.kernel
+    if kernel is None:
+        route.ticks[bias is not None][capturing]()
         return _vendor_gemv(x, weight, bias)
     try:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        choice.kernel((x2, weight), out)
+        out = torch.empty(route.out_shape, dtype=route.out_dtype, device=route.device)
+        launcher = route.launcher
+        if launcher is None or not launcher((x2, weight), out):
+            if route.bind and not capturing:
+                # The first eager launch of a Triton kernel binds it (tunekit.serving.launch).
+                route.launcher, route.bind = launch.bind(kernel, (x2, weight), out), False
+            else:
+                kernel((x2, weight), out)
         if bias is not None:
             # A separate add (one small elementwise launch): the tables time
             # the GEMV alone; a fused bias epilogue is not a tuned family yet.
             out.add_(bias)
     except Exception as exc:  # the serving path never raises for tunekit's sake
-        mark_broken("gemv", dtype, m, n, k, x.device, exc)
-        count("gemv", dtype, shape, m, has_bias, "fallback:kernel_error", capturing, _gemv_vendor_name(x))
+        mark_broken("gemv", route.dtype, route.m, route.n, route.k, x.device, exc)
+        count("gemv", route.dtype, route.shape, route.m, bias is not None, "fallback:kernel_error", capturing,
+              _gemv_vendor_name(x))
         return _vendor_gemv(x, weight, bias)
-    count("gemv", dtype, shape, m, has_bias, choice.impl, capturing)
-    return out.view(*x.shape[:-1], n)
+    route.ticks[bias is not None][capturing]()
+    return out if route.x2d else out.view(route.final_shape)
+
+
+def _new_route(key: tuple, x: torch.Tensor, weight: torch.Tensor, capturing: bool) -> _Route:
+    route = _Route(x, weight, capturing)
+    if route.static is not None or STATE.choices.get(route.ckey) is route.choice:
+        _ROUTES[key] = route  # a choice not cached (met under capture) is not a route either
+    return route
 
 
 def gemv_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Dispatch markers: every served call counted, and the dispatch log written from them.
 
-Call protocol: each op impl calls :func:`count` once per call with what
-served it (``tuned:<backend>`` or ``fallback:<reason>``, and the vendor of a
-fallback); :func:`dispatch_stats` / :func:`reset_stats` read and clear the
+Call protocol: each op impl counts each call once with what served it
+(``tuned:<backend>`` or ``fallback:<reason>``, and the vendor of a
+fallback): :func:`count`, or the ``tick()`` of the row's :func:`counter`
+that its per-key route keeps (one C call on the hot path); :func:`dispatch_stats` / :func:`reset_stats` read and clear the
 counters; :func:`dispatch_log` is the JSON document ``TUNEKIT_DISPATCH_LOG``
 names, written by :func:`write_dispatch_log` at interpreter exit once
 :func:`maybe_register_atexit` registered it (on ``import tunekit.ops`` and
@@ -25,6 +26,7 @@ from tunekit.serving.state import (
     LOG_ENV,
     STATE,
     STATS_FORMAT,
+    CallCounter,
     logger,
 )
 from tunekit.serving.tables import loaded_tables
@@ -35,9 +37,19 @@ def count(op: str, dtype: str, shape: str, m: int, bias: bool, impl: str, captur
            vendor: str | None = None) -> None:
     # vendor: what served a fallback (None for a tuned kernel), so the log shows
     # whether a miss ran the integration's kernel or tunekit's eager composition.
+    counter(op, dtype, shape, m, bias, impl, capturing, vendor).tick()
+
+
+def counter(op: str, dtype: str, shape: str, m: int, bias: bool, impl: str, capturing: bool,
+            vendor: str | None = None) -> CallCounter:
+    """The live counter of one marker row (made once): the op impls' routes keep it and call its
+    ``tick()`` per call, so the hot path builds no key or string and takes no lock."""
     key = (op, dtype, shape, m, bias, impl, "capture" if capturing else "call", vendor)
-    with STATE.lock:
-        STATE.stats[key] = STATE.stats.get(key, 0) + 1
+    found = STATE.counters.get(key)  # lock-free read (atomic under the GIL)
+    if found is None:
+        with STATE.lock:
+            found = STATE.counters.setdefault(key, CallCounter())
+    return found
 
 
 def dispatch_stats(reset: bool = False) -> list[dict[str, Any]]:

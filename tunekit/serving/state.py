@@ -12,6 +12,7 @@ the epsilon the kernels are built with, and the one logger of serving
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections.abc import Callable
@@ -163,8 +164,11 @@ class State:
         self.gated_layouts: dict[tuple, tuple[int, int]] = {}
         #: built kernels by (backend, op, dtype, build M, n, k, params, device): one HIP build serves all M <= MAX_M
         self.built: dict[tuple, Callable[..., None]] = {}
-        #: (op, dtype, shape, m, bias, impl, counted_at) -> calls
-        self.stats: dict[tuple, int] = {}
+        #: (op, dtype, shape, m, bias, impl, counted_at, vendor) -> calls settled so far; read and
+        #: assigned through :attr:`stats`, which first settles the live :class:`CallCounter` ticks
+        self._stats: dict[tuple, int] = {}
+        #: the same keys -> the live counter the hot path ticks (one C call, no lock, no key built)
+        self.counters: dict[tuple, CallCounter] = {}
         self.logged: set[str] = set()
         self.vendor_gemm: Callable[..., torch.Tensor] | None = None
         self.vendor_gemm_name = "F.linear"
@@ -176,6 +180,46 @@ class State:
         #: vendor kernel (or why none does); cleared with the tables
         self.defaults: dict[tuple, DefaultKernel] = {}
         self.atexit_registered = False
+
+    @property
+    def stats(self) -> dict[tuple, int]:
+        """Every call counted so far (the counters' ticks settled into the dict first)."""
+        with self.lock:
+            for key, counter in self.counters.items():
+                calls = counter.settle()
+                if calls:
+                    self._stats[key] = self._stats.get(key, 0) + calls
+            return self._stats
+
+    @stats.setter
+    def stats(self, value: dict[tuple, int]) -> None:
+        # Replacing the counts (a reset, or prepare() putting the markers back after its warm-up)
+        # also drops the ticks not settled yet: they belong to the counts being replaced.
+        with self.lock:
+            for counter in self.counters.values():
+                counter.settle()
+            self._stats = value
+
+
+class CallCounter:
+    """One marker row's live count: ``tick()`` is one C call (``itertools.count.__next__``),
+    atomic under the GIL, so the hot path counts exactly without taking the lock.
+
+    :meth:`settle` (under ``STATE.lock``) returns the ticks since the last settle; the count
+    only grows, so a tick racing a settle is counted by the next one, never lost.
+    """
+
+    __slots__ = ("tick", "_it", "_settled")
+
+    def __init__(self) -> None:
+        self._it = itertools.count()
+        self.tick = self._it.__next__
+        self._settled = 0
+
+    def settle(self) -> int:
+        total = int(repr(self._it)[6:-1])  # "count(N)": N ticks so far (a C call, atomic)
+        calls, self._settled = total - self._settled, total
+        return calls
 
 
 STATE = State()
