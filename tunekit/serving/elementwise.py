@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from tunekit import table as table_mod
+from tunekit.serving import launch
 from tunekit.serving.decisions import is_capturing, kernel_takes_eps, mark_broken, resolve
-from tunekit.serving.markers import count
+from tunekit.serving.markers import count, counter
 from tunekit.serving.state import (
     DEFAULT_EPS,
     DEFAULT_VENDOR,
@@ -99,7 +100,6 @@ def _ew_serve(
     capturing = is_capturing(x)
     dtype = dtype_name(x.dtype)
     m, n, k = mnk
-    shape = f"{n}x{k}"
     reason = None
     if dtype not in DTYPE_NAMES.values() or any(t.dtype != x.dtype for t in tensors):
         reason = "dtype"
@@ -119,26 +119,63 @@ def _ew_serve(
             reason = "strided"
     if reason is not None:
         # inputs a vendor kernel may not take either (odd strides, dtypes, devices): the composition
-        count(op, dtype, shape, m, False, f"fallback:{reason}", capturing, "eager")
+        count(op, dtype, f"{n}x{k}", m, False, f"fallback:{reason}", capturing, "eager")
         return _dense(vendor())
-    choice = resolve(op, dtype, m, n, k, x.device, capturing)
+    rkey = (op, m, n, k, x.dtype, x.device)
+    route = _EW_ROUTES.get(rkey)  # lock-free read (atomic under the GIL), as for the decision cache
+    if route is None or STATE.choices.get(route.ckey) is not route.choice:
+        route = _EwRoute(op, dtype, m, n, k, x.device, capturing)
+        if STATE.choices.get(route.ckey) is route.choice:  # a choice met under capture is not cached
+            _EW_ROUTES[rkey] = route
+    choice = route.choice
     if choice.kernel is not None and eps is not None and not choice.takes_eps and eps != DEFAULT_EPS:
         choice = Choice("fallback:eps")
     if choice.kernel is None:
         out, served_by = _ew_vendor(op, x.device, vendor_args, vendor, lambda: _ew_default(
             op, dtype, m, n, k, x, capturing, inputs, make_out, finish, eps))
-        count(op, dtype, shape, m, False, choice.impl, capturing, served_by)
+        count(op, dtype, route.shape, m, False, choice.impl, capturing, served_by)
         return _dense(out)
     try:
-        out = _launch_ew(choice.kernel, choice.takes_eps, inputs, make_out(m, n, x), eps)
+        out = make_out(m, n, x)
+        if choice.takes_eps and eps is not None:
+            choice.kernel(inputs, out, eps=eps)
+        elif route.launcher is None or not route.launcher(inputs, out):
+            if route.bind and not capturing:
+                # The first eager launch of a Triton kernel binds it (tunekit.serving.launch).
+                route.launcher, route.bind = launch.bind(choice.kernel, inputs, out), False
+            else:
+                choice.kernel(inputs, out)
     except Exception as exc:  # the serving path never raises for tunekit's sake
         mark_broken(op, dtype, m, n, k, x.device, exc)
         out, served_by = _ew_vendor(op, x.device, vendor_args, vendor, lambda: _ew_default(
             op, dtype, m, n, k, x, capturing, inputs, make_out, finish, eps))
-        count(op, dtype, shape, m, False, "fallback:kernel_error", capturing, served_by)
+        count(op, dtype, route.shape, m, False, "fallback:kernel_error", capturing, served_by)
         return _dense(out)
-    count(op, dtype, shape, m, False, choice.impl, capturing)
+    route.ticks[capturing]()
     return finish(out)
+
+
+class _EwRoute:
+    """What serves one (op, m, n, k, dtype, device), resolved once: the choice, its marker
+    rows' counters and its kernel's bound launcher (valid while the decision cache holds the choice)."""
+
+    __slots__ = ("ckey", "choice", "shape", "ticks", "launcher", "bind")
+
+    def __init__(self, op: str, dtype: str, m: int, n: int, k: int, device: torch.device, capturing: bool) -> None:
+        self.ckey = (op, dtype, m, n, k, str(device))
+        self.choice = STATE.choices.get(self.ckey) or resolve(op, dtype, m, n, k, device, capturing)
+        self.shape = f"{n}x{k}"
+        # ticks[capturing]: the tuned rows (fallbacks count through count(): their vendor varies per call)
+        self.ticks = [counter(op, dtype, self.shape, m, False, self.choice.impl, c).tick for c in (False, True)]
+        self.launcher, self.bind = None, False
+        kernel = self.choice.kernel
+        if kernel is not None and self.choice.impl == "tuned:triton":
+            tried, self.launcher = launch.bound(kernel)
+            self.bind = not tried
+
+
+#: (op, m, n, k, torch dtype, device) -> _EwRoute
+_EW_ROUTES: dict[tuple, _EwRoute] = {}
 
 
 def _launch_ew(kernel: Callable[..., None], takes_eps: bool, inputs: tuple[torch.Tensor, ...], out: Any,
