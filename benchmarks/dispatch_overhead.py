@@ -1,0 +1,155 @@
+"""GPU evidence: per-call CPU overhead of the routed ops, eager, at Qwen3.5-27B's M=1 decode shapes.
+
+    python benchmarks/dispatch_overhead.py --table runs/qwen/table.json --out dispatch.json [--calls 2000]
+
+The seven M=1 GEMV shapes of ``load_model('qwen3.5-27b')`` and its 5120 norm. Arms per shape:
+``direct`` (F.linear; the norm's PyTorch composition), ``op_vendor`` (torch.ops.tunekit.* with no
+table: the vendor path), ``op_tuned`` (the op with --table), and the table's kernel called raw:
+``kernel`` (kernel[grid], Triton's launch path) and ``bound`` (tunekit.serving.launch's launcher).
+Without --table the search spaces' default Triton configs are tabulated for this device.
+Wall = perf_counter over --calls back-to-back calls, synchronized only at the ends (small kernels:
+the CPU launch path dominates); gpu = CUDA events over the same loop. Medians of --repeats
+interleaved rounds. Overhead = arm wall minus its baseline's wall (op_vendor - direct,
+op_tuned - bound, bound/kernel - direct). Outputs are checked before anything is timed (bound and
+op_tuned bit-identical to kernel, op_vendor to direct, tuned within the op's BF16 bound); exits 1
+on a failed check.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+
+def _arms(op, problem, inputs, kernel, launcher, out):
+    import tunekit.ops as ops  # noqa: F401 (registers torch.ops.tunekit.*)
+    from tunekit.serving.elementwise import _vendor_rms_norm
+    from tunekit.serving.state import DEFAULT_EPS
+
+    fn = getattr(torch.ops.tunekit, op)
+    if op == "gemv":
+        x, w = inputs
+        direct, routed = (lambda: F.linear(x, w)), (lambda: fn(x, w, None))
+    else:
+        x, w = inputs
+        direct = lambda: _vendor_rms_norm(x, w, DEFAULT_EPS, op.startswith("gemma"))  # noqa: E731
+        routed = lambda: fn(x, w, DEFAULT_EPS)  # noqa: E731
+    arms = {"direct": direct, "op": routed, "kernel": lambda: kernel(inputs, out)}
+    if launcher is not None:
+        arms["bound"] = lambda: launcher(inputs, out) or sys.exit("bound launcher refused its own layout")
+    return arms
+
+
+def _time(fn, calls: int) -> tuple[float, float]:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6, start.elapsed_time(end) / calls * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tunekit import backends, opspec, table as table_mod
+    from tunekit.device import detect
+    from tunekit.models import load_model
+    from tunekit.serving import launch
+    from tunekit.shapes import Problem
+    import tunekit.ops as ops
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--table", help="dispatch table (default: the default Triton configs, tabulated here)")
+    ap.add_argument("--out", default="dispatch_overhead.json")
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args(argv)
+    info, dev, triton = detect(), torch.device("cuda"), backends.get("triton")
+    model = load_model("qwen3.5-27b")
+    norms = [p for p in model.problems(1, [1], "bf16", ("rms_norm", "gemma_rms_norm")) if p.n == 5120][:1]
+    problems = model.problems(1, [1], "bf16", ("gemv",)) + (norms or [Problem("rms_norm", "bf16", 1, 5120, 5120)])
+    table_path = args.table
+    if table_path is None:
+        rows = []
+        for p in problems:
+            space = triton.space(p)
+            params = dict(space.fixed) | dict(space.default)
+            rows.append({"op": p.op, "dtype": p.dtype, "m": p.m, "n": p.n, "k": p.k, "backend": "triton",
+                         "params": json.dumps(params), "time_us": 1.0, "baseline_us": 2.0, "speedup": 2.0,
+                         "gbps": 1.0})
+        table = table_mod.build_table(rows, info.as_dict(), {}, 0.0, ["triton"])
+        table_path = str(table_mod.save(table, Path(tempfile.mkdtemp()) / "default_table.json"))
+    merged = table_mod.load(table_path)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    results, failed = [], []
+    for p in problems:
+        spec, entry = opspec.get(p.op), table_mod.lookup(merged, p.op, p.dtype, p.m, p.n, p.k)
+        if entry is None:
+            print(f"{p.op} {p.n}x{p.k}: not in the table, skipped")
+            continue
+        inputs = spec.make_inputs(p, dev, gen)
+        kernel = triton.build(p, entry["params"], info)
+        out, ref_out = spec.make_output(p, dev), spec.make_output(p, dev)
+        kernel(inputs, ref_out)
+        launcher = launch.bind(kernel, inputs, out)
+        arms = _arms(p.op, p, inputs, kernel, launcher, out)
+        ops.load_tables([])
+        vendor = arms["op"]()
+        ops.load_tables([table_path])
+        tuned = arms["op"]()
+        ops.reset_stats()
+        checks = {"bound_bitwise": launcher is None or torch.equal(out, ref_out),
+                  "op_tuned_bitwise": torch.equal(tuned.reshape(ref_out.shape), ref_out),
+                  "op_vendor_bitwise": torch.equal(vendor, arms["direct"]()),
+                  "tuned_within_bound": bool(((tuned.reshape(ref_out.shape).double() - spec.reference(inputs))
+                                              .abs() <= spec.error_bound(p, inputs, spec.reference(inputs))).all())}
+        bad = [k for k, ok in checks.items() if not ok]
+        failed += [f"{p.op} {p.n}x{p.k}: {k}" for k in bad]
+        samples: dict[str, list] = {a: [] for a in ("direct", "op_vendor", "op_tuned", "kernel", "bound")}
+        for _ in range(args.repeats):
+            for arm in samples:
+                if arm.startswith("op_"):
+                    ops.load_tables([] if arm == "op_vendor" else [table_path])
+                    arms["op"]()  # resolve outside the timed loop
+                fn = arms.get("op" if arm.startswith("op_") else arm)
+                if fn is not None:
+                    samples[arm].append(_time(fn, args.calls))
+        stats = ops.dispatch_stats(reset=True)
+        row = {"op": p.op, "n": p.n, "k": p.k, "params": entry["params"], "checks": checks,
+               "bound": launcher is not None, "unbound_reason": launch.unsupported_reason(),
+               "impls": sorted({r["impl"] for r in stats})}
+        for arm, vals in samples.items():
+            if vals:
+                row[f"{arm}_wall_us"] = statistics.median(v[0] for v in vals)
+                row[f"{arm}_gpu_us"] = statistics.median(v[1] for v in vals)
+        row["overhead_vendor_us"] = row["op_vendor_wall_us"] - row["direct_wall_us"]
+        row["overhead_tuned_us"] = row["op_tuned_wall_us"] - row.get("bound_wall_us", row["kernel_wall_us"])
+        results.append(row)
+    doc = {"device": info.as_dict(), "torch": torch.__version__, "triton": __import__("triton").__version__,
+           "table": args.table, "calls": args.calls, "repeats": args.repeats, "rows": results, "failed": failed}
+    Path(args.out).write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    cols = ("direct", "op_vendor", "op_tuned", "kernel", "bound")
+    print(f"{'shape':<26}" + "".join(f"{c:>10}" for c in cols) + f"{'ovh_vend':>10}{'ovh_tuned':>10}  (wall us/call)")
+    for r in results:
+        print(f"{r['op'] + ' ' + str(r['n']) + 'x' + str(r['k']):<26}"
+              + "".join(f"{r.get(c + '_wall_us', float('nan')):>10.2f}" for c in cols)
+              + f"{r['overhead_vendor_us']:>10.2f}{r['overhead_tuned_us']:>10.2f}")
+    print(f"{'gpu us/call':<26}" + "".join(f"{statistics.median(r.get(c + '_gpu_us', 0) for r in results):>10.2f}"
+                                           for c in cols) + "  (median over shapes)")
+    print("FAILED: " + "; ".join(failed) if failed else "all checks passed", f"-> {args.out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
