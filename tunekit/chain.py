@@ -34,11 +34,28 @@ Variants (``VARIANTS``), on the same weights and inputs:
   Inductor on a GPU (the faster baseline of the searches; eager on the CPU);
 * ``tuned_gemv``: the ``tunekit.ops`` GEMV where a loaded table serves the
   shape at this M, the vendor elementwise ops;
-* ``tuned``: every step a table serves goes through ``torch.ops.tunekit``.
+* ``tuned``: every step a table serves goes through ``torch.ops.tunekit``;
+* ``tuned_fused``: ``tuned``, except where a table holds a fused entry for a
+  pair of steps (``FUSED_PAIRS``): ``input_layernorm`` -> its projection(s)
+  and ``post_attention_layernorm`` -> ``gate_up_proj`` run as one
+  ``rms_norm_gemv``-family kernel, ``act_fn`` -> ``down_proj`` as one
+  ``silu_mul_gemv`` kernel (``tunekit.shapes.FUSED_GEMV_OPS``; built straight
+  from the entry's backend, as ``tunekit.ops`` does not serve them). Measured
+  only at an M where at least one pair is fused (it equals ``tuned`` otherwise).
 
 A step no table serves keeps the vendor implementation in every variant (the
 op's own fallback, eager PyTorch, would be slower than Inductor and charge the
 table for it).
+
+Fused pairs, and what each kernel must produce: the norm -> GEMV kernels
+write y and (fused add) the updated residual, never the normalised x, so a
+norm is fused only with *every* consumer of its output. In a Gated DeltaNet
+layer input_layernorm feeds both ``in_proj_qkvz`` and ``in_proj_ba``: the
+chain holds their weights as row slices of one [N_qkvz + N_ba, K] tensor
+(the unfused variants read the slices), and the fused kernel runs on the
+whole tensor, the problem ``ModelSpec.norm_gemvs`` lists (N = 16480 for
+Qwen3.5-27B); qkvz and ba are then column slices of its output. The final
+norm feeds lm_head only through the sampler's gather: never fused.
 
 Numerics: every variant's logits are compared with those of the same chain in
 fp32 (``Chain.forward_fp32``: fp32 activations, weights upcast per call). The
@@ -51,6 +68,7 @@ at search time).
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -62,8 +80,17 @@ import torch.nn.functional as F
 from tunekit.errors import UserError
 from tunekit.models.spec import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
 from tunekit.opspec import EPS
+from tunekit.shapes import FUSED_GEMV_OPS, Problem
 
-VARIANTS = ("vendor", "tuned_gemv", "tuned")
+VARIANTS = ("vendor", "tuned_gemv", "tuned", "tuned_fused")
+
+#: Layer names whose GEMV reads the output of the norm step before them (``input_layernorm``:
+#: qkv_proj, or in_proj_qkvz + in_proj_ba; ``post_attention_layernorm``: gate_up_proj).
+_NORM_CONSUMERS = ("qkv_proj", "linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba", "gate_up_proj")
+#: The fused families the tuned_fused variant uses: norm step -> norm op + "_gemv"; act_fn -> this op.
+FUSED_ACT_OP = "silu_mul_gemv"
+FUSED_PAIRS = ("input_layernorm -> qkv_proj | in_proj_qkvz + in_proj_ba",
+               "post_attention_layernorm -> gate_up_proj", "act_fn (silu_and_mul) -> down_proj")
 
 #: ``ModelSpec.elementwise`` lists two input_layernorm entries: [0] the first layer's plain norm,
 #: [1] the fused add + norm of every later layer.
@@ -156,8 +183,18 @@ class Chain:
 
         # another M of the same chain may lend its weights (51 GB for a 27B model are made once)
         self.weights: list[torch.Tensor] = list(weights or [])
-        for step in self.steps[len(self.weights):]:
-            if step.op == "gemv":
+        for index in range(len(self.weights), len(self.steps)):
+            if index < len(self.weights):
+                continue  # made with the step before (a joined pair)
+            step = self.steps[index]
+            after = self.steps[index + 1] if index + 1 < len(self.steps) else None
+            if step.op == "gemv" and _norm_consumer(step) and after is not None and after.op == "gemv" \
+                    and after.layer == step.layer and _norm_consumer(after) and after.k == step.k:
+                # in_proj_qkvz + in_proj_ba read the same normed x: row slices of one tensor, so that the
+                # fused norm kernel can run on both at once (module docstring)
+                both = randn(step.n + after.n, step.k, scale=0.02)
+                self.weights += [both[: step.n], both[step.n:]]
+            elif step.op == "gemv":
                 self.weights.append(randn(step.n, step.k, scale=0.02))
             elif step.op == "gated_rms_norm":
                 self.weights.append(1.0 + randn(step.k, scale=0.1))
@@ -178,28 +215,108 @@ class Chain:
                 self.mixer.setdefault(("core", step.n), randn(m, step.n))
                 self.mixer.setdefault(("z", step.n), randn(m, step.n))
         self._impls: dict[str, list[Callable[..., Any]]] = {}
-        #: per bound variant, each step's "tuned" / "vendor"
+        #: per bound variant, each step's "tuned" / "vendor" / "fused" (served by a fused kernel)
         self.kinds: dict[str, list[str]] = {}
+        #: per bound variant, the fused problems it runs, one Step per fused kernel (op, n, k the fused op's)
+        self.fused: dict[str, list[Step]] = {}
 
     # ------------------------------------------------------------ variants
 
     def build(self, variant: str, vendor_elementwise: dict[str, Callable[..., None]],
-              served: Callable[[Step], bool]) -> list[str]:
-        """Bind ``variant``'s implementation of every step; returns each step's "tuned" / "vendor".
+              served: Callable[[Step], bool],
+              fused: Callable[[str, int, int], Callable[..., None] | None] | None = None) -> list[str]:
+        """Bind ``variant``'s implementation of every step; returns each step's "tuned" / "vendor" /
+        "fused".
 
         ``vendor_elementwise`` maps op -> ``fn(inputs, out)`` (``tunekit.backends.vendor``'s form,
-        possibly compiled); ``served(step)`` says whether a loaded table serves the step at this M.
+        possibly compiled); ``served(step)`` says whether a loaded table serves the step at this M;
+        ``fused(op, n, k)`` (tuned_fused only) returns the kernel ``fn(inputs, out)`` (``tunekit.opspec``'s
+        form) of a fused op a table serves at this M, or None.
         """
         if variant not in VARIANTS:
             raise UserError(f"unknown chain variant {variant!r} (known: {', '.join(VARIANTS)})")
         impls, kinds = [], []
         for step in self.steps:
-            tuned = variant != "vendor" and (step.op == "gemv" or variant == "tuned") and served(step)
+            tuned = variant != "vendor" and (step.op == "gemv" or variant != "tuned_gemv") and served(step)
             impls.append(_tuned_impl(step) if tuned else _vendor_impl(step, vendor_elementwise, self))
             kinds.append("tuned" if tuned else "vendor")
+        self.fused[variant] = []
+        if variant == "tuned_fused" and fused is not None:
+            self._bind_fused(impls, kinds, fused, self.fused[variant])
         self._impls[variant] = impls
         self.kinds[variant] = kinds
         return kinds
+
+    def _bind_fused(self, impls: list[Callable[..., Any]], kinds: list[str],
+                    fused: Callable[[str, int, int], Callable[..., None] | None], used: list[Step]) -> None:
+        """Replace every pair a fused entry serves by its fused kernel (``FUSED_PAIRS``), in place."""
+        m, dtype, device = self.m, self.dtype, self.device
+        for i, step in enumerate(self.steps):
+            if step.layer < 0:
+                continue  # the final norm -> lm_head: not fused (module docstring)
+            if step.op == "silu_and_mul":
+                j = i + 1
+                down = self.steps[j] if j < len(self.steps) else None
+                if down is None or down.op != "gemv" or not down.name.endswith("down_proj"):
+                    continue
+                kernel = fused(FUSED_ACT_OP, down.n, down.k)
+                if kernel is None:
+                    continue
+                out = torch.empty(m, down.n, dtype=dtype, device=device)
+
+                def down_fused(src: torch.Tensor, w: torch.Tensor, kernel=kernel, out=out) -> torch.Tensor:
+                    kernel((src, w), out)  # src: gate_up_proj's output, the activation is computed inside
+                    return out
+
+                impls[i] = _identity  # act_fn: the fused kernel reads gate_up_proj's output itself
+                impls[j] = down_fused
+                kinds[i] = kinds[j] = "fused"
+                used.append(Step(down.layer, f"{step.name}+{down.name}", FUSED_ACT_OP, down.n, down.k))
+            elif step.op.endswith("rms_norm") and step.op != "gated_rms_norm":
+                consumers = []
+                for j in range(i + 1, len(self.steps)):
+                    nxt = self.steps[j]
+                    if nxt.op != "gemv" or nxt.layer != step.layer or not _norm_consumer(nxt):
+                        break
+                    consumers.append(j)
+                if not consumers or any(self.steps[j].k != step.n for j in consumers):
+                    continue
+                weight = self._joined([self.weights[j] for j in consumers])
+                if weight is None:
+                    continue  # the consumers' weights are not one tensor: the pair stays unfused
+                op = f"{step.op}_gemv"
+                n = weight.shape[0]
+                kernel = fused(op, n, step.n)
+                if kernel is None:
+                    continue
+                y = torch.empty(m, n, dtype=dtype, device=device)
+                with_residual = "fused_add" in step.op
+                residual_out = torch.empty(m, step.n, dtype=dtype, device=device) if with_residual else None
+                impls[i] = _fused_norm(kernel, weight, y, residual_out)
+                start = 0
+                for j in consumers:
+                    rows = self.steps[j].n
+                    impls[j] = _output_slice(y, start, start + rows)
+                    start += rows
+                    kinds[j] = "fused"
+                kinds[i] = "fused"
+                names = "+".join([step.name] + [self.steps[j].name for j in consumers])
+                used.append(Step(step.layer, names, op, n, step.n))
+
+    @staticmethod
+    def _joined(weights: list[torch.Tensor]) -> torch.Tensor | None:
+        """The one [sum N, K] tensor whose consecutive row blocks are ``weights``, or None."""
+        if len(weights) == 1:
+            return weights[0]
+        base = weights[0]._base
+        if base is None or base.dim() != 2 or base.shape[0] != sum(w.shape[0] for w in weights):
+            return None
+        start = 0
+        for w in weights:
+            if w._base is not base or w.data_ptr() != base[start].data_ptr():
+                return None
+            start += w.shape[0]
+        return base
 
     def forward(self, variant: str) -> torch.Tensor:
         """One decode step through ``variant`` (bound by ``build``); returns the logits [m, vocab]."""
@@ -244,6 +361,38 @@ class Chain:
             else:
                 x, residual = impl(x, residual, w)
         raise AssertionError("the chain ends with lm_head")  # pragma: no cover
+
+
+def _norm_consumer(step: Step) -> bool:
+    return step.op == "gemv" and step.name.endswith(_NORM_CONSUMERS)
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _fused_norm(kernel: Callable[..., None], weight: torch.Tensor, y: torch.Tensor,
+                residual_out: torch.Tensor | None) -> Callable[..., Any]:
+    """The norm step of a fused norm -> GEMV pair: launches the fused kernel on its consumers'
+    weight; returns what the norm step returns in ``Chain._forward`` with y standing for the
+    normed x (only the consumers read it, and they return slices of y)."""
+    if residual_out is None:
+        def plain(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+            kernel((x, g, weight), y)
+            return y
+        return plain
+
+    def with_residual(x: torch.Tensor, residual: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kernel((x, residual, g, weight), (y, residual_out))
+        return y, residual_out
+    return with_residual
+
+
+def _output_slice(y: torch.Tensor, start: int, stop: int) -> Callable[..., torch.Tensor]:
+    """A consumer GEMV of a fused norm: its columns of the fused kernel's output."""
+    def consumer(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return y[:, start:stop]
+    return consumer
 
 
 def _tuned_impl(step: Step) -> Callable[..., Any]:
@@ -298,6 +447,8 @@ class VariantResult:
     max_abs_diff: float | None = None  # vs the vendor variant's logits
     rel_diff: float | None = None  # max_abs_diff / std(vendor logits)
     rms_err_fp32: float | None = None  # rms |logits - the fp32 chain's logits| (vendor's is the BF16 noise floor)
+    fused_steps: int = 0  # steps served by a fused kernel (tuned_fused): two or three per kernel
+    fused_kernels: int = 0
 
 
 def measure(chain: Chain, variants: Sequence[str], iters: int = 20, repeats: int = 15) -> list[VariantResult]:
@@ -335,11 +486,12 @@ def measure(chain: Chain, variants: Sequence[str], iters: int = 20, repeats: int
             times[v].append(start.elapsed_time(end) * 1000.0 / iters)
     base = logits.get("vendor")
     ref = chain.forward_fp32()
-    return [_result(v, times[v], chain.kinds[v], logits[v], base, ref) for v in variants]
+    return [_result(v, times[v], chain.kinds[v], logits[v], base, ref, len(chain.fused.get(v, ())))
+            for v in variants]
 
 
 def _result(variant: str, times: list[float], kinds: list[str], logits: torch.Tensor,
-            base: torch.Tensor | None, ref: torch.Tensor) -> VariantResult:
+            base: torch.Tensor | None, ref: torch.Tensor, fused_kernels: int = 0) -> VariantResult:
     med = statistics.median(times) if times else float("nan")
     q = statistics.quantiles(times, n=4) if len(times) >= 2 else [med, med, med]
     diff = rel = None
@@ -349,17 +501,19 @@ def _result(variant: str, times: list[float], kinds: list[str], logits: torch.Te
         rel = diff / std if std > 0 else None
     rms = float((logits - ref.float()).pow(2).mean().sqrt())
     return VariantResult(variant, med, (q[2] - q[0]) / med if times else float("nan"),
-                         kinds.count("tuned"), kinds.count("vendor"), diff, rel, rms)
+                         kinds.count("tuned"), kinds.count("vendor"), diff, rel, rms, kinds.count("fused"),
+                         fused_kernels)
 
 
 def predicted_saving_us(chain: Chain, entry_for: Callable[[Step], dict[str, Any]], variant: str) -> float:
-    """Sum over the steps the bound ``variant`` serves tuned of (baseline - tuned) standalone time,
-    from the table entries: what the microbenchmarks predict the step saves."""
+    """Sum over the steps the bound ``variant`` serves tuned, and its fused kernels, of (baseline -
+    tuned) standalone time, from the table entries: what the microbenchmarks predict the step saves
+    (a fused entry's baseline is the unfused eager sequence it replaces)."""
     total = 0.0
-    for step, kind in zip(chain.steps, chain.kinds[variant], strict=True):
-        if kind == "tuned":  # a tuned step was bound because a table entry serves it
-            entry = entry_for(step)
-            total += float(entry["baseline_us"]) - float(entry["time_us"])
+    tuned = [step for step, kind in zip(chain.steps, chain.kinds[variant], strict=True) if kind == "tuned"]
+    for step in tuned + chain.fused.get(variant, []):  # bound because a table entry serves each
+        entry = entry_for(step)
+        total += float(entry["baseline_us"]) - float(entry["time_us"])
     return total
 
 
@@ -368,7 +522,7 @@ def compare_eager(chain: Chain, variants: Sequence[str]) -> list[VariantResult]:
     logits = {v: chain.forward(v).float().clone() for v in variants}
     base = logits.get("vendor")
     ref = chain.forward_fp32()
-    return [_result(v, [], chain.kinds[v], logits[v], base, ref) for v in variants]
+    return [_result(v, [], chain.kinds[v], logits[v], base, ref, len(chain.fused.get(v, ()))) for v in variants]
 
 
 def _vendor_elementwise(device: torch.device) -> dict[str, Callable[..., None]]:
@@ -399,8 +553,11 @@ def run(spec: ModelSpec, tables: Sequence[str], m_list: Sequence[int], tp: int =
     device = torch.device("cuda", torch.cuda.current_device()) if info.is_gpu else torch.device("cpu")
     steps = chain_steps(spec, tp, layers)
     prepared = ops.prepare(device, ms=m_list)
-    if prepared["errors"]:
-        raise UserError("building the tabulated kernels failed: " + "; ".join(prepared["errors"][:3]))
+    # tunekit.ops does not serve the fused ops (no torch.ops.tunekit.*_gemv): prepare reports their
+    # entries as errors; the chain builds them itself (``fused_kernel`` below)
+    errors = [e for e in prepared["errors"] if e.split(" ", 1)[0] not in FUSED_GEMV_OPS]
+    if errors:
+        raise UserError("building the tabulated kernels failed: " + "; ".join(errors[:3]))
     fallback = ", ".join(f"{k} x{v}" for k, v in prepared["fallback"].items())
     log(f"{spec.name}: {len(steps)} calls per step ({len(spec.layer_types[: layers or spec.num_layers])} layers), "
         f"device {info.name}; tables: {prepared['tuned']} tuned kernels ready"
@@ -419,10 +576,18 @@ def run(spec: ModelSpec, tables: Sequence[str], m_list: Sequence[int], tp: int =
         def entry_for(step: Step, m: int = m) -> dict[str, Any] | None:
             return ops.served_entry(step.op, dtype, m, step.n, step.k, str(device))
 
+        def fused_kernel(op: str, n: int, k: int, m: int = m) -> Callable[..., None] | None:
+            entry = ops.served_entry(op, dtype, m, n, k, str(device))
+            return None if entry is None else _build_fused(entry, Problem(op, dtype, m, n, k), info)
+
         fns = _vendor_elementwise(device)
         for variant in VARIANTS:
-            chain.build(variant, fns, lambda step: entry_for(step) is not None)
-        results = measure(chain, VARIANTS, iters, repeats) if device.type == "cuda" else compare_eager(chain, VARIANTS)
+            chain.build(variant, fns, lambda step: entry_for(step) is not None, fused_kernel)
+        # tuned_fused equals tuned where no fused entry serves this M: not measured twice
+        variants = [v for v in VARIANTS if v != "tuned_fused" or chain.fused[v]]
+        if len(variants) < len(VARIANTS):
+            log(f"M={m} tuned_fused: no fused entry serves this M (same as tuned), not measured")
+        results = measure(chain, variants, iters, repeats) if device.type == "cuda" else compare_eager(chain, variants)
         vendor_us = results[0].step_us
         for r in results:
             row = asdict(r) | {"m": m, "predicted_saving_us": predicted_saving_us(chain, entry_for, r.variant)}
@@ -437,8 +602,24 @@ def run(spec: ModelSpec, tables: Sequence[str], m_list: Sequence[int], tp: int =
     return report
 
 
+def _build_fused(entry: dict[str, Any], problem: Problem, device: Any) -> Callable[..., None]:
+    """The kernel of a fused op's table entry, built through its backend for this M (a UserError if
+    it does not build: the table promised it)."""
+    from tunekit import backends
+
+    params = entry["params"]
+    if isinstance(params, str):
+        params = json.loads(params)
+    try:
+        return backends.get(entry["backend"]).build(problem, params, device)
+    except Exception as exc:  # noqa: BLE001 - named in one line
+        raise UserError(f"building the fused kernel {problem.key} ({entry['backend']}) failed: {exc}") from None
+
+
 def _line(row: dict[str, Any], timed: bool) -> str:
-    text = f"M={row['m']} {row['variant']:<10} tuned calls {row['tuned_steps']:>4}"
+    text = f"M={row['m']} {row['variant']:<11} tuned calls {row['tuned_steps']:>4}"
+    if row.get("fused_kernels"):
+        text += f" + {row['fused_kernels']} fused kernels ({row['fused_steps']} calls)"
     if timed:
         text += (f"  {row['step_us'] / 1000:.3f} ms/step (spread {row['spread']:.1%})  x{row['speedup']:.4f}"
                  f"  saving {row['measured_saving_us']:.0f} us, predicted {row['predicted_saving_us']:.0f} us")

@@ -1,0 +1,166 @@
+"""tunekit.chain's tuned_fused variant: fused norm -> GEMV and SiLU-and-mul -> GEMV kernels in place of
+their pairs of steps, on a tiny Qwen3.5-shaped model under the interpreter (CPU tier)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_chain import TINY  # the sibling test module's tiny Qwen3.5 config (tests/ is on sys.path)
+from test_ops import _entry, make_table
+
+from tunekit import backends, shapes
+from tunekit import chain as chain_mod
+from tunekit.models import load_model
+from tunekit.models.spec import ModelSpec
+from tunekit.shapes import FUSED_GEMV_OPS, Problem
+
+pytestmark = pytest.mark.usefixtures("clean_ops")  # conftest.py: no table, markers or vendor GEMM leak
+
+CPU = torch.device("cpu")
+
+
+def _spec() -> ModelSpec:
+    return ModelSpec.from_config(TINY, name="tiny")
+
+
+def _default_kernel(m: int):
+    """fused(op, n, k) of Chain.build: every fused op at its search space's default config."""
+    triton = backends.get("triton")
+
+    def fused(op: str, n: int, k: int):
+        problem = Problem(op, "bf16", m, n, k)
+        return triton.build(problem, triton.space(problem).default, None)
+
+    return fused
+
+
+def _bound_chain(m: int, fused=None) -> chain_mod.Chain:
+    chain = chain_mod.Chain(chain_mod.chain_steps(_spec()), m, CPU)
+    fns = chain_mod._vendor_elementwise(CPU)
+    for variant in chain_mod.VARIANTS:
+        chain.build(variant, fns, lambda step: False, fused or _default_kernel(m))
+    return chain
+
+
+def test_every_pair_is_fused_and_its_problem_is_the_listed_one() -> None:
+    chain = _bound_chain(2)
+    kinds = chain.kinds["tuned_fused"]
+    # 4 layers x (input norm + its 1-2 projections, post norm + gate_up, act_fn + down_proj);
+    # left unfused: the mixers' output projections, the gated norm, the final norm and lm_head
+    unfused = [s.name for s, kind in zip(chain.steps, kinds, strict=True) if kind != "fused"]
+    assert sorted(set(unfused)) == ["linear_attn.norm", "linear_attn.out_proj", "lm_head", "norm (final)", "o_proj"]
+    assert len(chain.fused["tuned_fused"]) == 12 and kinds.count("fused") == 27
+    assert chain.kinds["tuned"] == ["vendor"] * len(chain.steps)  # nothing else served: tuned is vendor
+    # the fused problems are those `--ops fused_gemv` lists for the model (names, shapes and counts)
+    spec = _spec()
+    listed = {(p.op, p.n, p.k): p.count for p in spec.problems(ops=shapes.parse_ops("fused_gemv"))}
+    used: dict[tuple, int] = {}
+    for step in chain.fused["tuned_fused"]:
+        used[(step.op, step.n, step.k)] = used.get((step.op, step.n, step.k), 0) + 1
+    assert used == listed
+
+
+def test_qkvz_and_ba_weights_are_row_slices_of_one_tensor() -> None:
+    chain = chain_mod.Chain(chain_mod.chain_steps(_spec()), 1, CPU)
+    names = [s.name for s in chain.steps]
+    i = names.index("linear_attn.in_proj_qkvz")
+    qkvz, ba = chain.weights[i], chain.weights[i + 1]
+    joined = chain_mod.Chain._joined([qkvz, ba])
+    assert joined is not None and joined.shape == (qkvz.shape[0] + ba.shape[0], qkvz.shape[1])
+    assert torch.equal(joined[: qkvz.shape[0]], qkvz) and torch.equal(joined[qkvz.shape[0]:], ba)
+    assert qkvz.is_contiguous() and ba.is_contiguous()  # the unfused variants read them as before
+    assert chain_mod.Chain._joined([qkvz, chain.weights[names.index("mlp.gate_up_proj")]]) is None
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_fused_pairs_compute_what_the_unfused_steps_do(m: int) -> None:
+    # per pair: the fused kernel's outputs (the consumers' slices, the residual) against the vendor steps
+    chain = _bound_chain(m)
+    gen = torch.Generator().manual_seed(m)
+    steps, fused, vendor = chain.steps, chain._impls["tuned_fused"], chain._impls["vendor"]
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen).to(torch.bfloat16)
+
+    def close(a: torch.Tensor, b: torch.Tensor) -> None:
+        # a few BF16 ulps of the outputs' scale: one rounding location and a sum order apart
+        assert (a.float() - b.float()).abs().max() <= 2.0**-6 * b.float().abs().max(), (a, b)
+
+    for layer in (0, 1, 3):  # plain first norm + qkvz/ba; fused add + qkvz/ba; fused add + qkv_proj
+        i = next(j for j, s in enumerate(steps) if s.layer == layer and s.name == "input_layernorm")
+        consumers = [j for j in range(i + 1, i + 3) if chain.kinds["tuned_fused"][j] == "fused"]
+        x, residual, g = rand(m, steps[i].n), rand(m, steps[i].n), chain.weights[i]
+        if layer == 0:
+            normed_v, normed_f = vendor[i](x, g).clone(), None
+        else:
+            normed_v, res_v = (t.clone() for t in vendor[i](x, residual, g))
+            _, res_f = fused[i](x, residual, g)
+            assert torch.equal(res_f, x + residual)  # the BF16 sum, as vLLM's Gemma fused add
+        if layer == 0:
+            fused[i](x, g)
+        for j in consumers:
+            close(fused[j](normed_f, chain.weights[j]), F.linear(normed_v, chain.weights[j]))
+    # act_fn -> down_proj: the act step passes gate_up_proj's output through, down_proj computes the rest
+    i = next(j for j, s in enumerate(steps) if s.name == "mlp.act_fn")
+    gate_up = rand(m, 2 * steps[i].n) * 2
+    assert fused[i](gate_up) is gate_up
+    close(fused[i + 1](gate_up, chain.weights[i + 1]), F.linear(vendor[i](gate_up), chain.weights[i + 1]))
+
+
+def test_logits_are_as_close_to_fp32_as_vendor() -> None:
+    chain = _bound_chain(2)
+    results = {r.variant: r for r in chain_mod.compare_eager(chain, chain_mod.VARIANTS)}
+    fused = results["tuned_fused"]
+    assert fused.fused_kernels == 12 and fused.fused_steps == 27 and fused.vendor_steps == 9
+    assert fused.rel_diff is not None and 0 < fused.rel_diff <= 0.05  # BF16 kernels vs vendor, 4 layers
+    assert 0 < results["vendor"].rms_err_fp32 and fused.rms_err_fp32 <= 2 * results["vendor"].rms_err_fp32
+
+
+def test_a_pair_without_an_entry_keeps_the_tuned_steps() -> None:
+    # only silu_mul_gemv is served: the norms and their projections are the tuned variant's
+    only_act = _default_kernel(1)
+    chain = _bound_chain(1, lambda op, n, k: only_act(op, n, k) if op == "silu_mul_gemv" else None)
+    fused_names = {s.name for s, kind in zip(chain.steps, chain.kinds["tuned_fused"], strict=True) if kind == "fused"}
+    assert fused_names == {"mlp.act_fn", "mlp.down_proj"} and len(chain.fused["tuned_fused"]) == 4
+
+
+@pytest.fixture
+def tables_take_fused_ops(monkeypatch):
+    # The table format's op check (tunekit.table reads tunekit.shapes.OPS) does not list the fused
+    # GEMV ops; the chain itself needs nothing else from the table.
+    monkeypatch.setattr(shapes, "OPS", shapes.OPS + FUSED_GEMV_OPS)
+
+
+def test_run_reports_tuned_fused_where_a_fused_entry_serves(tmp_path: Path, tables_take_fused_ops) -> None:
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(TINY))
+    spec = load_model(str(config))
+
+    def default(op: str, m: int, n: int, k: int) -> dict:
+        return _entry(op, m, n, k, params=backends.get("triton").space(Problem(op, "bf16", m, n, k)).default)
+
+    table = make_table(tmp_path / "t.json", [
+        default("gemv", 1, 64, 96),  # down_proj, unfused (tuned)
+        default("silu_mul_gemv", 1, 64, 96),  # act_fn -> down_proj
+        default("gemma_fused_add_rms_norm_gemv", 1, 192, 64),  # post_attention_layernorm -> gate_up_proj
+        default("gemma_fused_add_rms_norm_gemv", 1, 200, 64),  # input_layernorm -> in_proj_qkvz + in_proj_ba
+    ])
+    lines: list[str] = []
+    report = chain_mod.run(spec, [str(table)], [1, 2], log=lines.append)
+    rows = {(r["m"], r["variant"]): r for r in report["results"]}
+    assert set(rows) == {(1, v) for v in chain_mod.VARIANTS} | {(2, v) for v in chain_mod.VARIANTS[:3]}
+    assert any("M=2 tuned_fused: no fused entry" in line for line in lines)
+    tuned, fused = rows[(1, "tuned")], rows[(1, "tuned_fused")]
+    assert tuned["tuned_steps"] == 4 and tuned["fused_kernels"] == 0
+    # 4 act_fn + down_proj, 4 post norms + gate_up, 2 later linear-attention input norms + qkvz + ba,
+    # layer 3's input norm + qkv_proj (192 x 64 as gate_up); layer 0's plain norm has no entry
+    assert fused["fused_kernels"] == 11 and fused["fused_steps"] == 8 + 8 + 6 + 2 and fused["tuned_steps"] == 0
+    assert fused["tuned_steps"] + fused["vendor_steps"] + fused["fused_steps"] == report["calls_per_step"]
+    # the predicted saving sums (baseline - time) of the served entries: 1 us each in make_table's rows
+    assert fused["predicted_saving_us"] == pytest.approx(11.0)
+    assert fused["rms_err_fp32"] <= 2 * rows[(1, "vendor")]["rms_err_fp32"]
+    assert any("fused kernels" in line for line in lines)
