@@ -1,0 +1,204 @@
+"""Cheap dispatch: the routed ops' per-call cost, the bound launcher's fallback, exact counting, the facade's API.
+
+CPU tier (Triton on the interpreter): the bound launcher never binds here, so
+these tests check that its fallback is taken and serves bit-identical results;
+the GPU side (binding, replay, timings) is benchmarks/dispatch_overhead.py.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tunekit.ops as ops
+from tunekit import backends
+from tunekit import table as table_mod
+from tunekit.device import detect
+from tunekit.serving import elementwise, launch
+from tunekit.serving import gemv as serving_gemv
+from tunekit.serving.state import STATE, CallCounter
+from tunekit.shapes import Problem
+
+pytestmark = pytest.mark.usefixtures("clean_ops")  # conftest.py: no table, markers or vendor GEMM leak
+
+GEMV_PARAMS = {"BLOCK_N": 4, "BLOCK_K": 64, "num_warps": 1, "num_stages": 1}
+NORM_PARAMS = {"BLOCK_N": 64, "ROWS": 1, "num_warps": 1, "VLLM_ROUNDING": 1}
+N, K = 24, 192
+
+
+def _table(path: Path, rows: list[tuple[str, int, int, int, dict]]) -> Path:
+    entries = [{"op": op, "dtype": "bf16", "m": m, "n": n, "k": k, "backend": "triton", "params": json.dumps(p),
+                "time_us": 1.0, "baseline_us": 2.0, "speedup": 2.0, "gbps": 1.0} for op, m, n, k, p in rows]
+    return table_mod.save(table_mod.build_table(entries, detect().as_dict(), {}, 0.0, ["triton"]), path)
+
+
+# (a) the vendor path's cost --------------------------------------------------------------------------
+
+_LIB = torch.library.Library("tunekit_test_floor", "DEF")
+_LIB.define("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor")
+_LIB.impl("linear", lambda x, weight, bias=None: F.linear(x, weight, bias), "CPU")
+
+
+def _per_call_us(fn, calls: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def _overhead_ratio(rounds: int = 7, calls: int = 1500) -> tuple[float, dict[str, float]]:
+    """tunekit's own per-call cost on the vendor path, in units of torch's dispatch of a Python custom op.
+
+    Arms, interleaved per round (medians over rounds): ``direct`` F.linear; ``floor`` a custom op whose
+    Python impl is just F.linear (torch's dispatch into a Python kernel: what any torch.ops call pays);
+    ``op`` torch.ops.tunekit.gemv with no table (the vendor path). Ratio = (op - floor) / (floor - direct).
+    """
+    x, w = torch.randn(1, 64), torch.randn(32, 64)
+    arms = {"direct": lambda: F.linear(x, w, None), "floor": lambda: torch.ops.tunekit_test_floor.linear(x, w, None),
+            "op": lambda: torch.ops.tunekit.gemv(x, w, None)}
+    for fn in arms.values():
+        _per_call_us(fn, 300)  # warm: the op's route is made by its first call
+    samples: dict[str, list[float]] = {a: [] for a in arms}
+    for _ in range(rounds):
+        for name, fn in arms.items():
+            samples[name].append(_per_call_us(fn, calls))
+    med = {a: statistics.median(v) for a, v in samples.items()}
+    dispatch = max(med["floor"] - med["direct"], 0.05)
+    return (med["op"] - med["floor"]) / dispatch, med
+
+
+def test_vendor_path_costs_less_than_two_dispatches_more_than_f_linear() -> None:
+    # What the bound means: the Python tunekit runs per vendor-path call (route lookup, stride
+    # checks, one counter tick, the F.linear call's wrapper) costs at most 1.6x what torch itself
+    # pays to dispatch any Python custom op (the floor). Measured on a 2-core x86 CPU: ~0.9x
+    # (0.8-1.0 over runs); before the per-shape routes it was ~2.3x (a key, a shape string, a
+    # dict under a lock and the decision-cache key per call). Best of three measurements, so a
+    # loaded machine's noise has to hit every one of them to fail the test.
+    results = []
+    for _ in range(3):
+        ratio, med = _overhead_ratio()
+        results.append((ratio, med))
+        if ratio <= 1.6:
+            break
+    ratio, med = min(results, key=lambda r: r[0])
+    assert ratio <= 1.6, f"vendor path costs {ratio:.2f}x torch's own op dispatch over F.linear: {med}"
+    assert [(r["impl"], r["vendor"]) for r in ops.dispatch_stats()] == [("fallback:no_table", "F.linear")]
+
+
+# (b) the fast path: bound launcher fallback, bit-identical results, exact counts -----------------------
+
+def test_interpreter_never_binds_and_the_normal_launch_serves(tmp_path: Path) -> None:
+    assert launch.unsupported_reason() == "interpreter"
+    problem = Problem("gemv", "bf16", 1, N, K)
+    kernel = backends.get("triton").build(problem, GEMV_PARAMS, detect())
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn((1, K), generator=gen).bfloat16(), torch.randn((N, K), generator=gen).bfloat16()
+    ref, out = torch.empty(1, N, dtype=torch.bfloat16), torch.full((1, N), float("nan"), dtype=torch.bfloat16)
+    kernel((x, w), ref)
+    assert launch.bind(kernel, (x, w), out) is None
+    assert torch.equal(out, ref)  # bind() launched it the normal way
+    assert launch.bound(kernel) == (True, None)  # tried once, remembered: never recorded again
+
+
+def test_gemv_fast_path_is_bit_identical_and_counted_exactly(tmp_path: Path) -> None:
+    ops.load_tables(str(_table(tmp_path / "t.json", [("gemv", 1, N, K, GEMV_PARAMS)])))
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn((N, K), generator=gen).bfloat16()
+    xs = [torch.randn((1, K), generator=gen).bfloat16() for _ in range(3)]
+    kernel = backends.get("triton").build(Problem("gemv", "bf16", 1, N, K), GEMV_PARAMS, detect())
+    calls = 0
+    for x in xs:
+        ref = torch.empty(1, N, dtype=torch.bfloat16)
+        kernel((x, w), ref)
+        for _ in range(3):  # first call: resolve and route; then the route alone
+            y = torch.ops.tunekit.gemv(x, w, None)
+            calls += 1
+            assert torch.equal(y, ref)
+        y3 = torch.ops.tunekit.gemv(x.view(1, 1, K), w, None)  # another route, same decision
+        calls += 1
+        assert y3.shape == (1, 1, N) and torch.equal(y3.view(1, N), ref)
+    route = serving_gemv._ROUTES[(xs[0].shape, w.shape, w.dtype, w.dtype, w.device, w.device)]
+    assert route.choice.impl == "tuned:triton" and route.launcher is None and not route.bind
+    assert launch.bound(route.kernel) == (True, None)  # the fallback was taken, once
+    assert [(r["impl"], r["shape"], r["calls"]) for r in ops.dispatch_stats()] == [("tuned:triton", f"{N}x{K}", calls)]
+
+
+def test_routes_follow_table_reloads_and_strided_calls(tmp_path: Path) -> None:
+    gen = torch.Generator().manual_seed(2)
+    x, w = torch.randn((1, K), generator=gen).bfloat16(), torch.randn((N, K), generator=gen).bfloat16()
+    torch.ops.tunekit.gemv(x, w, None)  # no table: a vendor route
+    ops.load_tables(str(_table(tmp_path / "t.json", [("gemv", 1, N, K, GEMV_PARAMS)])))
+    torch.ops.tunekit.gemv(x, w, None)  # the cached route is stale: the new decision serves
+    wide = torch.randn((N, 2 * K), generator=gen).bfloat16()[:, ::2]  # W not unit-stride along K
+    assert torch.equal(torch.ops.tunekit.gemv(x, wide, None), F.linear(x, wide))
+    bias = torch.randn(N, generator=gen).bfloat16()
+    torch.ops.tunekit.gemv(x, w, bias)
+    rows = {(r["impl"], r["bias"]): r["calls"] for r in ops.dispatch_stats()}
+    assert rows == {("fallback:no_table", False): 1, ("tuned:triton", False): 1, ("fallback:strided", False): 1,
+                    ("tuned:triton", True): 1}
+
+
+def test_rms_norm_fast_path_is_bit_identical_and_counted_exactly(tmp_path: Path) -> None:
+    ops.load_tables(str(_table(tmp_path / "t.json", [("rms_norm", 2, 64, 64, NORM_PARAMS)])))
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn((2, 64), generator=gen).bfloat16(), torch.randn(64, generator=gen).bfloat16()
+    kernel = backends.get("triton").build(Problem("rms_norm", "bf16", 2, 64, 64), NORM_PARAMS, detect())
+    ref = torch.empty(2, 64, dtype=torch.bfloat16)
+    kernel((x, w), ref)
+    for _ in range(4):
+        assert torch.equal(torch.ops.tunekit.rms_norm(x, w, 1e-6), ref)
+    route = next(r for k, r in elementwise._EW_ROUTES.items() if k[0] == "rms_norm")
+    assert route.launcher is None and not route.bind
+    assert [(r["impl"], r["calls"]) for r in ops.dispatch_stats()] == [("tuned:triton", 4)]
+
+
+def test_counters_are_exact_across_threads_reads_and_resets() -> None:
+    from tunekit.serving.markers import counter
+
+    c = counter("gemv", "bf16", "8x8", 1, False, "fallback:no_table", False, "F.linear")
+    assert isinstance(c, CallCounter) and counter("gemv", "bf16", "8x8", 1, False, "fallback:no_table", False,
+                                                  "F.linear") is c
+
+    def work() -> None:
+        for _ in range(20000):
+            c.tick()
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for _ in range(50):  # settle while the threads tick: nothing is lost or counted twice
+        ops.dispatch_stats()
+    for t in threads:
+        t.join()
+    assert [r["calls"] for r in ops.dispatch_stats(reset=True)] == [80000]
+    c.tick()
+    saved = dict(STATE.stats)  # what prepare() does around its warm-up calls
+    c.tick()
+    c.tick()
+    STATE.stats = saved  # the warm-up's ticks are dropped with the counts they were added to
+    assert [r["calls"] for r in ops.dispatch_stats()] == [1]
+
+
+# (c) the facade ------------------------------------------------------------------------------------
+
+def test_ops_exposes_its_documented_api() -> None:
+    assert set(ops.__all__) >= {"covers", "dispatch_log", "dispatch_stats", "dtype_name", "gemv", "load_tables",
+                                "loaded_tables", "prepare", "reset_stats", "set_vendor_gemm",
+                                "set_vendor_elementwise", "clear_vendor_elementwise", "vendor_kernels",
+                                "write_dispatch_log"}
+    for name in ops.__all__:
+        value = getattr(ops, name)
+        if name.isupper():  # the vocabularies: DEFAULT_VENDOR, EAGER_VENDORS, FALLBACK_REASONS
+            assert isinstance(value, (str, dict)) and value, name
+        else:
+            assert callable(value), name
+    for op in ("gemv", "rms_norm", "gemma_rms_norm", "fused_add_rms_norm", "gemma_fused_add_rms_norm",
+               "gated_rms_norm", "silu_and_mul", "bias_gelu"):
+        assert callable(getattr(torch.ops.tunekit, op)), op
