@@ -1,0 +1,197 @@
+"""tunekit check-serving: CLI input errors, the pure judging / ratio logic, a tiny HF model on the CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_ops import _entry, make_table  # the sibling test module's table helpers (tests/ is on sys.path)
+
+from tunekit.errors import UserError
+from tunekit.evidence import serving
+from tunekit.evidence.hf_decode import layer_types
+
+REPO = Path(__file__).resolve().parents[1]
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+
+def _run(*args: str, **env: str) -> subprocess.CompletedProcess:
+    full = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO), **env)
+    return subprocess.run([sys.executable, "-m", "tunekit", "check-serving", *args], cwd=REPO, env=full,
+                          capture_output=True, text=True, timeout=300)
+
+
+# ----------------------------------------------------------------------------- CLI input
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--model", "gpt-2", "--tiny"], "unknown model 'gpt-2'"),
+        (["--table", "no/such/table.json", "--tiny"], "no such table: no/such/table.json"),
+        (["--layers", "0", "--tiny"], "--layers must be at least 1"),
+        (["--tol-factor", "0.5", "--tiny"], "--tol-factor must be a number >= 1"),
+        ([], "no GPU here"),  # TRITON_INTERPRET=1: nothing timed or graphed without --tiny
+    ],
+)
+def test_bad_input_is_one_error_line_and_exit_2(args: list[str], fragment: str) -> None:
+    res = _run(*args)
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], res.stderr
+    assert "Traceback" not in res.stderr and not res.stdout.strip()
+
+
+def test_corrupt_table_is_one_error_line(tmp_path: Path) -> None:
+    bad = tmp_path / "table.json"
+    bad.write_text("{not json")
+    res = _run("--tiny", "--table", str(bad))
+    assert res.returncode == 2 and res.stderr.startswith("error: table not usable") and res.stderr.count("\n") == 1
+
+
+def test_help_names_the_options() -> None:
+    res = _run("--help")
+    assert res.returncode == 0
+    for option in ("--model", "--table", "--layers", "--steps", "--out", "--tiny", "--rounds"):
+        assert option in res.stdout
+
+
+def test_validate_asks_for_a_gpu_unless_tiny() -> None:
+    serving.validate(serving.Settings(tiny=True, skip_model=True), cuda_available=False)
+    serving.validate(serving.Settings(skip_model=True), cuda_available=True)
+    with pytest.raises(UserError, match="no GPU"):
+        serving.validate(serving.Settings(skip_model=True), cuda_available=False)
+    with pytest.raises(UserError, match="no GPU"):
+        serving.validate(serving.Settings(skip_model=True, device="cpu"), cuda_available=True)
+
+
+# ----------------------------------------------------------------------------- pure logic
+
+
+def test_timing_summary_medians_and_same_run_ratios() -> None:
+    times = {
+        "eager_unpatched": [[10.0, 10.0, 12.0], [20.0, 20.0, 20.0]],  # round 2 twice as slow (clock change)
+        "eager_patched": [[8.0, 8.0, 9.0], [16.0, 16.0, 16.0]],
+        "graphed_unpatched": [[2.0, 2.0, 2.0], [4.0, 4.0, 4.0]],
+        "graphed_patched": [[1.6, 1.6, 1.6], [4.0, 4.0, 4.0]],
+    }
+    s = serving.timing_summary(times)
+    assert s["variants"]["eager_unpatched"]["median_ms"] == 16.0  # over all six steps
+    assert s["variants"]["eager_unpatched"]["round_medians_ms"] == [10.0, 20.0]
+    eager = s["ratios"]["patched_speedup_eager"]
+    assert eager["per_round"] == [10.0 / 8.0, 20.0 / 16.0] and eager["median"] == pytest.approx(1.25)
+    graphed = s["ratios"]["patched_speedup_graphed"]
+    assert graphed["per_round"] == pytest.approx([1.25, 1.0]) and graphed["median"] == pytest.approx(1.125)
+    assert (graphed["min"], graphed["max"]) == pytest.approx((1.0, 1.25))
+    assert s["ratios"]["graph_speedup_unpatched"]["median"] == pytest.approx(5.0)
+    assert set(s["ratios"]) == set(serving.RATIOS)
+
+
+def test_timing_summary_without_the_graphed_variants_and_with_uneven_rounds() -> None:
+    s = serving.timing_summary({"eager_unpatched": [[2.0]], "eager_patched": [[4.0]]})
+    assert set(s["ratios"]) == {"patched_speedup_eager"} and s["ratios"]["patched_speedup_eager"]["median"] == 0.5
+    with pytest.raises(ValueError, match="rounds"):
+        serving.timing_summary({"eager_unpatched": [[2.0], [2.0]], "eager_patched": [[4.0]]})
+
+
+def _run_of(rows: list[list[float]]) -> dict:
+    logits = [torch.tensor(r) for r in rows]
+    return {"logits": logits, "tokens": [int(t.argmax()) for t in logits]}
+
+
+def test_agreement_equal_runs_pass() -> None:
+    base = _run_of([[0.0, 1.0, 5.0, 2.0], [3.0, 0.0, 1.0, 0.5]])
+    fp32 = _run_of([[0.0, 1.0, 5.01, 2.0], [3.01, 0.0, 1.0, 0.5]])
+    result = serving.compare_logits(base, base, fp32, tol_factor=2.0, rel_tol_fallback=0.25)
+    assert result["ok"] and result["max_abs_diff"] == 0.0 and result["tol_abs"] == pytest.approx(3 * 0.01, rel=1e-3)
+    verdict = serving.tokens_verdict(result["steps"], result["tol_abs"])
+    assert verdict == {"steps": 2, "agree": 2, "tokens_equal": True, "differing_steps": [], "ok": True}
+
+
+def test_agreement_near_tie_flip_passes_and_a_real_flip_fails() -> None:
+    base = _run_of([[0.0, 2.0, 2.02, 1.0], [4.0, 0.0, 1.0, 0.0]])  # step 0: top-2 gap 0.02
+    fp32 = _run_of([[0.0, 2.0, 2.05, 1.0], [4.05, 0.0, 1.0, 0.0]])  # max |unpatched - fp32| 0.05
+    near = _run_of([[0.0, 2.03, 2.01, 1.0], [4.0, 0.0, 1.0, 0.0]])  # moves two logits by 0.03 / 0.01
+    result = serving.compare_logits(base, near, fp32, tol_factor=2.0, rel_tol_fallback=0.25)
+    verdict = serving.tokens_verdict(result["steps"], result["tol_abs"])
+    assert verdict["differing_steps"] == [0] and verdict["ok"] and not verdict["tokens_equal"]
+    assert result["steps"][0]["near_tie"]
+    far = _run_of([[0.0, 2.0, 2.02, 1.0], [0.0, 0.0, 1.0, 5.0]])  # step 1: a clear winner replaced
+    result = serving.compare_logits(base, far, fp32, tol_factor=2.0, rel_tol_fallback=0.25)
+    verdict = serving.tokens_verdict(result["steps"], result["tol_abs"])
+    assert verdict["differing_steps"] == [1] and not verdict["ok"] and not result["ok"]
+    assert result["steps"][1]["near_tie"] is False
+
+
+def test_agreement_without_fp32_uses_the_relative_tolerance() -> None:
+    base = _run_of([[0.0, 1.0, 2.0, 3.0]])
+    off = _run_of([[0.0, 1.0, 2.0, 3.5]])
+    std = float(base["logits"][0].std())
+    assert serving.compare_logits(base, off, None, 2.0, rel_tol_fallback=0.5 / std + 1e-6)["ok"]
+    assert not serving.compare_logits(base, off, None, 2.0, rel_tol_fallback=0.5 / std - 1e-3)["ok"]
+
+
+def test_dispatch_classification_fails_broken_paths_only() -> None:
+    rows = [
+        {"op": "gemv", "shape": "256x128", "m": 1, "impl": "tuned:triton", "calls": 5},
+        {"op": "gemv", "shape": "256x128", "m": 1, "impl": "tuned:triton", "calls": 1, "counted_at": "capture"},
+        {"op": "gemv", "shape": "128x256", "m": 8, "impl": "fallback:m_above_table", "calls": 2},
+        {"op": "rms_norm", "shape": "128x128", "m": 1, "impl": "fallback:no_table", "calls": 3},
+        {"op": "gemv", "shape": "64x128", "m": 1, "impl": "fallback:not_built_at_capture", "calls": 1,
+         "counted_at": "capture"},
+    ]
+    c = serving.classify_dispatch(rows)
+    assert (c["tuned_calls"], c["calls"]) == (6, 12)
+    assert c["broken"] == ["gemv 64x128 m=1: fallback:not_built_at_capture (at capture) x1"]
+    assert c["uncovered"] == ["gemv 128x256 m=8: fallback:m_above_table x2"]
+    assert c["vendor"] == ["rms_norm 128x128 m=1: fallback:no_table x3"]
+    assert c["grouped"]["gemv 256x128 m=1"] == {"tuned:triton": 5, "tuned:triton (at capture)": 1}
+
+
+def test_layer_types_keep_the_pattern_and_add_full_attention() -> None:
+    pattern = ["linear_attention"] * 3 + ["full_attention"]
+    assert layer_types(pattern, 2) == ["linear_attention", "full_attention"]
+    assert layer_types(pattern, 4) == pattern
+    assert layer_types(pattern, 6) == pattern + ["linear_attention", "linear_attention"]
+
+
+# ----------------------------------------------------------------------------- tiny HF model, CPU
+
+
+@pytest.mark.usefixtures("clean_ops")
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
+@pytest.mark.parametrize("model", ["qwen3.5-27b", "llama-3.1-8b"])
+def test_tiny_model_patched_agrees_with_unpatched_on_the_cpu(tmp_path: Path, model: str) -> None:
+    # The tiny model's lm_head (256x128) and down_proj (128x256) at M=1, served by the interpreted kernel.
+    # Few large programs: the interpreter's cost is per program.
+    params = {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1}
+    table = make_table(tmp_path / "t.json", [_entry("gemv", 1, 256, 128, params=params),
+                                             _entry("gemv", 1, 128, 256, params=params)])
+    settings = serving.Settings(model=model, tables=[str(table)], layers=2, steps=3, prompt_len=4, tiny=True,
+                                device="cpu", skip_ops=True, out=str(tmp_path / "out"))
+    serving.validate(settings, cuda_available=False)
+    lines: list[str] = []
+    results = serving.run_check(settings, log=lines.append, argv=["test"])
+    assert results["failures"] == 0, "\n".join(lines)
+    m = results["model"]
+    eager = m["comparison"]["eager_patched"]
+    assert eager["ok"] and eager["tokens"]["ok"] and 0 < eager["max_abs_diff"] <= eager["tol_abs"]
+    assert len(m["patched_tokens"]) == 3 and eager["tokens"]["steps"] == 3
+    for row in eager["steps"]:  # a differing greedy token only as a judged near tie
+        assert row["token_patched"] == row["token_unpatched"] or row["near_tie"]
+    decode = m["dispatch_decode"]["grouped"]
+    for key in ("gemv 256x128 m=1", "gemv 128x256 m=1"):  # every decode call of the tabulated shapes is tuned
+        assert set(decode[key]) == {"tuned:triton"} and decode[key]["tuned:triton"] % 2 == 0  # 2 decode forwards
+    assert m["unpatch_bitwise_equal"] and m["unpatch_restored"] > 0
+    statuses = {c["check"]: c["status"] for c in results["checks"]}
+    assert statuses["model graphed decode"] == "SKIP" and statuses["model timing"] == "SKIP"
+    written = json.loads((tmp_path / "out" / "serving_check.json").read_text())
+    assert written["format"] == serving.FORMAT and written["settings"]["model"] == model
+    assert written["failures"] == 0 and not math.isnan(written["model"]["comparison"]["eager_patched"]["rms_diff"])
