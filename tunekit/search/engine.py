@@ -35,7 +35,6 @@ import json
 import math
 import os
 import signal
-import socket
 import threading
 import time
 import warnings
@@ -50,6 +49,7 @@ from optuna.trial import TrialState
 
 from tunekit import backends as backend_registry
 from tunekit.errors import UserError
+from tunekit.search import fleet
 from tunekit.search.worker import DEFAULT_TIMEOUT_S, Worker
 from tunekit.shapes import Problem
 
@@ -86,6 +86,7 @@ class SearchConfig:
     trial_timeout_s: float = DEFAULT_TIMEOUT_S
     command: str = ""
     model: str | None = None
+    gpus: str | None = None  # --gpus: None (one worker), "all" or "0,1"
 
 
 @dataclass
@@ -110,6 +111,8 @@ class SearchOutcome:
     trials_path: Path | None = None
     probe: dict[str, Any] = field(default_factory=dict)
     device: dict[str, Any] = field(default_factory=dict)
+    #: workers, GPUs and hosts whose trials the run's studies hold (fleet.participants)
+    participants: dict[str, Any] = field(default_factory=dict)
 
 
 def storage_url(out_dir: Path, storage: str | None) -> str:
@@ -127,7 +130,8 @@ def _params_key(params: dict[str, Any]) -> str:
 def _make_sampler(name: str, space_domains: dict[str, list[Any]], seed: int) -> optuna.samplers.BaseSampler:
     if name == "tpe":
         # multivariate: the tunables interact (tile size x warps x split).
-        return optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=8)
+        # constant_liar: trials in flight in other workers count as bad, so parallel workers spread out
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=8, constant_liar=True)
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if name == "grid":
@@ -141,6 +145,8 @@ class _Progress:
     def __init__(self, enabled: bool, log: Callable[[str], None] = print) -> None:
         self._progress = None
         self._log = log
+        self._lock = threading.Lock()
+        self._tasks: dict[str, Any] = {}
         if enabled:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -151,13 +157,17 @@ class _Progress:
             self._progress.start()
 
     def add(self, description: str, total: int, done: int) -> Any:
+        """The task of one study (one line however many workers run its trials)."""
         if self._progress is None:
             return None
-        return self._progress.add_task(description, total=total, completed=done, best="")
+        with self._lock:
+            if description not in self._tasks:
+                self._tasks[description] = self._progress.add_task(description, total=total, completed=done, best="")
+            return self._tasks[description]
 
-    def update(self, task: Any, advance: int = 0, best: str = "") -> None:
+    def update(self, task: Any, completed: int, best: str = "") -> None:
         if self._progress is not None and task is not None:
-            self._progress.update(task, advance=advance, best=best)
+            self._progress.update(task, completed=completed, best=best)
 
     def log(self, message: str) -> None:
         if self._progress is not None:
@@ -187,19 +197,19 @@ def open_storage(url: str) -> optuna.storages.RDBStorage:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                return optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_S, grace_period=STALE_AFTER_S,
-                                                  **kwargs)
+                interval, grace = fleet.heartbeat_settings(HEARTBEAT_S, STALE_AFTER_S)
+                return optuna.storages.RDBStorage(url, heartbeat_interval=interval, grace_period=grace, **kwargs)
         except Exception as exc:  # bad URL, unreachable DB, missing driver
             error = exc
             time.sleep(0.5)
-    raise UserError(f"cannot open storage {url}: {error}") from None
+    raise UserError(f"cannot open storage {fleet.redact(url)}: {error}") from None
 
 
 def run_search(cfg: SearchConfig, progress: bool = True, log: Callable[[str], None] = print) -> SearchOutcome:
     """Run (or resume) the search described by ``cfg``; see the module docstring.
 
     Holds the run folder's lock throughout. When the run stops early (Ctrl-C,
-    an error), the trial in flight is recorded as interrupted and trials.csv
+    an error), the trials in flight are recorded as interrupted and trials.csv
     is written from the storage before the exception goes on.
     """
     from tunekit.search import results
@@ -210,17 +220,21 @@ def run_search(cfg: SearchConfig, progress: bool = True, log: Callable[[str], No
         raise UserError("--trials must be at least 1")
     if not (math.isfinite(cfg.min_gain) and cfg.min_gain >= 0):
         raise UserError(f"--min-gain must be a number >= 0 (got {cfg.min_gain}); 0.01 asks a 1% gain")
+    slots = fleet.parse_gpus(cfg.gpus, fleet.visible_gpu_count(), os.environ.get("TRITON_INTERPRET") == "1")
+    fleet.heartbeat_settings(HEARTBEAT_S, STALE_AFTER_S)  # a bad setting fails before anything starts
     results.make_run_dir(cfg.out_dir)
     url = storage_url(cfg.out_dir, cfg.storage)
     with results.RunLock(cfg.out_dir, cfg.command):
         storage = open_storage(url)
         results.check_trials_kept(cfg.out_dir, _stored_trials(storage), url)
         outcome = SearchOutcome(run_dir=cfg.out_dir)
-        live = _Liveness(storage)
+        run = _Run(cfg=cfg, storage=storage, url=url, outcome=outcome, started=time.monotonic())
         try:
-            return _run_locked(cfg, storage, url, live, outcome, progress, log)
+            return _run_locked(run, slots, progress, log)
         except BaseException as exc:
-            live.fail_current(f"interrupted (the search process stopped: {type(exc).__name__})")
+            run.stop.set()
+            for ctx in run.contexts:
+                ctx.live.fail_current(f"interrupted (the search process stopped: {type(exc).__name__})")
             if outcome.device and outcome.trials_path is None:
                 try:  # the finished trials are in the storage; the csv too, where that still works
                     results.write_trials(cfg.out_dir, storage, cfg, outcome.device, outcome.probe)
@@ -228,30 +242,85 @@ def run_search(cfg: SearchConfig, progress: bool = True, log: Callable[[str], No
                     pass
             raise
         finally:
-            live.close()
+            for ctx in run.contexts:
+                ctx.live.close()
 
 
 def _stored_trials(storage: optuna.storages.BaseStorage) -> int:
     return sum(s.n_trials for s in optuna.get_all_study_summaries(storage, include_best_trial=False))
 
 
-def _run_locked(cfg: SearchConfig, storage, url: str, live: _Liveness, outcome: SearchOutcome, progress: bool,
-                log: Callable[[str], None]) -> SearchOutcome:
+@dataclass
+class _WorkerContext:
+    """One worker of this process: its device process, liveness and identity."""
+
+    index: int
+    slot: fleet.Slot
+    worker: Worker
+    live: _Liveness
+    device: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Run:
+    """What the workers of one search share (threads of this process)."""
+
+    cfg: SearchConfig
+    storage: Any
+    url: str
+    outcome: SearchOutcome
+    started: float
+    contexts: list[_WorkerContext] = field(default_factory=list)
+    usable: list[str] = field(default_factory=list)
+    extra: list[str] = field(default_factory=list)
+    stamp: str = ""
+    stamp_text: str = ""
+    bar: Any = None
+    stop: threading.Event = field(default_factory=threading.Event)
+    errors: list[BaseException] = field(default_factory=list)
+    finals: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def device(self) -> dict[str, Any]:
+        return self.outcome.device
+
+    @property
+    def probe(self) -> dict[str, Any]:
+        return self.outcome.probe
+
+
+def _run_locked(run: _Run, slots: Sequence[fleet.Slot], progress: bool, log: Callable[[str], None]) -> SearchOutcome:
     from tunekit import table as table_mod
     from tunekit.search import results
 
+    cfg, outcome = run.cfg, run.outcome
     out_dir = cfg.out_dir
-    started = time.monotonic()
-    with Worker() as worker:
-        reply = worker.call({"kind": "device"})
-        if reply["status"] != "ok":
-            raise UserError(f"the worker could not start: {reply.get('error')}")
-        device = reply["device"]
+    host, pid = fleet.host_name(), os.getpid()
+    try:
+        for index, slot in enumerate(slots):
+            worker = Worker(env=slot.env)
+            run.contexts.append(_WorkerContext(index, slot, worker, _Liveness(run.storage, f"{host}:{pid}:{slot.label}")))
+        for ctx in run.contexts:
+            reply = ctx.worker.call({"kind": "device"})
+            if reply["status"] != "ok":
+                raise UserError(f"the worker ({ctx.slot.label}) could not start: {reply.get('error')}")
+            ctx.device = reply["device"]
+        device = run.contexts[0].device
         outcome.device = device
-        usable = _usable_backends(cfg.backends, device)
+        run.usable = _usable_backends(cfg.backends, device)
+        run.stamp, run.stamp_text = fleet.device_stamp(table_mod.environment_stamp(device, run.usable))
+        for ctx in run.contexts[1:]:
+            stamp, text = fleet.device_stamp(table_mod.environment_stamp(ctx.device, run.usable))
+            if stamp != run.stamp:
+                raise UserError(f"--gpus: {ctx.slot.label} is {text}, {run.contexts[0].slot.label} is {run.stamp_text}: "
+                                "one device model per table; run one search per model")
+        for ctx in run.contexts:
+            ctx.live.stamp = run.stamp
         log(f"device: {device['name']} ({device['arch']}, {device['cu_count']} CUs, "
-            f"wave {device['wave_size']}, L2 {device['l2_bytes'] >> 20} MiB); backends: {', '.join(usable)}")
-        reply = worker.call({"kind": "probe"}, timeout=600)
+            f"wave {device['wave_size']}, L2 {device['l2_bytes'] >> 20} MiB); backends: {', '.join(run.usable)}"
+            + (f"; {len(slots)} workers ({', '.join(s.label for s in slots)})" if len(slots) > 1 else ""))
+        reply = run.contexts[0].worker.call({"kind": "probe"}, timeout=600)
         if reply["status"] != "ok":
             raise UserError(f"bandwidth probe failed: {reply.get('error')}")
         probe = reply["probe"]
@@ -262,36 +331,195 @@ def _run_locked(cfg: SearchConfig, storage, url: str, live: _Liveness, outcome: 
         else:
             log(f"read-bandwidth limit: {probe['read_gbps']:.0f} GB/s (copy {probe['copy_gbps']:.0f} GB/s, "
                 f"{probe['kind']} timing)")
-        results.write_run_json(out_dir, cfg, url, device, probe, usable)
-        extra = _extra_baselines(cfg.problems, device, log)
+        results.write_run_json(out_dir, cfg, run.url, device, probe, run.usable)
+        run.extra = _extra_baselines(cfg.problems, device, log)
 
-        bar = _Progress(progress, log)
+        run.bar = _Progress(progress, log)
         try:
-            studies = [(problem, backend) for problem in cfg.problems for backend in usable]
-            for index, (problem, backend) in enumerate(studies):
-                share = None
-                if cfg.timeout_s is not None:
-                    # split what is left evenly over the studies still to run, so
-                    # a budget cut never starves the last problems
-                    remaining = cfg.timeout_s - (time.monotonic() - started)
-                    share = remaining / (len(studies) - index)
-                stats = _run_study(cfg, storage, worker, device, probe, problem, backend, bar, share, live)
-                outcome.stats.append(stats)
-            for problem in cfg.problems:
-                outcome.final_rows.extend(
-                    _final_remeasure(cfg, storage, worker, device, probe, problem, usable, bar, extra)
-                )
+            if len(run.contexts) == 1:
+                _worker_main(run, run.contexts[0])  # in this thread: Ctrl-C stays deferred around each ask
+            else:
+                _run_threads(run)
         finally:
-            bar.stop()
+            run.bar.stop()
+    finally:
+        for ctx in run.contexts:
+            ctx.worker.close()
 
-    outcome.trials_path = results.write_trials(out_dir, storage, cfg, device, probe)
+    for problem in cfg.problems:
+        outcome.final_rows.extend(run.finals.get(problem.key, []))
+    outcome.stats = _merged_stats(outcome.stats)
+    names = [study_name(device["arch"], p, b, cfg.numerics) for p in cfg.problems for b in run.usable]
+    outcome.participants = fleet.participants(run.storage, names) | {
+        "here": {"host": fleet.host_name(), "workers": [ctx.slot.label for ctx in run.contexts]}}
+    part = outcome.participants
+    log(f"workers: {len(run.contexts)} here ({', '.join(ctx.slot.label for ctx in run.contexts)}); "
+        f"the storage's trials of these studies were measured by {part['workers']} worker(s) on "
+        f"{part['gpus']} GPU(s) of {part['hosts']} host(s)")
+    results.write_run_json(out_dir, cfg, run.url, device, probe, run.usable, participants=outcome.participants)
+    outcome.trials_path = results.write_trials(out_dir, run.storage, cfg, device, probe)
     if outcome.trials_path.name != "trials.csv":
         log(f"warning: {out_dir / 'trials.csv'} lists more trials than this storage holds for {device['arch']}; "
             f"kept as it is, this run's trials are in {outcome.trials_path}")
     results.write_final(out_dir, outcome.final_rows)
-    table = table_mod.build_table(outcome.final_rows, device, probe, cfg.min_gain, usable)
+    table = table_mod.build_table(outcome.final_rows, device, probe, cfg.min_gain, run.usable)
     outcome.table_path = table_mod.save(table, out_dir / "table.json")
     return outcome
+
+
+def _run_threads(run: _Run) -> None:
+    """One thread per worker (each drives its own device process); the first error stops all."""
+
+    def main(ctx: _WorkerContext) -> None:
+        try:
+            _worker_main(run, ctx)
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+            with run.lock:
+                run.errors.append(exc)
+            run.stop.set()
+
+    threads = [threading.Thread(target=main, args=(ctx,), name=f"tunekit-{ctx.slot.label}", daemon=True)
+               for ctx in run.contexts]
+    for thread in threads:
+        thread.start()
+    try:
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(timeout=0.2)
+    except BaseException:
+        run.stop.set()
+        for ctx in run.contexts:  # a trial in flight returns at once (its worker is gone)
+            ctx.worker.close()
+        for thread in threads:
+            thread.join(timeout=30)
+        raise
+    if run.errors:
+        raise run.errors[0]
+
+
+def _worker_main(run: _Run, ctx: _WorkerContext) -> None:
+    """Trials of every study that still needs some, then the final re-measures no one has claimed."""
+    studies = [(problem, backend) for problem in run.cfg.problems for backend in run.usable]
+    _trial_phase(run, ctx, _rotated(studies, ctx.index, len(run.contexts)))
+    if not run.stop.is_set():
+        _final_phase(run, ctx, _rotated(list(run.cfg.problems), ctx.index, len(run.contexts)))
+
+
+def _rotated(items: list, index: int, count: int) -> list:
+    """Workers start at different places of the queue, so they rarely meet in one study."""
+    shift = index * len(items) // max(count, 1)
+    return items[shift:] + items[:shift]
+
+
+def _merged_stats(stats: list[StudyStats]) -> list[StudyStats]:
+    """One row per study: the counts of every worker of this process that ran trials in it."""
+    merged: dict[tuple, StudyStats] = {}
+    for s in stats:
+        key = (s.problem.key, s.backend)
+        if key not in merged:
+            merged[key] = s
+            continue
+        m = merged[key]
+        m.measured_before = min(m.measured_before, s.measured_before)
+        for name in ("measured_now", "ok", "failed", "invalid", "duplicates"):
+            setattr(m, name, getattr(m, name) + getattr(s, name))
+        bests = [b for b in (m.best_us, s.best_us) if b is not None]
+        m.best_us = min(bests) if bests else None
+    return list(merged.values())
+
+
+def _trial_phase(run: _Run, ctx: _WorkerContext, studies: list[tuple[Problem, str]]) -> None:
+    """Run trials wherever the storage says a study needs some; wait while the rest is in flight elsewhere
+    (a worker that dies there has its trial failed by the heartbeat, and the study needs work again)."""
+    cfg = run.cfg
+    opened: dict[tuple[str, str], _OpenStudy] = {}
+    pending = list(studies)
+    while pending and not run.stop.is_set():
+        waiting = []
+        for index, (problem, backend) in enumerate(pending):
+            if run.stop.is_set():
+                return
+            share = None
+            if cfg.timeout_s is not None:
+                # split what is left evenly over the studies still to run, so
+                # a budget cut never starves the last problems
+                remaining = cfg.timeout_s - (time.monotonic() - run.started)
+                share = remaining / (len(pending) - index)
+            key = (problem.key, backend)
+            if key not in opened:
+                opened[key] = _open_study(run, problem, backend)
+                with run.lock:
+                    run.outcome.stats.append(opened[key].stats)
+            if _run_trials(run, ctx, opened[key], share) == "elsewhere":
+                waiting.append((problem, backend))
+        pending = waiting
+        if pending:
+            time.sleep(fleet.POLL_S)
+
+
+def _final_phase(run: _Run, ctx: _WorkerContext, problems: list[Problem]) -> None:
+    """Every problem's final re-measure: claimed and run here, or read once another worker stored it."""
+    pending = list(problems)
+    while pending and not run.stop.is_set():
+        for problem in list(pending):
+            if run.stop.is_set():
+                return
+            rows = _final_step(run, ctx, problem)
+            if rows is not None:
+                with run.lock:
+                    run.finals[problem.key] = rows
+                pending.remove(problem)
+        if pending:
+            time.sleep(fleet.POLL_S)
+
+
+def _final_step(run: _Run, ctx: _WorkerContext, problem: Problem) -> list[dict[str, Any]] | None:
+    """The problem's final rows if stored (or measured now under this worker's claim); None: not yet."""
+    cfg, storage = run.cfg, run.storage
+    candidates = _final_candidates(run, problem)
+    name = fleet.final_study_name(run.device["arch"], problem.key, cfg.numerics, candidates)
+    study = _retrying(lambda: optuna.create_study(study_name=name, storage=storage, direction="minimize",
+                                                  load_if_exists=True))
+    _fail_dead_trials(study, storage)
+    stored = fleet.final_result(study)
+    if stored is not None:
+        return stored["rows"]
+    if study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        return None  # claimed by a live worker
+    for backend in run.usable:  # tuning trials of this problem still in flight elsewhere: they may change the top
+        tuning = optuna.load_study(study_name=study_name(run.device["arch"], problem, backend, cfg.numerics),
+                                   storage=storage)
+        _fail_dead_trials(tuning, storage)
+        if tuning.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            return None
+    with _stops_deferred(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
+        trial = study.ask()
+        ctx.live.begin(trial)
+    if not fleet.holds_claim(study, trial.number):
+        trial.set_user_attr("status", "claim_lost")
+        _tell(study, trial, state=TrialState.PRUNED)
+        ctx.live.end()
+        return None
+    rows = _final_remeasure(run, ctx, problem, candidates)
+    for key, value in (("rows", rows), ("device", ctx.device), ("probe", run.probe), ("backends", run.usable)):
+        trial.set_user_attr(key, json.dumps(value))
+    trial.set_user_attr("status", "ok" if rows else "fail")
+    _tell(study, trial, min((r["time_us"] for r in rows), default=0.0))
+    ctx.live.end()
+    return rows
+
+
+def _retrying(action: Callable[[], Any], attempts: int = 5) -> Any:
+    """A storage write that another worker may race (creating one study or attribute at once): retry."""
+    for attempt in range(attempts):
+        try:
+            return action()
+        except (optuna.exceptions.StorageInternalError, optuna.exceptions.DuplicatedStudyError):
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 def _usable_backends(requested: Sequence[str], device: dict[str, Any]) -> list[str]:
@@ -349,9 +577,12 @@ class _Liveness:
     in flight as interrupted when the run stops.
     """
 
-    def __init__(self, storage) -> None:
+    def __init__(self, storage, worker: str) -> None:
         self.storage = storage
-        self.owner = f"{socket.gethostname()}:{os.getpid()}"
+        self.owner = f"{fleet.host_name()}:{os.getpid()}"
+        self.worker = worker  # host:pid:slot
+        self.stamp = ""  # the device stamp, once the worker has described its device
+        self.interval = getattr(storage, "heartbeat_interval", None) or HEARTBEAT_S
         self._trial_id: int | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -360,6 +591,9 @@ class _Liveness:
 
     def begin(self, trial: optuna.Trial) -> None:
         trial.set_user_attr("owner", self.owner)
+        trial.set_user_attr("worker", self.worker)
+        if self.stamp:
+            trial.set_user_attr("stamp", self.stamp)
         with self._lock:
             self._trial_id = trial._trial_id
         self.storage.record_heartbeat(trial._trial_id)
@@ -379,7 +613,7 @@ class _Liveness:
         self._thread.join(timeout=5)
 
     def _beat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
+        while not self._stop.wait(self.interval):
             with self._lock:
                 trial_id = self._trial_id
             if trial_id is not None:
@@ -444,12 +678,13 @@ def _fail_dead_trials(study: optuna.Study, storage) -> None:
     """
     import datetime as _dt
 
-    host, now = socket.gethostname(), _dt.datetime.now()
+    host, now = fleet.host_name(), _dt.datetime.now()
+    grace = getattr(storage, "grace_period", None) or STALE_AFTER_S
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         owner = trial.user_attrs.get("owner")
         if owner is None:
             started = trial.datetime_start
-            if started is not None and (now - started).total_seconds() < STALE_AFTER_S:
+            if started is not None and (now - started).total_seconds() < grace:
                 continue
         else:
             owner_host, _, pid = str(owner).rpartition(":")
@@ -463,8 +698,24 @@ def _fail_dead_trials(study: optuna.Study, storage) -> None:
         optuna.storages.fail_stale_trials(study)
 
 
-def _run_study(cfg, storage, worker, device, probe, problem, backend_name, bar, remaining_s,
-               live: _Liveness) -> StudyStats:
+@dataclass
+class _OpenStudy:
+    """A study opened by one worker: its sampler, pruned domains and counts (opened once per worker)."""
+
+    study: optuna.Study
+    name: str
+    backend: Any
+    fixed: dict[str, Any]
+    distributions: dict[str, CategoricalDistribution]
+    wanted: int
+    stats: StudyStats
+    task: Any
+    emptied: list[str]
+    attempts: int = 0
+
+
+def _open_study(run: _Run, problem: Problem, backend_name: str) -> _OpenStudy:
+    cfg, storage, device, bar = run.cfg, run.storage, run.device, run.bar
     backend = backend_registry.get(backend_name)
     space = backend.space(problem)
     stats = StudyStats(problem=problem, backend=backend_name)
@@ -488,11 +739,12 @@ def _run_study(cfg, storage, worker, device, probe, problem, backend_name, bar, 
             if not domains[key]:
                 emptied.append(f"{key}={','.join(allowed)}")
     sampler = _make_sampler(cfg.sampler, domains, cfg.seed)
-    study = optuna.create_study(study_name=name, storage=storage, sampler=sampler, direction="minimize",
-                                load_if_exists=True)
-    study.set_user_attr("problem", problem.as_dict())
-    study.set_user_attr("backend", backend_name)
-    study.set_user_attr("numerics", cfg.numerics)
+    study = _retrying(lambda: optuna.create_study(study_name=name, storage=storage, sampler=sampler,
+                                                  direction="minimize", load_if_exists=True))
+    fleet.check_study_stamp(study, run.stamp, run.stamp_text, run.url)
+    for key, value in (("problem", problem.as_dict()), ("backend", backend_name), ("numerics", cfg.numerics)):
+        if study.user_attrs.get(key) != value:
+            _retrying(lambda key=key, value=value: study.set_user_attr(key, value))
     source = backend.source_hash()
     previous_source = study.user_attrs.get("source_hash")
     if previous_source and previous_source != source:
@@ -500,20 +752,22 @@ def _run_study(cfg, storage, worker, device, probe, problem, backend_name, bar, 
         bar.log(f"warning: {name}: the {backend_name} kernel sources changed since this study's "
                 f"trials ran ({previous_source} -> {source}); they are kept, not re-measured "
                 "(use a new --out to start over)")
-    study.set_user_attr("source_hash", source)
+    if previous_source != source:
+        _retrying(lambda: study.set_user_attr("source_hash", source))
     _fail_dead_trials(study, storage)
+    # an emptied domain: no distribution (Optuna refuses one without choices), no trial
+    distributions = {} if emptied else {k: CategoricalDistribution(v) for k, v in domains.items()}
+    wanted = cfg.trials if domains else 1
+    measured = len(_trial_index(study, "")[0])
+    stats.measured_before = measured
+    opened = _OpenStudy(study, name, backend, dict(space.fixed), distributions, wanted, stats,
+                        bar.add(f"{problem.op} m{problem.m} {problem.n}x{problem.k} {backend_name}", wanted,
+                                min(measured, wanted)), emptied)
     if emptied:
         # the study exists (the final re-measure reads it) but gets no new trial
         bar.log(f"{name}: --restrict {' '.join(emptied)} leaves no valid value for this problem; no new trials")
         stats.best_us = _best_us(study)
-        return stats
-
-    seen: dict[str, Any] = {}
-    for trial in study.get_trials(deepcopy=False):
-        if trial.user_attrs.get("measured"):
-            seen.setdefault(_params_key(trial.params), trial)
-    measured = len(seen)
-    stats.measured_before = measured
+        return opened
     if not study.get_trials(deepcopy=False):
         default = dict(space.fixed) | dict(space.default)
         reason = backend.invalid_reason(problem, default)
@@ -533,66 +787,99 @@ def _run_study(cfg, storage, worker, device, probe, problem, backend_name, bar, 
             study.enqueue_trial(params)
         for params in _warm_start(storage, name, backend_name, problem, domains, fill, cfg.warm_start, pinned):
             study.enqueue_trial(params)
-    distributions = {k: CategoricalDistribution(v) for k, v in domains.items()}
-    wanted = cfg.trials if domains else 1
-    task = bar.add(f"{problem.op} m{problem.m} {problem.n}x{problem.k} {backend_name}", wanted, min(measured, wanted))
-    attempts = 0
+    return opened
+
+
+def _trial_index(study: optuna.Study, me: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(params key -> first measured trial, params key -> lowest-numbered trial of another worker in flight)."""
+    seen: dict[str, Any] = {}
+    inflight: dict[str, Any] = {}
+    for trial in study.get_trials(deepcopy=False):
+        if trial.user_attrs.get("measured"):
+            seen.setdefault(_params_key(trial.params), trial)
+        elif trial.state == TrialState.RUNNING and trial.params and trial.user_attrs.get("worker") != me:
+            inflight.setdefault(_params_key(trial.params), trial)
+    return seen, {k: t for k, t in inflight.items() if k not in seen}
+
+
+def _run_trials(run: _Run, ctx: _WorkerContext, st: _OpenStudy, remaining_s: float | None) -> str:
+    """Trials of one study until the storage holds ``wanted`` measured ones: "done", or "elsewhere" when
+    the rest are in flight in other workers (the caller comes back: one of them may die)."""
+    if st.emptied:
+        return "done"
+    study, stats, live, bar = st.study, st.stats, ctx.live, run.bar
+    problem = stats.problem
+    _fail_dead_trials(study, run.storage)
     deadline = None if remaining_s is None else time.monotonic() + max(remaining_s, 0.0)
-    while measured < wanted and attempts < wanted * MAX_ATTEMPTS_PER_TRIAL:
-        live.end()  # the previous trial is told
-        if deadline is not None and time.monotonic() > deadline:
-            bar.log(f"--timeout reached: {name} stops at {measured} measured trials")
-            break
-        if isinstance(study.sampler, optuna.samplers.GridSampler) and study.sampler.is_exhausted(study):
-            break
-        attempts += 1
-        with _stops_deferred(), warnings.catch_warnings():
-            # ask/tell, not optimize(): the heartbeat is this module's (_Liveness)
-            warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
-            trial = study.ask(distributions)
-            live.begin(trial)
-        params = dict(space.fixed) | dict(trial.params)
-        key = _params_key(trial.params)
-        if key in seen:
-            previous = seen[key]
-            trial.set_user_attr("status", "duplicate")
-            trial.set_user_attr("duplicate_of", previous.number)
-            stats.duplicates += 1
-            if previous.state == TrialState.COMPLETE:
-                _tell(study, trial, previous.value)
-            else:
+    try:
+        while not run.stop.is_set():
+            live.end()  # the previous trial is told
+            seen, inflight = _trial_index(study, live.worker)
+            measured = len(seen)
+            if measured >= st.wanted or study.user_attrs.get("exhausted"):
+                return "done"
+            if measured + len(inflight) >= st.wanted:
+                return "elsewhere"
+            if deadline is not None and time.monotonic() > deadline:
+                bar.log(f"--timeout reached: {st.name} stops at {measured} measured trials")
+                return "done"
+            if st.attempts >= st.wanted * MAX_ATTEMPTS_PER_TRIAL or (
+                    isinstance(study.sampler, optuna.samplers.GridSampler) and study.sampler.is_exhausted(study)):
+                if not inflight:  # nothing new left to ask: no worker needs to come back
+                    _retrying(lambda: study.set_user_attr("exhausted", True))
+                    return "done"
+                return "elsewhere"
+            st.attempts += 1
+            with _stops_deferred(), warnings.catch_warnings():
+                # ask/tell, not optimize(): the heartbeat is this module's (_Liveness)
+                warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
+                trial = study.ask(st.distributions)
+                live.begin(trial)
+            params = st.fixed | dict(trial.params)
+            key = _params_key(trial.params)
+            seen, inflight = _trial_index(study, live.worker)
+            if key in seen or (key in inflight and inflight[key].number < trial.number):
+                # measured already, or being measured by another worker that asked first
+                previous = seen.get(key) or inflight[key]
+                trial.set_user_attr("status", "duplicate")
+                trial.set_user_attr("duplicate_of", previous.number)
+                stats.duplicates += 1
+                if previous.state == TrialState.COMPLETE:
+                    _tell(study, trial, previous.value)
+                else:
+                    _tell(study, trial, state=TrialState.PRUNED)
+                continue
+            reason = st.backend.invalid_reason(problem, params)
+            if reason:
+                # PRUNED (not FAIL): TPE then ranks the point as bad and steers away.
+                trial.set_user_attr("status", "invalid")
+                trial.set_user_attr("error", reason)
                 _tell(study, trial, state=TrialState.PRUNED)
-            continue
-        reason = backend.invalid_reason(problem, params)
-        if reason:
-            # PRUNED (not FAIL): TPE then ranks the point as bad and steers away.
-            trial.set_user_attr("status", "invalid")
-            trial.set_user_attr("error", reason)
-            _tell(study, trial, state=TrialState.PRUNED)
-            stats.invalid += 1
-            continue
-        reply = worker.call(
-            {"kind": "trial", "problem": problem.as_dict(), "backend": backend_name, "params": params,
-             "numerics": cfg.numerics, "seed": cfg.seed * 100003 + trial.number},
-            timeout=cfg.trial_timeout_s,
-        )
-        measured += 1
-        stats.measured_now += 1
-        _store_reply(trial, reply, _limit_gbps(problem, probe))
-        if reply.get("status") == "ok":
-            _tell(study, trial, reply["time_us"])
-            stats.ok += 1
-        else:
-            _tell(study, trial, state=TrialState.FAIL)
-            stats.failed += 1
-        seen[key] = study.get_trials(deepcopy=False)[trial.number]
-        best = _best_us(study)
-        stats.best_us = best
-        bar.update(task, advance=1, best=f"best {best:.2f} us" if best else "")
-    live.end()
-    if stats.best_us is None:
-        stats.best_us = _best_us(study)
-    return stats
+                stats.invalid += 1
+                continue
+            reply = ctx.worker.call(
+                {"kind": "trial", "problem": problem.as_dict(), "backend": stats.backend, "params": params,
+                 "numerics": run.cfg.numerics, "seed": run.cfg.seed * 100003 + trial.number},
+                timeout=run.cfg.trial_timeout_s,
+            )
+            if run.stop.is_set() and reply.get("status") == "crash":
+                return "done"  # the run is stopping and closed this worker: not the candidate's fault
+            stats.measured_now += 1
+            _store_reply(trial, reply, _limit_gbps(problem, run.probe))
+            if reply.get("status") == "ok":
+                _tell(study, trial, reply["time_us"])
+                stats.ok += 1
+            else:
+                _tell(study, trial, state=TrialState.FAIL)
+                stats.failed += 1
+            best = _best_us(study)
+            stats.best_us = best
+            bar.update(st.task, completed=min(measured + 1, st.wanted), best=f"best {best:.2f} us" if best else "")
+        return "done"
+    finally:
+        live.end()
+        if stats.best_us is None:
+            stats.best_us = _best_us(study)
 
 
 #: Largest search space whose valid points are enumerated to prune domains.
@@ -822,27 +1109,25 @@ def _store_reply(trial: optuna.Trial, reply: dict[str, Any], limit_gbps: float |
         trial.set_user_attr("pct_of_limit", 100.0 * reply["gbps"] / limit_gbps)
 
 
-def _final_remeasure(cfg, storage, worker, device, probe, problem, backends, bar,
-                     extra_baselines: Sequence[str] = ()) -> list[dict[str, Any]]:
-    """Top candidates of each backend and the baselines, timed interleaved.
+def _final_candidates(run: _Run, problem: Problem) -> list[dict[str, Any]]:
+    """Top candidates of each backend (from the storage) and the baselines.
 
-    Baselines: vendor always; each of ``extra_baselines`` (Inductor) that
-    implements the op, as an optional candidate the worker may drop (a failed
-    compile costs that baseline, not the re-measure). ``baseline_us`` and
-    ``speedup`` of every row refer to the fastest baseline measured.
+    Baselines: vendor always; each extra baseline (Inductor) that implements
+    the op, as an optional candidate the worker may drop (a failed compile
+    costs that baseline, not the re-measure).
     """
     candidates = [{"label": "vendor", "backend": "vendor", "params": {}}]
-    for name in extra_baselines:
+    for name in run.extra:
         if problem.op in backend_registry.get(name).ops:
             candidates.append({"label": name, "backend": name, "params": {}, "optional": True})
-    for backend_name in backends:
-        name = study_name(device["arch"], problem, backend_name, cfg.numerics)
-        study = optuna.load_study(study_name=name, storage=storage)
+    for backend_name in run.usable:
+        name = study_name(run.device["arch"], problem, backend_name, run.cfg.numerics)
+        study = optuna.load_study(study_name=name, storage=run.storage)
         fixed = backend_registry.get(backend_name).space(problem).fixed
         done = sorted(
             (t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
              if t.user_attrs.get("measured") and t.user_attrs.get("status") == "ok"),
-            key=lambda t: t.value,
+            key=lambda t: (t.value, t.number),
         )
         for rank, trial in enumerate(done[:FINAL_TOP_K]):
             candidates.append({
@@ -850,6 +1135,15 @@ def _final_remeasure(cfg, storage, worker, device, probe, problem, backends, bar
                 "params": dict(fixed) | dict(trial.params), "trial": trial.number, "rank": rank,
                 "max_abs_err": trial.user_attrs.get("max_abs_err"), "err_ratio": trial.user_attrs.get("err_ratio"),
             })
+    return candidates
+
+
+def _final_remeasure(run: _Run, ctx: _WorkerContext, problem: Problem,
+                     candidates: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The candidates timed interleaved in one session; ``baseline_us`` and ``speedup`` of every
+    row refer to the fastest baseline measured."""
+    cfg, bar, probe = run.cfg, run.bar, run.probe
+    worker = ctx.worker
     reply = worker.call({"kind": "final", "problem": problem.as_dict(), "candidates": candidates,
                          "repeats": FINAL_REPEATS}, timeout=max(cfg.trial_timeout_s, 300))
     if reply.get("status") != "ok":

@@ -192,14 +192,18 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_run_json(out_dir: Path, cfg, storage_url: str, device: dict, probe: dict, backends: list[str]) -> Path:
+def write_run_json(out_dir: Path, cfg, storage_url: str, device: dict, probe: dict, backends: list[str],
+                   participants: dict | None = None) -> Path:
+    """RUN/run.json; ``participants`` (written when the run ends): the workers, GPUs and hosts whose
+    trials the run's studies hold, and this process's own workers."""
     from tunekit import table
+    from tunekit.search.fleet import redact
 
     data = {
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": cfg.command,
         "model": cfg.model,
-        "storage": storage_url,
+        "storage": redact(storage_url),
         "backends": backends,
         "numerics": cfg.numerics,
         "sampler": cfg.sampler,
@@ -209,7 +213,10 @@ def write_run_json(out_dir: Path, cfg, storage_url: str, device: dict, probe: di
         "device": device,
         "probe": probe,
         "environment": table.environment_stamp(device, backends),
+        "gpus": getattr(cfg, "gpus", None),
     }
+    if participants is not None:
+        data["participants"] = participants
     path = out_dir / "run.json"
     _atomic_write_text(path, json.dumps(data, indent=2))
     return path
