@@ -53,12 +53,14 @@ def _per_call_us(fn, calls: int) -> float:
     return (time.perf_counter() - t0) / calls * 1e6
 
 
-def _overhead_ratio(rounds: int = 7, calls: int = 1500) -> tuple[float, dict[str, float]]:
-    """tunekit's own per-call cost on the vendor path, in units of torch's dispatch of a Python custom op.
+def _overhead_ratio(rounds: int = 15, calls: int = 400) -> tuple[float, dict[str, float]]:
+    """The vendor path's per-call time over that of a custom op that just calls F.linear.
 
-    Arms, interleaved per round (medians over rounds): ``direct`` F.linear; ``floor`` a custom op whose
-    Python impl is just F.linear (torch's dispatch into a Python kernel: what any torch.ops call pays);
-    ``op`` torch.ops.tunekit.gemv with no table (the vendor path). Ratio = (op - floor) / (floor - direct).
+    Arms, interleaved in each round: ``direct`` F.linear; ``floor`` a custom op whose Python impl is
+    just F.linear (torch's own dispatch into a Python kernel: what any torch.ops call pays);
+    ``op`` torch.ops.tunekit.gemv with no table (the vendor path). The ratio op / floor is taken per
+    round (the two ran moments apart, under the same load) and its median over rounds returned,
+    with the arms' median times for the message.
     """
     x, w = torch.randn(1, 64), torch.randn(32, 64)
     arms = {"direct": lambda: F.linear(x, w, None), "floor": lambda: torch.ops.tunekit_test_floor.linear(x, w, None),
@@ -69,26 +71,25 @@ def _overhead_ratio(rounds: int = 7, calls: int = 1500) -> tuple[float, dict[str
     for _ in range(rounds):
         for name, fn in arms.items():
             samples[name].append(_per_call_us(fn, calls))
-    med = {a: statistics.median(v) for a, v in samples.items()}
-    dispatch = max(med["floor"] - med["direct"], 0.05)
-    return (med["op"] - med["floor"]) / dispatch, med
+    ratio = statistics.median(o / f for o, f in zip(samples["op"], samples["floor"]))
+    return ratio, {a: round(statistics.median(v), 2) for a, v in samples.items()}
 
 
-def test_vendor_path_costs_less_than_two_dispatches_more_than_f_linear() -> None:
-    # What the bound means: the Python tunekit runs per vendor-path call (route lookup, stride
-    # checks, one counter tick, the F.linear call's wrapper) costs at most 1.6x what torch itself
-    # pays to dispatch any Python custom op (the floor). Measured on a 2-core x86 CPU: ~0.9x
-    # (0.8-1.0 over runs); before the per-shape routes it was ~2.3x (a key, a shape string, a
-    # dict under a lock and the decision-cache key per call). Best of three measurements, so a
-    # loaded machine's noise has to hit every one of them to fail the test.
+def test_vendor_path_costs_little_more_than_any_custom_op() -> None:
+    # The bound: a vendor-path call through torch.ops.tunekit.gemv takes at most 1.9x a custom op
+    # that only calls F.linear, i.e. tunekit's own Python per call (route lookup, stride checks,
+    # one counter tick) stays below ~0.9x of what torch's dispatch plus F.linear cost. Measured on
+    # a 2-core x86 CPU (tiny F.linear ~2.2 us, the floor op ~4.6 us): 1.4-1.5x; before the
+    # per-shape routes (a key, a shape string, the decision-cache key and a locked dict per call)
+    # it was 2.2-2.3x. The ratio is of two calls timed moments apart, so the machine's load mostly
+    # cancels; best of three measurements, so noise has to hit all three to fail the test.
     results = []
     for _ in range(3):
-        ratio, med = _overhead_ratio()
-        results.append((ratio, med))
-        if ratio <= 1.6:
+        results.append(_overhead_ratio())
+        if results[-1][0] <= 1.9:
             break
     ratio, med = min(results, key=lambda r: r[0])
-    assert ratio <= 1.6, f"vendor path costs {ratio:.2f}x torch's own op dispatch over F.linear: {med}"
+    assert ratio <= 1.9, f"vendor path costs {ratio:.2f}x a custom op around F.linear (median us: {med})"
     assert [(r["impl"], r["vendor"]) for r in ops.dispatch_stats()] == [("fallback:no_table", "F.linear")]
 
 

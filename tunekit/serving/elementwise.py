@@ -101,12 +101,19 @@ def _ew_serve(
     dtype = dtype_name(x.dtype)
     m, n, k = mnk
     reason = None
-    if dtype not in DTYPE_NAMES.values() or any(t.dtype != x.dtype for t in tensors):
+    # Plain loops, not any(<generator>): every norm of every eager step runs these checks.
+    xdtype, device = x.dtype, x.device
+    for t in tensors:
+        if t.dtype != xdtype:
+            reason = "dtype"
+    if reason is None and xdtype not in DTYPE_NAMES:
         reason = "dtype"
-    elif weight is not None and (weight.dtype != x.dtype or weight.dim() != 1 or not weight.is_contiguous()):
-        reason = "dtype" if weight.dtype != x.dtype else "strided"
-    elif any(t.device != x.device for t in (*tensors, *(() if weight is None else (weight,)))) or \
-            x.device.type not in ("cuda", "cpu"):
+    if reason is not None:
+        pass
+    elif weight is not None and (weight.dtype != xdtype or weight.dim() != 1 or not weight.is_contiguous()):
+        reason = "dtype" if weight.dtype != xdtype else "strided"
+    elif device.type not in ("cuda", "cpu") or (weight is not None and weight.device != device) or \
+            _other_device(tensors, device):
         reason = "device"
     elif m == 0 or n == 0 or k == 0:
         reason = "empty"
@@ -121,7 +128,7 @@ def _ew_serve(
         # inputs a vendor kernel may not take either (odd strides, dtypes, devices): the composition
         count(op, dtype, f"{n}x{k}", m, False, f"fallback:{reason}", capturing, "eager")
         return _dense(vendor())
-    rkey = (op, m, n, k, x.dtype, x.device)
+    rkey = (op, m, n, k, xdtype, device)
     route = _EW_ROUTES.get(rkey)  # lock-free read (atomic under the GIL), as for the decision cache
     if route is None or STATE.choices.get(route.ckey) is not route.choice:
         route = _EwRoute(op, dtype, m, n, k, x.device, capturing)
@@ -139,7 +146,7 @@ def _ew_serve(
         out = make_out(m, n, x)
         if choice.takes_eps and eps is not None:
             choice.kernel(inputs, out, eps=eps)
-        elif route.launcher is None or not route.launcher(inputs, out):
+        elif route.launcher is None or not route.launcher(inputs, out, None, True):
             if route.bind and not capturing:
                 # The first eager launch of a Triton kernel binds it (tunekit.serving.launch).
                 route.launcher, route.bind = launch.bind(choice.kernel, inputs, out), False
@@ -153,6 +160,13 @@ def _ew_serve(
         return _dense(out)
     route.ticks[capturing]()
     return finish(out)
+
+
+def _other_device(tensors: tuple[torch.Tensor, ...], device: torch.device) -> bool:
+    for t in tensors:
+        if t.device != device:
+            return True
+    return False
 
 
 class _EwRoute:
@@ -352,7 +366,7 @@ def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: boo
         return _dense(_vendor_rms_norm(x, weight, eps, gemma))
     return _ew_serve(
         op, (x,), weight, (m, n, n), eps,
-        make_out=lambda m, n, x: torch.empty((m, n), dtype=x.dtype, device=x.device),
+        make_out=lambda m, n, x: x.new_empty((m, n)),
         kernel_inputs=lambda m, n: (x.view(m, n), weight),
         vendor=lambda: _vendor_rms_norm(x, weight, eps, gemma),
         finish=lambda out: out.view(x.shape),
@@ -370,8 +384,8 @@ def _fused_add_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tenso
         return _dense(_vendor_fused_add(x, residual, weight, eps, gemma))
 
     def make_out(m: int, n: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.empty((m, n), dtype=x.dtype, device=x.device),
-                torch.empty((m, n), dtype=x.dtype, device=x.device))
+        return (x.new_empty((m, n)),
+                x.new_empty((m, n)))
 
     return _ew_serve(
         op, (x, residual), weight, (m, n, n), eps, make_out=make_out,
@@ -396,7 +410,7 @@ def _gated_impl(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: flo
         m, n = _gated_layout(dtype_name(x.dtype), m, n, k, x.device)
     return _ew_serve(
         "gated_rms_norm", (x, z), weight, (m, n, k), eps,
-        make_out=lambda m, n, x: torch.empty((m, n), dtype=x.dtype, device=x.device),
+        make_out=lambda m, n, x: x.new_empty((m, n)),
         kernel_inputs=lambda m, n: (x.view(m, n), z.view(m, n), weight),
         vendor=lambda: _vendor_gated(x, z, weight, eps),
         finish=lambda out: out.view(x.shape),
@@ -443,7 +457,7 @@ def _silu_and_mul_impl(x: torch.Tensor) -> torch.Tensor:
         return _dense(_vendor_silu_and_mul(x))
     return _ew_serve(
         "silu_and_mul", (x,), None, (m, n, k), None,
-        make_out=lambda m, n, x: torch.empty((m, n), dtype=x.dtype, device=x.device),
+        make_out=lambda m, n, x: x.new_empty((m, n)),
         kernel_inputs=lambda m, n: (x.view(m, 2 * n),),
         vendor=lambda: _vendor_silu_and_mul(x),
         finish=lambda out: out.view(*x.shape[:-1], n),
@@ -460,7 +474,7 @@ def _bias_gelu_impl(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         return _dense(_vendor_bias_gelu(x, bias))
     return _ew_serve(
         "bias_gelu", (x,), bias, (m, n, n), None,
-        make_out=lambda m, n, x: torch.empty((m, n), dtype=x.dtype, device=x.device),
+        make_out=lambda m, n, x: x.new_empty((m, n)),
         kernel_inputs=lambda m, n: (x.view(m, n), bias),
         vendor=lambda: _vendor_bias_gelu(x, bias),
         finish=lambda out: out.view(x.shape),

@@ -149,9 +149,9 @@ def gemv_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         route.ticks[bias is not None][capturing]()
         return _vendor_gemv(x, weight, bias)
     try:
-        out = torch.empty(route.out_shape, dtype=route.out_dtype, device=route.device)
+        out = x.new_empty(route.out_shape)  # torch.empty of x's dtype and device, with less argument parsing
         launcher = route.launcher
-        if launcher is None or not launcher((x2, weight), out):
+        if launcher is None or not launcher((x2, weight), out, None, True):
             if route.bind and not capturing:
                 # The first eager launch of a Triton kernel binds it (tunekit.serving.launch).
                 route.launcher, route.bind = launch.bind(kernel, (x2, weight), out), False

@@ -125,7 +125,7 @@ def _bind(kernel, inputs, out, tensors) -> Launcher | None:
         steps = _steps(first, second, tensors)
         if steps is None:
             return None
-        launcher = Launcher(steps, tensors, isinstance(out, (tuple, list)))
+        launcher = Launcher(steps, tensors, isinstance(out, (tuple, list)), len(inputs))
         return launcher if launcher.replays_exactly(inputs, out) else None
     except Exception:  # binding is an optimisation: anything odd keeps the normal launch
         return None
@@ -216,26 +216,33 @@ def _bound_values(fn, args, kwargs) -> list[Any]:
 class Launcher:
     """A built kernel bound to one argument layout: ``launcher(inputs, out) -> bool`` (False: not launched)."""
 
-    def __init__(self, steps: list[dict], tensors: Sequence[torch.Tensor], multi_out: bool) -> None:
+    def __init__(self, steps: list[dict], tensors: Sequence[torch.Tensor], multi_out: bool, n_inputs: int) -> None:
         import triton
         from triton import knobs
 
         drv = triton.runtime.driver.active
         self.device = drv.get_current_device()
-        self._get_device = drv.get_current_device
+        # what the driver's get_current_device (torch.cuda.current_device) returns, without its Python wrapper
+        self._get_device = getattr(torch._C, "_cuda_getDevice", None) or drv.get_current_device
         self._get_stream = drv.get_current_stream
         self._rt = knobs.runtime
-        self._chain = type(knobs.runtime.launch_enter_hook)
+        self._enter, self._exit = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        if not (hasattr(self._enter, "calls") and hasattr(self._exit, "calls")):
+            raise TypeError("launch hooks are not HookChains")  # another Triton: not bound
         self.multi_out = multi_out
         self.launches = len(steps)
-        ns: dict[str, Any] = {"_empty": torch.empty}
-        guard = []
+        self.n_inputs = n_inputs
+        ns: dict[str, Any] = {}
+        guards: list[list[str]] = [[], []]  # [inputs' guard, outputs' guard]
         for i, t in enumerate(tensors):
+            g = guards[i >= self.n_inputs]
             ns[f"_sh{i}"], ns[f"_st{i}"] = t.shape, t.stride()
-            guard.append(f"ts[{i}].shape != _sh{i} or ts[{i}].stride() != _st{i}")
+            g.append(f"ts[{i}].shape != _sh{i} or ts[{i}].stride() != _st{i}")
             if t.data_ptr() % 16 == 0:  # Triton specialized the pointer as 16-byte aligned
-                guard.append(f"ts[{i}].data_ptr() & 15")
-        body = [f"    if {' or '.join(guard)}:", "        return False"]
+                g.append(f"ts[{i}].data_ptr() & 15")
+        body = ["    if checked_outs:" if guards[1] else "    if False:",
+                f"        if {' or '.join(guards[1]) or 'False'}:", "            return False",
+                f"    if {' or '.join(guards[0]) or 'False'}:", "        return False"]
         for s, step in enumerate(steps):
             compiled = step["compiled"]
             ns[f"_run{s}"], ns[f"_fn{s}"], ns[f"_md{s}"] = compiled.run, compiled.function, compiled.packed_metadata
@@ -254,26 +261,28 @@ class Launcher:
             gx, gy, gz = step["grid"]
             body.append(f"    _run{s}({gx}, {gy}, {gz}, stream, _fn{s}, _md{s}, None, None, None, {', '.join(args)})")
         body.append("    return True")
-        src = "def _launch(ts, stream, _scratch):\n" + "\n".join(body) + "\n"
+        src = "def _launch(ts, stream, _scratch, checked_outs):\n" + "\n".join(body) + "\n"
         exec(compile(src, f"<tunekit bound launch: {len(steps)} kernel(s)>", "exec"), ns)
         self._launch = ns["_launch"]
         self.source = src
 
-    def _quiet(self) -> bool:
-        """No launch hook set (a profiler's): the normal path passes them launch metadata, so it serves then."""
-        for hook in (self._rt.launch_enter_hook, self._rt.launch_exit_hook):
-            if hook is not None and not (type(hook) is self._chain and not hook.calls):
-                return False
-        return True
+    def __call__(self, inputs: Sequence[torch.Tensor], out: Any, _scratch=None, fresh_out: bool = False) -> bool:
+        """Launch into ``out``; False (nothing launched) when the guard fails: the caller launches normally.
 
-    def __call__(self, inputs: Sequence[torch.Tensor], out: Any, _scratch=None) -> bool:
-        ts = (*inputs, *out) if self.multi_out else (*inputs, out)
-        if not self._quiet():
+        ``fresh_out=True``: the caller allocated ``out`` itself as at bind time
+        (``torch.empty`` of the same shape and dtype: contiguous, allocator-aligned),
+        so only the inputs are guarded.
+        """
+        rt = self._rt
+        enter, exit_ = self._enter, self._exit
+        # a launch hook (a profiler's) gets launch metadata from the normal path, so that path serves then
+        if rt.launch_enter_hook is not enter or rt.launch_exit_hook is not exit_ or enter.calls or exit_.calls:
             return False
         dev = self._get_device()
         if dev != self.device:
             return False
-        return self._launch(ts, self._get_stream(dev), _scratch or _empty_scratch)
+        ts = (*inputs, *out) if self.multi_out else (*inputs, out)
+        return self._launch(ts, self._get_stream(dev), _scratch or _empty_scratch, not fresh_out)
 
     def replays_exactly(self, inputs: Sequence[torch.Tensor], out: Any) -> bool:
         """Replay into NaN-filled outputs and scratch; True when bit-identical to the normal launch in ``out``."""
