@@ -25,6 +25,7 @@ Recipe, outside this check::
     tunekit.patch(model, table=...)                        # or leave it unpatched
     cache = StaticCache(config=model.config, max_cache_len=prompt_len + new_tokens)
     logits = model(prompt, past_key_values=cache, use_cache=True).logits        # prefill, eager
+    token = logits[:, -1].argmax(-1, keepdim=True)
     step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     for pos in range(prompt_len, prompt_len + new_tokens):
         torch.compiler.cudagraph_mark_step_begin()
