@@ -20,6 +20,8 @@ CONFIGS = {
     "tail": SiluMulGemvConfig(BLOCK_N=8, BLOCK_K=64, num_warps=1),
     "wide": SiluMulGemvConfig(BLOCK_N=16, BLOCK_K=128, num_warps=2, num_stages=3),
     "default": DEFAULT,
+    "dot": SiluMulGemvConfig(BLOCK_N=16, BLOCK_K=64, num_warps=1, M_MODE="dot"),
+    "dot_w": SiluMulGemvConfig(BLOCK_N=16, BLOCK_K=64, num_warps=1, M_MODE="dot_w"),
 }
 
 
@@ -47,6 +49,15 @@ def test_every_m_with_both_tails(m: int, n: int, k: int) -> None:
     result = _verify(m, n, k, CONFIGS["tail"], seed=m + n)
     assert result.ok, result.reason
     assert 0 < result.err_ratio <= 1.0
+
+
+@pytest.mark.parametrize("mode", ["dot", "dot_w"])
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+def test_tensor_core_modes_with_both_tails(mode: str, m: int) -> None:
+    # M padded to 16 for tl.dot; N=37 leaves a partial 16-row block, K=200 a masked step
+    for n, k in ((37, 200), (1, 64)):
+        result = _verify(m, n, k, CONFIGS[mode], seed=m + n)
+        assert result.ok, f"{mode} M={m} N={n} K={k}: {result.reason}"
 
 
 @pytest.mark.parametrize("family", ["narrow", "wide", "default"])
@@ -116,6 +127,10 @@ def test_invalid_reason() -> None:
     assert "register" in invalid_reason(SiluMulGemvConfig(BLOCK_N=64, BLOCK_K=4096, num_warps=1), 8, 64, 8192)
     assert "threads" in invalid_reason(SiluMulGemvConfig(BLOCK_N=1, BLOCK_K=64, num_warps=4), 1, 64, 256)
     assert "far larger" in invalid_reason(SiluMulGemvConfig(BLOCK_K=4096), 1, 64, 256)
+    assert "tl.dot" in invalid_reason(SiluMulGemvConfig(BLOCK_N=8, M_MODE="dot"), 2, 64, 256)
+    assert "M_MODE" in invalid_reason(SiluMulGemvConfig(M_MODE="rows"), 2, 64, 256)
+    assert invalid_reason(SiluMulGemvConfig(BLOCK_N=64, BLOCK_K=512, num_warps=4, M_MODE="dot_w"), 8, 5120, 17408) \
+        is None
     with pytest.raises(TypeError):
         SiluMulGemvConfig.from_params({"BLOCK_N": 4, "SPLIT_K": 1})  # strict: unknown tunables are errors
     # DEFAULT serves every M and the models' down_proj shapes at several TPs
