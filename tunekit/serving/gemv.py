@@ -74,7 +74,7 @@ class _Route:
 
     __slots__ = ("static", "ckey", "choice", "vendor_fn", "vendor_name", "dtype", "shape", "m", "n", "k",
                  "x2d", "out_shape", "final_shape", "out_dtype", "device", "kernel", "launcher", "bind", "ticks",
-                 "impl")
+                 "impl", "vcall")
 
     def __init__(self, x: torch.Tensor, weight: torch.Tensor, capturing: bool) -> None:
         self.vendor_fn, self.vendor_name = STATE.vendor_gemm, STATE.vendor_gemm_name
@@ -100,6 +100,8 @@ class _Route:
                 self.bind = not tried
         self.impl = self.choice.impl if self.static is None else f"fallback:{self.static}"
         vendor = None if self.kernel is not None else _gemv_vendor_name(x)
+        #: what _vendor_gemv calls for this device
+        self.vcall = self.vendor_fn if self.vendor_fn is not None and x.is_cuda else F.linear
         # ticks[bias][capturing]: the marker rows of what this route serves
         self.ticks = [[counter("gemv", self.dtype, self.shape, self.m, b, self.impl, c, vendor).tick
                        for c in (False, True)] for b in (False, True)]
@@ -124,7 +126,7 @@ def gemv_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         route = _new_route(key, x, weight, capturing)
     if route.static is not None:
         route.ticks[bias is not None][capturing]()
-        return _vendor_gemv(x, weight, bias)
+        return _vendor_gemv(x, weight, bias)  # bad inputs: the vendor's own error, as without tunekit
     # _layout_reason, inlined (every linear of every eager step runs it)
     k = route.k
     ws0, ws1 = weight.stride()
@@ -147,7 +149,8 @@ def gemv_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     kernel = route.kernel
     if kernel is None:
         route.ticks[bias is not None][capturing]()
-        return _vendor_gemv(x, weight, bias)
+        out = route.vcall(x, weight, bias)  # _vendor_gemv, inlined
+        return out if out.is_contiguous() else out.contiguous()
     try:
         out = x.new_empty(route.out_shape)  # torch.empty of x's dtype and device, with less argument parsing
         launcher = route.launcher
