@@ -88,8 +88,12 @@ def _ew_serve(
     vendor: Callable[[], Any],
     finish: Callable[[Any], Any],
     vendor_args: tuple[Any, ...] = (),
+    express_key: tuple | None = None,
 ) -> Any:
     """Shared body of the elementwise ops: checks, lookup, tuned launch or vendor path, marker.
+
+    ``express_key``: the op's :data:`_EXPRESS` key for these arguments; a call
+    served by a bound launcher registers its route there (see :func:`_express`).
 
     ``vendor`` is the PyTorch composition; ``vendor_args`` the op's arguments
     for an installed vendor kernel (:func:`set_vendor_elementwise`), which
@@ -159,7 +163,33 @@ def _ew_serve(
         count(op, dtype, route.shape, m, False, "fallback:kernel_error", capturing, served_by)
         return _dense(out)
     route.ticks[capturing]()
+    if express_key is not None and route.launcher is not None:
+        _EXPRESS[express_key] = route  # (re)registered: a reload leaves the old route stale
     return finish(out)
+
+
+#: an op's express key (op, x shape, dtypes, devices, eps) -> the _EwRoute whose bound launcher serves it
+_EXPRESS: dict[tuple, Any] = {}
+
+
+def _express(key: tuple, inputs: Callable[[], tuple[torch.Tensor, ...]], x: torch.Tensor,
+             m: int, n: int) -> torch.Tensor | None:
+    """The tuned launch of a call whose express key a bound launcher served before, or None (then the
+    op's full path serves it). The key holds every dtype, device and eps the full path checks; the
+    launcher's guard checks the rows' shapes, strides and alignment, so a guarded launch is exactly a
+    call that would pass the full path's checks and take the same kernel."""
+    route = _EXPRESS.get(key)
+    if route is None or STATE.choices.get(route.ckey) is not route.choice:
+        return None
+    try:
+        views = inputs()
+    except RuntimeError:  # rows not viewable: the full path says why
+        return None
+    out = x.new_empty((m, n))
+    if not route.launcher(views, out, None, True):
+        return None
+    route.ticks[is_capturing(x)]()
+    return out
 
 
 def _other_device(tensors: tuple[torch.Tensor, ...], device: torch.device) -> bool:
@@ -361,6 +391,11 @@ def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: boo
     op = "gemma_rms_norm" if gemma else "rms_norm"
     n = x.shape[-1] if x.dim() else 0
     m = _rows(x, n)
+    ekey = (op, x.shape, x.dtype, x.device, weight.dtype, weight.device, eps)
+    if ekey in _EXPRESS:
+        out = _express(ekey, lambda: (x.view(m, n), weight), x, m, n)
+        if out is not None:
+            return out if x.dim() == 2 else out.view(x.shape)
     if weight.dim() != 1 or weight.shape[0] != n:
         count(op, dtype_name(x.dtype), f"{n}x{n}", m, False, "fallback:bad_input", is_capturing(x), "eager")
         return _dense(_vendor_rms_norm(x, weight, eps, gemma))
@@ -371,6 +406,7 @@ def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: boo
         vendor=lambda: _vendor_rms_norm(x, weight, eps, gemma),
         finish=lambda out: out.view(x.shape),
         vendor_args=(x, weight, eps),
+        express_key=ekey,
     )
 
 
