@@ -1,12 +1,16 @@
 """``tunekit::gemv``: ``F.linear`` served from the dispatch tables (the op's run-time and fake impls).
 
 Call protocol: :func:`gemv_impl` is the kernel of both device keys
-(registered by ``tunekit.serving.registry``). Per call it runs the cheap
-checks that need no table (:func:`_gemv_precheck`), reads the decision
-cache lock-free (``tunekit.serving.decisions``), launches the tuned kernel
-or the vendor path (``F.linear``, or the hook ``set_vendor_gemm``
-installed, on GPU tensors), and counts the call once
-(``tunekit.serving.markers``). It never raises for tunekit's sake.
+(registered by ``tunekit.serving.registry``). Per (x shape, W shape,
+dtypes, devices) it resolves once to a :class:`_Route`: the checks shapes,
+dtypes and devices decide, the decision (``tunekit.serving.decisions``),
+the marker rows' counters (``tunekit.serving.markers``) and the tuned
+kernel's bound launcher (``tunekit.serving.launch``). Per call it looks the
+route up lock-free, checks that its decision and vendor hook still hold,
+runs the checks strides and the bias decide, launches the tuned kernel or
+the vendor path (``F.linear``, or the hook ``set_vendor_gemm`` installed,
+on GPU tensors) and ticks the call's counter: no key or label string is
+formatted and no lock taken. It never raises for tunekit's sake.
 """
 
 from __future__ import annotations
