@@ -22,6 +22,8 @@ CONFIGS = {
     "default": DEFAULT,
     "dot": SiluMulGemvConfig(BLOCK_N=16, BLOCK_K=64, num_warps=1, M_MODE="dot"),
     "dot_w": SiluMulGemvConfig(BLOCK_N=16, BLOCK_K=64, num_warps=1, M_MODE="dot_w"),
+    "split": SiluMulGemvConfig(BLOCK_N=8, BLOCK_K=64, num_warps=1, SPLIT_K=3),
+    "split_dot_w": SiluMulGemvConfig(BLOCK_N=16, BLOCK_K=64, num_warps=1, M_MODE="dot_w", SPLIT_K=2),
 }
 
 
@@ -58,6 +60,19 @@ def test_tensor_core_modes_with_both_tails(mode: str, m: int) -> None:
     for n, k in ((37, 200), (1, 64)):
         result = _verify(m, n, k, CONFIGS[mode], seed=m + n)
         assert result.ok, f"{mode} M={m} N={n} K={k}: {result.reason}"
+
+
+@pytest.mark.parametrize("family", ["split", "split_dot_w"])
+@pytest.mark.parametrize("m", [1, 3])
+def test_split_k(family: str, m: int) -> None:
+    # SPLIT_K=3 / 2 of 64-wide steps: K=448 -> 192, 192, 64 / 256, 192; K=330 -> 128, 128, 74 / 192, 138
+    # (masked tails); K=384 -> 128 x 3 / 192 x 2 (even)
+    for n, k in ((37, 448), (1, 330), (16, 384)):
+        result = _verify(m, n, k, CONFIGS[family], seed=n)
+        assert result.ok, f"{family} M={m} N={n} K={k}: {result.reason}"
+    gate_up, w = _inputs(m, 37, 448, seed=2)
+    first = silu_mul_gemv(gate_up, w, CONFIGS[family])
+    assert torch.equal(silu_mul_gemv(gate_up, w, CONFIGS[family]).view(torch.int16), first.view(torch.int16))
 
 
 @pytest.mark.parametrize("family", ["narrow", "wide", "default"])
@@ -129,10 +144,12 @@ def test_invalid_reason() -> None:
     assert "far larger" in invalid_reason(SiluMulGemvConfig(BLOCK_K=4096), 1, 64, 256)
     assert "tl.dot" in invalid_reason(SiluMulGemvConfig(BLOCK_N=8, M_MODE="dot"), 2, 64, 256)
     assert "M_MODE" in invalid_reason(SiluMulGemvConfig(M_MODE="rows"), 2, 64, 256)
+    assert "empty" in invalid_reason(SiluMulGemvConfig(BLOCK_K=256, SPLIT_K=3), 1, 64, 512)
+    assert invalid_reason(SiluMulGemvConfig(SPLIT_K=0), 1, 64, 512) is not None
     assert invalid_reason(SiluMulGemvConfig(BLOCK_N=64, BLOCK_K=512, num_warps=4, M_MODE="dot_w"), 8, 5120, 17408) \
         is None
     with pytest.raises(TypeError):
-        SiluMulGemvConfig.from_params({"BLOCK_N": 4, "SPLIT_K": 1})  # strict: unknown tunables are errors
+        SiluMulGemvConfig.from_params({"BLOCK_N": 4, "W_EVICT": ""})  # strict: unknown tunables are errors
     # DEFAULT serves every M and the models' down_proj shapes at several TPs
     for m in range(1, 9):
         for n, k in ((5120, 17408), (5120, 8704), (4096, 14336), (2048, 6144), (1, 200), (37, 96)):

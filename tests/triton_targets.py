@@ -354,7 +354,7 @@ def norm_gemv_cases() -> list[Case]:
 
 def act_gemv_cases() -> list[Case]:
     """SiLU-and-mul -> GEMV at M = 1, 3, 8 with DEFAULT, a wide multi-stage tile at M = 1, 3 and both
-    tensor-core modes at M = 2, 8; K=300 is not a multiple of BLOCK_K (masked steps), K=256 is (EVEN_K)."""
+    tensor-core modes at M = 2, 8, split-K (each with the GEMV's reduce kernel); K=300 is not a multiple of BLOCK_K (masked steps), K=256 is (EVEN_K)."""
     import torch
 
     from kernels_triton import silu_mul_gemv as f
@@ -363,10 +363,12 @@ def act_gemv_cases() -> list[Case]:
     wide = f.SiluMulGemvConfig(BLOCK_N=16, BLOCK_K=128, num_warps=2, num_stages=3)
     dot = f.SiluMulGemvConfig(BLOCK_N=16, BLOCK_K=128, num_warps=4, M_MODE="dot")
     dot_w = f.SiluMulGemvConfig(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, M_MODE="dot_w")
+    split = f.SiluMulGemvConfig(BLOCK_N=4, BLOCK_K=64, num_warps=2, SPLIT_K=2)
+    split_w = dataclasses.replace(dot_w, SPLIT_K=2)
     cases: list[Case] = []
     for k in (300, 256):
         for m, config in [(1, f.DEFAULT), (3, f.DEFAULT), (8, f.DEFAULT), (1, wide), (3, wide),
-                          (2, dot), (8, dot), (2, dot_w), (8, dot_w)]:
+                          (2, dot), (8, dot), (2, dot_w), (8, dot_w), (1, split), (4, split_w)]:
             if f.invalid_reason(config, m, n, k) is not None:
                 continue
             x, w, out = _bf16(m, 2 * k), _bf16(n, k), torch.empty(m, n, dtype=torch.bfloat16)
