@@ -8,7 +8,8 @@ table: the vendor path), ``op_tuned`` (the op with --table), and the table's ker
 ``kernel`` (kernel[grid], Triton's launch path) and ``bound`` (tunekit.serving.launch's launcher).
 Without --table the search spaces' default Triton configs are tabulated for this device.
 Wall = perf_counter over --calls back-to-back calls, synchronized only at the ends (small kernels:
-the CPU launch path dominates); gpu = CUDA events over the same loop. Medians of --repeats
+the CPU launch path dominates); gpu = CUDA events over 200 calls queued behind a sleep kernel (the
+device time per call, launch gaps excluded). Medians of --repeats
 interleaved rounds. Overhead = arm wall minus its baseline's wall (op_vendor - direct,
 op_tuned - bound); ``floor`` is a no-op-Python custom op around the direct call (torch's own dispatch
 cost, the part of op_vendor - direct that tunekit cannot remove). Outputs are checked before anything is timed (bound and
@@ -64,15 +65,23 @@ def _floor_ops():
 
 
 def _time(fn, calls: int) -> tuple[float, float]:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    """(wall us per call of ``calls`` back-to-back calls, GPU us per call). The GPU time is taken
+    with CUDA events over 200 calls queued behind a sleep kernel, so the GPU runs them back to
+    back whatever the CPU launch cost: the device time of the call, launch gaps excluded."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    start.record()
     for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / calls * 1e6
+    start, end, queued = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), 200
+    torch.cuda._sleep(int(queued * wall * 3000))  # ~1.5x the time the CPU takes to queue the calls (~2 GHz)
+    start.record()
+    for _ in range(queued):
         fn()
     end.record()
     torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6, start.elapsed_time(end) / calls * 1e3
+    return wall, start.elapsed_time(end) / queued * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,13 +164,13 @@ def main(argv: list[str] | None = None) -> int:
            "table": args.table, "calls": args.calls, "repeats": args.repeats, "rows": results, "failed": failed}
     Path(args.out).write_text(json.dumps(doc, indent=2, default=str) + "\n")
     cols = ("direct", "floor", "op_vendor", "op_tuned", "kernel", "bound")
-    print(f"{'shape':<26}" + "".join(f"{c:>10}" for c in cols) + f"{'ovh_vend':>10}{'ovh_tuned':>10}  (wall us/call)")
-    for r in results:
-        print(f"{r['op'] + ' ' + str(r['n']) + 'x' + str(r['k']):<26}"
-              + "".join(f"{r.get(c + '_wall_us', float('nan')):>10.2f}" for c in cols)
-              + f"{r['overhead_vendor_us']:>10.2f}{r['overhead_tuned_us']:>10.2f}")
-    print(f"{'gpu us/call':<26}" + "".join(f"{statistics.median(r.get(c + '_gpu_us', 0) for r in results):>10.2f}"
-                                           for c in cols) + "  (median over shapes)")
+    for unit in ("wall", "gpu"):
+        print(f"{'shape':<26}" + "".join(f"{c:>10}" for c in cols)
+              + (f"{'ovh_vend':>10}{'ovh_tuned':>10}  (wall us/call)" if unit == "wall" else "  (GPU us/call)"))
+        for r in results:
+            print(f"{r['op'] + ' ' + str(r['n']) + 'x' + str(r['k']):<26}"
+                  + "".join(f"{r.get(f'{c}_{unit}_us', float('nan')):>10.2f}" for c in cols)
+                  + (f"{r['overhead_vendor_us']:>10.2f}{r['overhead_tuned_us']:>10.2f}" if unit == "wall" else ""))
     print("FAILED: " + "; ".join(failed) if failed else "all checks passed", f"-> {args.out}")
     return 1 if failed else 0
 
