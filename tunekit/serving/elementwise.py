@@ -142,9 +142,14 @@ def _ew_serve(
     if choice.kernel is not None and eps is not None and not choice.takes_eps and eps != DEFAULT_EPS:
         choice = Choice("fallback:eps")
     if choice.kernel is None:
-        out, served_by = _ew_vendor(op, x.device, vendor_args, vendor, lambda: _ew_default(
-            op, dtype, m, n, k, x, capturing, inputs, make_out, finish, eps))
-        count(op, dtype, route.shape, m, False, choice.impl, capturing, served_by)
+        out, served_by = _ew_vendor(op, device, vendor_args, vendor, lambda: _ew_default(
+            op, dtype, m, n, k, x, capturing, inputs, make_out, finish, eps, route.ckey))
+        # the fallback's rows by what served it: counters kept on the route (no key built per call)
+        tick = route.vticks.get((choice.impl, served_by, capturing))
+        if tick is None:
+            tick = route.vticks[(choice.impl, served_by, capturing)] = counter(
+                op, dtype, route.shape, m, False, choice.impl, capturing, served_by).tick
+        tick()
         return _dense(out)
     try:
         out = make_out(m, n, x)
@@ -203,7 +208,7 @@ class _EwRoute:
     """What serves one (op, m, n, k, dtype, device), resolved once: the choice, its marker
     rows' counters and its kernel's bound launcher (valid while the decision cache holds the choice)."""
 
-    __slots__ = ("ckey", "choice", "shape", "ticks", "launcher", "bind")
+    __slots__ = ("ckey", "choice", "shape", "ticks", "launcher", "bind", "vticks")
 
     def __init__(self, op: str, dtype: str, m: int, n: int, k: int, device: torch.device, capturing: bool) -> None:
         self.ckey = (op, dtype, m, n, k, str(device))
@@ -212,6 +217,8 @@ class _EwRoute:
         # ticks[capturing]: the tuned rows (fallbacks count through count(): their vendor varies per call)
         self.ticks = [counter(op, dtype, self.shape, m, False, self.choice.impl, c).tick for c in (False, True)]
         self.launcher, self.bind = None, False
+        #: (impl, served by, capturing) -> tick of a fallback's row
+        self.vticks: dict[tuple, Callable[[], int]] = {}
         kernel = self.choice.kernel
         if kernel is not None and self.choice.impl == "tuned:triton":
             tried, self.launcher = launch.bound(kernel)
@@ -268,7 +275,8 @@ _DEFAULT_BACKEND = "triton"
 
 def _ew_default(op: str, dtype: str, m: int, n: int, k: int, x: torch.Tensor, capturing: bool,
                 inputs: tuple[torch.Tensor, ...], make_out: Callable[[int, int, torch.Tensor], Any],
-                finish: Callable[[Any], Any], eps: float | None) -> tuple[Any, str | None]:
+                finish: Callable[[Any], Any], eps: float | None,
+                key: tuple | None = None) -> tuple[Any, str | None]:
     """Serve a fallback that has no vendor kernel with tunekit's Triton kernel at the op's default config.
 
     The default config (``search_spaces/<op>.toml``'s ``default``, with its
@@ -289,7 +297,7 @@ def _ew_default(op: str, dtype: str, m: int, n: int, k: int, x: torch.Tensor, ca
     does not apply (no table serves this device). Never raises.
     """
     device = x.device
-    key = (op, dtype, m, n, k, str(device))
+    key = key or (op, dtype, m, n, k, str(device))  # the decision cache's key (a route passes its own)
     dk = STATE.defaults.get(key)  # lock-free read (atomic under the GIL): hot path
     if dk is None:
         if capturing:
