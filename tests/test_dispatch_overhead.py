@@ -203,3 +203,44 @@ def test_ops_exposes_its_documented_api() -> None:
     for op in ("gemv", "rms_norm", "gemma_rms_norm", "fused_add_rms_norm", "gemma_fused_add_rms_norm",
                "gated_rms_norm", "silu_and_mul", "bias_gelu"):
         assert callable(getattr(torch.ops.tunekit, op)), op
+
+
+# the bound launcher's replay and guard, against a stand-in for Triton's driver ---------------------------
+
+def test_launcher_replays_recorded_arguments_and_guards_the_layout(monkeypatch) -> None:
+    # No GPU here: Triton's driver and a compiled kernel are stand-ins, so this checks what the
+    # generated launch passes (JITFunction.run's call: grid, stream, function, metadata, no hooks,
+    # then every bound argument in order) and when its guard refuses (benchmarks/dispatch_overhead.py
+    # checks the real replay on a GPU, bit for bit).
+    import sys
+    import types
+
+    class Chain:
+        calls: list = []
+
+    knobs = types.SimpleNamespace(runtime=types.SimpleNamespace(launch_enter_hook=Chain(), launch_exit_hook=Chain()))
+    driver = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: 1234)
+    fake = types.SimpleNamespace(runtime=types.SimpleNamespace(driver=types.SimpleNamespace(active=driver)),
+                                 knobs=knobs)
+    monkeypatch.setitem(sys.modules, "triton", fake)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    launched = []
+    compiled = types.SimpleNamespace(run=lambda *a: launched.append(a), function="fn", packed_metadata="md")
+    x, w, out = torch.zeros(1, 8), torch.zeros(4, 8), torch.zeros(1, 4)
+    slots = [("io", 0), ("io", 1), ("io", 2), ("const", 8), ("scratch", ((2, 4), torch.float32, "cpu")),
+             ("const", None)]
+    launcher = launch.Launcher([{"compiled": compiled, "grid": (4, 1, 1), "slots": slots}], (x, w, out), False, 2)
+    assert launcher((x, w), out) and launcher((x.clone(), w), torch.empty(1, 4), None, True)
+    args = launched[0]
+    assert args[:9] == (4, 1, 1, 1234, "fn", "md", None, None, None)
+    assert args[9] is x and args[10] is w and args[11] is out and args[12] == 8 and args[14] is None
+    assert args[13].shape == (2, 4) and args[13] is not launched[1][13]  # scratch: fresh per call
+    wide = torch.zeros(1, 16)
+    assert not launcher((wide[:, ::2], w), out)  # another stride along K: not this specialization
+    assert not launcher((torch.zeros(2, 8), w), torch.zeros(2, 4))  # another shape (untrusted call)
+    shifted = torch.zeros(16)[1:9].view(1, 8)  # same shape and strides, 4 bytes off
+    assert shifted.stride() == x.stride() and not launcher((shifted, w), out, None, True)  # assumed 16-byte aligned
+    knobs.runtime.launch_enter_hook.calls = [print]  # a profiler's hook: the normal launch serves
+    assert not launcher((x, w), out)
+    knobs.runtime.launch_enter_hook.calls = []
+    assert len(launched) == 2

@@ -180,8 +180,8 @@ _EXPRESS: dict[tuple, Any] = {}
 def _express(key: tuple, inputs: Callable[[], tuple[torch.Tensor, ...]], x: torch.Tensor,
              m: int, n: int) -> torch.Tensor | None:
     """The tuned launch of a call whose express key a bound launcher served before, or None (then the
-    op's full path serves it). The key holds every dtype, device and eps the full path checks; the
-    launcher's guard checks the rows' shapes, strides and alignment, so a guarded launch is exactly a
+    op's full path serves it). The key holds every shape, dtype, device and eps the full path checks;
+    the launcher's guard checks the rows' strides and alignment, so a guarded launch is exactly a
     call that would pass the full path's checks and take the same kernel."""
     route = _EXPRESS.get(key)
     if route is None or STATE.choices.get(route.ckey) is not route.choice:
@@ -399,7 +399,7 @@ def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: boo
     op = "gemma_rms_norm" if gemma else "rms_norm"
     n = x.shape[-1] if x.dim() else 0
     m = _rows(x, n)
-    ekey = (op, x.shape, x.dtype, x.device, weight.dtype, weight.device, eps)
+    ekey = (op, x.shape, x.dtype, x.device, weight.shape, weight.dtype, weight.device, eps)
     if ekey in _EXPRESS:
         out = _express(ekey, lambda: (x.view(m, n), weight), x, m, n)
         if out is not None:

@@ -233,15 +233,20 @@ class Launcher:
         self.launches = len(steps)
         self.n_inputs = n_inputs
         ns: dict[str, Any] = {}
-        guards: list[list[str]] = [[], []]  # [inputs' guard, outputs' guard]
+        # [the inputs' strides and alignment: always; the inputs' shapes and the outputs: unless trusted]
+        guards: list[list[str]] = [[], []]
         for i, t in enumerate(tensors):
-            g = guards[i >= self.n_inputs]
             ns[f"_sh{i}"], ns[f"_st{i}"] = t.shape, t.stride()
-            g.append(f"ts[{i}].shape != _sh{i} or ts[{i}].stride() != _st{i}")
+            if i < self.n_inputs:
+                guards[1].append(f"ts[{i}].shape != _sh{i}")
+                guards[0].append(f"ts[{i}].stride() != _st{i}")
+                g = guards[0]
+            else:
+                g = guards[1]
+                g.append(f"ts[{i}].shape != _sh{i} or ts[{i}].stride() != _st{i}")
             if t.data_ptr() % 16 == 0:  # Triton specialized the pointer as 16-byte aligned
                 g.append(f"ts[{i}].data_ptr() & 15")
-        body = ["    if checked_outs:" if guards[1] else "    if False:",
-                f"        if {' or '.join(guards[1]) or 'False'}:", "            return False",
+        body = ["    if not trusted:", f"        if {' or '.join(guards[1]) or 'False'}:", "            return False",
                 f"    if {' or '.join(guards[0]) or 'False'}:", "        return False"]
         for s, step in enumerate(steps):
             compiled = step["compiled"]
@@ -261,17 +266,18 @@ class Launcher:
             gx, gy, gz = step["grid"]
             body.append(f"    _run{s}({gx}, {gy}, {gz}, stream, _fn{s}, _md{s}, None, None, None, {', '.join(args)})")
         body.append("    return True")
-        src = "def _launch(ts, stream, _scratch, checked_outs):\n" + "\n".join(body) + "\n"
+        src = "def _launch(ts, stream, _scratch, trusted):\n" + "\n".join(body) + "\n"
         exec(compile(src, f"<tunekit bound launch: {len(steps)} kernel(s)>", "exec"), ns)
         self._launch = ns["_launch"]
         self.source = src
 
-    def __call__(self, inputs: Sequence[torch.Tensor], out: Any, _scratch=None, fresh_out: bool = False) -> bool:
+    def __call__(self, inputs: Sequence[torch.Tensor], out: Any, _scratch=None, trusted: bool = False) -> bool:
         """Launch into ``out``; False (nothing launched) when the guard fails: the caller launches normally.
 
-        ``fresh_out=True``: the caller allocated ``out`` itself as at bind time
-        (``torch.empty`` of the same shape and dtype: contiguous, allocator-aligned),
-        so only the inputs are guarded.
+        ``trusted=True``: the caller allocated ``out`` itself as at bind time
+        (``new_empty`` of the same shape and dtype: contiguous, allocator-aligned)
+        and its route's key holds the inputs' shapes, so only the inputs'
+        strides and alignment are checked.
         """
         rt = self._rt
         enter, exit_ = self._enter, self._exit
@@ -282,7 +288,7 @@ class Launcher:
         if dev != self.device:
             return False
         ts = (*inputs, *out) if self.multi_out else (*inputs, out)
-        return self._launch(ts, self._get_stream(dev), _scratch or _empty_scratch, not fresh_out)
+        return self._launch(ts, self._get_stream(dev), _scratch or _empty_scratch, trusted)
 
     def replays_exactly(self, inputs: Sequence[torch.Tensor], out: Any) -> bool:
         """Replay into NaN-filled outputs and scratch; True when bit-identical to the normal launch in ``out``."""
