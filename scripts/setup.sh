@@ -36,6 +36,14 @@ if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && ! command -v hipc
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq hipcc libamdhip64-dev rocm-device-libs >/dev/null
 fi
 
+# PostgreSQL: the distributed-search tests start a throwaway server (tests/postgres_server.py)
+if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ] \
+    && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && ! command -v initdb >/dev/null 2>&1; then
+  echo "setup: installing Debian's postgresql (the multi-host search tests run a throwaway server)"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
+fi
+
 constraints=()
 if [ -n "${TUNEKIT_CONSTRAINTS:-}" ]; then
   constraints=(-c "$TUNEKIT_CONSTRAINTS")
@@ -45,11 +53,12 @@ if ! python -c "import torch" >/dev/null 2>&1; then
   echo "setup: installing torch 2.13.0"
   python -m pip install -q "${constraints[@]}" "torch==2.13.0"
 fi
-echo "setup: installing tunekit (editable) with its test, nvrtc and hf extras"
-python -m pip install -q "${constraints[@]}" -e ".[test,nvrtc,hf]"
+echo "setup: installing tunekit (editable) with its test, nvrtc, hf and postgres extras"
+python -m pip install -q "${constraints[@]}" -e ".[test,nvrtc,hf,postgres]"
 python - <<'PY'
 import importlib.metadata as m
-names = ("torch", "triton", "optuna", "numpy", "pandas", "typer", "click", "rich", "transformers", "cuda-core")
+names = ("torch", "triton", "optuna", "numpy", "pandas", "typer", "click", "rich", "transformers", "cuda-core",
+         "psycopg")
 print("setup: versions: " + ", ".join(f"{n} {m.version(n)}" for n in names))
 PY
 

@@ -76,8 +76,9 @@ def models() -> None:
 _SHAPE_HELP = ("ad-hoc problem (repeatable): NxK is a GEMV; OP:SIZE an elementwise op, e.g. bias_gelu:4096, "
                "gemma_rms_norm:5120, silu_and_mul:17408, gated_rms_norm:48x128 (groups x size)")
 _OPS_HELP = ("ops of the model to list / tune: gemv, rms_norm, fused_add_rms_norm, gated_rms_norm, silu_and_mul, "
-             "bias_gelu (norm families follow the model's weight convention); rms_norm_gemv: the norm fused "
-             "into the GEMV that reads it (opt-in, not served yet)")
+             "bias_gelu (norm families follow the model's weight convention); opt-in fused families (used by "
+             "`tunekit chain`, not served yet): rms_norm_gemv (the norm in the prologue of the GEMV that reads "
+             "it), silu_mul_gemv (SiLU-and-mul in the down projection's prologue), fused_gemv (both)")
 _M_HELP = "batch sizes (tokens per step), e.g. 1,2,4,8; gemv takes 1..8, elementwise ops up to 65536"
 #: What `search --model/--config` tunes unless --m / --ops narrow it: M = the small decode
 #: batch sizes vLLM captures as CUDA graphs (GEMV takes 1..8), every op the model runs.
@@ -275,29 +276,70 @@ def _default_backends() -> list[str]:
 
 @app.command()
 def export(
-    run: Annotated[Path, typer.Argument(help="run folder written by `tunekit search`")],
+    run: Annotated[Path | None, typer.Argument(
+        help="run folder written by `tunekit search` (optional with --storage)", show_default=False)] = None,
+    storage: Annotated[str | None, typer.Option(
+        help="build from every final re-measure in this Optuna storage (all workers and hosts) instead of "
+             "RUN/final.csv")] = None,
+    stamp: Annotated[str | None, typer.Option(
+        help="with --storage holding several device models: the device stamp to export")] = None,
     min_gain: Annotated[float | None, typer.Option(
-        help="minimum gain over the fastest baseline, >= 0 (default: the run's)")] = None,
+        help="minimum gain over the fastest baseline, >= 0 (default: the run's, else 0.01)")] = None,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="table (default RUN/table.json)")] = None,
 ) -> None:
-    """(Re)write the dispatch table of a run from its re-measured results."""
+    """(Re)write the dispatch table of a run, or of a shared storage, from its re-measured results."""
     from tunekit import table as table_mod
     from tunekit.search import results
 
     if min_gain is not None and not min_gain >= 0:  # also NaN
         raise UserError(f"--min-gain must be a number >= 0 (got {min_gain}); 0.01 asks a 1% gain")
-    meta = results.read_run_json(run)
-    rows = results.read_final(run)
-    if not rows:
-        raise UserError(f"{run}/final.csv has no rows: the final re-measure produced nothing to export")
-    target = output or run / "table.json"
+    if run is None and storage is None:
+        raise UserError("give a run folder, or --storage URL (with --output) to export a shared storage")
+    if stamp is not None and storage is None:
+        raise UserError("--stamp selects a device model of a --storage; a run folder holds one")
+    meta = results.read_run_json(run) if run is not None else {}
+    target = output or (run / "table.json" if run is not None else None)
+    if target is None:
+        raise UserError("--storage without a run folder: give --output FILE")
     if target.is_dir():
         raise UserError(f"{target} is a folder: give --output a file name")
     results.check_writable_dir(target.parent, "export writes the table there")
+    if storage is not None:
+        rows, device, probe, backends = _storage_finals(storage, stamp)
+    else:
+        rows = results.read_final(run)
+        if not rows:
+            raise UserError(f"{run}/final.csv has no rows: the final re-measure produced nothing to export")
+        device, probe, backends = meta["device"], meta["probe"], meta["backends"]
     gain = meta.get("min_gain", 0.01) if min_gain is None else min_gain
-    table = table_mod.build_table(rows, meta["device"], meta["probe"], gain, meta["backends"])
+    table = table_mod.build_table(rows, device, probe, gain, backends)
     path = table_mod.save(table, target)
-    console.print(f"wrote {path}: {len(table['entries'])} entries (min gain {gain:.1%})")
+    console.print(f"wrote {path}: {len(table['entries'])} entries from {len({(r['op'], r['m'], r['n'], r['k']) for r in rows})}"
+                  f" problems (min gain {gain:.1%})")
+
+
+def _storage_finals(url: str, stamp: str | None) -> tuple[list[dict], dict, dict, list[str]]:
+    """The final re-measures in a storage for one device stamp: (rows, device, probe, backends)."""
+    from tunekit.search import fleet
+    from tunekit.search.engine import open_storage
+
+    by_stamp = fleet.finals_in_storage(open_storage(url))
+    if not by_stamp:
+        raise UserError(f"storage {fleet.redact(url)} holds no completed final re-measure (run a search first)")
+    described = "; ".join(f"{s} = {results_[0].get('stamp_text')} ({len(results_)} problems)"
+                          for s, results_ in by_stamp.items())
+    if stamp is None:
+        if len(by_stamp) > 1:
+            raise UserError(f"storage {fleet.redact(url)} holds measurements of {len(by_stamp)} device models; "
+                            f"they are never merged into one table: pick one with --stamp ({described})")
+        stamp = next(iter(by_stamp))
+    if stamp not in by_stamp:
+        raise UserError(f"--stamp {stamp}: not in this storage ({described})")
+    chosen = by_stamp[stamp]
+    rows = [row for result in chosen for row in result["rows"]]
+    first = chosen[0]
+    backends = sorted({b for result in chosen for b in result.get("backends", [])})
+    return rows, first["device"], first["probe"], backends
 
 
 @app.command()

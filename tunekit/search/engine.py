@@ -180,6 +180,38 @@ class _Progress:
             self._progress.stop()
 
 
+#: Times the parameters of a trial whose worker died are asked again (Optuna's retry callback).
+MAX_RETRY = 2
+
+
+def _retry_callback():
+    """Optuna's own retry of a trial failed because its worker died: the same parameters are
+    enqueued again, so the others pick its work up (named RetryHeartbeatStaleTrialCallback since 4.9)."""
+    cls = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None) or optuna.storages.RetryFailedTrialCallback
+    return cls(max_retry=MAX_RETRY)
+
+
+def _retry_kwarg() -> dict[str, Any]:
+    """RDBStorage's retry argument under its name in this Optuna (heartbeat_stale_trial_callback since 4.9)."""
+    import inspect
+
+    params = inspect.signature(optuna.storages.RDBStorage.__init__).parameters
+    name = "heartbeat_stale_trial_callback" if "heartbeat_stale_trial_callback" in params else "failed_trial_callback"
+    return {name: _retry_callback()}
+
+
+def postgres_driver(url: str) -> str:
+    """``postgresql://`` with the driver tunekit installs (psycopg 3, the ``postgres`` extra): SQLAlchemy's
+    default driver for the bare scheme differs between its versions. A URL naming its driver is kept."""
+    if url.startswith("postgresql://"):
+        try:
+            import psycopg  # noqa: F401
+        except ImportError:
+            return url
+        return "postgresql+psycopg://" + url[len("postgresql://"):]
+    return url
+
+
 def open_storage(url: str) -> optuna.storages.RDBStorage:
     """The Optuna storage at ``url``, with the heartbeat on; a SQLite file is checked first
     (an empty or corrupt one is refused, not recreated) and put in WAL mode."""
@@ -192,13 +224,15 @@ def open_storage(url: str) -> optuna.storages.RDBStorage:
         results.prepare_sqlite_file(db)
         # wait for another search's write instead of failing with "database is locked"
         kwargs["engine_kwargs"] = {"connect_args": {"timeout": 60}}
+    url = postgres_driver(url)
     error: Exception | None = None
     for _ in range(3):  # two searches creating the tables of a new shared database at once: one retries
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 interval, grace = fleet.heartbeat_settings(HEARTBEAT_S, STALE_AFTER_S)
-                return optuna.storages.RDBStorage(url, heartbeat_interval=interval, grace_period=grace, **kwargs)
+                return optuna.storages.RDBStorage(url, heartbeat_interval=interval, grace_period=grace,
+                                                  **_retry_kwarg(), **kwargs)
         except Exception as exc:  # bad URL, unreachable DB, missing driver
             error = exc
             time.sleep(0.5)
@@ -505,6 +539,7 @@ def _final_step(run: _Run, ctx: _WorkerContext, problem: Problem) -> list[dict[s
     for key, value in (("rows", rows), ("device", ctx.device), ("probe", run.probe), ("backends", run.usable)):
         trial.set_user_attr(key, json.dumps(value))
     trial.set_user_attr("status", "ok" if rows else "fail")
+    trial.set_user_attr("stamp_text", run.stamp_text)
     _tell(study, trial, min((r["time_us"] for r in rows), default=0.0))
     ctx.live.end()
     return rows
@@ -584,6 +619,7 @@ class _Liveness:
         self.stamp = ""  # the device stamp, once the worker has described its device
         self.interval = getattr(storage, "heartbeat_interval", None) or HEARTBEAT_S
         self._trial_id: int | None = None
+        self._study: optuna.Study | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="tunekit-heartbeat", daemon=True)
@@ -596,17 +632,25 @@ class _Liveness:
             trial.set_user_attr("stamp", self.stamp)
         with self._lock:
             self._trial_id = trial._trial_id
+            self._study = trial.study
+        with _IN_FLIGHT_LOCK:
+            _IN_FLIGHT.add(trial._trial_id)
         self.storage.record_heartbeat(trial._trial_id)
 
     def end(self) -> None:
         with self._lock:
-            self._trial_id = None
+            trial_id, self._trial_id = self._trial_id, None
+        if trial_id is not None:
+            with _IN_FLIGHT_LOCK:
+                _IN_FLIGHT.discard(trial_id)
 
     def fail_current(self, error: str) -> None:
         with self._lock:
-            trial_id, self._trial_id = self._trial_id, None
+            trial_id, self._trial_id, study = self._trial_id, None, self._study
         if trial_id is not None:
-            _fail_interrupted(self.storage, trial_id, error)
+            _fail_interrupted(self.storage, study, trial_id, error)
+            with _IN_FLIGHT_LOCK:
+                _IN_FLIGHT.discard(trial_id)
 
     def close(self) -> None:
         self._stop.set()
@@ -623,7 +667,13 @@ class _Liveness:
                     pass
 
 
-def _fail_interrupted(storage, trial_id: int, error: str = "interrupted (the search process stopped)") -> None:
+#: Trials this process's workers have in flight (several threads with --gpus): never "dead" to this process.
+_IN_FLIGHT: set[int] = set()
+_IN_FLIGHT_LOCK = threading.Lock()
+
+
+def _fail_interrupted(storage, study: optuna.Study, trial_id: int,
+                      error: str = "interrupted (the search process stopped)") -> None:
     """Record a RUNNING trial that will never finish as failed, status ``interrupted``."""
     try:
         if storage.get_trial(trial_id).state != TrialState.RUNNING:
@@ -632,7 +682,14 @@ def _fail_interrupted(storage, trial_id: int, error: str = "interrupted (the sea
         storage.set_trial_user_attr(trial_id, "error", error)
         storage.set_trial_state_values(trial_id, TrialState.FAIL)
     except optuna.exceptions.UpdateFinishedTrialError:
-        pass  # another search sharing the storage recorded it first
+        return  # another search sharing the storage recorded it first
+    getter = getattr(storage, "get_heartbeat_stale_trial_callback", None) or getattr(
+        storage, "get_failed_trial_callback", lambda: None)
+    retry = getter()
+    if retry is not None:  # as Optuna does for a stale heartbeat: its parameters are asked again
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            retry(study, storage.get_trial(trial_id))
 
 
 @contextlib.contextmanager
@@ -690,9 +747,13 @@ def _fail_dead_trials(study: optuna.Study, storage) -> None:
             owner_host, _, pid = str(owner).rpartition(":")
             if owner_host != host or not pid.isdigit():
                 continue  # elsewhere: the heartbeat decides, below
-            if int(pid) != os.getpid() and _pid_alive(int(pid)):
+            if int(pid) == os.getpid():
+                with _IN_FLIGHT_LOCK:
+                    if trial._trial_id in _IN_FLIGHT:
+                        continue  # another worker thread of this search is measuring it
+            elif _pid_alive(int(pid)):
                 continue
-        _fail_interrupted(storage, trial._trial_id)
+        _fail_interrupted(storage, study, trial._trial_id)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)
@@ -823,8 +884,9 @@ def _run_trials(run: _Run, ctx: _WorkerContext, st: _OpenStudy, remaining_s: flo
             if deadline is not None and time.monotonic() > deadline:
                 bar.log(f"--timeout reached: {st.name} stops at {measured} measured trials")
                 return "done"
-            if st.attempts >= st.wanted * MAX_ATTEMPTS_PER_TRIAL or (
-                    isinstance(study.sampler, optuna.samplers.GridSampler) and study.sampler.is_exhausted(study)):
+            waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+            if not waiting and (st.attempts >= st.wanted * MAX_ATTEMPTS_PER_TRIAL or (
+                    isinstance(study.sampler, optuna.samplers.GridSampler) and study.sampler.is_exhausted(study))):
                 if not inflight:  # nothing new left to ask: no worker needs to come back
                     _retrying(lambda: study.set_user_attr("exhausted", True))
                     return "done"

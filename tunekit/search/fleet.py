@@ -179,6 +179,7 @@ def final_result(study: optuna.Study) -> dict[str, Any] | None:
         if "rows" in trial.user_attrs:
             return {key: json.loads(trial.user_attrs[key]) for key in ("rows", "device", "probe", "backends")
                     if key in trial.user_attrs} | {"stamp": trial.user_attrs.get("stamp"),
+                                                    "stamp_text": trial.user_attrs.get("stamp_text"),
                                                     "worker": trial.user_attrs.get("worker"),
                                                     "complete": trial.datetime_complete}
     return None
@@ -200,7 +201,8 @@ def finals_in_storage(storage) -> dict[str, list[dict[str, Any]]]:
         result = final_result(study)
         if result is None or not result.get("rows"):
             continue
-        key = (result["stamp"], summary.study_name.split("|")[2])  # stamp, problem key
+        first = result["rows"][0]
+        key = (result["stamp"], "|".join(str(first[f]) for f in ("op", "dtype", "m", "n", "k")))
         if key not in newest or result["complete"] > newest[key]["complete"]:
             newest[key] = result
     by_stamp: dict[str, list[dict[str, Any]]] = {}
@@ -222,5 +224,6 @@ def participants(storage, study_names: Sequence[str]) -> dict[str, Any]:
             if trial.user_attrs.get("measured") or "rows" in trial.user_attrs:
                 workers.add(str(trial.user_attrs.get("worker") or trial.user_attrs.get("owner") or "?"))
     hosts = {w.split(":")[0] for w in workers}
-    gpus = {f"{w.split(':')[0]}:{w.split(':')[-1]}" for w in workers if w.count(":") >= 2}
+    gpus = {f"{w.split(':')[0]}:{w.split(':')[-1]}" for w in workers
+            if w.count(":") >= 2 and w.split(":")[-1].startswith("gpu")}
     return {"workers": len(workers), "gpus": len(gpus), "hosts": len(hosts), "worker_ids": sorted(workers)}
