@@ -226,7 +226,7 @@ def _entry_label(i: int, entry: dict[str, Any]) -> str:
 
 def _entry_problem(entry: dict[str, Any]) -> str | None:
     """Why an entry's fields are malformed (types, ranges, names), else None."""
-    from tunekit.shapes import DTYPE_BYTES, OPS
+    from tunekit.shapes import DTYPE_BYTES, FUSED_GEMV_OPS, OPS
 
     for name, types in _ENTRY_FIELDS.items():
         value = entry.get(name)
@@ -247,8 +247,9 @@ def _entry_problem(entry: dict[str, Any]) -> str | None:
         return f"count={count!r} (must be an integer > 0)"
     if not isinstance(entry.get("timing_kind", ""), str):
         return f"timing_kind={entry['timing_kind']!r} (must be a string)"
-    if entry["op"] not in OPS:
-        return f"unknown op {entry['op']!r} (known: {', '.join(OPS)})"
+    known = OPS + FUSED_GEMV_OPS  # the fused families: tabulated and used by `tunekit chain`, not served yet
+    if entry["op"] not in known:
+        return f"unknown op {entry['op']!r} (known: {', '.join(known)})"
     if entry["dtype"] not in DTYPE_BYTES:
         return f"unknown dtype {entry['dtype']!r} (known: {', '.join(DTYPE_BYTES)})"
     for key, value in entry["params"].items():
