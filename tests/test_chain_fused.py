@@ -16,7 +16,7 @@ from tunekit import backends, shapes
 from tunekit import chain as chain_mod
 from tunekit.models import load_model
 from tunekit.models.spec import ModelSpec
-from tunekit.shapes import FUSED_GEMV_OPS, Problem
+from tunekit.shapes import Problem
 
 pytestmark = pytest.mark.usefixtures("clean_ops")  # conftest.py: no table, markers or vendor GEMM leak
 
@@ -28,10 +28,10 @@ def _spec() -> ModelSpec:
 
 
 def _default_kernel(m: int):
-    """fused(op, n, k) of Chain.build: every fused op at its search space's default config."""
+    """fused(op, n, k, replaced) of Chain.build: every fused op at its search space's default config."""
     triton = backends.get("triton")
 
-    def fused(op: str, n: int, k: int):
+    def fused(op: str, n: int, k: int, replaced=None):
         problem = Problem(op, "bf16", m, n, k)
         return triton.build(problem, triton.space(problem).default, None)
 
@@ -123,19 +123,12 @@ def test_logits_are_as_close_to_fp32_as_vendor() -> None:
 def test_a_pair_without_an_entry_keeps_the_tuned_steps() -> None:
     # only silu_mul_gemv is served: the norms and their projections are the tuned variant's
     only_act = _default_kernel(1)
-    chain = _bound_chain(1, lambda op, n, k: only_act(op, n, k) if op == "silu_mul_gemv" else None)
+    chain = _bound_chain(1, lambda op, n, k, replaced: only_act(op, n, k) if op == "silu_mul_gemv" else None)
     fused_names = {s.name for s, kind in zip(chain.steps, chain.kinds["tuned_fused"], strict=True) if kind == "fused"}
     assert fused_names == {"mlp.act_fn", "mlp.down_proj"} and len(chain.fused["tuned_fused"]) == 4
 
 
-@pytest.fixture
-def tables_take_fused_ops(monkeypatch):
-    # The table format's op check (tunekit.table reads tunekit.shapes.OPS) does not list the fused
-    # GEMV ops; the chain itself needs nothing else from the table.
-    monkeypatch.setattr(shapes, "OPS", shapes.OPS + FUSED_GEMV_OPS)
-
-
-def test_run_reports_tuned_fused_where_a_fused_entry_serves(tmp_path: Path, tables_take_fused_ops) -> None:
+def test_run_reports_tuned_fused_where_a_fused_entry_serves(tmp_path: Path) -> None:
     config = tmp_path / "tiny.json"
     config.write_text(json.dumps(TINY))
     spec = load_model(str(config))
@@ -144,7 +137,7 @@ def test_run_reports_tuned_fused_where_a_fused_entry_serves(tmp_path: Path, tabl
         return _entry(op, m, n, k, params=backends.get("triton").space(Problem(op, "bf16", m, n, k)).default)
 
     table = make_table(tmp_path / "t.json", [
-        default("gemv", 1, 64, 96),  # down_proj, unfused (tuned)
+        dict(default("gemv", 1, 64, 96), time_us=1.5, speedup=2.0 / 1.5),  # down_proj, unfused (tuned)
         default("silu_mul_gemv", 1, 64, 96),  # act_fn -> down_proj
         default("gemma_fused_add_rms_norm_gemv", 1, 192, 64),  # post_attention_layernorm -> gate_up_proj
         default("gemma_fused_add_rms_norm_gemv", 1, 200, 64),  # input_layernorm -> in_proj_qkvz + in_proj_ba
@@ -164,3 +157,24 @@ def test_run_reports_tuned_fused_where_a_fused_entry_serves(tmp_path: Path, tabl
     assert fused["predicted_saving_us"] == pytest.approx(11.0)
     assert fused["rms_err_fp32"] <= 2 * rows[(1, "vendor")]["rms_err_fp32"]
     assert any("fused kernels" in line for line in lines)
+
+
+def test_a_fused_entry_slower_than_the_tuned_steps_it_replaces_is_left_unfused(tmp_path: Path) -> None:
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(TINY))
+    spec = load_model(str(config))
+
+    def default(op: str, m: int, n: int, k: int, time_us: float) -> dict:
+        params = backends.get("triton").space(Problem(op, "bf16", m, n, k)).default
+        return dict(_entry(op, m, n, k, params=params), time_us=time_us, speedup=2.0 / time_us)
+
+    table = make_table(tmp_path / "t.json", [
+        default("gemv", 1, 64, 96, 1.0),  # down_proj, tuned: 1.0 us
+        default("silu_mul_gemv", 1, 64, 96, 1.2),  # beats the eager pair (2 us), loses to the tuned down_proj
+    ])
+    lines: list[str] = []
+    report = chain_mod.run(spec, [str(table)], [1], log=lines.append)
+    variants = [r["variant"] for r in report["results"]]
+    assert "tuned_fused" not in variants  # nothing pays: tuned_fused is tuned, not measured twice
+    assert any("silu_mul_gemv 64x96: fused 1.20 us >= the tuned steps it replaces 1.00 us" in line
+               for line in lines), lines

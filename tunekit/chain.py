@@ -40,8 +40,11 @@ Variants (``VARIANTS``), on the same weights and inputs:
   and ``post_attention_layernorm`` -> ``gate_up_proj`` run as one
   ``rms_norm_gemv``-family kernel, ``act_fn`` -> ``down_proj`` as one
   ``silu_mul_gemv`` kernel (``tunekit.shapes.FUSED_GEMV_OPS``; built straight
-  from the entry's backend, as ``tunekit.ops`` does not serve them). Measured
-  only at an M where at least one pair is fused (it equals ``tuned`` otherwise).
+  from the entry's backend, as ``tunekit.ops`` does not serve them), and only
+  where the fused entry's standalone time beats the tuned entries of the steps
+  it replaces (otherwise the pair stays as ``tuned`` runs it: never slower by
+  construction). Measured only at an M where at least one pair is fused (it
+  equals ``tuned`` otherwise).
 
 A step no table serves keeps the vendor implementation in every variant (the
 op's own fallback, eager PyTorch, would be slower than Inductor and charge the
@@ -224,14 +227,15 @@ class Chain:
 
     def build(self, variant: str, vendor_elementwise: dict[str, Callable[..., None]],
               served: Callable[[Step], bool],
-              fused: Callable[[str, int, int], Callable[..., None] | None] | None = None) -> list[str]:
+              fused: Callable[[str, int, int, list[Step]], Callable[..., None] | None] | None = None) -> list[str]:
         """Bind ``variant``'s implementation of every step; returns each step's "tuned" / "vendor" /
         "fused".
 
         ``vendor_elementwise`` maps op -> ``fn(inputs, out)`` (``tunekit.backends.vendor``'s form,
         possibly compiled); ``served(step)`` says whether a loaded table serves the step at this M;
-        ``fused(op, n, k)`` (tuned_fused only) returns the kernel ``fn(inputs, out)`` (``tunekit.opspec``'s
-        form) of a fused op a table serves at this M, or None.
+        ``fused(op, n, k, replaced)`` (tuned_fused only) returns the kernel ``fn(inputs, out)``
+        (``tunekit.opspec``'s form) of a fused op a table serves at this M in place of the steps
+        ``replaced``, or None (no entry, or, in ``run``, one slower than those steps' tuned kernels).
         """
         if variant not in VARIANTS:
             raise UserError(f"unknown chain variant {variant!r} (known: {', '.join(VARIANTS)})")
@@ -248,7 +252,7 @@ class Chain:
         return kinds
 
     def _bind_fused(self, impls: list[Callable[..., Any]], kinds: list[str],
-                    fused: Callable[[str, int, int], Callable[..., None] | None], used: list[Step]) -> None:
+                    fused: Callable[[str, int, int, list[Step]], Callable[..., None] | None], used: list[Step]) -> None:
         """Replace every pair a fused entry serves by its fused kernel (``FUSED_PAIRS``), in place."""
         m, dtype, device = self.m, self.dtype, self.device
         for i, step in enumerate(self.steps):
@@ -259,7 +263,7 @@ class Chain:
                 down = self.steps[j] if j < len(self.steps) else None
                 if down is None or down.op != "gemv" or not down.name.endswith("down_proj"):
                     continue
-                kernel = fused(FUSED_ACT_OP, down.n, down.k)
+                kernel = fused(FUSED_ACT_OP, down.n, down.k, [step, down])
                 if kernel is None:
                     continue
                 out = torch.empty(m, down.n, dtype=dtype, device=device)
@@ -286,7 +290,7 @@ class Chain:
                     continue  # the consumers' weights are not one tensor: the pair stays unfused
                 op = f"{step.op}_gemv"
                 n = weight.shape[0]
-                kernel = fused(op, n, step.n)
+                kernel = fused(op, n, step.n, [step] + [self.steps[j] for j in consumers])
                 if kernel is None:
                     continue
                 y = torch.empty(m, n, dtype=dtype, device=device)
@@ -569,6 +573,7 @@ def run(spec: ModelSpec, tables: Sequence[str], m_list: Sequence[int], tp: int =
     }
     weights = None
     dtype = "bf16"
+    unpaid: set[tuple] = set()  # fused entries slower than the tuned steps they would replace (logged once)
     for m in m_list:
         chain = Chain(steps, m, device, seed, weights=weights)
         weights = chain.weights
@@ -576,9 +581,22 @@ def run(spec: ModelSpec, tables: Sequence[str], m_list: Sequence[int], tp: int =
         def entry_for(step: Step, m: int = m) -> dict[str, Any] | None:
             return ops.served_entry(step.op, dtype, m, step.n, step.k, str(device))
 
-        def fused_kernel(op: str, n: int, k: int, m: int = m) -> Callable[..., None] | None:
+        def fused_kernel(op: str, n: int, k: int, replaced: list[Step], m: int = m) -> Callable[..., None] | None:
             entry = ops.served_entry(op, dtype, m, n, k, str(device))
-            return None if entry is None else _build_fused(entry, Problem(op, dtype, m, n, k), info)
+            if entry is None:
+                return None
+            # Fuse only where it pays: the fused kernel must beat the tuned kernels of the steps it
+            # replaces (standalone times of the tables; a step no table serves counts 0 here, so the
+            # vendor part of the pair is the fused kernel's margin, never its excuse).
+            tuned_us = sum(e["time_us"] for e in map(entry_for, replaced) if e is not None)
+            if tuned_us and entry["time_us"] >= tuned_us:
+                key = (m, op, n, k)
+                if key not in unpaid:
+                    unpaid.add(key)
+                    log(f"M={m} {op} {n}x{k}: fused {entry['time_us']:.2f} us >= the tuned steps it replaces "
+                        f"{tuned_us:.2f} us ({'+'.join(s.name for s in replaced)}): left unfused")
+                return None
+            return _build_fused(entry, Problem(op, dtype, m, n, k), info)
 
         fns = _vendor_elementwise(device)
         for variant in VARIANTS:
