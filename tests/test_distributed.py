@@ -15,9 +15,8 @@ import time
 from pathlib import Path
 
 import optuna
-import pytest
-
 import postgres_server
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 #: fixed costs and a vendor slower than every candidate: the table is decided by the trials alone
@@ -81,8 +80,8 @@ def _check_no_duplicate_and_no_lost_trial(studies: dict[str, list], wanted: int)
 
 def test_three_concurrent_searches_on_postgres_measure_every_config_once(postgres, tmp_path) -> None:
     url = postgres.create_database("concurrent")
-    args = ["search", "--shape", "96x256", "--shape", "32x512", "--backend", "triton", "--sampler", "random", "--trials", "3",
-            "--warm-start", "0", "--no-progress", "--storage", url]
+    args = ["search", "--shape", "96x256", "--shape", "32x512", "--backend", "triton", "--sampler", "random",
+            "--trials", "3", "--warm-start", "0", "--no-progress", "--storage", url]
     procs = [_start(*args, "--out", str(tmp_path / f"run{i}")) for i in range(3)]
     results = [_finish(p) for p in procs]
     for rc, _, err in results:

@@ -314,8 +314,8 @@ def export(
     gain = meta.get("min_gain", 0.01) if min_gain is None else min_gain
     table = table_mod.build_table(rows, device, probe, gain, backends)
     path = table_mod.save(table, target)
-    console.print(f"wrote {path}: {len(table['entries'])} entries from {len({(r['op'], r['m'], r['n'], r['k']) for r in rows})}"
-                  f" problems (min gain {gain:.1%})")
+    problems = len({(r["op"], r["m"], r["n"], r["k"]) for r in rows})
+    console.print(f"wrote {path}: {len(table['entries'])} entries from {problems} problems (min gain {gain:.1%})")
 
 
 def _storage_finals(url: str, stamp: str | None) -> tuple[list[dict], dict, dict, list[str]]:

@@ -334,7 +334,8 @@ def _run_locked(run: _Run, slots: Sequence[fleet.Slot], progress: bool, log: Cal
     try:
         for index, slot in enumerate(slots):
             worker = Worker(env=slot.env)
-            run.contexts.append(_WorkerContext(index, slot, worker, _Liveness(run.storage, f"{host}:{pid}:{slot.label}")))
+            live = _Liveness(run.storage, f"{host}:{pid}:{slot.label}")
+            run.contexts.append(_WorkerContext(index, slot, worker, live))
         for ctx in run.contexts:
             reply = ctx.worker.call({"kind": "device"})
             if reply["status"] != "ok":
@@ -347,7 +348,8 @@ def _run_locked(run: _Run, slots: Sequence[fleet.Slot], progress: bool, log: Cal
         for ctx in run.contexts[1:]:
             stamp, text = fleet.device_stamp(table_mod.environment_stamp(ctx.device, run.usable))
             if stamp != run.stamp:
-                raise UserError(f"--gpus: {ctx.slot.label} is {text}, {run.contexts[0].slot.label} is {run.stamp_text}: "
+                first = run.contexts[0].slot.label
+                raise UserError(f"--gpus: {ctx.slot.label} is {text}, {first} is {run.stamp_text}: "
                                 "one device model per table; run one search per model")
         for ctx in run.contexts:
             ctx.live.stamp = run.stamp
