@@ -71,7 +71,7 @@ def test_patch_routes_linears_and_norms_and_unpatch_restores(table: Path) -> Non
     x = torch.randn(1, 3, HIDDEN).bfloat16()
     with torch.no_grad():
         before = model(x)
-        counts = tunekit.patch(model, table=table)
+        counts = tunekit.patch(model, table=table, only_covered=False)
         assert counts == {"linear": 8, "rms_norm": 2}
         assert tunekit.patch(model) == {}  # already patched: nothing twice
         patched = model(x)
@@ -91,6 +91,34 @@ def test_patch_routes_linears_and_norms_and_unpatch_restores(table: Path) -> Non
     assert tunekit.dispatch_stats() == []
 
 
+def test_by_default_only_the_modules_a_table_covers_are_routed(table: Path) -> None:
+    model = _model()
+    x = torch.randn(1, 1, HIDDEN).bfloat16()
+    with torch.no_grad():
+        before = model(x)
+        counts = tunekit.patch(model, table=table)
+        # o_proj and down have entries; qkv, up and the norms keep their own forward and cost nothing
+        assert counts == {"linear": 4, "linear (not in the tables)": 4, "rms_norm (not in the tables)": 2}
+        kept = [m for m in model.modules()
+                if isinstance(m, (nn.Linear, LlamaRMSNorm)) and "forward" not in m.__dict__]
+        assert len(kept) == 6 and {tuple(m.weight.shape) for m in kept if isinstance(m, nn.Linear)} == {
+            (3 * HIDDEN, HIDDEN), (INTER, HIDDEN)}
+        patched = model(x)
+    assert (patched.float() - before.float()).abs().max() < 0.1
+    rows = tunekit.dispatch_stats()
+    # M=1 is served by the M=4 entries (the smallest tabulated M above); nothing else entered an op
+    assert {(r["shape"], r["impl"]) for r in rows} == {(f"{HIDDEN}x{3 * HIDDEN}", "tuned:triton"),
+                                                       (f"{HIDDEN}x{INTER}", "tuned:triton")}
+    assert tunekit.unpatch(model) == 4
+
+
+def test_without_a_table_nothing_is_routed() -> None:
+    model = _model()
+    assert tunekit.patch(model) == {"linear (not in the tables)": 8, "rms_norm (not in the tables)": 2}
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert tunekit.unpatch(model) == 0
+
+
 def test_calls_that_need_autograd_keep_the_original_path(table: Path) -> None:
     model = _model()
     tunekit.patch(model, table=table)
@@ -105,7 +133,7 @@ def test_an_existing_instance_forward_is_restored() -> None:
     hooked = lin.forward  # what accelerate-style hooks leave as an instance attribute
     lin.forward = lambda x: hooked(x) * 2
     previous = lin.__dict__["forward"]
-    tunekit.patch(lin)
+    tunekit.patch(lin, only_covered=False)
     assert lin.__dict__["forward"] is not previous
     tunekit.unpatch(lin)
     assert lin.__dict__["forward"] is previous
@@ -120,7 +148,7 @@ def test_patch_with_an_unreadable_table_raises_at_set_up(tmp_path: Path) -> None
 
 def test_patched_model_compiles_to_opaque_tunekit_nodes(table: Path) -> None:
     model = _model()
-    tunekit.patch(model, table=table)
+    tunekit.patch(model, table=table, only_covered=False)
     graphs = []
 
     def backend(gm, example_inputs):
@@ -178,7 +206,7 @@ def test_hugging_face_qwen3_5_patched_gives_the_same_logits_and_tokens(tmp_path:
     ids = torch.tensor([[3, 17, 42, 5, 99]])
     with torch.no_grad():
         ref = model(ids).logits
-        counts = tunekit.patch(model, table=path)
+        counts = tunekit.patch(model, table=path, only_covered=False)
         assert counts["linear"] == len([m for m in model.modules() if isinstance(m, nn.Linear)])
         assert counts["gemma_rms_norm"] >= 5 and counts["gated_rms_norm"] == 1
         out = model(ids).logits
@@ -207,6 +235,6 @@ def test_hugging_face_llama_norms_are_routed() -> None:
     ids = torch.tensor([[1, 2, 3]])
     with torch.no_grad():
         ref = model(ids).logits
-        assert tunekit.patch(model) == {"linear": 8, "rms_norm": 3}
+        assert tunekit.patch(model, only_covered=False) == {"linear": 8, "rms_norm": 3}
         assert torch.equal(model(ids).logits, ref)  # vendor paths (no table): the same math, same bits
     assert {r["impl"] for r in tunekit.dispatch_stats()} == {"fallback:no_table"}

@@ -21,11 +21,12 @@ __version__ = "0.1.0"
 __all__ = ["__version__", "dispatch_stats", "patch", "unpatch"]
 
 
-def patch(model: Any, table: Any = None) -> dict[str, int]:
-    """Route ``model`` through the tunekit ops; see ``tunekit.integrations.torch_patch.patch``."""
+def patch(model: Any, table: Any = None, only_covered: bool = True) -> dict[str, int]:
+    """Route ``model``'s modules that a table covers through the tunekit ops; see
+    ``tunekit.integrations.torch_patch.patch``."""
     from tunekit.integrations.torch_patch import patch as _patch
 
-    return _patch(model, table)
+    return _patch(model, table, only_covered=only_covered)
 
 
 def unpatch(model: Any) -> int:

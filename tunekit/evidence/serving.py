@@ -455,7 +455,7 @@ def check_model(report: Any, settings: Settings, device: Any) -> dict[str, Any]:
         report.add("SKIP", "model timing", "no CUDA: nothing is timed")
 
     try:
-        routed = sum(v for k, v in result.get("patch_counts", {}).items() if "no tunekit op" not in k)
+        routed = sum(v for k, v in result.get("patch_counts", {}).items() if "(" not in k)  # not the kept ones
         restored = tunekit.unpatch(patched_model)
         again = hf.decode(patched_model, prompt, settings.steps)
         same = again["tokens"] == base["tokens"] and all(

@@ -11,6 +11,12 @@ Call protocol::
 
 ``patch`` sets an instance ``forward`` on each routed module (the class is not
 touched, other instances stay as they were) and remembers what it replaced;
+a module is routed only where a loaded table holds an entry for its problem
+(op, dtype, N, K) on the device its weight is on: every other module keeps
+its own forward and pays nothing (the op's vendor path costs a custom-op
+dispatch, several microseconds per call in eager mode). So patch after
+moving the model to its device; ``only_covered=False`` routes every
+supported module (to see every call in the dispatch log).
 ``unpatch`` puts that back. Patch before ``torch.compile``: compiled code keeps
 what it traced. The table, when given, is loaded process-wide (it replaces
 ``TUNEKIT_TABLE``'s); without one the tables of ``TUNEKIT_TABLE`` serve.
@@ -163,14 +169,42 @@ def _route(module: nn.Module) -> tuple[str, Callable[[nn.Module], Callable[..., 
     return op, factory
 
 
-def patch(model: nn.Module, table: str | os.PathLike | Sequence[str | os.PathLike] | None = None) -> dict[str, int]:
+def _covered(route: str, module: nn.Module) -> bool:
+    """Whether a loaded table holds an entry for the module's problem on its weight's device
+    (any M: the op picks per call). The gated norm is matched by its row width (head_dim), as the
+    op serves either row layout."""
+    from tunekit import ops
+    from tunekit.serving.state import DTYPE_NAMES
+    from tunekit.serving.tables import serving_table
+
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dtype not in DTYPE_NAMES:
+        return False
+    dtype, device = ops.dtype_name(weight.dtype), str(weight.device)
+    if route == "linear":
+        n, k = weight.shape
+        return ops.covers("gemv", dtype, n, k, device)
+    width = weight.shape[0]
+    if route == "gated_rms_norm":
+        merged = serving_table(device)
+        return merged is not None and any(
+            e["op"] == route and e["dtype"] == dtype and e["k"] == width for e in merged["entries"])
+    return ops.covers(route, dtype, width, width, device)
+
+
+def patch(model: nn.Module, table: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
+          only_covered: bool = True) -> dict[str, int]:
     """Route ``model``'s linears (and supported norms/activations) through the tunekit ops.
 
     ``table``: a path, a ``:``-separated string or a list of paths, loaded
     process-wide; a table that cannot be loaded raises ``tunekit.table.TableError``
     here (set-up time), unlike in serving. Already patched modules are left
-    alone. Returns per route how many modules were patched, and per module
-    kind with no tunekit op yet how many were left as they are.
+    alone. With ``only_covered`` (the default) a module is routed only where
+    a loaded table has an entry for its problem on its weight's device (no
+    table: nothing is routed). Returns per route how many modules were
+    patched, per route how many were kept because no table covers them
+    (``"<route> (not in the tables)"``), and per module kind with no tunekit
+    op yet how many were left as they are.
     """
     from tunekit import ops
 
@@ -188,6 +222,8 @@ def patch(model: nn.Module, table: str | os.PathLike | Sequence[str | os.PathLik
         name, factory = _route(module)
         if not name:
             continue
+        if factory is not None and only_covered and not _covered(name, module):
+            name, factory = f"{name} (not in the tables)", None
         counts[name] = counts.get(name, 0) + 1
         if factory is None:
             continue
