@@ -12,8 +12,8 @@ the CPU launch path dominates); gpu = CUDA events over 200 calls queued behind a
 device time per call, launch gaps excluded). Medians of --repeats
 interleaved rounds. Overhead = arm wall minus its baseline's wall (op_vendor - direct,
 op_tuned - bound); ``floor`` is a no-op-Python custom op around the direct call (torch's own dispatch
-cost, the part of op_vendor - direct that tunekit cannot remove). Outputs are checked before anything is timed (bound and
-op_tuned bit-identical to kernel, op_vendor to direct, tuned within the op's BF16 bound); exits 1
+cost, the part of op_vendor - direct that tunekit cannot remove). Outputs are checked before
+anything is timed (bound and op_tuned bit-identical to kernel, op_vendor to direct, tuned within the op's BF16 bound); exits 1
 on a failed check.
 """
 from __future__ import annotations
@@ -85,12 +85,13 @@ def _time(fn, calls: int) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tunekit import backends, opspec, table as table_mod
+    import tunekit.ops as ops
+    from tunekit import backends, opspec
+    from tunekit import table as table_mod
     from tunekit.device import detect
     from tunekit.models import load_model
     from tunekit.serving import launch
     from tunekit.shapes import Problem
-    import tunekit.ops as ops
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--table", help="dispatch table (default: the default Triton configs, tabulated here)")
@@ -122,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{p.op} {p.n}x{p.k}: not in the table, skipped")
             continue
         inputs = spec.make_inputs(p, dev, gen)
-        kernel = triton.build(p, entry["params"], info)
+        # the entry's own backend (a HIP winner built as Triton would time another kernel)
+        kernel = backends.get(entry["backend"]).build(p, entry["params"], info)
         out, ref_out = spec.make_output(p, dev), spec.make_output(p, dev)
         kernel(inputs, ref_out)
         launcher = launch.bind(kernel, inputs, out)
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                 if fn is not None:
                     samples[arm].append(_time(fn, args.calls))
         stats = ops.dispatch_stats(reset=True)
-        row = {"op": p.op, "n": p.n, "k": p.k, "params": entry["params"], "checks": checks,
+        row = {"op": p.op, "n": p.n, "k": p.k, "backend": entry["backend"], "params": entry["params"], "checks": checks,
                "bound": launcher is not None, "unbound_reason": launch.unsupported_reason(),
                "impls": sorted({r["impl"] for r in stats})}
         for arm, vals in samples.items():
