@@ -13,8 +13,8 @@ device time per call, launch gaps excluded). Medians of --repeats
 interleaved rounds. Overhead = arm wall minus its baseline's wall (op_vendor - direct,
 op_tuned - bound); ``floor`` is a no-op-Python custom op around the direct call (torch's own dispatch
 cost, the part of op_vendor - direct that tunekit cannot remove). Outputs are checked before
-anything is timed (bound and op_tuned bit-identical to kernel, op_vendor to direct, tuned within the op's BF16 bound); exits 1
-on a failed check.
+anything is timed (bound and op_tuned bit-identical to kernel, op_vendor to direct, tuned within
+the op's BF16 bound); exits 1 on a failed check.
 """
 from __future__ import annotations
 

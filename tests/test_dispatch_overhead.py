@@ -71,7 +71,7 @@ def _overhead_ratio(rounds: int = 15, calls: int = 400) -> tuple[float, dict[str
     for _ in range(rounds):
         for name, fn in arms.items():
             samples[name].append(_per_call_us(fn, calls))
-    ratio = statistics.median(o / f for o, f in zip(samples["op"], samples["floor"]))
+    ratio = statistics.median(o / f for o, f in zip(samples["op"], samples["floor"], strict=True))
     return ratio, {a: round(statistics.median(v), 2) for a, v in samples.items()}
 
 

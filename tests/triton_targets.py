@@ -354,7 +354,8 @@ def norm_gemv_cases() -> list[Case]:
 
 def act_gemv_cases() -> list[Case]:
     """SiLU-and-mul -> GEMV at M = 1, 3, 8 with DEFAULT, a wide multi-stage tile at M = 1, 3 and both
-    tensor-core modes at M = 2, 8, split-K (each with the GEMV's reduce kernel); K=300 is not a multiple of BLOCK_K (masked steps), K=256 is (EVEN_K)."""
+    tensor-core modes at M = 2, 8, split-K (each with the GEMV's reduce kernel); K=300 is not a multiple of
+    BLOCK_K (masked steps), K=256 is (EVEN_K)."""
     import torch
 
     from kernels_triton import silu_mul_gemv as f

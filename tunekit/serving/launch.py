@@ -158,7 +158,7 @@ def _steps(first, second, tensors) -> list[dict] | None:
         return None
     io_storage = {t.untyped_storage().data_ptr() for t in tensors}
     steps = []
-    for a, b in zip(first, second):
+    for a, b in zip(first, second, strict=True):  # lengths checked above
         fn, grid, args, kwargs, warmup, ret = a
         if warmup or b[0] is not fn or b[1] != grid or callable(grid) or getattr(fn, "pre_run_hooks", None):
             return None
@@ -170,7 +170,7 @@ def _steps(first, second, tensors) -> list[dict] | None:
         if len(values_a) != len(values_b):
             return None
         slots = []
-        for va, vb in zip(values_a, values_b):
+        for va, vb in zip(values_a, values_b, strict=True):
             if isinstance(va, torch.Tensor):
                 if not isinstance(vb, torch.Tensor):
                     return None
@@ -297,7 +297,7 @@ class Launcher:
         ok = self(inputs, fresh if self.multi_out else fresh[0], _scratch=_filled_scratch)
         if not ok:
             return False
-        return all(torch.equal(_bits(a), _bits(b)) for a, b in zip(outs, fresh))
+        return all(torch.equal(_bits(a), _bits(b)) for a, b in zip(outs, fresh, strict=True))
 
 
 def _empty_scratch(shape, dtype, device) -> torch.Tensor:

@@ -3,8 +3,8 @@
 Call protocol: each op impl counts each call once with what served it
 (``tuned:<backend>`` or ``fallback:<reason>``, and the vendor of a
 fallback): :func:`count`, or the ``tick()`` of the row's :func:`counter`
-that its per-key route keeps (one C call on the hot path); :func:`dispatch_stats` / :func:`reset_stats` read and clear the
-counters; :func:`dispatch_log` is the JSON document ``TUNEKIT_DISPATCH_LOG``
+that its per-key route keeps (one C call on the hot path); :func:`dispatch_stats` /
+:func:`reset_stats` read and clear the counters; :func:`dispatch_log` is the JSON document ``TUNEKIT_DISPATCH_LOG``
 names, written by :func:`write_dispatch_log` at interpreter exit once
 :func:`maybe_register_atexit` registered it (on ``import tunekit.ops`` and
 on every :func:`~tunekit.serving.tables.load_tables`).
