@@ -25,21 +25,13 @@ Design (the GEMV of ``kernels_triton.gemv``: its tile and tensor-core modes and 
   by the GEMV's reduce kernel (deterministic): the tensor-core tiles take
   64-128 rows per program, 40-80 programs on a 5120-row down_proj;
 - M > 1, ``M_MODE`` as the GEMV's: "tile" (one [BLOCK_M, BLOCK_N, BLOCK_K]
-  fp32 tile; on the H200 it reached 0.71x / 0.46x / 0.24x of the unfused
-  eager SiLU-and-mul + cuBLAS at M = 2 / 4 / 8 on 5120 x 17408), "dot"
+  fp32 tile, register-bound as M grows), "dot"
   (tl.dot on tensor cores, M padded to 16, the activation the MMA's M side)
   or "dot_w" (W x a^T, W rows the MMA's M side). The activation is rounded
   to BF16 anyway, so the MMA's BF16 operands lose nothing: its products are
-  exact in fp32, only the fp32 sum order differs. A first H200 grid (5120 x
-  17408, vs that unfused baseline; 4 rotated copies of W): M=1 "tile"
-  BLOCK_N=4, BLOCK_K=512, 4 warps 48.6 us (1.18x, 3.7 TB/s); M = 2..8
-  "dot_w" BLOCK_N=128, BLOCK_K=128, 4 stages, SPLIT_K=3 51.5-51.9 us
-  (1.19-1.21x); without split-K "dot_w" (80 programs) took 91 us. In the
-  decode-step chain (``tunekit.chain``, Qwen3.5-27B, 8 layers, one CUDA
-  graph) those two configs as the only table entries made ``tuned_fused``
-  2.282 ms/step against vendor's 2.339 at M=1 (-58 us, ~7 us per layer)
-  and 2.323 against 2.370 at M=8 (-47 us); vendor there is Inductor's
-  SiLU-and-mul + cuBLAS.
+  exact in fp32, only the fp32 sum order differs. Measured figures (H200):
+  ``benchmarks/results/h200-decode-944f424`` (M=1, against the eager
+  sequence and against tunekit's tuned SiLU-and-mul + GEMV pair).
 
 Numerics, fixed (as the unfused sequence vLLM runs): vLLM's silu_and_mul
 kernel (csrc act_and_mul_kernel, and eager ``F.silu(a) * b``) rounds silu(a)
@@ -52,8 +44,7 @@ differ only by the order of the fp32 sum. silu(a) = a / (1 + exp(-a)), as
 vLLM's kernel and ``kernels_triton.silu_and_mul``. Inductor's compiled
 ``F.silu(a) * b`` (the chain's vendor path) may round once instead (fp32
 intermediates unless it emulates the casts); both are inside the op's
-bound (the chain measured the logits' rms distance to fp32: 0.0205 fused,
-0.0196 vendor, 8 layers).
+bound.
 """
 
 from __future__ import annotations
