@@ -3,14 +3,16 @@
 Loaded by name as ``fixed_time_backend:FIXED``. One tunable, COST = 1..8:
 the candidate computes the GEMV exactly as the vendor path does (so it
 verifies) and then sleeps COST x STEP_S; the fastest candidate is COST=1,
-whatever the machine's load. Each build sleeps BUILD_S, like a compile: the
-window in which the tests kill a worker mid-trial. Paired with
+whatever the machine's load. Each build sleeps BUILD_S, like a compile; the
+build of COST = ``TUNEKIT_TEST_HANG_COST`` (set in one process only) never
+ends: the trial in which the tests kill that worker. Paired with
 ``tests/slow_vendor`` (the vendor baseline made slower than every candidate),
 a search's table is a pure function of the trials it measured.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -37,6 +39,8 @@ class FixedTimeBackend(TritonBackend):
         return "fixed-time-1"
 
     def build(self, problem, params, device):
+        if str(params["COST"]) == os.environ.get("TUNEKIT_TEST_HANG_COST"):
+            time.sleep(3600)
         time.sleep(BUILD_S)
         pause = params["COST"] * STEP_S
 

@@ -116,18 +116,19 @@ def test_a_killed_worker_trial_fails_by_heartbeat_and_the_others_finish_its_work
     url = postgres.create_database("killed")
     # each process names a host of its own: the dead one is known by its silent heartbeat alone
     fast = {"TUNEKIT_HEARTBEAT_S": "1", "TUNEKIT_GRACE_S": "4"}
+    # its build of COST=3 never ends: killed there, mid-trial
     victim = _start("search", *FIXED, "--storage", url, "--out", str(tmp_path / "victim"), TUNEKIT_HOST="host-a",
-                    **fast)
+                    TUNEKIT_TEST_HANG_COST="3", **fast)
 
     def victim_in_flight() -> bool:
         try:
             trials = [t for ts in _studies(url).values() for t in ts]
         except Exception:  # noqa: BLE001 - tables not created yet
             return False
-        return len([t for t in trials if t.user_attrs.get("measured")]) >= 2 and any(
-            t.state.name == "RUNNING" and t.params for t in trials)
+        return any(t.state.name == "RUNNING" and t.params == {"COST": 3} and t.user_attrs.get("owner")
+                   for t in trials)
 
-    _wait_for(victim_in_flight, victim, "the first worker measuring its third trial")
+    _wait_for(victim_in_flight, victim, "the first worker measuring COST=3")
     os.killpg(victim.pid, signal.SIGKILL)
     victim.wait(timeout=30)
     killed = [t for ts in _studies(url).values() for t in ts if t.state.name == "RUNNING"]
@@ -143,8 +144,9 @@ def test_a_killed_worker_trial_fails_by_heartbeat_and_the_others_finish_its_work
                 and t.user_attrs.get("owner") == killed[0].user_attrs["owner"] and t.datetime_start
                 == killed[0].datetime_start]
     assert trial.state.name == "FAIL" and not trial.user_attrs.get("measured")
-    assert trial.system_attrs.get("fail_reason", "").startswith("Trial state changed to FAIL by heartbeat") \
-        or trial.user_attrs.get("status") != "interrupted"  # failed by Optuna's stale-heartbeat check
+    # failed by Optuna's stale-heartbeat check (fail_stale_trials sets no status); the pid check
+    # of a worker on the owner's own host would have recorded status "interrupted"
+    assert "status" not in trial.user_attrs
     _check_no_duplicate_and_no_lost_trial(studies, wanted=8)
     retried = [t for ts in studies.values() for t in ts if t.system_attrs.get("failed_trial") == killed[0].number]
     assert retried and retried[0].user_attrs.get("measured")  # its config was measured by another worker

@@ -184,11 +184,29 @@ class _Progress:
 MAX_RETRY = 2
 
 
-def _retry_callback():
-    """Optuna's own retry of a trial failed because its worker died: the same parameters are
-    enqueued again, so the others pick its work up (named RetryHeartbeatStaleTrialCallback since 4.9)."""
-    cls = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None) or optuna.storages.RetryFailedTrialCallback
-    return cls(max_retry=MAX_RETRY)
+def _retry_callback() -> Callable[[optuna.Study, optuna.trial.FrozenTrial], None]:
+    """The storage's callback for a trial failed because its worker died (Optuna calls it from
+    ``fail_stale_trials``; ``_fail_interrupted`` for a dead process on this host): its parameters are
+    enqueued again, so another worker picks its work up.
+
+    Optuna's own RetryHeartbeatStaleTrialCallback copies the trial's user attributes into the
+    retry; here they are tunekit's results (``measured``, times), so the retry starts clean and
+    keeps only Optuna's retry bookkeeping. A trial whose reply was stored before its worker died
+    (``measured``) is not retried: its outcome is in the storage.
+    """
+
+    def retry(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        if trial.user_attrs.get("measured") or not trial.params:
+            return
+        history = [*trial.system_attrs.get("retry_history", []), trial.number]
+        if len(history) > MAX_RETRY:
+            return
+        study.add_trial(optuna.create_trial(
+            state=TrialState.WAITING, params=trial.params, distributions=trial.distributions,
+            system_attrs={"failed_trial": history[0], "retry_history": history},
+            user_attrs={"retry_of": trial.number}))
+
+    return retry
 
 
 def _retry_kwarg() -> dict[str, Any]:
@@ -313,6 +331,8 @@ class _Run:
     stop: threading.Event = field(default_factory=threading.Event)
     errors: list[BaseException] = field(default_factory=list)
     finals: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    opened: dict[tuple[str, str], Any] = field(default_factory=dict)  # (problem key, backend) -> _OpenStudy
+    open_locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -468,7 +488,7 @@ def _trial_phase(run: _Run, ctx: _WorkerContext, studies: list[tuple[Problem, st
     """Run trials wherever the storage says a study needs some; wait while the rest is in flight elsewhere
     (a worker that dies there has its trial failed by the heartbeat, and the study needs work again)."""
     cfg = run.cfg
-    opened: dict[tuple[str, str], _OpenStudy] = {}
+    mine: dict[tuple[str, str], _WorkerStudy] = {}
     pending = list(studies)
     while pending and not run.stop.is_set():
         waiting = []
@@ -482,11 +502,13 @@ def _trial_phase(run: _Run, ctx: _WorkerContext, studies: list[tuple[Problem, st
                 remaining = cfg.timeout_s - (time.monotonic() - run.started)
                 share = remaining / (len(pending) - index)
             key = (problem.key, backend)
-            if key not in opened:
-                opened[key] = _open_study(run, problem, backend)
+            st = _shared_study(run, problem, backend)
+            if key not in mine:
+                mine[key] = _WorkerStudy(StudyStats(problem, backend, measured_before=st.stats.measured_before,
+                                                    best_us=st.stats.best_us))
                 with run.lock:
-                    run.outcome.stats.append(opened[key].stats)
-            if _run_trials(run, ctx, opened[key], share) == "elsewhere":
+                    run.outcome.stats.append(mine[key].stats)
+            if _run_trials(run, ctx, st, mine[key], share) == "elsewhere":
                 waiting.append((problem, backend))
         pending = waiting
         if pending:
@@ -771,10 +793,29 @@ class _OpenStudy:
     fixed: dict[str, Any]
     distributions: dict[str, CategoricalDistribution]
     wanted: int
-    stats: StudyStats
+    stats: StudyStats  # as opened: what the storage held before this search
     task: Any
     emptied: list[str]
+
+
+@dataclass
+class _WorkerStudy:
+    """One worker's share of a study: its counts and how many parameter sets it asked."""
+
+    stats: StudyStats
     attempts: int = 0
+
+
+def _shared_study(run: _Run, problem: Problem, backend_name: str) -> _OpenStudy:
+    """The study opened once per search (domain pruning, warm start); the workers of this process
+    share its Study object, whose sampler then sees every worker's asks, as Optuna's n_jobs does."""
+    key = (problem.key, backend_name)
+    with run.lock:
+        lock = run.open_locks.setdefault(key, threading.Lock())
+    with lock:
+        if key not in run.opened:
+            run.opened[key] = _open_study(run, problem, backend_name)
+        return run.opened[key]
 
 
 def _open_study(run: _Run, problem: Problem, backend_name: str) -> _OpenStudy:
@@ -865,15 +906,46 @@ def _trial_index(study: optuna.Study, me: str) -> tuple[dict[str, Any], dict[str
     return seen, {k: t for k, t in inflight.items() if k not in seen}
 
 
-def _run_trials(run: _Run, ctx: _WorkerContext, st: _OpenStudy, remaining_s: float | None) -> str:
+def _enqueue_unmeasured_grid(study: optuna.Study, st: _OpenStudy, seen: dict[str, Any],
+                             inflight: dict[str, Any]) -> bool:
+    """Enqueue the grid points no trial measured; True if there were any.
+
+    Optuna's GridSampler counts a grid point visited once a trial holding it
+    finished, and numbers the first grid points by trial number; with workers
+    sharing a study, enqueued seeds and retried trials take some of those
+    numbers and a duplicate-in-flight skip finishes a point someone else was
+    measuring. So "exhausted" may leave points unmeasured: the grid is done
+    only when every point is measured.
+    """
+    import itertools
+
+    names = sorted(st.distributions)
+    choices = [st.distributions[n].choices for n in names]
+    if math.prod(len(c) for c in choices) > _PRUNE_LIMIT:
+        return False
+    missing = []
+    for values in itertools.product(*choices):
+        params = dict(zip(names, values, strict=True))
+        key = _params_key(params)
+        if key not in seen and key not in inflight and st.backend.invalid_reason(
+                st.stats.problem, st.fixed | params) is None:
+            missing.append(params)
+    for params in missing:
+        study.enqueue_trial(params)
+    return bool(missing)
+
+
+def _run_trials(run: _Run, ctx: _WorkerContext, st: _OpenStudy, mine: _WorkerStudy,
+                remaining_s: float | None) -> str:
     """Trials of one study until the storage holds ``wanted`` measured ones: "done", or "elsewhere" when
     the rest are in flight in other workers (the caller comes back: one of them may die)."""
     if st.emptied:
         return "done"
-    study, stats, live, bar = st.study, st.stats, ctx.live, run.bar
+    study, stats, live, bar = st.study, mine.stats, ctx.live, run.bar
     problem = stats.problem
     _fail_dead_trials(study, run.storage)
     deadline = None if remaining_s is None else time.monotonic() + max(remaining_s, 0.0)
+    stopping = False
     try:
         while not run.stop.is_set():
             live.end()  # the previous trial is told
@@ -887,13 +959,15 @@ def _run_trials(run: _Run, ctx: _WorkerContext, st: _OpenStudy, remaining_s: flo
                 bar.log(f"--timeout reached: {st.name} stops at {measured} measured trials")
                 return "done"
             waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-            if not waiting and (st.attempts >= st.wanted * MAX_ATTEMPTS_PER_TRIAL or (
-                    isinstance(study.sampler, optuna.samplers.GridSampler) and study.sampler.is_exhausted(study))):
+            grid_done = isinstance(study.sampler, optuna.samplers.GridSampler) and study.sampler.is_exhausted(study)
+            if grid_done and not waiting and _enqueue_unmeasured_grid(study, st, seen, inflight):
+                continue
+            if not waiting and (mine.attempts >= st.wanted * MAX_ATTEMPTS_PER_TRIAL or grid_done):
                 if not inflight:  # nothing new left to ask: no worker needs to come back
                     _retrying(lambda: study.set_user_attr("exhausted", True))
                     return "done"
                 return "elsewhere"
-            st.attempts += 1
+            mine.attempts += 1
             with _stops_deferred(), warnings.catch_warnings():
                 # ask/tell, not optimize(): the heartbeat is this module's (_Liveness)
                 warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
@@ -927,7 +1001,10 @@ def _run_trials(run: _Run, ctx: _WorkerContext, st: _OpenStudy, remaining_s: flo
                 timeout=run.cfg.trial_timeout_s,
             )
             if run.stop.is_set() and reply.get("status") == "crash":
-                return "done"  # the run is stopping and closed this worker: not the candidate's fault
+                # the run is stopping and closed this worker (not the candidate's fault): the trial
+                # stays with the liveness, which run_search records as interrupted
+                stopping = True
+                return "done"
             stats.measured_now += 1
             _store_reply(trial, reply, _limit_gbps(problem, run.probe))
             if reply.get("status") == "ok":
@@ -940,10 +1017,16 @@ def _run_trials(run: _Run, ctx: _WorkerContext, st: _OpenStudy, remaining_s: flo
             stats.best_us = best
             bar.update(st.task, completed=min(measured + 1, st.wanted), best=f"best {best:.2f} us" if best else "")
         return "done"
+    except BaseException:
+        # a stop (Ctrl-C, an error) with a trial in flight: it stays with the liveness, so that
+        # run_search records it as interrupted before the exception goes on
+        stopping = True
+        raise
     finally:
-        live.end()
-        if stats.best_us is None:
-            stats.best_us = _best_us(study)
+        if not stopping:
+            live.end()
+            if stats.best_us is None:
+                stats.best_us = _best_us(study)
 
 
 #: Largest search space whose valid points are enumerated to prune domains.
