@@ -114,6 +114,7 @@ def mark_broken(op: str, dtype: str, m: int, n: int, k: int, device: torch.devic
               op, dtype, m, n, k, type(exc).__name__, exc)
     with STATE.lock:
         STATE.choices[(op, dtype, m, n, k, str(device))] = Choice("fallback:kernel_error")
+        STATE.epoch += 1
 
 
 #: torch.cuda.is_current_stream_capturing without its Python wrapper (per call on the hot path)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tunekit.serving import launch
-from tunekit.serving.decisions import is_capturing, mark_broken, resolve
+from tunekit.serving.decisions import _stream_capturing, is_capturing, mark_broken, resolve
 from tunekit.serving.markers import count, counter
 from tunekit.serving.state import DTYPE_NAMES, STATE, dtype_name
 
@@ -128,10 +128,14 @@ def gemv_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     if route is None or STATE.vendor_gemm is not route.vendor_fn or STATE.vendor_gemm_name is not route.vendor_name \
             or (route.static is None and STATE.choices.get(route.ckey) is not route.choice):
         route = _new_route(key, x, weight, capturing)
-    if route.static is not None:
+    kernel = route.kernel
+    if kernel is None:
+        # No tuned kernel for this route (bad inputs too: the vendor's own error, as without
+        # tunekit): the layout is the vendor's business, so no stride checks. _vendor_gemv, inlined.
         route.ticks[bias is not None][capturing]()
-        return _vendor_gemv(x, weight, bias)  # bad inputs: the vendor's own error, as without tunekit
-    # _layout_reason, inlined (every linear of every eager step runs it)
+        out = route.vcall(x, weight, bias)
+        return out if out.is_contiguous() else out.contiguous()
+    # _layout_reason, inlined (every tuned call runs it)
     k = route.k
     ws0, ws1 = weight.stride()
     if (k > 1 and (ws1 != 1 or x.stride(-1) != 1)) or ws0 < k:
@@ -150,11 +154,6 @@ def gemv_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         count("gemv", route.dtype, route.shape, route.m, bias is not None, f"fallback:{reason}", capturing,
               _gemv_vendor_name(x))
         return _vendor_gemv(x, weight, bias)
-    kernel = route.kernel
-    if kernel is None:
-        route.ticks[bias is not None][capturing]()
-        out = route.vcall(x, weight, bias)  # _vendor_gemv, inlined
-        return out if out.is_contiguous() else out.contiguous()
     try:
         out = x.new_empty(route.out_shape)  # torch.empty of x's dtype and device, with less argument parsing
         launcher = route.launcher
@@ -182,6 +181,42 @@ def _new_route(key: tuple, x: torch.Tensor, weight: torch.Tensor, capturing: boo
     if route.static is not None or STATE.choices.get(route.ckey) is route.choice:
         _ROUTES[key] = route  # a choice not cached (met under capture) is not a route either
     return route
+
+
+class EagerLinear:
+    """One patched ``nn.Linear``'s eager call into the op's impl, with a vendor shortcut.
+
+    ``tunekit.patch`` gives each routed linear its own instance. A call whose x shape this
+    module met before, when that shape's route had no tuned kernel (an M the tables lack), goes
+    straight to the route's vendor call and ticks its counter. The shortcut checks only the
+    epoch (tables, vendor hook, broken kernels unchanged) and the weight's dtype and CUDA-ness
+    (a module moved with ``.to()`` keeps its Parameter objects). Anything else, and every tuned
+    call, runs :func:`gemv_impl` whole. So an uncovered M costs about what ``F.linear`` does
+    (the vendor path's budget is 1-2 us per call in eager decode).
+    """
+
+    __slots__ = ("epoch", "vendor")
+
+    def __init__(self) -> None:
+        self.epoch = -1
+        #: x shape -> (weight dtype, weight.is_cuda, vendor call, ticks) of a route with no tuned kernel
+        self.vendor: dict[torch.Size, tuple] = {}
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        epoch = STATE.epoch
+        if self.epoch != epoch:
+            self.vendor.clear()
+            self.epoch = epoch
+        hit = self.vendor.get(x.shape)
+        if hit is not None and hit[0] is weight.dtype and hit[1] is weight.is_cuda:
+            hit[3][bias is not None][x.is_cuda and _stream_capturing()]()  # is_capturing, inlined
+            out = hit[2](x, weight, bias)
+            return out if out.is_contiguous() else out.contiguous()
+        out = gemv_impl(x, weight, bias)
+        route = _ROUTES.get((x.shape, weight.shape, x.dtype, weight.dtype, x.device, weight.device))
+        if route is not None and route.kernel is None and route.static is None and STATE.epoch == epoch:
+            self.vendor[x.shape] = (weight.dtype, weight.is_cuda, route.vcall, route.ticks)
+        return out
 
 
 def gemv_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -160,6 +160,10 @@ class State:
         self.device_tables: dict[str, tuple[dict[str, Any] | None, str | None]] = {}
         #: (op, dtype, m, n, k, device key) -> Choice
         self.choices: dict[tuple, Choice] = {}
+        #: bumped (under ``lock``) whenever a cached choice or the vendor hook may change: a table
+        #: load, ``set_vendor_gemm``, a kernel marked broken. A cache stamped with it (the eager
+        #: linear path, ``tunekit.serving.gemv.EagerLinear``) is valid while it is unchanged.
+        self.epoch = 0
         #: gated_rms_norm (dtype, m, n, k, device key) -> the (m, n) rows it is served as
         self.gated_layouts: dict[tuple, tuple[int, int]] = {}
         #: built kernels by (backend, op, dtype, build M, n, k, params, device): one HIP build serves all M <= MAX_M

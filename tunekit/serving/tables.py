@@ -49,6 +49,7 @@ def load_tables(paths: str | os.PathLike | Sequence[str | os.PathLike] | None) -
         STATE.tables = loaded
         STATE.device_tables.clear()
         STATE.choices.clear()
+        STATE.epoch += 1
         STATE.gated_layouts.clear()
         STATE.built.clear()
         STATE.covers.clear()

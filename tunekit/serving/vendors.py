@@ -30,6 +30,7 @@ def set_vendor_gemm(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | Non
     with STATE.lock:
         STATE.vendor_gemm = fn
         STATE.vendor_gemm_name = "F.linear" if fn is None else name
+        STATE.epoch += 1
 
 
 def set_vendor_elementwise(op: str, fn: Callable[..., Any] | None, name: str,
