@@ -11,10 +11,14 @@ Wall = perf_counter over --calls back-to-back calls, synchronized only at the en
 the CPU launch path dominates); gpu = CUDA events over 200 calls queued behind a sleep kernel (the
 device time per call, launch gaps excluded). Medians of --repeats
 interleaved rounds. Overhead = arm wall minus its baseline's wall (op_vendor - direct,
-op_tuned - bound); ``floor`` is a no-op-Python custom op around the direct call (torch's own dispatch
-cost, the part of op_vendor - direct that tunekit cannot remove). Outputs are checked before
-anything is timed (bound and op_tuned bit-identical to kernel, op_vendor to direct, tuned within
-the op's BF16 bound); exits 1 on a failed check.
+op_tuned - bound). ``module`` / ``patched_vendor`` / ``patched_tuned``: what a ``tunekit.patch``-ed
+model runs eager, an ``nn.Linear`` unpatched, patched with no table, patched with --table (the
+norm: the patched forward's call); ``eag_vend`` = patched_vendor - module, ``eag_tuned`` =
+patched_tuned - bound - (module - direct). ``floor`` is a no-op-Python custom op around the
+direct call (torch's own dispatch cost, the part of op_vendor - direct that tunekit cannot
+remove). Outputs are checked before anything is timed (bound, op_tuned and patched_tuned
+bit-identical to kernel, op_vendor and patched_vendor to direct, tuned within the op's BF16
+bound); exits 1 on a failed check.
 """
 from __future__ import annotations
 
@@ -47,6 +51,22 @@ def _arms(op, problem, inputs, kernel, launcher, out):
         routed = lambda: fn(x, w, DEFAULT_EPS)  # noqa: E731
         floor = lambda: torch.ops.tunekit_bench.norm(x, w, DEFAULT_EPS, gemma)  # noqa: E731
     arms = {"direct": direct, "floor": floor, "op": routed, "kernel": lambda: kernel(inputs, out)}
+    # What a tunekit.patch-ed model runs eager: the module's own forward, unpatched and patched
+    # (the patched forward calls the op's impl without torch's dispatcher).
+    if op == "gemv":
+        import tunekit
+
+        module, patched = (torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+                           for _ in range(2))
+        for mod in (module, patched):
+            mod.weight = torch.nn.Parameter(w, requires_grad=False)
+        tunekit.patch(patched, only_covered=False)
+        arms["module"], arms["patched"] = (lambda: module(x)), (lambda: patched(x))
+    else:
+        from tunekit.integrations.torch_patch import _op_call
+
+        call = _op_call(op)
+        arms["module"], arms["patched"] = direct, (lambda: call(x, w, DEFAULT_EPS))
     if launcher is not None:
         arms["bound"] = lambda: launcher(inputs, out) or sys.exit("bound launcher refused its own layout")
     return arms
@@ -141,15 +161,25 @@ def main(argv: list[str] | None = None) -> int:
                                               .abs() <= spec.error_bound(p, inputs, spec.reference(inputs))).all())}
         bad = [k for k, ok in checks.items() if not ok]
         failed += [f"{p.op} {p.n}x{p.k}: {k}" for k in bad]
-        samples: dict[str, list] = {a: [] for a in ("direct", "floor", "op_vendor", "op_tuned", "kernel", "bound")}
+        samples: dict[str, list] = {a: [] for a in ("direct", "floor", "op_vendor", "op_tuned", "kernel", "bound",
+                                                    "module", "patched_vendor", "patched_tuned")}
+        with torch.no_grad():
+            ops.load_tables([])
+            patched_vendor = arms["patched"]()
+            ops.load_tables([table_path])
+            patched_tuned = arms["patched"]()
+        checks["patched_vendor_bitwise"] = torch.equal(patched_vendor, vendor)
+        checks["patched_tuned_bitwise"] = torch.equal(patched_tuned, tuned)
         for _ in range(args.repeats):
             for arm in samples:
-                if arm.startswith("op_"):
-                    ops.load_tables([] if arm == "op_vendor" else [table_path])
-                    arms["op"]()  # resolve outside the timed loop
-                fn = arms.get("op" if arm.startswith("op_") else arm)
+                base = arm.split("_")[0]
+                if base in ("op", "patched"):
+                    ops.load_tables([] if arm.endswith("_vendor") else [table_path])
+                    arms[base]()  # resolve outside the timed loop
+                fn = arms.get(base if base in ("op", "patched") else arm)
                 if fn is not None:
-                    samples[arm].append(_time(fn, args.calls))
+                    with torch.no_grad():
+                        samples[arm].append(_time(fn, args.calls))
         stats = ops.dispatch_stats(reset=True)
         row = {"op": p.op, "n": p.n, "k": p.k, "backend": entry["backend"], "params": entry["params"], "checks": checks,
                "bound": launcher is not None, "unbound_reason": launch.unsupported_reason(),
@@ -161,18 +191,28 @@ def main(argv: list[str] | None = None) -> int:
         row["overhead_vendor_us"] = row["op_vendor_wall_us"] - row["direct_wall_us"]
         row["torch_op_floor_us"] = row["floor_wall_us"] - row["direct_wall_us"]
         row["overhead_tuned_us"] = row["op_tuned_wall_us"] - row.get("bound_wall_us", row["kernel_wall_us"])
+        # eager patched model: against the unpatched module; the tuned path also pays the module's own
+        # call (module - direct), which an unpatched model pays too
+        row["patched_overhead_vendor_us"] = row["patched_vendor_wall_us"] - row["module_wall_us"]
+        launched = row.get("bound_wall_us", row["kernel_wall_us"])
+        row["patched_overhead_tuned_us"] = (row["patched_tuned_wall_us"] - launched
+                                            - (row["module_wall_us"] - row["direct_wall_us"]))
         results.append(row)
     doc = {"device": info.as_dict(), "torch": torch.__version__, "triton": __import__("triton").__version__,
            "table": args.table, "calls": args.calls, "repeats": args.repeats, "rows": results, "failed": failed}
     Path(args.out).write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    cols = ("direct", "floor", "op_vendor", "op_tuned", "kernel", "bound")
+    cols = ("direct", "floor", "op_vendor", "op_tuned", "kernel", "bound", "module", "patched_vendor",
+            "patched_tuned")
     for unit in ("wall", "gpu"):
-        print(f"{'shape':<26}" + "".join(f"{c:>10}" for c in cols)
-              + (f"{'ovh_vend':>10}{'ovh_tuned':>10}  (wall us/call)" if unit == "wall" else "  (GPU us/call)"))
+        print(f"{'shape':<26}" + "".join(f"{c[:10]:>11}" for c in cols)
+              + (f"{'ovh_vend':>10}{'ovh_tuned':>10}{'eag_vend':>10}{'eag_tuned':>10}  (wall us/call)"
+                 if unit == "wall" else "  (GPU us/call)"))
         for r in results:
             print(f"{r['op'] + ' ' + str(r['n']) + 'x' + str(r['k']):<26}"
-                  + "".join(f"{r.get(f'{c}_{unit}_us', float('nan')):>10.2f}" for c in cols)
-                  + (f"{r['overhead_vendor_us']:>10.2f}{r['overhead_tuned_us']:>10.2f}" if unit == "wall" else ""))
+                  + "".join(f"{r.get(f'{c}_{unit}_us', float('nan')):>11.2f}" for c in cols)
+                  + (f"{r['overhead_vendor_us']:>10.2f}{r['overhead_tuned_us']:>10.2f}"
+                     f"{r['patched_overhead_vendor_us']:>10.2f}{r['patched_overhead_tuned_us']:>10.2f}"
+                     if unit == "wall" else ""))
     print("FAILED: " + "; ".join(failed) if failed else "all checks passed", f"-> {args.out}")
     return 1 if failed else 0
 

@@ -24,6 +24,14 @@ Design (the GEMV of ``kernels_triton.gemv``, M_MODE="tile", SPLIT_K=1):
 - rows past N are clamped onto row N-1 (unmasked W loads), only the store is
   masked, as the GEMV.
 
+ONE_PASS=1 drops the prologue pass: the K loop accumulates the sum of
+squares next to the products, and since rstd is one scalar per row,
+y = rstd * sum_k (s_k g_k) W_nk is applied once after the loop. The program
+reads x and W once each, as the plain GEMV, at the price of the activation's
+BF16 roundings (a never exists as a tensor): y is closer to the fp64
+reference than the unfused sequence, and differs from it by at most the
+rounding of a (inside the op's bound, ``tunekit.opspec._norm_gemv_bound``).
+
 The residual s (fused-add ops) is written exactly once, spread over the
 grid: BLOCK_K chunk j of s is stored by program ``j % num_programs`` during
 its prologue pass, when the chunk is in its registers anyway. One writer per
@@ -67,6 +75,9 @@ class RmsNormGemvConfig(StrictConfig):
     BLOCK_K: int = 256  # K per loop step (prologue and GEMV loop)
     num_warps: int = 4
     num_stages: int = 2
+    #: 1: one pass over K; rstd is a per-row scalar, so it is applied to the fp32 dot product after
+    #: the loop (numerics below); 0: the prologue pass, then vLLM's roundings of the activation
+    ONE_PASS: int = 0
 
 
 Config = RmsNormGemvConfig
@@ -92,6 +103,8 @@ def invalid_reason(config: RmsNormGemvConfig, m: int, n: int, k: int) -> str | N
             return f"{name}={getattr(config, name)} is not a power of two"
     if not 1 <= config.num_stages <= 4:
         return f"num_stages={config.num_stages} outside 1..4"
+    if config.ONE_PASS not in (0, 1):
+        return f"ONE_PASS={config.ONE_PASS} is not 0 or 1"
     if not 1 <= m <= 8:
         return f"M={m} outside 1..8"
     if n < 1 or k < 1:
@@ -112,7 +125,7 @@ def _rms_norm_gemv_kernel(
     M, N, K, eps,
     stride_xm, stride_rm, stride_wn, stride_ym, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, BY_BITS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, BY_BITS: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -124,6 +137,13 @@ def _rms_norm_gemv_kernel(
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     r_rows = r_ptr + offs_m[:, None] * stride_rm
     o_rows = o_ptr + offs_m[:, None] * stride_om
+
+    if ONE_PASS:
+        out = _one_pass(x_rows, r_rows, o_rows, g_ptr, w_ptr + rows[:, None] * stride_wn, m_mask, pid, nprog, K, eps,
+                        BLOCK_M, BLOCK_N, BLOCK_K, HAS_RESIDUAL, GEMMA, BY_BITS)
+        y_mask = m_mask & (offs_n[None, :] < N)
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], out.to(y_ptr.dtype.element_ty), mask=y_mask)
+        return
 
     # Prologue: rstd of each row of s = x (+ residual), sum of squares in a
     # register tile reduced once; the fused-add ops store their chunks of s.
@@ -173,6 +193,45 @@ def _rms_norm_gemv_kernel(
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], out.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
+@triton.jit
+def _one_pass(x_rows, r_rows, o_rows, g_ptr, w_rows, m_mask, pid, nprog, K, eps,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, BY_BITS: tl.constexpr):
+    """ONE_PASS=1's body: y[BLOCK_M, BLOCK_N] (fp32) = rstd * ((s * g') . W), one pass over K."""
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_rows + offs_k[None, :]
+    sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < K
+        w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
+        c = kk[None, :]
+        mask = m_mask & (c < K)
+        s = tl.load(x_rows + c, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            s = round_bf16(s + tl.load(r_rows + c, mask=mask, other=0.0).to(tl.float32), BY_BITS)
+            chunk = tl.zeros([1, BLOCK_K], dtype=tl.int32) + k0 // BLOCK_K
+            tl.store(o_rows + c, s.to(o_rows.dtype.element_ty), mask=mask & ((chunk % nprog) == pid))
+        sq += s * s
+        g = tl.load(g_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+        if GEMMA:
+            g = g + 1.0
+        a = s * g[None, :]  # unnormalised, fp32: rstd is applied after the loop
+        if BLOCK_M == 1:
+            acc += w * a
+        else:
+            acc += w[None, :, :] * a[:, None, :]
+        w_ptrs += BLOCK_K
+    rstd = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
+    if BLOCK_M == 1:
+        return tl.sum(acc, axis=1)[None, :] * rstd
+    return tl.sum(acc, axis=2) * rstd
+
+
 def rms_norm_gemv(
     x: torch.Tensor,
     g: torch.Tensor,
@@ -214,7 +273,7 @@ def rms_norm_gemv(
         m, n, k, eps,
         x.stride(0), r.stride(0), w.stride(0), out.stride(0), o.stride(0),
         BLOCK_M=_next_pow2(m), BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
-        HAS_RESIDUAL=has_res, GEMMA=gemma, BY_BITS=RNE_BY_BITS,
+        HAS_RESIDUAL=has_res, GEMMA=gemma, BY_BITS=RNE_BY_BITS, ONE_PASS=config.ONE_PASS,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
