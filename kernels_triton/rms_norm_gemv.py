@@ -77,7 +77,8 @@ class RmsNormGemvConfig(StrictConfig):
     num_stages: int = 2
     #: 1: one pass over K; rstd is a per-row scalar, so it is applied to the fp32 dot product after
     #: the loop (numerics below); 0: the prologue pass, then vLLM's roundings of the activation
-    ONE_PASS: int = 0
+    ONE_PASS: int = 1
+    W_EVICT: str = ""  # L2 eviction hint on the streamed W, as the GEMV's: "" or "evict_first"
 
 
 Config = RmsNormGemvConfig
@@ -105,6 +106,8 @@ def invalid_reason(config: RmsNormGemvConfig, m: int, n: int, k: int) -> str | N
         return f"num_stages={config.num_stages} outside 1..4"
     if config.ONE_PASS not in (0, 1):
         return f"ONE_PASS={config.ONE_PASS} is not 0 or 1"
+    if config.W_EVICT not in ("", "evict_first"):
+        return f"unknown W_EVICT {config.W_EVICT!r}"
     if not 1 <= m <= 8:
         return f"M={m} outside 1..8"
     if n < 1 or k < 1:
@@ -126,6 +129,7 @@ def _rms_norm_gemv_kernel(
     stride_xm, stride_rm, stride_wn, stride_ym, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, BY_BITS: tl.constexpr, ONE_PASS: tl.constexpr,
+    W_EVICT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -140,7 +144,7 @@ def _rms_norm_gemv_kernel(
 
     if ONE_PASS:
         out = _one_pass(x_rows, r_rows, o_rows, g_ptr, w_ptr + rows[:, None] * stride_wn, m_mask, pid, nprog, K, eps,
-                        BLOCK_M, BLOCK_N, BLOCK_K, HAS_RESIDUAL, GEMMA, BY_BITS)
+                        BLOCK_M, BLOCK_N, BLOCK_K, HAS_RESIDUAL, GEMMA, BY_BITS, W_EVICT)
         y_mask = m_mask & (offs_n[None, :] < N)
         tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], out.to(y_ptr.dtype.element_ty), mask=y_mask)
         return
@@ -171,7 +175,7 @@ def _rms_norm_gemv_kernel(
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < K
-        w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy=W_EVICT).to(tl.float32)
         c = kk[None, :]
         mask = m_mask & (c < K)
         s = tl.load(x_rows + c, mask=mask, other=0.0).to(tl.float32)
@@ -196,7 +200,7 @@ def _rms_norm_gemv_kernel(
 @triton.jit
 def _one_pass(x_rows, r_rows, o_rows, g_ptr, w_rows, m_mask, pid, nprog, K, eps,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, BY_BITS: tl.constexpr):
+              HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, BY_BITS: tl.constexpr, W_EVICT: tl.constexpr):
     """ONE_PASS=1's body: y[BLOCK_M, BLOCK_N] (fp32) = rstd * ((s * g') . W), one pass over K."""
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_rows + offs_k[None, :]
@@ -208,7 +212,7 @@ def _one_pass(x_rows, r_rows, o_rows, g_ptr, w_rows, m_mask, pid, nprog, K, eps,
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < K
-        w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy=W_EVICT).to(tl.float32)
         c = kk[None, :]
         mask = m_mask & (c < K)
         s = tl.load(x_rows + c, mask=mask, other=0.0).to(tl.float32)
@@ -273,7 +277,7 @@ def rms_norm_gemv(
         m, n, k, eps,
         x.stride(0), r.stride(0), w.stride(0), out.stride(0), o.stride(0),
         BLOCK_M=_next_pow2(m), BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
-        HAS_RESIDUAL=has_res, GEMMA=gemma, BY_BITS=RNE_BY_BITS, ONE_PASS=config.ONE_PASS,
+        HAS_RESIDUAL=has_res, GEMMA=gemma, BY_BITS=RNE_BY_BITS, ONE_PASS=config.ONE_PASS, W_EVICT=config.W_EVICT,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

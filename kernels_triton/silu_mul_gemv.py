@@ -70,6 +70,7 @@ class SiluMulGemvConfig(StrictConfig):
     num_stages: int = 2
     M_MODE: str = "tile"  # how M > 1 rows share a W tile: "tile", "dot" or "dot_w" (module doc)
     SPLIT_K: int = 1  # K split over programs; partials reduced by a second kernel in a fixed order
+    W_EVICT: str = ""  # L2 eviction hint on the streamed W, as the GEMV's: "" or "evict_first"
 
 
 Config = SiluMulGemvConfig
@@ -100,6 +101,8 @@ def invalid_reason(config: SiluMulGemvConfig, m: int, n: int, k: int) -> str | N
             return f"{name}={getattr(config, name)} is not a power of two"
     if not 1 <= config.num_stages <= 4:
         return f"num_stages={config.num_stages} outside 1..4"
+    if config.W_EVICT not in ("", "evict_first"):
+        return f"unknown W_EVICT {config.W_EVICT!r}"
     if not 1 <= m <= 8:
         return f"M={m} outside 1..8"
     if n < 1 or k < 1:
@@ -138,7 +141,7 @@ def _silu_mul_gemv_kernel(
     M, N, K, K_PER_SPLIT,
     stride_xm, stride_wn, stride_ym, stride_ps, stride_pm,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, BY_BITS: tl.constexpr,
+    EVEN_K: tl.constexpr, BY_BITS: tl.constexpr, W_EVICT: tl.constexpr,
     USE_DOT: tl.constexpr, SWAP_AB: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -161,9 +164,9 @@ def _silu_mul_gemv_kernel(
     for k0 in range(0, K_PER_SPLIT, BLOCK_K):
         c = (k0 + offs_k)[None, :]
         if EVEN_K:
-            w = tl.load(w_ptrs)
+            w = tl.load(w_ptrs, eviction_policy=W_EVICT)
         else:
-            w = tl.load(w_ptrs, mask=c < K, other=0.0)
+            w = tl.load(w_ptrs, mask=c < K, other=0.0, eviction_policy=W_EVICT)
         mask = m_mask & (c < K)
         gate = tl.load(gate_rows + c, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(gate_rows + K + c, mask=mask, other=0.0).to(tl.float32)
@@ -234,7 +237,7 @@ def silu_mul_gemv(
         partials.stride(0) if split > 1 else 0, partials.stride(1) if split > 1 else 0,
         SPLIT_K=split, BLOCK_M=max(_DOT_MIN, _next_pow2(m)) if use_dot else _next_pow2(m),
         BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
-        EVEN_K=k % config.BLOCK_K == 0 and k_per_split * split == k, BY_BITS=RNE_BY_BITS,
+        EVEN_K=k % config.BLOCK_K == 0 and k_per_split * split == k, BY_BITS=RNE_BY_BITS, W_EVICT=config.W_EVICT,
         USE_DOT=use_dot, SWAP_AB=config.M_MODE == "dot_w", DOT_IN_FP32=_DOT_IN_FP32,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -31,9 +31,9 @@ REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
 #: One config per tile family: one row per program / a wide tile / multi-warp, split over K steps.
 CONFIGS = {
-    "narrow": RmsNormGemvConfig(BLOCK_N=1, BLOCK_K=64, num_warps=1, num_stages=1),
-    "tail": RmsNormGemvConfig(BLOCK_N=8, BLOCK_K=64, num_warps=1),
-    "wide": RmsNormGemvConfig(BLOCK_N=16, BLOCK_K=128, num_warps=2, num_stages=3),
+    "narrow": RmsNormGemvConfig(BLOCK_N=1, BLOCK_K=64, num_warps=1, num_stages=1, ONE_PASS=0),
+    "tail": RmsNormGemvConfig(BLOCK_N=8, BLOCK_K=64, num_warps=1, ONE_PASS=0),
+    "wide": RmsNormGemvConfig(BLOCK_N=16, BLOCK_K=128, num_warps=2, num_stages=3, ONE_PASS=0, W_EVICT="evict_first"),
     "default": DEFAULT,
     # ONE_PASS: no prologue pass, rstd applied after the loop (other numerics: only y is rounded)
     "one_pass_tail": RmsNormGemvConfig(BLOCK_N=8, BLOCK_K=64, num_warps=1, ONE_PASS=1),
@@ -140,6 +140,17 @@ def test_in_place_residual_is_refused() -> None:
     x, residual, g, w = _inputs("fused_add_rms_norm_gemv", 1, 8, 64)
     with pytest.raises(ValueError, match="alias"):
         rms_norm_gemv(x, g, w, residual=residual, residual_out=residual)
+
+
+def test_the_search_space_default_is_the_kernel_default_and_the_reference_keeps_vllm_roundings() -> None:
+    from tunekit import backends
+
+    space = backends.get("triton").space(Problem("rms_norm_gemv", "bf16", 1, 16480, 5120))
+    assert RmsNormGemvConfig.from_params(space.default) == DEFAULT and DEFAULT.ONE_PASS == 1
+    assert space.reference["ONE_PASS"] == 0
+    assert set(space.domains["ONE_PASS"]) == {0, 1} and set(space.domains["W_EVICT"]) == {"", "evict_first"}
+    assert "ONE_PASS" in invalid_reason(RmsNormGemvConfig(ONE_PASS=2), 1, 64, 256)
+    assert "W_EVICT" in invalid_reason(RmsNormGemvConfig(W_EVICT="evict_last"), 1, 64, 256)
 
 
 def test_invalid_reason() -> None:

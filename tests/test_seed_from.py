@@ -109,3 +109,25 @@ def test_a_seed_recorded_with_another_value_of_a_pinned_tunable_is_kept() -> Non
     assert {k: kept[0][k] for k in best} == best and kept[0]["REDUCE_DPP"] == 0
     assert all(s["REDUCE_DPP"] == 0 for s in kept)
     assert not any(all(s[k] == v for k, v in best.items()) for s in dropped)  # what the bug did
+
+
+def test_a_fused_gemv_study_is_seeded_by_the_gemv_winners_after_its_own_records(tmp_path) -> None:
+    from tunekit.backends import get
+
+    recorded = REPO / "benchmarks" / "results" / "h200-decode-944f424" / "main" / "table.json"
+    fused = Problem("gemma_rms_norm_gemv", "bf16", 1, 14336, 5120)  # input norm -> qkv_proj
+    space = get("triton").space(fused)
+    gemv = next(e for e in read_seed_records(recorded)
+                if (e["op"], e["backend"], e["m"], e["n"], e["k"]) == ("gemv", "triton", 1, 14336, 5120))
+    seeds = _seeds_from_files([recorded], "triton", fused, space.domains, space.default)
+    # qkv_proj's GEMV winner first (its tile tunables carried over, the rest at the default)
+    assert seeds and all(seeds[0][k] == v for k, v in gemv["params"].items() if k in space.domains)
+    assert set(seeds[0]) == set(space.domains)
+    own = pd.DataFrame([{"op": "gemma_rms_norm_gemv", "backend": "triton", "m": 1, "n": 14336, "k": 5120,
+                         "params": json.dumps(space.default | {"BLOCK_N": 16}), "status": "ok", "time_us": 50.0}])
+    own.to_csv(tmp_path / "trials.csv", index=False)
+    seeds = _seeds_from_files([recorded, tmp_path / "trials.csv"], "triton", fused, space.domains, space.default)
+    assert seeds[0]["BLOCK_N"] == 16  # a record of the fused op itself comes before the GEMV's
+    assert not _seeds_from_files([recorded], "triton", Problem("rms_norm", "bf16", 1, 5120, 5120),
+                                 get("triton").space(Problem("rms_norm", "bf16", 1, 5120, 5120)).domains,
+                                 {})  # the table's rms_norm entries are gemma/fused-add ones: no GEMV seeds a norm

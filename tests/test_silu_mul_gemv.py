@@ -146,10 +146,11 @@ def test_invalid_reason() -> None:
     assert "M_MODE" in invalid_reason(SiluMulGemvConfig(M_MODE="rows"), 2, 64, 256)
     assert "empty" in invalid_reason(SiluMulGemvConfig(BLOCK_K=256, SPLIT_K=3), 1, 64, 512)
     assert invalid_reason(SiluMulGemvConfig(SPLIT_K=0), 1, 64, 512) is not None
+    assert "W_EVICT" in invalid_reason(SiluMulGemvConfig(W_EVICT="evict_last"), 1, 64, 512)
     assert invalid_reason(SiluMulGemvConfig(BLOCK_N=64, BLOCK_K=512, num_warps=4, M_MODE="dot_w"), 8, 5120, 17408) \
         is None
     with pytest.raises(TypeError):
-        SiluMulGemvConfig.from_params({"BLOCK_N": 4, "W_EVICT": ""})  # strict: unknown tunables are errors
+        SiluMulGemvConfig.from_params({"BLOCK_N": 4, "ROWS": 1})  # strict: unknown tunables are errors
     # DEFAULT serves every M and the models' down_proj shapes at several TPs
     for m in range(1, 9):
         for n, k in ((5120, 17408), (5120, 8704), (4096, 14336), (2048, 6144), (1, 200), (37, 96)):

@@ -51,7 +51,7 @@ from tunekit import backends as backend_registry
 from tunekit.errors import UserError
 from tunekit.search import fleet
 from tunekit.search.worker import DEFAULT_TIMEOUT_S, Worker
-from tunekit.shapes import Problem
+from tunekit.shapes import FUSED_GEMV_OPS, Problem
 
 SAMPLERS = ("tpe", "random", "grid")
 #: Candidates per backend carried into the interleaved final re-measure.
@@ -1209,12 +1209,15 @@ def _seeds_from_files(paths: Sequence[Path], backend: str, problem: Problem, dom
     ``default`` fills tunables a record lacks; ``pinned`` overrides what a record says for them."""
     if not paths:
         return []
+    # A fused GEMV family's tile tunables are the GEMV's (same names, same (m, n, k)): the GEMV's
+    # winners seed it, after any records of the fused op itself.
+    ops = (problem.op, "gemv") if problem.op in FUSED_GEMV_OPS else (problem.op,)
     records = [r for path in paths for r in read_seed_records(Path(path))
-               if r["op"] == problem.op and r["backend"] == backend]
+               if r["op"] in ops and r["backend"] == backend]
 
     def nearness(r: dict[str, Any]) -> tuple:
         same_shape = (r["n"], r["k"]) == (problem.n, problem.k)
-        return (not (same_shape and r["m"] == problem.m), r["m"] != problem.m, not same_shape,
+        return (r["op"] != problem.op, not (same_shape and r["m"] == problem.m), r["m"] != problem.m, not same_shape,
                 abs(math.log(r["n"] * r["k"]) - math.log(problem.n * problem.k)), abs(r["m"] - problem.m),
                 r["time_us"])
 

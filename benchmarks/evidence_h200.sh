@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Device calls on the H200 for the serving and fusion evidence: each call runs the STEPS it is given.
+#
+#   COMMIT=<sha> STEPS="search_main dispatch search_fused chain" bash benchmarks/evidence_h200.sh
+#   COMMIT=<sha> STEPS="search_hf check_serving" MAIN_TABLE=<dir>/main/table.json bash benchmarks/evidence_h200.sh
+#
+# Run from the repository root there, $OUT set. Each step has its own time limit; after each one the
+# results so far are packed into $OUT/evidence.tgz (a step cut by the device's limit leaves the
+# earlier ones). Steps:
+#  search_main    GEMV + elementwise table, Qwen3.5-27B, M=1,2,4,8, Triton + HIP: resumes the trials
+#                 of benchmarks/results/h200-m1248-all-d75e409 and re-measures every final here
+#                 (the kernel sources changed since, so no earlier table serves this commit);
+#  dispatch       per-call overhead (benchmarks/dispatch_overhead.py), the torch op and the patched
+#                 module, eager, with that table;
+#  search_fused   the fused families at M=1 (norm -> GEMV, SiLU-and-mul -> down_proj), Triton, seeded
+#                 with the GEMV winners of the main table (--seed-from);
+#  chain          tunekit chain, 64 layers, M=1: vendor / tuned_gemv / tuned / tuned_fused;
+#  search_hf      the Hugging Face model's own shapes (separate q/k/v, gate/up; its norms in the
+#                 layout HF calls them), benchmarks/serving_check.py --print-shapes, seeded likewise;
+#  check_serving  tunekit check-serving, patched HF Qwen3.5 (27B sizes, 4 layers), eager and
+#                 graphed, with the main table and the HF tables.
+# MAIN_TABLE: the main table of an earlier call (the machine does not keep runs/ between calls).
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+R=results
+mkdir -p "$R" runs/main runs/fused runs/hf-gemv runs/hf-norms
+echo "${COMMIT:-unknown}" > "$R/commit.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$R/gpu.txt" 2>&1
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$R/gpu.txt"
+if [ -n "${MAIN_TABLE:-}" ] && [ ! -f runs/main/table.json ]; then cp "$MAIN_TABLE" runs/main/table.json; fi
+pack() {
+  for d in main fused hf-gemv hf-norms; do
+    mkdir -p "$R/$d"
+    for f in table.json final.csv run.json trials.csv; do
+      [ -f "runs/$d/$f" ] && cp "runs/$d/$f" "$R/$d/"
+    done
+  done
+  tar czf "$OUT/evidence.tgz" "$R"
+}
+wanted() { case " ${STEPS:-} " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  wanted "$name" || return 0
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$R/$name.log" 2>&1
+  echo "$name: rc $? in $((SECONDS - t0)) s" | tee -a "$R/steps.txt"
+  pack
+}
+# the Hugging Face shapes (the --shape arguments are meant to split)
+search_hf='python3 -m tunekit search $(python3 benchmarks/serving_check.py --print-shapes --only gemv) --m 1 \
+    --backend triton --trials 8 --seed-from runs/main/table.json --out runs/hf-gemv --no-progress &&
+  python3 -m tunekit search $(python3 benchmarks/serving_check.py --print-shapes --only norms) \
+    --m "$(python3 benchmarks/serving_check.py --print-m)" --backend triton --trials 6 --out runs/hf-norms \
+    --no-progress'
+
+if wanted search_main; then cp benchmarks/results/h200-m1248-all-d75e409/optuna.db runs/main/; fi
+step search_main 200 python3 -m tunekit search --model qwen3.5-27b --trials 3 --out runs/main --no-progress
+step dispatch 100 python3 benchmarks/dispatch_overhead.py --table runs/main/table.json --calls 500 --repeats 5 \
+  --out "$R/dispatch.json"
+step search_fused 170 python3 -m tunekit search --model qwen3.5-27b --ops fused_gemv --m 1 --backend triton \
+  --trials 20 --seed-from runs/main/table.json --out runs/fused --no-progress
+step chain 120 python3 -m tunekit chain --model qwen3.5-27b --table runs/main/table.json \
+  --table runs/fused/table.json --m 1 --out "$R/chain"
+step search_hf 300 bash -c "$search_hf"
+step check_serving 150 python3 -m tunekit check-serving --model qwen3.5-27b --table runs/main/table.json \
+  --table runs/hf-gemv/table.json --table runs/hf-norms/table.json \
+  --layers 4 --steps 16 --iters 10 --rounds 5 --skip-ops --out "$R/check"
+tail -n 3 "$R"/*.log
+cat "$R/steps.txt"
