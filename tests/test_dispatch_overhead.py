@@ -162,10 +162,19 @@ def test_patched_eager_calls_skip_the_dispatcher_and_follow_table_reloads(tmp_pa
         kernel((x, lin.weight), ref)
         for _ in range(2):  # the reload bumped the epoch: the vendor shortcut is gone, the tuned kernel serves
             assert torch.equal(lin(x), ref)
+        # the kept route is for this x shape, dtypes and devices only: another dtype is F.linear's business
+        with pytest.raises(RuntimeError):
+            lin(x.float())
+        lin.weight.data = lin.weight.data.float()  # as Module.to() does: same Parameter, new dtype
+        assert torch.equal(lin(x.float()), F.linear(x.float(), lin.weight))
+        lin.weight.data = lin.weight.data.bfloat16()
+        assert torch.equal(lin(x), ref)
         ops.load_tables([])
         assert torch.equal(lin(x), F.linear(x, lin.weight))
-    rows = [(r["impl"], r["calls"]) for r in ops.dispatch_stats()]
-    assert sorted(rows) == [("fallback:no_table", 4), ("tuned:triton", 2)]
+    rows = [(r["impl"], r["calls"], r["dtype"]) for r in ops.dispatch_stats()]
+    # the fp32 call on the bf16 weight raised inside F.linear, counted as the dtype fallback it was
+    assert sorted(rows) == [("fallback:dtype", 1, "fp32"), ("fallback:no_entry", 1, "fp32"),
+                            ("fallback:no_table", 4, "bf16"), ("tuned:triton", 3, "bf16")]
 
 
 # (b) the fast path: bound launcher fallback, bit-identical results, exact counts -----------------------

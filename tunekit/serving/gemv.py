@@ -128,13 +128,19 @@ def gemv_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     if route is None or STATE.vendor_gemm is not route.vendor_fn or STATE.vendor_gemm_name is not route.vendor_name \
             or (route.static is None and STATE.choices.get(route.ckey) is not route.choice):
         route = _new_route(key, x, weight, capturing)
-    kernel = route.kernel
-    if kernel is None:
+    if route.kernel is None:
         # No tuned kernel for this route (bad inputs too: the vendor's own error, as without
         # tunekit): the layout is the vendor's business, so no stride checks. _vendor_gemv, inlined.
         route.ticks[bias is not None][capturing]()
         out = route.vcall(x, weight, bias)
         return out if out.is_contiguous() else out.contiguous()
+    return _serve_tuned(route, x, weight, bias, capturing)
+
+
+def _serve_tuned(route: _Route, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 capturing: bool) -> torch.Tensor:
+    """A call of a valid route with a tuned kernel: the layout checks, then the launch (or the vendor path)."""
+    kernel = route.kernel
     # _layout_reason, inlined (every tuned call runs it)
     k = route.k
     ws0, ws1 = weight.stride()
@@ -184,38 +190,43 @@ def _new_route(key: tuple, x: torch.Tensor, weight: torch.Tensor, capturing: boo
 
 
 class EagerLinear:
-    """One patched ``nn.Linear``'s eager call into the op's impl, with a vendor shortcut.
+    """One patched ``nn.Linear``'s eager calls into the op's impl, with its routes at hand.
 
-    ``tunekit.patch`` gives each routed linear its own instance. A call whose x shape this
-    module met before, when that shape's route had no tuned kernel (an M the tables lack), goes
-    straight to the route's vendor call and ticks its counter. The shortcut checks only the
-    epoch (tables, vendor hook, broken kernels unchanged) and the weight's dtype and CUDA-ness
-    (a module moved with ``.to()`` keeps its Parameter objects). Anything else, and every tuned
-    call, runs :func:`gemv_impl` whole. So an uncovered M costs about what ``F.linear`` does
-    (the vendor path's budget is 1-2 us per call in eager decode).
+    ``tunekit.patch`` gives each routed linear its own instance. The first call of an x shape
+    runs :func:`gemv_impl` whole and keeps the route it resolved; later calls of that shape check
+    only what the route's key would (the weight's shape, both dtypes and devices) and the
+    serving epoch (tables, vendor hook and broken kernels unchanged, ``STATE.epoch``), then go
+    straight to the route's vendor call or tuned launch: no key tuple is built or hashed. So an
+    uncovered M costs about what ``F.linear`` does and a tuned one about the bound launcher
+    (budgets: 1-2 and 8 us per call in eager decode).
     """
 
-    __slots__ = ("epoch", "vendor")
+    __slots__ = ("epoch", "routes")
 
     def __init__(self) -> None:
         self.epoch = -1
-        #: x shape -> (weight dtype, weight.is_cuda, vendor call, ticks) of a route with no tuned kernel
-        self.vendor: dict[torch.Size, tuple] = {}
+        #: x shape -> (route, weight shape, dtype, device index): routes valid in ``epoch``
+        self.routes: dict[torch.Size, tuple] = {}
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         epoch = STATE.epoch
         if self.epoch != epoch:
-            self.vendor.clear()
+            self.routes.clear()
             self.epoch = epoch
-        hit = self.vendor.get(x.shape)
-        if hit is not None and hit[0] is weight.dtype and hit[1] is weight.is_cuda:
-            hit[3][bias is not None][x.is_cuda and _stream_capturing()]()  # is_capturing, inlined
-            out = hit[2](x, weight, bias)
-            return out if out.is_contiguous() else out.contiguous()
+        hit = self.routes.get(x.shape)
+        if hit is not None and x.dtype is hit[2] and weight.dtype is hit[2] and weight.shape == hit[1] \
+                and x.get_device() == hit[3] and weight.get_device() == hit[3]:
+            route = hit[0]
+            capturing = x.is_cuda and _stream_capturing()  # is_capturing, inlined
+            if route.kernel is None:
+                route.ticks[bias is not None][capturing]()
+                out = route.vcall(x, weight, bias)
+                return out if out.is_contiguous() else out.contiguous()
+            return _serve_tuned(route, x, weight, bias, capturing)
         out = gemv_impl(x, weight, bias)
         route = _ROUTES.get((x.shape, weight.shape, x.dtype, weight.dtype, x.device, weight.device))
-        if route is not None and route.kernel is None and route.static is None and STATE.epoch == epoch:
-            self.vendor[x.shape] = (weight.dtype, weight.is_cuda, route.vcall, route.ticks)
+        if route is not None and route.static is None and STATE.epoch == epoch:
+            self.routes[x.shape] = (route, weight.shape, x.dtype, x.get_device())
         return out
 
 
