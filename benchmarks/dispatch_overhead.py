@@ -63,10 +63,12 @@ def _arms(op, problem, inputs, kernel, launcher, out):
         tunekit.patch(patched, only_covered=False)
         arms["module"], arms["patched"] = (lambda: module(x)), (lambda: patched(x))
     else:
-        from tunekit.integrations.torch_patch import _op_call
+        from tunekit.integrations.torch_patch import _ELEMENTWISE_FORWARDS
 
-        call = _op_call(op)
-        arms["module"], arms["patched"] = direct, (lambda: call(x, w, DEFAULT_EPS))
+        norm = torch.nn.Module()
+        norm.weight, norm.variance_epsilon = torch.nn.Parameter(w, requires_grad=False), DEFAULT_EPS
+        patched = _ELEMENTWISE_FORWARDS[op](norm)  # the forward tunekit.patch gives an HF norm module
+        arms["module"], arms["patched"] = direct, (lambda: patched(x))
     if launcher is not None:
         arms["bound"] = lambda: launcher(inputs, out) or sys.exit("bound launcher refused its own layout")
     return arms

@@ -328,3 +328,43 @@ def test_launcher_replays_recorded_arguments_and_guards_the_layout(monkeypatch) 
     assert not launcher((x, w), out)
     knobs.runtime.launch_enter_hook.calls = []
     assert len(launched) == 2
+
+
+def test_a_patched_norm_launches_a_known_shape_through_its_kept_express_route(tmp_path: Path) -> None:
+    # On the CPU no launcher binds, so the kept-route path is checked with a stand-in launcher in
+    # the op's express table (tunekit.serving.elementwise._EXPRESS), as a bound Triton launch leaves it.
+    from tunekit.integrations.torch_patch import _ELEMENTWISE_FORWARDS
+
+    ops.load_tables(str(_table(tmp_path / "t.json", [("rms_norm", 2, 64, 64, NORM_PARAMS)])))
+    gen = torch.Generator().manual_seed(5)
+    norm = torch.nn.Module()
+    norm.weight, norm.variance_epsilon = torch.nn.Parameter(torch.randn(64, generator=gen).bfloat16()), 1e-6
+    forward = _ELEMENTWISE_FORWARDS["rms_norm"](norm)
+    x = torch.randn((2, 64), generator=gen).bfloat16()
+    with torch.no_grad():
+        ref = forward(x)  # the full path: the tuned kernel, launched the normal way
+        key = ("rms_norm", x.shape, x.dtype, x.device, norm.weight.shape, norm.weight.dtype, norm.weight.device, 1e-6)
+        route = next(r for k, r in elementwise._EW_ROUTES.items() if k[0] == "rms_norm")
+        launches = []
+
+        def launcher(inputs, out, _scratch=None, trusted=False):
+            launches.append(inputs[0].shape)
+            if inputs[0].stride(0) != 64:  # a guard, as the bound launcher's: another row stride
+                return False
+            route.choice.kernel(inputs, out)  # the launch the bound launcher replays
+            return True
+
+        route.launcher = launcher
+        elementwise._EXPRESS[key] = route
+        for _ in range(3):  # the first call keeps the route, the next two take it
+            assert torch.equal(forward(x), ref)
+        assert len(launches) == 3
+        wide = torch.randn((2, 128), generator=gen).bfloat16()[:, :64]  # same shape, rows 128 apart
+        assert wide.shape == x.shape and torch.equal(forward(wide), forward(wide.contiguous()))
+        # wide: refused by the kept route, the op's express route and its full path's launch; then the
+        # contiguous rows take the kept route
+        assert len(launches) == 7
+        ops.load_tables([])  # the epoch moved: nothing kept serves, the vendor path does
+        assert torch.equal(forward(x), torch.ops.tunekit.rms_norm(x, norm.weight, 1e-6)) and len(launches) == 7
+    rows = {(r["impl"], r["calls"]) for r in ops.dispatch_stats()}
+    assert rows == {("fallback:no_table", 2), ("tuned:triton", 6)}  # 4 x, wide and its contiguous copy

@@ -122,9 +122,13 @@ def _eps(module: nn.Module) -> float:
 
 def _norm_forward(op: str) -> Callable[[nn.Module], Callable[..., Any]]:
     def factory(module: nn.Module) -> Callable[..., Any]:
+        from tunekit.serving.elementwise import EagerNorm
+
         original = module.forward
         eps = _eps(module)
-        fn = _op_call(op)
+        # _op_call(op), inlined, with this module's own EagerNorm as the impl
+        eager, traced = EagerNorm(op == "gemma_rms_norm", eps), getattr(torch.ops.tunekit, op)
+        (is_compiling, is_tracing), plain = _TRACING, torch.Tensor
 
         def forward(hidden_states: torch.Tensor) -> torch.Tensor:
             weight = module.weight
@@ -132,7 +136,9 @@ def _norm_forward(op: str) -> Callable[[nn.Module], Callable[..., Any]]:
             # math; the op keeps the activation dtype, so those stay HF's.
             if _needs_autograd(hidden_states, weight) or weight.dtype != hidden_states.dtype:
                 return original(hidden_states)
-            return fn(hidden_states, weight, eps)
+            if type(hidden_states) is plain and not is_compiling() and not is_tracing():
+                return eager(hidden_states, weight)
+            return traced(hidden_states, weight, eps)
 
         return forward
 
