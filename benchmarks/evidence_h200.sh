@@ -20,6 +20,7 @@
 #  check_serving  tunekit check-serving, patched HF Qwen3.5 (27B sizes, 4 layers), eager and
 #                 graphed, with the main table and the HF tables.
 # MAIN_TABLE: the main table of an earlier call (the machine does not keep runs/ between calls).
+# SEED_FUSED / SEED_HF_GEMV / SEED_HF_NORMS: extra --seed-from files (an earlier call's trials.csv).
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -48,23 +49,24 @@ step() {  # step NAME SECONDS COMMAND...
   pack
 }
 # the Hugging Face shapes (the --shape arguments are meant to split)
-search_hf='python3 -m tunekit search $(python3 benchmarks/serving_check.py --print-shapes --only gemv) --m 1 \
-    --backend triton --trials 8 --seed-from runs/main/table.json --out runs/hf-gemv --no-progress &&
-  python3 -m tunekit search $(python3 benchmarks/serving_check.py --print-shapes --only norms) \
-    --m "$(python3 benchmarks/serving_check.py --print-m)" --backend triton --trials 6 --out runs/hf-norms \
-    --no-progress'
+seeds() { for f in "$@"; do [ -n "$f" ] && printf -- '--seed-from %s ' "$f"; done; }
+search_hf="python3 -m tunekit search \$(python3 benchmarks/serving_check.py --print-shapes --only gemv) --m 1 \
+    --backend triton --trials 8 $(seeds runs/main/table.json "${SEED_HF_GEMV:-}") --out runs/hf-gemv --no-progress &&
+  python3 -m tunekit search \$(python3 benchmarks/serving_check.py --print-shapes --only norms) \
+    --m \$(python3 benchmarks/serving_check.py --print-m) --backend triton --trials 6 $(seeds "${SEED_HF_NORMS:-}") \
+    --out runs/hf-norms --no-progress"
 
 if wanted search_main; then cp benchmarks/results/h200-m1248-all-d75e409/optuna.db runs/main/; fi
 step search_main 200 python3 -m tunekit search --model qwen3.5-27b --trials 3 --out runs/main --no-progress
 step dispatch 100 python3 benchmarks/dispatch_overhead.py --table runs/main/table.json --calls 500 --repeats 5 \
   --out "$R/dispatch.json"
 step search_fused 170 python3 -m tunekit search --model qwen3.5-27b --ops fused_gemv --m 1 --backend triton \
-  --trials 20 --seed-from runs/main/table.json --out runs/fused --no-progress
+  --trials 20 $(seeds runs/main/table.json "${SEED_FUSED:-}") --out runs/fused --no-progress
 step chain 120 python3 -m tunekit chain --model qwen3.5-27b --table runs/main/table.json \
   --table runs/fused/table.json --m 1 --out "$R/chain"
 step search_hf 300 bash -c "$search_hf"
-step check_serving 150 python3 -m tunekit check-serving --model qwen3.5-27b --table runs/main/table.json \
+step check_serving 200 python3 -m tunekit check-serving --model qwen3.5-27b --table runs/main/table.json \
   --table runs/hf-gemv/table.json --table runs/hf-norms/table.json \
-  --layers 4 --steps 16 --iters 10 --rounds 5 --skip-ops --out "$R/check"
+  --layers 4 --steps 16 --iters 20 --rounds 9 --skip-ops --out "$R/check"
 tail -n 3 "$R"/*.log
 cat "$R/steps.txt"

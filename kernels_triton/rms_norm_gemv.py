@@ -145,54 +145,51 @@ def _rms_norm_gemv_kernel(
     if ONE_PASS:
         out = _one_pass(x_rows, r_rows, o_rows, g_ptr, w_ptr + rows[:, None] * stride_wn, m_mask, pid, nprog, K, eps,
                         BLOCK_M, BLOCK_N, BLOCK_K, HAS_RESIDUAL, GEMMA, BY_BITS, W_EVICT)
-        y_mask = m_mask & (offs_n[None, :] < N)
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], out.to(y_ptr.dtype.element_ty), mask=y_mask)
-        return
-
-    # Prologue: rstd of each row of s = x (+ residual), sum of squares in a
-    # register tile reduced once; the fused-add ops store their chunks of s.
-    sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        c = (k0 + offs_k)[None, :]
-        mask = m_mask & (c < K)
-        s = tl.load(x_rows + c, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            # rounded before the variance, as vLLM's fused_add_rms_norm
-            s = round_bf16(s + tl.load(r_rows + c, mask=mask, other=0.0).to(tl.float32), BY_BITS)
-            # chunk j of s is written by program j % num_programs only (a tensor
-            # compare, so the mask stays a tensor under the interpreter)
-            chunk = tl.zeros([1, BLOCK_K], dtype=tl.int32) + k0 // BLOCK_K
-            mine = (chunk % nprog) == pid
-            tl.store(o_rows + c, s.to(o_ptr.dtype.element_ty), mask=mask & mine)
-        sq += s * s
-    rstd = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
-
-    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
-    if BLOCK_M == 1:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + offs_k
-        k_mask = kk < K
-        w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy=W_EVICT).to(tl.float32)
-        c = kk[None, :]
-        mask = m_mask & (c < K)
-        s = tl.load(x_rows + c, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            s = round_bf16(s + tl.load(r_rows + c, mask=mask, other=0.0).to(tl.float32), BY_BITS)
-        g = tl.load(g_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
-        # the BF16 activation vLLM's norm kernel would write (0 past K: s is 0 there)
-        a = _apply_weight(s * rstd, g[None, :], GEMMA, True, BY_BITS)
+        # Prologue: rstd of each row of s = x (+ residual), sum of squares in a
+        # register tile reduced once; the fused-add ops store their chunks of s.
+        sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            c = (k0 + offs_k)[None, :]
+            mask = m_mask & (c < K)
+            s = tl.load(x_rows + c, mask=mask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                # rounded before the variance, as vLLM's fused_add_rms_norm
+                s = round_bf16(s + tl.load(r_rows + c, mask=mask, other=0.0).to(tl.float32), BY_BITS)
+                # chunk j of s is written by program j % num_programs only (a tensor
+                # compare, so the mask stays a tensor under the interpreter)
+                chunk = tl.zeros([1, BLOCK_K], dtype=tl.int32) + k0 // BLOCK_K
+                mine = (chunk % nprog) == pid
+                tl.store(o_rows + c, s.to(o_ptr.dtype.element_ty), mask=mask & mine)
+            sq += s * s
+        rstd = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
+
+        w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
         if BLOCK_M == 1:
-            acc += w * a
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         else:
-            acc += w[None, :, :] * a[:, None, :]
-        w_ptrs += BLOCK_K
-    if BLOCK_M == 1:
-        out = tl.sum(acc, axis=1)[None, :]
-    else:
-        out = tl.sum(acc, axis=2)
+            acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            k_mask = kk < K
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy=W_EVICT).to(tl.float32)
+            c = kk[None, :]
+            mask = m_mask & (c < K)
+            s = tl.load(x_rows + c, mask=mask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                s = round_bf16(s + tl.load(r_rows + c, mask=mask, other=0.0).to(tl.float32), BY_BITS)
+            g = tl.load(g_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+            # the BF16 activation vLLM's norm kernel would write (0 past K: s is 0 there)
+            a = _apply_weight(s * rstd, g[None, :], GEMMA, True, BY_BITS)
+            if BLOCK_M == 1:
+                acc += w * a
+            else:
+                acc += w[None, :, :] * a[:, None, :]
+            w_ptrs += BLOCK_K
+        if BLOCK_M == 1:
+            out = tl.sum(acc, axis=1)[None, :]
+        else:
+            out = tl.sum(acc, axis=2)
     y_mask = m_mask & (offs_n[None, :] < N)
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], out.to(y_ptr.dtype.element_ty), mask=y_mask)
 
@@ -231,9 +228,12 @@ def _one_pass(x_rows, r_rows, o_rows, g_ptr, w_rows, m_mask, pid, nprog, K, eps,
             acc += w[None, :, :] * a[:, None, :]
         w_ptrs += BLOCK_K
     rstd = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
+    # one return: Triton generates every statement after a constexpr branch's return as well
     if BLOCK_M == 1:
-        return tl.sum(acc, axis=1)[None, :] * rstd
-    return tl.sum(acc, axis=2) * rstd
+        out = tl.sum(acc, axis=1)[None, :] * rstd
+    else:
+        out = tl.sum(acc, axis=2) * rstd
+    return out
 
 
 def rms_norm_gemv(

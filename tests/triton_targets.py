@@ -329,17 +329,20 @@ def elementwise_cases() -> list[Case]:
 
 
 def norm_gemv_cases() -> list[Case]:
-    """RMSNorm -> GEMV: every op (residual x weight convention) at M = 1, 3, 8 with DEFAULT,
-    and a wide multi-stage tile at M = 1, 3; K=300 is not a multiple of BLOCK_K (masked steps)."""
+    """RMSNorm -> GEMV: every op (residual x weight convention) at M = 1, 3, 8 with DEFAULT (one pass),
+    the two-pass kernel at M = 1, 3, and a wide multi-stage tile at M = 1, 3; K=300 is not a multiple of
+    BLOCK_K (masked steps)."""
     import torch
 
     from kernels_triton import rms_norm_gemv as f
 
     n, k = 40, 300
-    wide = f.RmsNormGemvConfig(BLOCK_N=16, BLOCK_K=128, num_warps=2, num_stages=3)
+    wide = f.RmsNormGemvConfig(BLOCK_N=16, BLOCK_K=128, num_warps=2, num_stages=3, W_EVICT="evict_first")
+    two_pass = f.RmsNormGemvConfig(ONE_PASS=0)
     cases: list[Case] = []
     for op in f.OPS:
-        for m, config in [(1, f.DEFAULT), (3, f.DEFAULT), (8, f.DEFAULT), (1, wide), (3, wide)]:
+        for m, config in [(1, f.DEFAULT), (3, f.DEFAULT), (8, f.DEFAULT), (1, two_pass), (3, two_pass), (1, wide),
+                          (3, wide)]:
             if f.invalid_reason(config, m, n, k) is not None:
                 continue
             x, g, w = _bf16(m, k), _bf16(k), _bf16(n, k)
@@ -361,7 +364,7 @@ def act_gemv_cases() -> list[Case]:
     from kernels_triton import silu_mul_gemv as f
 
     n = 40
-    wide = f.SiluMulGemvConfig(BLOCK_N=16, BLOCK_K=128, num_warps=2, num_stages=3)
+    wide = f.SiluMulGemvConfig(BLOCK_N=16, BLOCK_K=128, num_warps=2, num_stages=3, W_EVICT="evict_first")
     dot = f.SiluMulGemvConfig(BLOCK_N=16, BLOCK_K=128, num_warps=4, M_MODE="dot")
     dot_w = f.SiluMulGemvConfig(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, M_MODE="dot_w")
     split = f.SiluMulGemvConfig(BLOCK_N=4, BLOCK_K=64, num_warps=2, SPLIT_K=2)
