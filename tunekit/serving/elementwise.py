@@ -478,7 +478,9 @@ class EagerNorm:
         out = _rms_norm_impl(x, weight, self.eps, self.gemma)
         op = "gemma_rms_norm" if self.gemma else "rms_norm"
         route = _EXPRESS.get((op, x.shape, x.dtype, x.device, weight.shape, weight.dtype, weight.device, self.eps))
-        if route is not None and route.launcher is not None and STATE.epoch == epoch:
+        # kept only while the decision cache holds its choice: an earlier table's route stays in _EXPRESS
+        if route is not None and route.launcher is not None and STATE.choices.get(route.ckey) is route.choice \
+                and STATE.epoch == epoch:
             n = x.shape[-1]
             self.routes[x.shape] = (route, x.dtype, weight.shape, x.get_device(), (_rows(x, n), n))
         return out

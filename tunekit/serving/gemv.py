@@ -214,18 +214,23 @@ class EagerLinear:
             self.routes.clear()
             self.epoch = epoch
         hit = self.routes.get(x.shape)
-        if hit is not None and x.dtype is hit[2] and weight.dtype is hit[2] and weight.shape == hit[1] \
-                and x.get_device() == hit[3] and weight.get_device() == hit[3]:
+        if hit is not None:
             route = hit[0]
-            capturing = x.is_cuda and _stream_capturing()  # is_capturing, inlined
             if route.kernel is None:
-                route.ticks[bias is not None][capturing]()
-                out = route.vcall(x, weight, bias)
-                return out if out.is_contiguous() else out.contiguous()
-            return _serve_tuned(route, x, weight, bias, capturing)
+                # The vendor call is right for any weight; x's dtype, the weight's shape and the device
+                # keep the counted row's labels and the vendor hook's device type true.
+                if x.dtype is hit[2] and weight.shape == hit[1] and x.get_device() == hit[3]:
+                    route.ticks[bias is not None][x.is_cuda and _stream_capturing()]()  # is_capturing, inlined
+                    out = route.vcall(x, weight, bias)
+                    return out if out.is_contiguous() else out.contiguous()
+            elif x.dtype is hit[2] and weight.dtype is hit[2] and weight.shape == hit[1] \
+                    and x.get_device() == hit[3] and weight.get_device() == hit[3]:
+                return _serve_tuned(route, x, weight, bias, x.is_cuda and _stream_capturing())
         out = gemv_impl(x, weight, bias)
+        # the route gemv_impl served, if it is still the one the decision cache holds (a route resolved
+        # under capture is not kept there, and an earlier table's route may still be)
         route = _ROUTES.get((x.shape, weight.shape, x.dtype, weight.dtype, x.device, weight.device))
-        if route is not None and route.static is None and STATE.epoch == epoch:
+        if route is not None and route.static is None and route.valid() and STATE.epoch == epoch:
             self.routes[x.shape] = (route, weight.shape, x.dtype, x.get_device())
         return out
 
