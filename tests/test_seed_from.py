@@ -128,6 +128,15 @@ def test_a_fused_gemv_study_is_seeded_by_the_gemv_winners_after_its_own_records(
     own.to_csv(tmp_path / "trials.csv", index=False)
     seeds = _seeds_from_files([recorded, tmp_path / "trials.csv"], "triton", fused, space.domains, space.default)
     assert seeds[0]["BLOCK_N"] == 16  # a record of the fused op itself comes before the GEMV's
-    assert not _seeds_from_files([recorded], "triton", Problem("rms_norm", "bf16", 1, 5120, 5120),
-                                 get("triton").space(Problem("rms_norm", "bf16", 1, 5120, 5120)).domains,
-                                 {})  # the table's rms_norm entries are gemma/fused-add ones: no GEMV seeds a norm
+    sibling = own.assign(op="gemma_fused_add_rms_norm_gemv", params=json.dumps(space.default | {"BLOCK_N": 32}))
+    sibling.to_csv(tmp_path / "sibling.csv", index=False)
+    seeds = _seeds_from_files([recorded, tmp_path / "sibling.csv"], "triton", fused, space.domains, space.default)
+    assert seeds[0]["BLOCK_N"] == 32  # then a sibling's (the same kernel with a residual) ...
+    assert all(seeds[1][k] == v for k, v in gemv["params"].items() if k in space.domains)  # ... then the GEMV's
+    # a plain norm: the table has only its Gemma sibling's entries (one kernel), and no GEMV seeds a norm
+    norm = Problem("rms_norm", "bf16", 1, 5120, 5120)
+    domains = get("triton").space(norm).domains
+    gemma = [{k: v for k, v in e["params"].items() if k in domains} for e in read_seed_records(recorded)
+             if e["op"] == "gemma_rms_norm" and e["n"] == 5120]
+    seeds = _seeds_from_files([recorded], "triton", norm, domains, {})
+    assert seeds and all(s in gemma for s in seeds)

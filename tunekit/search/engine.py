@@ -1209,15 +1209,22 @@ def _seeds_from_files(paths: Sequence[Path], backend: str, problem: Problem, dom
     ``default`` fills tunables a record lacks; ``pinned`` overrides what a record says for them."""
     if not paths:
         return []
-    # A fused GEMV family's tile tunables are the GEMV's (same names, same (m, n, k)): the GEMV's
-    # winners seed it, after any records of the fused op itself.
-    ops = (problem.op, "gemv") if problem.op in FUSED_GEMV_OPS else (problem.op,)
+    # Records of the op itself first; then of its siblings, the ops that read the same search-space
+    # file (one kernel: the weight convention or the residual differ); then, for a fused GEMV
+    # family, the GEMV's (its tile tunables have the same names, and (m, n, k) the same meaning).
+    from search_spaces import FILES
+
+    stem = FILES.get(problem.op, problem.op)
+    rank = {op: 1 for op, s in FILES.items() if s == stem} | {stem: 1}
+    if problem.op in FUSED_GEMV_OPS:
+        rank["gemv"] = 2
+    rank[problem.op] = 0
     records = [r for path in paths for r in read_seed_records(Path(path))
-               if r["op"] in ops and r["backend"] == backend]
+               if r["op"] in rank and r["backend"] == backend]
 
     def nearness(r: dict[str, Any]) -> tuple:
         same_shape = (r["n"], r["k"]) == (problem.n, problem.k)
-        return (r["op"] != problem.op, not (same_shape and r["m"] == problem.m), r["m"] != problem.m, not same_shape,
+        return (rank[r["op"]], not (same_shape and r["m"] == problem.m), r["m"] != problem.m, not same_shape,
                 abs(math.log(r["n"] * r["k"]) - math.log(problem.n * problem.k)), abs(r["m"] - problem.m),
                 r["time_us"])
 
