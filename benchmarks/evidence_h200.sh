@@ -2,7 +2,7 @@
 # Device calls on the H200 for the serving and fusion evidence: each call runs the STEPS it is given.
 #
 #   COMMIT=<sha> STEPS="search_main dispatch search_fused chain" bash benchmarks/evidence_h200.sh
-#   COMMIT=<sha> STEPS="search_hf check_serving" MAIN_TABLE=<dir>/main/table.json bash benchmarks/evidence_h200.sh
+#   COMMIT=<sha> STEPS="search_hf check_serving" PREV=<an earlier call's results dir> bash benchmarks/evidence_h200.sh
 #
 # Run from the repository root there, $OUT set. Each step has its own time limit; after each one the
 # results so far are packed into $OUT/evidence.tgz (a step cut by the device's limit leaves the
@@ -19,7 +19,8 @@
 #                 layout HF calls them), benchmarks/serving_check.py --print-shapes, seeded likewise;
 #  check_serving  tunekit check-serving, patched HF Qwen3.5 (27B sizes, 4 layers), eager and
 #                 graphed, with the main table and the HF tables.
-# MAIN_TABLE: the main table of an earlier call (the machine does not keep runs/ between calls).
+# PREV: an earlier call's results (its main/, hf-gemv/, hf-norms/ tables stand in for the searches
+# not run; the machine does not keep runs/ between calls). FUSED_M: the fused families' M (default 1).
 # SEED_FUSED / SEED_HF_GEMV / SEED_HF_NORMS: extra --seed-from files (an earlier call's trials.csv).
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -29,7 +30,11 @@ mkdir -p "$R" runs/main runs/fused runs/hf-gemv runs/hf-norms
 echo "${COMMIT:-unknown}" > "$R/commit.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$R/gpu.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$R/gpu.txt"
-if [ -n "${MAIN_TABLE:-}" ] && [ ! -f runs/main/table.json ]; then cp "$MAIN_TABLE" runs/main/table.json; fi
+for d in main hf-gemv hf-norms; do
+  if [ -n "${PREV:-}" ] && [ -f "$PREV/$d/table.json" ] && [ ! -f "runs/$d/table.json" ]; then
+    cp "$PREV/$d/table.json" "runs/$d/table.json"
+  fi
+done
 pack() {
   for d in main fused hf-gemv hf-norms; do
     mkdir -p "$R/$d"
@@ -60,10 +65,10 @@ if wanted search_main; then cp benchmarks/results/h200-m1248-all-d75e409/optuna.
 step search_main 200 python3 -m tunekit search --model qwen3.5-27b --trials 3 --out runs/main --no-progress
 step dispatch 100 python3 benchmarks/dispatch_overhead.py --table runs/main/table.json --calls 500 --repeats 5 \
   --out "$R/dispatch.json"
-step search_fused 170 python3 -m tunekit search --model qwen3.5-27b --ops fused_gemv --m 1 --backend triton \
+step search_fused 300 python3 -m tunekit search --model qwen3.5-27b --ops fused_gemv --m "${FUSED_M:-1}" --backend triton \
   --trials 20 $(seeds runs/main/table.json "${SEED_FUSED:-}") --out runs/fused --no-progress
-step chain 120 python3 -m tunekit chain --model qwen3.5-27b --table runs/main/table.json \
-  --table runs/fused/table.json --m 1 --out "$R/chain"
+step chain 200 python3 -m tunekit chain --model qwen3.5-27b --table runs/main/table.json \
+  --table runs/fused/table.json --m "${FUSED_M:-1}" --out "$R/chain"
 step search_hf 300 bash -c "$search_hf"
 step check_serving 200 python3 -m tunekit check-serving --model qwen3.5-27b --table runs/main/table.json \
   --table runs/hf-gemv/table.json --table runs/hf-norms/table.json \
