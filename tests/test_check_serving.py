@@ -195,3 +195,31 @@ def test_tiny_model_patched_agrees_with_unpatched_on_the_cpu(tmp_path: Path, mod
     written = json.loads((tmp_path / "out" / "serving_check.json").read_text())
     assert written["format"] == serving.FORMAT and written["settings"]["model"] == model
     assert written["failures"] == 0 and not math.isnan(written["model"]["comparison"]["eager_patched"]["rms_diff"])
+
+
+@pytest.mark.usefixtures("clean_ops")
+def test_the_predicted_saving_prices_tuned_calls_from_their_serving_entries(tmp_path: Path) -> None:
+    from tunekit import ops
+
+    # _entry: time_us 1.0, baseline_us 2.0 (1 us saved per call); M=4 entries serve M=3 calls too
+    ops.load_tables(str(make_table(tmp_path / "t.json", [_entry("gemv", 1, 64, 128), _entry("rms_norm", 4, 64, 64)])))
+    rows = [
+        {"op": "gemv", "dtype": "bf16", "shape": "64x128", "m": 1, "impl": "tuned:triton", "calls": 30},
+        {"op": "rms_norm", "dtype": "bf16", "shape": "64x64", "m": 3, "impl": "tuned:triton", "calls": 12},
+        {"op": "gemv", "dtype": "bf16", "shape": "64x128", "m": 8, "impl": "fallback:m_above_table", "calls": 9},
+        {"op": "gated_rms_norm", "dtype": "bf16", "shape": "16x16", "m": 4, "impl": "tuned:triton", "calls": 6},
+    ]
+    got = serving.predicted_saving(rows, 6, "cpu")
+    assert got == {"saving_us_per_step": (30 + 12) / 6, "priced_calls": 42, "unpriced_calls": 6, "steps": 6}
+    summary = {"variants": {"graphed_unpatched": {"median_ms": 0.107}},
+               "ratios": {"patched_speedup_graphed": {"median": 1.05}}}
+
+    class Report:
+        lines: list = []
+
+        def add(self, status, check, detail):
+            self.lines.append((status, check, detail))
+
+    report = Report()
+    serving.report_prediction(report, summary, got)
+    assert math.isclose(got["graphed_speedup"], 107 / 100) and "1.070x predicted, 1.050x measured" in report.lines[0][2]

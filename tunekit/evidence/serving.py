@@ -278,6 +278,28 @@ def report_dispatch(report: Any, phase: str, rows: list[dict[str, Any]]) -> dict
     return result
 
 
+def predicted_saving(rows: list[dict[str, Any]], steps: int, device: str) -> dict[str, Any]:
+    """The tables' own prediction for a decode step (Amdahl over their standalone timings): per
+    tuned call in the dispatch ``rows`` of ``steps`` decode steps, the serving entry's
+    ``baseline_us - time_us``. Calls whose entry carries no timing (or is looked up in another
+    layout, as HF's gated norm) are counted as unpriced, never guessed."""
+    from tunekit.serving.tables import served_entry
+
+    saving, priced, unpriced = 0.0, 0, 0
+    for row in rows:
+        if not str(row["impl"]).startswith("tuned"):
+            continue
+        n, k = (int(v) for v in str(row["shape"]).split("x"))
+        entry = served_entry(row["op"], row["dtype"], row["m"], n, k, device)
+        if entry is None or entry.get("baseline_us") is None or entry.get("time_us") is None:
+            unpriced += row["calls"]
+            continue
+        saving += row["calls"] * (entry["baseline_us"] - entry["time_us"])
+        priced += row["calls"]
+    return {"saving_us_per_step": saving / steps if steps else 0.0, "priced_calls": priced,
+            "unpriced_calls": unpriced, "steps": steps}
+
+
 def report_comparison(report: Any, label: str, result: dict[str, Any]) -> dict[str, Any]:
     """PASS / FAIL lines of one variant against the eager unpatched run: logits, then greedy tokens."""
     steps, tol = result["steps"], result["tol_abs"]
@@ -323,6 +345,20 @@ def report_timing(report: Any, summary: dict[str, Any], device_type: str) -> Non
         report.add("INFO", f"model ratio {name}",
                    f"{row['numerator']} / {row['denominator']} = {row['median']:.3f}x "
                    f"(rounds {row['min']:.3f}-{row['max']:.3f}){note}")
+
+
+def report_prediction(report: Any, summary: dict[str, Any], predicted: dict[str, Any]) -> None:
+    """The graphed step the tables predict (their standalone saving off the unpatched graphed step),
+    next to the measured ratio: what a graphed decode can gain from these tables at most."""
+    base = summary["variants"]["graphed_unpatched"]["median_ms"] * 1e3
+    saving = predicted["saving_us_per_step"]
+    speedup = base / (base - saving) if base > saving else math.inf
+    predicted["graphed_speedup"] = speedup
+    measured = summary["ratios"]["patched_speedup_graphed"]["median"]
+    report.add("INFO", "model predicted patched_speedup_graphed",
+               f"the tables' standalone saving {saving:.1f} us per step ({predicted['priced_calls']} tuned calls "
+               f"priced, {predicted['unpriced_calls']} not) off {base:.1f} us: {speedup:.3f}x predicted, "
+               f"{measured:.3f}x measured")
 
 
 # ---------------------------------------------------------------------------
@@ -399,6 +435,8 @@ def check_model(report: Any, settings: Settings, device: Any) -> dict[str, Any]:
         result["patched_tokens"] = patched["tokens"]
         result["dispatch_prefill"] = report_dispatch(report, "prefill", patched["stats_prefill"])
         result["dispatch_decode"] = report_dispatch(report, "decode", patched["stats_decode"])
+        # the decode phase ran steps - 1 forwards (the first token comes from the prefill)
+        result["predicted"] = predicted_saving(patched["stats_decode"], settings.steps - 1, str(device))
         compared["eager_patched"] = report_comparison(
             report, "model eager patched",
             compare_logits(base, patched, fp32, settings.tol_factor, settings.rel_tol))
@@ -448,6 +486,8 @@ def check_model(report: Any, settings: Settings, device: Any) -> dict[str, Any]:
                            times_ms=times)
             result["timing"] = summary
             report_timing(report, summary, device.type)
+            if graphed_ok and "predicted" in result:
+                report_prediction(report, summary, result["predicted"])
         except Exception as exc:
             report.add("FAIL", "model timing", error_text(exc))
             result["timing_error"] = traceback.format_exc()
