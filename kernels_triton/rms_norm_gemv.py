@@ -151,16 +151,8 @@ def _rms_norm_gemv_kernel(
         sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             c = (k0 + offs_k)[None, :]
-            mask = m_mask & (c < K)
-            s = tl.load(x_rows + c, mask=mask, other=0.0).to(tl.float32)
-            if HAS_RESIDUAL:
-                # rounded before the variance, as vLLM's fused_add_rms_norm
-                s = round_bf16(s + tl.load(r_rows + c, mask=mask, other=0.0).to(tl.float32), BY_BITS)
-                # chunk j of s is written by program j % num_programs only (a tensor
-                # compare, so the mask stays a tensor under the interpreter)
-                chunk = tl.zeros([1, BLOCK_K], dtype=tl.int32) + k0 // BLOCK_K
-                mine = (chunk % nprog) == pid
-                tl.store(o_rows + c, s.to(o_ptr.dtype.element_ty), mask=mask & mine)
+            s = _row_sum(x_rows, r_rows, o_rows, c, m_mask & (c < K), k0, pid, nprog, BLOCK_K, HAS_RESIDUAL,
+                         BY_BITS, True)
             sq += s * s
         rstd = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
 
@@ -174,17 +166,11 @@ def _rms_norm_gemv_kernel(
             k_mask = kk < K
             w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy=W_EVICT).to(tl.float32)
             c = kk[None, :]
-            mask = m_mask & (c < K)
-            s = tl.load(x_rows + c, mask=mask, other=0.0).to(tl.float32)
-            if HAS_RESIDUAL:
-                s = round_bf16(s + tl.load(r_rows + c, mask=mask, other=0.0).to(tl.float32), BY_BITS)
+            s = _row_sum(x_rows, r_rows, o_rows, c, m_mask & (c < K), k0, pid, nprog, BLOCK_K, HAS_RESIDUAL,
+                         BY_BITS, False)
             g = tl.load(g_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
             # the BF16 activation vLLM's norm kernel would write (0 past K: s is 0 there)
-            a = _apply_weight(s * rstd, g[None, :], GEMMA, True, BY_BITS)
-            if BLOCK_M == 1:
-                acc += w * a
-            else:
-                acc += w[None, :, :] * a[:, None, :]
+            acc = _accumulate(acc, w, _apply_weight(s * rstd, g[None, :], GEMMA, True, BY_BITS), BLOCK_M)
             w_ptrs += BLOCK_K
         if BLOCK_M == 1:
             out = tl.sum(acc, axis=1)[None, :]
@@ -192,6 +178,32 @@ def _rms_norm_gemv_kernel(
             out = tl.sum(acc, axis=2)
     y_mask = m_mask & (offs_n[None, :] < N)
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], out.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+@triton.jit
+def _row_sum(x_rows, r_rows, o_rows, c, mask, k0, pid, nprog, BLOCK_K: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+             BY_BITS: tl.constexpr, STORE: tl.constexpr):
+    """s = x (+ residual) at columns ``c`` of the M rows, fp32. The residual sum is rounded to BF16
+    before the variance, as vLLM's fused_add_rms_norm; with STORE, chunk j = k0 // BLOCK_K of it is
+    written by program j % num_programs only (a tensor compare, so the mask stays a tensor under
+    the interpreter)."""
+    s = tl.load(x_rows + c, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        s = round_bf16(s + tl.load(r_rows + c, mask=mask, other=0.0).to(tl.float32), BY_BITS)
+        if STORE:
+            chunk = tl.zeros([1, BLOCK_K], dtype=tl.int32) + k0 // BLOCK_K
+            tl.store(o_rows + c, s.to(o_rows.dtype.element_ty), mask=mask & ((chunk % nprog) == pid))
+    return s
+
+
+@triton.jit
+def _accumulate(acc, w, a, BLOCK_M: tl.constexpr):
+    """acc + W * a: [BLOCK_N, BLOCK_K] at M=1, else [BLOCK_M, BLOCK_N, BLOCK_K] (a: [BLOCK_M, BLOCK_K])."""
+    if BLOCK_M == 1:
+        acc += w * a
+    else:
+        acc += w[None, :, :] * a[:, None, :]
+    return acc
 
 
 @triton.jit
@@ -211,21 +223,13 @@ def _one_pass(x_rows, r_rows, o_rows, g_ptr, w_rows, m_mask, pid, nprog, K, eps,
         k_mask = kk < K
         w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy=W_EVICT).to(tl.float32)
         c = kk[None, :]
-        mask = m_mask & (c < K)
-        s = tl.load(x_rows + c, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            s = round_bf16(s + tl.load(r_rows + c, mask=mask, other=0.0).to(tl.float32), BY_BITS)
-            chunk = tl.zeros([1, BLOCK_K], dtype=tl.int32) + k0 // BLOCK_K
-            tl.store(o_rows + c, s.to(o_rows.dtype.element_ty), mask=mask & ((chunk % nprog) == pid))
+        s = _row_sum(x_rows, r_rows, o_rows, c, m_mask & (c < K), k0, pid, nprog, BLOCK_K, HAS_RESIDUAL,
+                     BY_BITS, True)
         sq += s * s
         g = tl.load(g_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
         if GEMMA:
             g = g + 1.0
-        a = s * g[None, :]  # unnormalised, fp32: rstd is applied after the loop
-        if BLOCK_M == 1:
-            acc += w * a
-        else:
-            acc += w[None, :, :] * a[:, None, :]
+        acc = _accumulate(acc, w, s * g[None, :], BLOCK_M)  # unnormalised, fp32: rstd comes after the loop
         w_ptrs += BLOCK_K
     rstd = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
     # one return: Triton generates every statement after a constexpr branch's return as well

@@ -53,26 +53,34 @@ def _per_call_us(fn, calls: int) -> float:
     return (time.perf_counter() - t0) / calls * 1e6
 
 
-def _overhead_ratio(rounds: int = 15, calls: int = 400) -> tuple[float, dict[str, float]]:
-    """The vendor path's per-call time over that of a custom op that just calls F.linear.
+def _interleaved_ratio(arms: dict, num: str, den: str, rounds: int = 15, calls: int = 400,
+                       ) -> tuple[float, dict[str, float]]:
+    """Median over rounds of the per-round ratio of arm ``num``'s per-call time to arm ``den``'s.
 
-    Arms, interleaved in each round: ``direct`` F.linear; ``floor`` a custom op whose Python impl is
-    just F.linear (torch's own dispatch into a Python kernel: what any torch.ops call pays);
-    ``op`` torch.ops.tunekit.gemv with no table (the vendor path). The ratio op / floor is taken per
-    round (the two ran moments apart, under the same load) and its median over rounds returned,
-    with the arms' median times for the message.
-    """
-    x, w = torch.randn(1, 64), torch.randn(32, 64)
-    arms = {"direct": lambda: F.linear(x, w, None), "floor": lambda: torch.ops.tunekit_test_floor.linear(x, w, None),
-            "op": lambda: torch.ops.tunekit.gemv(x, w, None)}
+    The arms run interleaved in each round, so a ratio is of two calls timed moments apart,
+    under the same load; the arms' median times come back for the message. Each arm is warmed
+    first (a route is made by its first call)."""
     for fn in arms.values():
-        _per_call_us(fn, 300)  # warm: the op's route is made by its first call
+        _per_call_us(fn, 300)
     samples: dict[str, list[float]] = {a: [] for a in arms}
     for _ in range(rounds):
         for name, fn in arms.items():
             samples[name].append(_per_call_us(fn, calls))
-    ratio = statistics.median(o / f for o, f in zip(samples["op"], samples["floor"], strict=True))
+    ratio = statistics.median(n / d for n, d in zip(samples[num], samples[den], strict=True))
     return ratio, {a: round(statistics.median(v), 2) for a, v in samples.items()}
+
+
+def _overhead_ratio() -> tuple[float, dict[str, float]]:
+    """The vendor path's per-call time over that of a custom op that just calls F.linear.
+
+    Arms: ``direct`` F.linear; ``floor`` a custom op whose Python impl is just F.linear (torch's
+    own dispatch into a Python kernel: what any torch.ops call pays); ``op``
+    torch.ops.tunekit.gemv with no table (the vendor path). Ratio op / floor.
+    """
+    x, w = torch.randn(1, 64), torch.randn(32, 64)
+    arms = {"direct": lambda: F.linear(x, w, None), "floor": lambda: torch.ops.tunekit_test_floor.linear(x, w, None),
+            "op": lambda: torch.ops.tunekit.gemv(x, w, None)}
+    return _interleaved_ratio(arms, "op", "floor")
 
 
 def test_vendor_path_costs_little_more_than_any_custom_op() -> None:
@@ -93,9 +101,8 @@ def test_vendor_path_costs_little_more_than_any_custom_op() -> None:
     assert [(r["impl"], r["vendor"]) for r in ops.dispatch_stats()] == [("fallback:no_table", "F.linear")]
 
 
-def _patched_linear_ratio(rounds: int = 15, calls: int = 400) -> tuple[float, dict[str, float]]:
-    """A patched nn.Linear's per-call time (no table: the vendor path) over the unpatched module's,
-    median over rounds of the per-round ratio (as :func:`_overhead_ratio`)."""
+def _patched_linear_ratio() -> tuple[float, dict[str, float]]:
+    """A patched nn.Linear's per-call time (no table: the vendor path) over the unpatched module's."""
     import copy
 
     import tunekit
@@ -104,16 +111,8 @@ def _patched_linear_ratio(rounds: int = 15, calls: int = 400) -> tuple[float, di
     patched = copy.deepcopy(plain)
     assert tunekit.patch(patched, only_covered=False) == {"linear": 1}
     x = torch.randn(1, 64)
-    arms = {"plain": lambda: plain(x), "patched": lambda: patched(x)}
     with torch.no_grad():
-        for fn in arms.values():
-            _per_call_us(fn, 300)
-        samples: dict[str, list[float]] = {a: [] for a in arms}
-        for _ in range(rounds):
-            for name, fn in arms.items():
-                samples[name].append(_per_call_us(fn, calls))
-    ratio = statistics.median(p / u for p, u in zip(samples["patched"], samples["plain"], strict=True))
-    return ratio, {a: round(statistics.median(v), 2) for a, v in samples.items()}
+        return _interleaved_ratio({"plain": lambda: plain(x), "patched": lambda: patched(x)}, "patched", "plain")
 
 
 def test_a_patched_linear_on_the_vendor_path_costs_about_what_the_module_does() -> None:
