@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_triton.config import StrictConfig
+from kernels_triton.config import StrictConfig, next_pow2
 from kernels_triton.rms_norm import tile_reason
 from kernels_triton.rounding import RNE_BY_BITS, round_bf16
 
@@ -44,10 +44,6 @@ Config = GatedRmsNormConfig
 DEFAULT = GatedRmsNormConfig()
 
 
-def _next_pow2(value: int) -> int:
-    return 1 << (max(value, 1) - 1).bit_length()
-
-
 def invalid_reason(config: GatedRmsNormConfig, m: int, n: int, k: int) -> str | None:
     """None if ``config`` can run groups of ``k`` over rows of ``n`` (M = ``m``), else why not. Pure."""
     if m < 1 or n < 1 or k < 1:
@@ -56,7 +52,7 @@ def invalid_reason(config: GatedRmsNormConfig, m: int, n: int, k: int) -> str | 
         return f"N={n} is not a whole number of groups of K={k}"
     if k > MAX_GROUP:
         return f"group of {k} > {MAX_GROUP} elements (kept in registers)"
-    return tile_reason(_next_pow2(k), config.ROWS, config.num_warps, tiles=2)
+    return tile_reason(next_pow2(k), config.ROWS, config.num_warps, tiles=2)
 
 
 @triton.jit
@@ -104,7 +100,7 @@ def gated_rms_norm(
     total = m * groups
     _gated_rms_norm_kernel[(triton.cdiv(total, config.ROWS),)](
         x, z, w, out, total, groups, k, x.stride(0), z.stride(0), out.stride(0), eps,
-        BLOCK_K=_next_pow2(k), ROWS=config.ROWS, BY_BITS=RNE_BY_BITS, num_warps=config.num_warps,
+        BLOCK_K=next_pow2(k), ROWS=config.ROWS, BY_BITS=RNE_BY_BITS, num_warps=config.num_warps,
     )
     return out
 

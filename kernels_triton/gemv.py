@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels_triton.config import next_pow2
+
 
 @dataclass(frozen=True)
 class GemvConfig:
@@ -84,10 +86,6 @@ def _cdiv(a: int, b: int) -> int:
     return -(a // -b)
 
 
-def _next_pow2(value: int) -> int:
-    return 1 << (max(value, 1) - 1).bit_length()
-
-
 def invalid_reason(config: GemvConfig, m: int, n: int, k: int) -> str | None:
     """None if ``config`` can run (m, n, k), else a short reason. Pure predicate."""
     for name in ("BLOCK_N", "BLOCK_K", "num_warps"):
@@ -115,14 +113,14 @@ def invalid_reason(config: GemvConfig, m: int, n: int, k: int) -> str | None:
         # the W tile (bf16) and the [16, BLOCK_N] accumulator live in registers
         if config.BLOCK_N * config.BLOCK_K > 2 * _MAX_ACC_PER_THREAD * threads:
             return "W tile exceeds the register budget"
-    elif _next_pow2(m) * config.BLOCK_N * config.BLOCK_K > _MAX_ACC_PER_THREAD * threads:
+    elif next_pow2(m) * config.BLOCK_N * config.BLOCK_K > _MAX_ACC_PER_THREAD * threads:
         return "accumulator tile exceeds the register budget"
     if config.BLOCK_N * config.BLOCK_K < threads:
         return "fewer tile elements than threads"
     k_per_split = _cdiv(_cdiv(k, config.SPLIT_K), config.BLOCK_K) * config.BLOCK_K
     if k_per_split * (config.SPLIT_K - 1) >= k:
         return "the last K split would be empty"
-    if config.BLOCK_K > max(2 * _next_pow2(k), DEFAULT.BLOCK_K):
+    if config.BLOCK_K > max(2 * next_pow2(k), DEFAULT.BLOCK_K):
         # pure waste (masked lanes), pruned from the search; DEFAULT's stays valid at any K
         return "BLOCK_K far larger than K"
     return None
@@ -300,7 +298,7 @@ def gemv(
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     use_dot = config.M_MODE in ("dot", "dot_w")
     rows = config.M_MODE == "rows" and m > 1
-    block_m = max(_DOT_MIN, _next_pow2(m)) if use_dot else _next_pow2(m)
+    block_m = max(_DOT_MIN, next_pow2(m)) if use_dot else next_pow2(m)
     split = config.SPLIT_K
     k_per_split = triton.cdiv(triton.cdiv(k, split), config.BLOCK_K) * config.BLOCK_K
     even_k = k % config.BLOCK_K == 0 and k_per_split * split == k

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_triton.config import StrictConfig
+from kernels_triton.config import StrictConfig, is_pow2, next_pow2
 from kernels_triton.rounding import RNE_BY_BITS, round_bf16
 
 #: The ops this module serves (the weight convention is in the op name).
@@ -62,18 +62,10 @@ DEFAULT = RmsNormConfig()
 MAX_TILE_PER_THREAD = 128
 
 
-def _next_pow2(value: int) -> int:
-    return 1 << (max(value, 1) - 1).bit_length()
-
-
-def _pow2(value: int) -> bool:
-    return value >= 1 and value & (value - 1) == 0
-
-
 def tile_reason(block: int, rows: int, num_warps: int, tiles: int = 1) -> str | None:
     """Shared register-budget rule of the norm kernels: ``tiles`` live [rows, block] fp32 tiles."""
     for name, value in (("BLOCK", block), ("ROWS", rows), ("num_warps", num_warps)):
-        if not _pow2(value):
+        if not is_pow2(value):
             return f"{name}={value} is not a power of two"
     if num_warps > 32:
         return f"num_warps={num_warps} > 32"
@@ -87,7 +79,7 @@ def tile_reason(block: int, rows: int, num_warps: int, tiles: int = 1) -> str | 
 
 def effective_block(config_block: int, n: int) -> int:
     """BLOCK_N used for a row of ``n``: never above next_pow2(n) (a larger tile only masks more)."""
-    return min(config_block, _next_pow2(n))
+    return min(config_block, next_pow2(n))
 
 
 def invalid_reason(config: RmsNormConfig, m: int, n: int, k: int) -> str | None:
@@ -98,7 +90,7 @@ def invalid_reason(config: RmsNormConfig, m: int, n: int, k: int) -> str | None:
         return f"rms_norm normalises whole rows: K={k} must equal N={n}"
     if config.VLLM_ROUNDING not in (0, 1):
         return f"VLLM_ROUNDING={config.VLLM_ROUNDING} is not 0 or 1"
-    if not _pow2(config.BLOCK_N):
+    if not is_pow2(config.BLOCK_N):
         return f"BLOCK_N={config.BLOCK_N} is not a power of two"
     return tile_reason(effective_block(config.BLOCK_N, n), config.ROWS, config.num_warps)
 

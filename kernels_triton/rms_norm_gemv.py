@@ -60,7 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_triton.config import StrictConfig
+from kernels_triton.config import StrictConfig, gemv_head_reason, next_pow2
 from kernels_triton.rms_norm import _apply_weight
 from kernels_triton.rounding import RNE_BY_BITS, round_bf16
 
@@ -89,35 +89,19 @@ DEFAULT = RmsNormGemvConfig()
 _MAX_ACC_PER_THREAD = 128
 
 
-def _next_pow2(value: int) -> int:
-    return 1 << (max(value, 1) - 1).bit_length()
-
-
-def _pow2(value: int) -> bool:
-    return value >= 1 and value & (value - 1) == 0
-
-
 def invalid_reason(config: RmsNormGemvConfig, m: int, n: int, k: int) -> str | None:
     """None if ``config`` can run (m, n, k) (the GEMV's dims; norm width = k), else a short reason. Pure."""
-    for name in ("BLOCK_N", "BLOCK_K", "num_warps"):
-        if not _pow2(getattr(config, name)):
-            return f"{name}={getattr(config, name)} is not a power of two"
-    if not 1 <= config.num_stages <= 4:
-        return f"num_stages={config.num_stages} outside 1..4"
+    head = gemv_head_reason(config, m, n, k)
+    if head is not None:
+        return head
     if config.ONE_PASS not in (0, 1):
         return f"ONE_PASS={config.ONE_PASS} is not 0 or 1"
-    if config.W_EVICT not in ("", "evict_first"):
-        return f"unknown W_EVICT {config.W_EVICT!r}"
-    if not 1 <= m <= 8:
-        return f"M={m} outside 1..8"
-    if n < 1 or k < 1:
-        return f"empty problem (N={n}, K={k})"
     threads = 32 * config.num_warps
-    if _next_pow2(m) * config.BLOCK_N * config.BLOCK_K > _MAX_ACC_PER_THREAD * threads:
+    if next_pow2(m) * config.BLOCK_N * config.BLOCK_K > _MAX_ACC_PER_THREAD * threads:
         return "accumulator tile exceeds the register budget"
     if config.BLOCK_N * config.BLOCK_K < threads:
         return "fewer tile elements than threads"
-    if config.BLOCK_K > max(2 * _next_pow2(k), DEFAULT.BLOCK_K):
+    if config.BLOCK_K > max(2 * next_pow2(k), DEFAULT.BLOCK_K):
         return "BLOCK_K far larger than K"
     return None
 
@@ -280,7 +264,7 @@ def rms_norm_gemv(
         x, r, g, w, out, o,
         m, n, k, eps,
         x.stride(0), r.stride(0), w.stride(0), out.stride(0), o.stride(0),
-        BLOCK_M=_next_pow2(m), BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
+        BLOCK_M=next_pow2(m), BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
         HAS_RESIDUAL=has_res, GEMMA=gemma, BY_BITS=RNE_BY_BITS, ONE_PASS=config.ONE_PASS, W_EVICT=config.W_EVICT,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

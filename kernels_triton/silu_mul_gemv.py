@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_triton.config import StrictConfig
+from kernels_triton.config import StrictConfig, gemv_head_reason, next_pow2
 from kernels_triton.gemv import _split_k_reduce_kernel
 from kernels_triton.rounding import RNE_BY_BITS, round_bf16
 
@@ -86,27 +86,11 @@ _DOT_MIN = 16
 _DOT_IN_FP32 = RNE_BY_BITS
 
 
-def _next_pow2(value: int) -> int:
-    return 1 << (max(value, 1) - 1).bit_length()
-
-
-def _pow2(value: int) -> bool:
-    return value >= 1 and value & (value - 1) == 0
-
-
 def invalid_reason(config: SiluMulGemvConfig, m: int, n: int, k: int) -> str | None:
     """None if ``config`` can run (m, n, k) (the GEMV's dims; the input is [m, 2k]), else a short reason. Pure."""
-    for name in ("BLOCK_N", "BLOCK_K", "num_warps"):
-        if not _pow2(getattr(config, name)):
-            return f"{name}={getattr(config, name)} is not a power of two"
-    if not 1 <= config.num_stages <= 4:
-        return f"num_stages={config.num_stages} outside 1..4"
-    if config.W_EVICT not in ("", "evict_first"):
-        return f"unknown W_EVICT {config.W_EVICT!r}"
-    if not 1 <= m <= 8:
-        return f"M={m} outside 1..8"
-    if n < 1 or k < 1:
-        return f"empty problem (N={n}, K={k})"
+    head = gemv_head_reason(config, m, n, k)
+    if head is not None:
+        return head
     threads = 32 * config.num_warps
     if config.M_MODE not in ("tile", "dot", "dot_w"):
         return f"unknown M_MODE {config.M_MODE!r}"
@@ -115,13 +99,13 @@ def invalid_reason(config: SiluMulGemvConfig, m: int, n: int, k: int) -> str | N
             return f"tl.dot needs BLOCK_N and BLOCK_K >= {_DOT_MIN}"
         # the W tile (bf16) and the [16, BLOCK_K] gate / up / activation tiles live in registers
         if config.BLOCK_N * config.BLOCK_K > 2 * _MAX_ACC_PER_THREAD * threads \
-                or max(_DOT_MIN, _next_pow2(m)) * config.BLOCK_K > _MAX_ACC_PER_THREAD * threads:
+                or max(_DOT_MIN, next_pow2(m)) * config.BLOCK_K > _MAX_ACC_PER_THREAD * threads:
             return "W or activation tile exceeds the register budget"
-    elif _next_pow2(m) * config.BLOCK_N * config.BLOCK_K > _MAX_ACC_PER_THREAD * threads:
+    elif next_pow2(m) * config.BLOCK_N * config.BLOCK_K > _MAX_ACC_PER_THREAD * threads:
         return "accumulator tile exceeds the register budget"
     if config.BLOCK_N * config.BLOCK_K < threads:
         return "fewer tile elements than threads"
-    if config.BLOCK_K > max(2 * _next_pow2(k), DEFAULT.BLOCK_K):
+    if config.BLOCK_K > max(2 * next_pow2(k), DEFAULT.BLOCK_K):
         return "BLOCK_K far larger than K"
     if config.SPLIT_K < 1:
         return f"SPLIT_K={config.SPLIT_K} < 1"
@@ -235,7 +219,7 @@ def silu_mul_gemv(
         m, n, k, k_per_split,
         gate_up.stride(0), w.stride(0), out.stride(0),
         partials.stride(0) if split > 1 else 0, partials.stride(1) if split > 1 else 0,
-        SPLIT_K=split, BLOCK_M=max(_DOT_MIN, _next_pow2(m)) if use_dot else _next_pow2(m),
+        SPLIT_K=split, BLOCK_M=max(_DOT_MIN, next_pow2(m)) if use_dot else next_pow2(m),
         BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
         EVEN_K=k % config.BLOCK_K == 0 and k_per_split * split == k, BY_BITS=RNE_BY_BITS, W_EVICT=config.W_EVICT,
         USE_DOT=use_dot, SWAP_AB=config.M_MODE == "dot_w", DOT_IN_FP32=_DOT_IN_FP32,
