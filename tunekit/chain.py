@@ -84,6 +84,7 @@ from tunekit.errors import UserError
 from tunekit.models.spec import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
 from tunekit.opspec import EPS
 from tunekit.shapes import FUSED_GEMV_OPS, Problem
+from tunekit.table import saving_us
 
 VARIANTS = ("vendor", "tuned_gemv", "tuned", "tuned_fused")
 
@@ -517,7 +518,7 @@ def predicted_saving_us(chain: Chain, entry_for: Callable[[Step], dict[str, Any]
     tuned = [step for step, kind in zip(chain.steps, chain.kinds[variant], strict=True) if kind == "tuned"]
     for step in tuned + chain.fused.get(variant, []):  # bound because a table entry serves each
         entry = entry_for(step)
-        total += float(entry["baseline_us"]) - float(entry["time_us"])
+        total += saving_us(entry)
     return total
 
 

@@ -362,6 +362,11 @@ def environment_mismatch(table: dict[str, Any], device: dict[str, Any]) -> list[
     return diffs
 
 
+def saving_us(entry: dict[str, Any]) -> float:
+    """What one call served by ``entry`` saves by its standalone figures: baseline minus tuned time (us)."""
+    return float(entry["baseline_us"]) - float(entry["time_us"])
+
+
 def lookup(table: dict[str, Any], op: str, dtype: str, m: int, n: int, k: int) -> dict[str, Any] | None:
     """Entry for the exact M, else the smallest tabulated M >= m, else None (vendor path)."""
     candidates = [

@@ -280,10 +280,11 @@ def report_dispatch(report: Any, phase: str, rows: list[dict[str, Any]]) -> dict
 
 def predicted_saving(rows: list[dict[str, Any]], steps: int, device: str) -> dict[str, Any]:
     """The tables' own prediction for a decode step (Amdahl over their standalone timings): per
-    tuned call in the dispatch ``rows`` of ``steps`` decode steps, the serving entry's
-    ``baseline_us - time_us``. Calls whose entry carries no timing (or is looked up in another
-    layout, as HF's gated norm) are counted as unpriced, never guessed."""
+    tuned call in the dispatch ``rows`` of ``steps`` decode steps, its serving entry's saving
+    (``tunekit.table.saving_us``). Calls whose entry is not found under the row's key (one served
+    from another layout, as HF's gated norm can be) are counted as unpriced, never guessed."""
     from tunekit.serving.tables import served_entry
+    from tunekit.table import saving_us
 
     saving, priced, unpriced = 0.0, 0, 0
     for row in rows:
@@ -291,10 +292,10 @@ def predicted_saving(rows: list[dict[str, Any]], steps: int, device: str) -> dic
             continue
         n, k = (int(v) for v in str(row["shape"]).split("x"))
         entry = served_entry(row["op"], row["dtype"], row["m"], n, k, device)
-        if entry is None or entry.get("baseline_us") is None or entry.get("time_us") is None:
+        if entry is None:
             unpriced += row["calls"]
             continue
-        saving += row["calls"] * (entry["baseline_us"] - entry["time_us"])
+        saving += row["calls"] * saving_us(entry)
         priced += row["calls"]
     return {"saving_us_per_step": saving / steps if steps else 0.0, "priced_calls": priced,
             "unpriced_calls": unpriced, "steps": steps}

@@ -220,7 +220,6 @@ def _covered(route: str, module: nn.Module) -> bool:
     op serves either row layout."""
     from tunekit import ops
     from tunekit.serving.state import DTYPE_NAMES
-    from tunekit.serving.tables import serving_table
 
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dtype not in DTYPE_NAMES:
@@ -230,11 +229,7 @@ def _covered(route: str, module: nn.Module) -> bool:
         n, k = weight.shape
         return ops.covers("gemv", dtype, n, k, device)
     width = weight.shape[0]
-    if route == "gated_rms_norm":
-        merged = serving_table(device)
-        return merged is not None and any(
-            e["op"] == route and e["dtype"] == dtype and e["k"] == width for e in merged["entries"])
-    return ops.covers(route, dtype, width, width, device)
+    return ops.covers(route, dtype, None if route == "gated_rms_norm" else width, width, device)
 
 
 def patch(model: nn.Module, table: str | os.PathLike | Sequence[str | os.PathLike] | None = None,

@@ -168,7 +168,7 @@ def predicted_saving_us(spec: Any, table: dict[str, Any], m: int, tp: int = 1) -
     """Per-token saving the table's standalone figures predict at M = ``m``: sum over the model's problems
     (``ModelSpec.problems``, all ops) that ``tunekit.table.lookup`` serves of count x (baseline - tuned)."""
     from tunekit.shapes import OPS
-    from tunekit.table import lookup
+    from tunekit.table import lookup, saving_us
 
     saving, served, calls = 0.0, 0, 0
     for p in spec.problems(tp=tp, m_list=[m], ops=OPS):
@@ -176,7 +176,7 @@ def predicted_saving_us(spec: Any, table: dict[str, Any], m: int, tp: int = 1) -
         entry = lookup(table, p.op, p.dtype, p.m, p.n, p.k)
         if entry is not None:
             served += p.count
-            saving += p.count * (float(entry["baseline_us"]) - float(entry["time_us"]))
+            saving += p.count * saving_us(entry)
     return {"saving_us": saving, "served_calls": served, "calls": calls}
 
 

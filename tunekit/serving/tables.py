@@ -152,8 +152,9 @@ def serving_table(device: str) -> dict[str, Any] | None:
     return merged
 
 
-def covers(op: str, dtype: str, n: int, k: int, device: str) -> bool:
-    """True if a table serving ``device`` has an entry for (op, dtype, N, K) at some M. Never raises.
+def covers(op: str, dtype: str, n: int | None, k: int, device: str) -> bool:
+    """True if a table serving ``device`` has an entry for (op, dtype, N, K) at some M (``n=None``:
+    at any N, for an op served from either row layout, as the gated norm). Never raises.
 
     For integrations that decide per layer (static: no M) whether to enter a
     tunekit op at all, where the op's vendor path would differ from theirs.
@@ -168,7 +169,7 @@ def covers(op: str, dtype: str, n: int, k: int, device: str) -> bool:
         tables = STATE.tables
     merged = serving_table(device)
     found = merged is not None and any(
-        e["op"] == op and e["dtype"] == dtype and e["n"] == n and e["k"] == k for e in merged["entries"])
+        e["op"] == op and e["dtype"] == dtype and n in (None, e["n"]) and e["k"] == k for e in merged["entries"])
     with STATE.lock:
         if tables is not None and STATE.tables is tables:  # not cached across a load_tables in between
             STATE.covers[key] = found
