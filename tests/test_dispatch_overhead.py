@@ -70,6 +70,17 @@ def _interleaved_ratio(arms: dict, num: str, den: str, rounds: int = 15, calls: 
     return ratio, {a: round(statistics.median(v), 2) for a, v in samples.items()}
 
 
+def _best_of_five(measure, bound: float) -> tuple[float, dict[str, float]]:
+    """The lowest (ratio, medians) of up to five ``measure()`` calls, stopping at the first within
+    ``bound``: noise has to hit all five to fail a test."""
+    results = []
+    for _ in range(5):
+        results.append(measure())
+        if results[-1][0] <= bound:
+            break
+    return min(results, key=lambda r: r[0])
+
+
 def _overhead_ratio() -> tuple[float, dict[str, float]]:
     """The vendor path's per-call time over that of a custom op that just calls F.linear.
 
@@ -91,12 +102,7 @@ def test_vendor_path_costs_little_more_than_any_custom_op() -> None:
     # per-shape routes (a key, a shape string, the decision-cache key and a locked dict per call)
     # it was 2.2-2.3x. The ratio is of two calls timed moments apart, so the machine's load mostly
     # cancels; best of five measurements (~0.5 s each), so noise has to hit all five to fail the test.
-    results = []
-    for _ in range(5):
-        results.append(_overhead_ratio())
-        if results[-1][0] <= 1.9:
-            break
-    ratio, med = min(results, key=lambda r: r[0])
+    ratio, med = _best_of_five(_overhead_ratio, 1.9)
     assert ratio <= 1.9, f"vendor path costs {ratio:.2f}x a custom op around F.linear (median us: {med})"
     assert [(r["impl"], r["vendor"]) for r in ops.dispatch_stats()] == [("fallback:no_table", "F.linear")]
 
@@ -120,12 +126,7 @@ def test_a_patched_linear_on_the_vendor_path_costs_about_what_the_module_does() 
     # the vendor path goes straight to F.linear (tunekit.serving.gemv.EagerLinear). Measured on a
     # 2-core x86 CPU (unpatched ~5.0 us, patched ~6.1 us): 1.2x; through torch.ops.tunekit.gemv it
     # was 7.1 us (1.4x), and 1.7x before the vendor route skipped the stride checks. Bound 1.45x.
-    results = []
-    for _ in range(5):
-        results.append(_patched_linear_ratio())
-        if results[-1][0] <= 1.45:
-            break
-    ratio, med = min(results, key=lambda r: r[0])
+    ratio, med = _best_of_five(_patched_linear_ratio, 1.45)
     assert ratio <= 1.45, f"a patched linear costs {ratio:.2f}x the unpatched module (median us: {med})"
     assert [(r["impl"], r["vendor"]) for r in ops.dispatch_stats()] == [("fallback:no_table", "F.linear")]
 
@@ -238,7 +239,7 @@ def test_rms_norm_fast_path_is_bit_identical_and_counted_exactly(tmp_path: Path)
     kernel((x, w), ref)
     for _ in range(4):
         assert torch.equal(torch.ops.tunekit.rms_norm(x, w, 1e-6), ref)
-    route = next(r for k, r in elementwise._EW_ROUTES.items() if k[0] == "rms_norm")
+    route = elementwise._EW_ROUTES[("rms_norm", 2, 64, 64, x.dtype, x.device)]
     assert route.launcher is None and not route.bind
     assert [(r["impl"], r["calls"]) for r in ops.dispatch_stats()] == [("tuned:triton", 4)]
 
@@ -343,7 +344,8 @@ def test_a_patched_norm_launches_a_known_shape_through_its_kept_express_route(tm
     with torch.no_grad():
         ref = forward(x)  # the full path: the tuned kernel, launched the normal way
         key = ("rms_norm", x.shape, x.dtype, x.device, norm.weight.shape, norm.weight.dtype, norm.weight.device, 1e-6)
-        route = next(r for k, r in elementwise._EW_ROUTES.items() if k[0] == "rms_norm")
+        route = elementwise._EW_ROUTES[("rms_norm", 2, 64, 64, x.dtype, x.device)]  # this call's (an earlier
+        # test's routes of other shapes may still be in the module's table)
         launches = []
 
         def launcher(inputs, out, _scratch=None, trusted=False):
