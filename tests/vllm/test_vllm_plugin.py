@@ -289,6 +289,10 @@ def test_norms_and_activation_route_to_tunekit_ops(plugin, vllm_config, elementw
     h = torch.randn(2, 4, 32).bfloat16()  # [tokens, heads, head_dim], as vLLM's Qwen3.5 calls it
     z = torch.randn(2, 4, 32).bfloat16()
     assert (gated(h, z).float() - gated.forward_native(h, z).float()).abs().max() < 0.05
+    # vLLM 0.26's Qwen3.5 flattens heads first: [tokens * heads, head_dim] (3 tokens of 4 heads here),
+    # matched by width and served as the table's [tokens, heads * head_dim] rows
+    h2, z2 = torch.randn(12, 32).bfloat16(), torch.randn(12, 32).bfloat16()
+    assert (gated(h2, z2).float() - gated.forward_native(h2, z2).float()).abs().max() < 0.05
 
     act = SiluAndMul()
     assert type(act).__name__ == "TunekitSiluAndMul"
@@ -301,6 +305,7 @@ def test_norms_and_activation_route_to_tunekit_ops(plugin, vllm_config, elementw
     assert ("gemma_rms_norm", "64x64", 3, "tuned:serving_backend:BACKEND") in impls
     assert ("gemma_fused_add_rms_norm", "64x64", 3, "tuned:serving_backend:BACKEND") in impls
     assert ("gated_rms_norm", "128x32", 2, "tuned:serving_backend:BACKEND") in impls
+    assert ("gated_rms_norm", "128x32", 3, "tuned:serving_backend:BACKEND") in impls
     assert ("silu_and_mul", "48x96", 3, "tuned:serving_backend:BACKEND") in impls
     # a miss inside a covered layer (M above the table) falls back in the op; this CPU wheel has no
     # vLLM _C kernel, and tunekit's default-config kernel is built for eps=1e-6, not this norm's 1e-5:

@@ -355,7 +355,7 @@ def _rows_even(x: torch.Tensor, row_dims: int = 1) -> bool:
     return all(x.stride(d) == x.shape[d + 1] * x.stride(d + 1) for d in folded)
 
 
-def _covers_impl(op: str, dtype: str, n: int, k: int, device: str) -> bool:
+def _covers_impl(op: str, dtype: str, n: int | None, k: int, device: str) -> bool:
     # Eager vLLM asks on every call of every layer: no import statement here.
     ops = sys.modules.get("tunekit.ops") or importlib.import_module("tunekit.ops")
     return ops.covers(op, dtype, n, k, device)
@@ -376,12 +376,12 @@ except AttributeError:  # torch without torch.compiler: eager only anyway
     _covers = _covers_impl
 
 
-def _covered(op: str, x: torch.Tensor, n: int, k: int) -> bool:
+def _covered(op: str, x: torch.Tensor, n: int | None, k: int) -> bool:
     # vLLM marks only the token dim dynamic, so widths are plain ints here; a
     # width that is symbolic (a caller compiling with every dim dynamic) can
     # not be decided per layer, and undecided means vLLM's own path.
     dtype = _TABLE_DTYPES.get(x.dtype)
-    if dtype is None or not isinstance(n, int) or not isinstance(k, int):
+    if dtype is None or not isinstance(n, (int, type(None))) or not isinstance(k, int):
         return False
     return bool(_covers(op, dtype, n, k, str(x.device)))
 
@@ -432,9 +432,10 @@ def _rms_norm_gated_route(self: Any, x: torch.Tensor, z: torch.Tensor | None = N
     if (z is None or not self.norm_before_gate or self.activation not in ("swish", "silu")
             or self.group_size not in (None, hidden) or x.shape[-1] != hidden):
         return None
-    # The op's table key: rows = leading dims but [heads, head_dim] (vLLM passes [T, H, D]).
-    n = hidden * (x.shape[-2] if x.dim() >= 3 else 1)
-    if (not _covered("gated_rms_norm", x, n, hidden) or not _x_ok(x, self.weight) or not _same_rows(z, x)
+    # Matched by row width (head_dim) alone, as the torch patch does: vLLM 0.26's Qwen3.5 passes
+    # [T * H, D] (flattened before the norm; no head count left to form the table's N = H * D), the
+    # 0.33 Qwen3-Next path [T, H, D]. The op serves either row layout from the table's entries per M.
+    if (not _covered("gated_rms_norm", x, None, hidden) or not _x_ok(x, self.weight) or not _same_rows(z, x)
             or not _rows_even(x, 2 if x.dim() >= 3 else 1) or not _rows_even(z, 2 if z.dim() >= 3 else 1)):
         return None
     return torch.ops.tunekit.gated_rms_norm(x, z, self.weight, float(self.eps))
