@@ -1,39 +1,58 @@
 #!/usr/bin/env bash
-# The served A/B on the lent H200 (no network; vLLM 0.26.0 carried as a bundle,
-# see the shared device notes): run from the repository root there, after the
-# bundle's parts have been copied to /var/tmp/vl by earlier calls.
+# The served A/B on the lent H200 (no network; vLLM 0.26.0 carried as a bundle built by
+# shared/device/vllm/build-carry.sh, PART_SIZE=40m so a part plus the working tree fits one call).
+# Run from the repository root there; /var/tmp persists between calls while the machine stays warm.
 #
+#   benchmarks/serve_h200.sh carry                 copy the bundle parts this call carried to /var/tmp/vl
+#   benchmarks/serve_h200.sh search OUT ARGS       tunekit search ARGS --out OUT (optuna from .whl); also
+#                                                  copies the carried parts, so a part can travel with it
 #   benchmarks/serve_h200.sh table  RESULT_DIR     re-measure a carried search (RESULT_DIR/optuna.db:
 #                                                  its studies are complete, so only the final
 #                                                  interleaved re-measure runs) -> /var/tmp/tab/table.json
 #   benchmarks/serve_h200.sh serve  SECONDS ARGS   tunekit serve-bench ARGS --stop-after SECONDS
 #                                                  (rerun until it exits 0; it resumes)
-# Every mode first unpacks the bundle once (checked against SHA256SUMS) and
-# makes the tunekit entry point visible to vLLM from this checkout.
+# The serve mode first unpacks the bundle once (every part checked against SHA256SUMS, which travels
+# with the last part) and makes the tunekit entry point visible to vLLM from this checkout.
 set -euo pipefail
 vl=/var/tmp/vl
-if [ ! -d "$vl/site/vllm" ]; then
-  mkdir -p "$vl/site"
-  cp .vllm-carry/*.part-0? .vllm-carry/SHA256SUMS "$vl/" 2>/dev/null || true
-  (cd "$vl" && sha256sum -c --ignore-missing SHA256SUMS >/dev/null &&
-    test "$(cat ./*.part-0? | sha256sum | cut -c1-64)" = "$(grep ' vllm026-site.tgz$' SHA256SUMS | cut -c1-64)")
-  cat "$vl"/*.part-0? | tar -xzf - -C "$vl/site"
-fi
-# tunekit runs from this checkout; vLLM finds its plugin through a two-file dist-info
-d=$vl/site/tunekit-0.1.0.dist-info
-mkdir -p "$d"
-printf 'Metadata-Version: 2.1\nName: tunekit\nVersion: 0.1.0\n' >"$d/METADATA"
-printf '[vllm.general_plugins]\ntunekit = tunekit.integrations.vllm_plugin:register\n' >"$d/entry_points.txt"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /var/tmp/optuna-site .whl/*.whl
-fi
-export PYTHONPATH=/var/tmp/optuna-site:$vl/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0
-export VLLM_CACHE_ROOT=/var/tmp/vllm-cache # the compile cache outlives a call while the machine stays warm
+mkdir -p "$vl"
+cp .vllm-carry/*.part-0? .vllm-carry/SHA256SUMS "$vl/" 2>/dev/null || true
 
-mode=$1; shift
+optuna_site() {
+  if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /var/tmp/optuna-site .whl/*.whl
+  fi
+}
+
+unpack_vllm() {
+  if [ ! -d "$vl/site/vllm" ]; then
+    mkdir -p "$vl/site"
+    (cd "$vl" && sha256sum -c --ignore-missing SHA256SUMS >/dev/null &&
+      test "$(cat ./*.part-0? | sha256sum | cut -c1-64)" = "$(grep ' vllm026-site.tgz$' SHA256SUMS | cut -c1-64)")
+    cat "$vl"/*.part-0? | tar -xzf - -C "$vl/site"
+  fi
+  # tunekit runs from this checkout; vLLM finds its plugin through a two-file dist-info
+  local d=$vl/site/tunekit-0.1.0.dist-info
+  mkdir -p "$d"
+  printf 'Metadata-Version: 2.1\nName: tunekit\nVersion: 0.1.0\n' >"$d/METADATA"
+  printf '[vllm.general_plugins]\ntunekit = tunekit.integrations.vllm_plugin:register\n' >"$d/entry_points.txt"
+}
+
+export PYTHONPATH=/var/tmp/optuna-site:$PWD PYTHONUNBUFFERED=1
+mode=${1:-}; shift || true
 case "$mode" in
+  carry)
+    ls -l "$vl"
+    ;;
+  search)
+    out=$1; shift
+    optuna_site
+    mkdir -p "$out"
+    python3 -m tunekit search "$@" --out "$out" --no-progress
+    ;;
   table)
     src=$1
+    optuna_site
     mkdir -p /var/tmp/tab
     [ -f /var/tmp/tab/optuna.db ] || cp "$src/optuna.db" /var/tmp/tab/
     # the command of the carried search (src/search.log's run), resumed on its storage
@@ -44,7 +63,11 @@ case "$mode" in
     ;;
   serve)
     limit=$1; shift
+    optuna_site
+    unpack_vllm
+    export PYTHONPATH=/var/tmp/optuna-site:$vl/site:$PWD HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0
+    export VLLM_CACHE_ROOT=/var/tmp/vllm-cache # the compile cache outlives a call while the machine stays warm
     python3 -m tunekit serve-bench "$@" --stop-after "$limit"
     ;;
-  *) echo "usage: $0 table RESULT_DIR | serve SECONDS ARGS..." >&2; exit 2 ;;
+  *) echo "usage: $0 carry | search OUT ARGS... | table RESULT_DIR | serve SECONDS ARGS..." >&2; exit 2 ;;
 esac
