@@ -74,6 +74,12 @@ def test_build_settings_errors(kwargs: dict, fragment: str) -> None:
         bench.build_settings(**kwargs)
 
 
+def test_plugin_cost_alone_needs_no_table() -> None:
+    """vanilla against passthrough measures the plugin's own cost: no tuned arm, so no --table needed."""
+    s = bench.build_settings("qwen3.5-27b", None, [], arms=["passthrough", "vanilla"])
+    assert s.arms == ("vanilla", "passthrough") and s.tables == ()
+
+
 def test_corrupt_table_is_one_error(tmp_path: Path) -> None:
     bad = tmp_path / "t.json"
     bad.write_text("{not json")
@@ -610,6 +616,37 @@ def test_git_commit_is_none_for_a_copy_inside_another_repository(tmp_path: Path)
                          env={**env, "PYTHONPATH": str(outer / "copy")}, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "None"
-    # and the checkout itself reports its HEAD
-    assert bench._git_commit() == subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                                                 text=True).stdout.strip()
+    # and the checkout itself reports its HEAD (marked +dirty while tracked files differ from it)
+    assert bench._git_commit().removesuffix("+dirty") == subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+
+def test_git_commit_marks_sources_that_differ_from_head(tmp_path: Path) -> None:
+    """A checkout whose tracked sources were changed after HEAD (a synced copy with an older .git) did not run
+    HEAD: the commit carries +dirty. Untracked files (run outputs) do not count."""
+    import shutil
+
+    repo = tmp_path / "repo"
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    env["PYTHONDONTWRITEBYTECODE"] = "1"  # bytecode written by the child must not be what changed
+    shutil.copytree(REPO / "tunekit", repo / "tunekit", ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run(["git", "init", "-q", str(repo)], check=True, env=env)
+    subprocess.run(["git", "-C", str(repo), "add", "tunekit"], check=True, env=env)
+    subprocess.run(["git", "-C", str(repo), "commit", "-q", "-m", "x"], check=True, env=env)
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    code = "from tunekit.serve.bench import _git_commit; print(_git_commit())"
+
+    def commit() -> str:
+        res = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True,
+                             env={**env, "PYTHONPATH": str(repo)}, timeout=120)
+        assert res.returncode == 0, res.stderr
+        return res.stdout.strip()
+
+    (repo / "runs").mkdir()
+    (repo / "runs" / "out.json").write_text("{}")
+    assert commit() == head
+    with (repo / "tunekit" / "errors.py").open("a") as f:
+        f.write("# changed after the commit\n")
+    assert commit() == head + "+dirty"

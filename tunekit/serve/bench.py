@@ -184,7 +184,14 @@ def build_settings(model: str | None, config: Path | None, tables: Sequence[Path
     """Check everything that can be checked before a process starts; UserError (one line) otherwise."""
     from tunekit import table as table_mod
 
-    if not tables:
+    arms = tuple(options.pop("arms", ARMS))
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or "vanilla" not in arms or len(set(arms)) != len(arms):
+        raise UserError(f"--arms takes vanilla plus any of passthrough, tuned (got {','.join(arms)})")
+    arms = tuple(a for a in ARMS if a in arms)  # the round order is fixed
+    # Without a tuned arm (vanilla against passthrough: the plugin's own cost) a table is optional;
+    # given, it still feeds the predicted-saving column.
+    if not tables and "tuned" in arms:
         raise UserError("give at least one --table (the tuned arm serves it)")
     paths = []
     for t in tables:
@@ -193,11 +200,6 @@ def build_settings(model: str | None, config: Path | None, tables: Sequence[Path
     name, doc = _model_document(model, config)
     layers = options.get("layers")
     cfg = vllm_model_config(doc, layers)
-    arms = tuple(options.pop("arms", ARMS))
-    unknown = [a for a in arms if a not in ARMS]
-    if unknown or "vanilla" not in arms or len(set(arms)) != len(arms):
-        raise UserError(f"--arms takes vanilla plus any of passthrough, tuned (got {','.join(arms)})")
-    arms = tuple(a for a in ARMS if a in arms)  # the round order is fixed
     s = Settings(model=name, model_config=cfg, tables=tuple(paths), batches=tuple(batches), arms=arms, **options)
     if not s.batches or any(b < 1 or b > 1024 for b in s.batches) or len(set(s.batches)) != len(s.batches):
         raise UserError(f"--batch takes distinct sizes 1..1024, got {list(s.batches)}")
@@ -375,7 +377,14 @@ def _git_commit() -> str | None:
     lines = res.stdout.split()
     if res.returncode != 0 or len(lines) != 2 or Path(lines[0]).resolve() != Path(root).resolve():
         return None
-    return lines[1]
+    # A tree whose tracked files differ from HEAD did not run HEAD: say so (a synced copy on a GPU
+    # machine can carry an older .git than the sources it runs).
+    try:
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return lines[1] + "+unknown"
+    return lines[1] + ("+dirty" if status.returncode != 0 or status.stdout.strip() else "")
 
 
 def _check_resume(out_dir: Path, settings: Settings) -> None:
