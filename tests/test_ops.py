@@ -568,11 +568,17 @@ def test_elementwise_ops_launch_the_real_triton_kernels(tmp_path: Path) -> None:
     assert close(torch.ops.tunekit.gated_rms_norm(h, h, w[:32], 1e-6), elementwise._vendor_gated(h, h, w[:32], 1e-6))
     assert close(torch.ops.tunekit.silu_and_mul(a), elementwise._vendor_silu_and_mul(a))
     assert close(torch.ops.tunekit.bias_gelu(x, w), elementwise._vendor_bias_gelu(x, w))
-    # the kernels take a fixed eps: another one is served by the vendor path
-    torch.ops.tunekit.rms_norm(x, w, 1e-5)
+    # eps is the kernels' run-time argument: a model's own epsilon (Llama-3.1: 1e-5) is served tuned.
+    # Rows of small values (mean square ~1e-6) make the two epsilons' results far apart.
+    small = x * 2**-10
+    for eps in (1e-5, 1e-6, 1e-5):
+        assert close(torch.ops.tunekit.rms_norm(small, w, eps), elementwise._vendor_rms_norm(small, w, eps, False))
+        y, s = torch.ops.tunekit.fused_add_rms_norm(small, small, w, eps)
+        assert close(y, elementwise._vendor_fused_add(small, small, w, eps, False)[0])
+    assert not close(torch.ops.tunekit.rms_norm(small, w, 1e-5), elementwise._vendor_rms_norm(small, w, 1e-6, False))
     impls = {(r["op"], r["impl"]) for r in ops.dispatch_stats()}
-    assert {impl for _, impl in impls} == {"tuned:triton", "fallback:eps"}
-    assert {op for op, impl in impls if impl == "tuned:triton"} == {op for op, _, _ in shapes}
+    assert {impl for _, impl in impls} == {"tuned:triton"}
+    assert {op for op, _ in impls} == {op for op, _, _ in shapes}
 
 
 @pytest.mark.skipif(not _triton_has_kernels(), reason="kernels_triton has no elementwise kernels yet")
@@ -729,7 +735,15 @@ def test_default_config_kernel_failures_fall_back_to_the_composition_with_a_coun
     with monkeypatch.context() as mp:
         mp.setattr(backend, "unavailable_reason", lambda device: "triton is not installed")
         assert torch.equal(torch.ops.tunekit.gemma_rms_norm(x[:7], w, 1e-6), comp[:7])
-    torch.ops.tunekit.gemma_rms_norm(x[:6], w, 1e-5)  # the built kernel has a fixed eps
+    build = backend.build
+
+    def fixed_eps_build(problem, params, device):  # a kernel built for one epsilon, as HIP's are
+        kernel = build(problem, params, device)
+        return lambda inputs, out: kernel(inputs, out)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(backend, "build", fixed_eps_build)
+        torch.ops.tunekit.gemma_rms_norm(x[:6], w, 1e-5)
     assert torch.equal(torch.ops.tunekit.gemma_rms_norm(x[:6].half(), w.half(), 1e-6),
                        elementwise._vendor_rms_norm(x[:6].half(), w.half(), 1e-6, True))  # BF16 kernels only
 

@@ -91,8 +91,10 @@ class TritonBackend:
 
             op = problem.op
 
-            def elementwise(inputs: tuple[torch.Tensor, ...], out) -> None:
-                module.launch(op, inputs, out, config, EPS)
+            # eps is a run-time argument of the kernels (not a constexpr), so one build serves every
+            # model's epsilon (Llama-3.1: 1e-5, Qwen3.5: 1e-6); the search times them at opspec's EPS.
+            def elementwise(inputs: tuple[torch.Tensor, ...], out, eps: float = EPS) -> None:
+                module.launch(op, inputs, out, config, eps)
 
             return elementwise
 

@@ -151,9 +151,11 @@ def _ew_serve(
                 op, dtype, route.shape, m, False, choice.impl, capturing, served_by).tick
         tick()
         return _dense(out)
+    bound_eps = True  # served at the epsilon a bound launcher replays (it binds the kernel's default)
     try:
         out = make_out(m, n, x)
-        if choice.takes_eps and eps is not None:
+        if choice.takes_eps and eps is not None and eps != DEFAULT_EPS:
+            bound_eps = False  # another epsilon: the kernel's normal launch, never the bound one
             choice.kernel(inputs, out, eps=eps)
         elif route.launcher is None or not route.launcher(inputs, out, None, True):
             if route.bind and not capturing:
@@ -168,7 +170,7 @@ def _ew_serve(
         count(op, dtype, route.shape, m, False, "fallback:kernel_error", capturing, served_by)
         return _dense(out)
     route.ticks[capturing]()
-    if express_key is not None and route.launcher is not None:
+    if express_key is not None and route.launcher is not None and bound_eps:
         _EXPRESS[express_key] = route  # (re)registered: a reload leaves the old route stale
     return finish(out)
 

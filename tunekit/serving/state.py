@@ -92,9 +92,11 @@ def _built_eps() -> float:
     return float(getattr(opspec, "EPS", 1e-6))
 
 
-#: The epsilon the elementwise kernels are built with when they take no ``eps=``
-#: argument (``tunekit.opspec.EPS``, what the backends pass): a norm with
-#: another epsilon (Llama-3.1: 1e-5) takes the vendor path, ``fallback:eps``.
+#: The epsilon a built elementwise kernel runs at when called without ``eps=``
+#: (``tunekit.opspec.EPS``, what the search times). The Triton kernels take
+#: ``eps=`` per call (Llama-3.1's 1e-5 is served tuned; only this epsilon takes
+#: the bound launcher, which replays the call it recorded); a kernel without it
+#: (HIP's, built for this epsilon) serves another as ``fallback:eps``.
 DEFAULT_EPS = _built_eps()
 
 #: Elementwise ops and their schemas. Table keys (m, n, k) as in tunekit.shapes.Problem:
