@@ -714,6 +714,43 @@ def test_an_installed_vendor_kernel_is_preferred_to_the_default_config_kernel(tm
 
 
 @pytest.mark.skipif(not _triton_has_kernels(), reason="kernels_triton has no elementwise kernels yet")
+def test_a_vendor_path_of_several_launches_comes_after_the_default_kernel(tmp_path: Path, monkeypatch) -> None:
+    """vLLM's fused add served functionally is an add and a norm: two launches. The default-config kernel
+    (one launch) serves first; the vendor path only where that cannot, ahead of the composition."""
+    from tunekit import backends
+
+    ops.load_tables(str(make_table(tmp_path / "add.json", [_entry("fused_add_rms_norm", 4, 64, 64, params={})])))
+    x, r, w = torch.randn(9, 64).bfloat16(), torch.randn(9, 64).bfloat16(), torch.randn(64).bfloat16()
+    want = elementwise._vendor_fused_add(x, r, w, 1e-6, False)
+    seen: list[int] = []
+
+    def add_then_norm(x, residual, weight, eps):
+        seen.append(x.shape[0])
+        return elementwise._vendor_fused_add(x, residual, weight, eps, False)
+
+    def close(got, ref) -> bool:
+        return all(((g.float() - f.float()).abs() <= 2**-6 * f.float().abs() + 1e-3).all()
+                   for g, f in zip(got, ref, strict=True))
+
+    try:
+        ops.set_vendor_elementwise("fused_add_rms_norm", add_then_norm, "test.add_then_norm", ("cpu",),
+                                   single_launch=False)
+        assert close(torch.ops.tunekit.fused_add_rms_norm(x, r, w, 1e-6), want)  # M=9: above the table
+        assert seen == []
+        with monkeypatch.context() as mp:  # no default kernel here: the vendor path, not the composition
+            mp.setattr(backends.get("triton"), "unavailable_reason", lambda device: "triton is not installed")
+            assert close(torch.ops.tunekit.fused_add_rms_norm(x[:7], r[:7], w, 1e-6), tuple(t[:7] for t in want))
+        assert seen == [7]
+        ops.set_vendor_elementwise("fused_add_rms_norm", add_then_norm, "test.one_launch", ("cpu",))
+        torch.ops.tunekit.fused_add_rms_norm(x[:8], r[:8], w, 1e-6)  # a single-launch vendor comes first
+        assert seen == [7, 8]
+    finally:
+        ops.clear_vendor_elementwise()
+    got = {(r["m"], r["vendor"]) for r in ops.dispatch_stats()}
+    assert got == {(9, "tunekit:triton-default"), (7, "test.add_then_norm"), (8, "test.one_launch")}
+
+
+@pytest.mark.skipif(not _triton_has_kernels(), reason="kernels_triton has no elementwise kernels yet")
 def test_default_config_kernel_failures_fall_back_to_the_composition_with_a_counted_reason(
         tmp_path: Path, monkeypatch, caplog) -> None:
     from tunekit import backends

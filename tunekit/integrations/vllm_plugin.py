@@ -31,7 +31,10 @@ code, untouched, so its traced graph is the one plain vLLM traces.
   lack ``_C``) tunekit's own Triton kernel at the op's default config
   serves, one launch as well (``vendor: "tunekit:triton-default"``, see
   ``tunekit.serving.elementwise._ew_default``), and the op's PyTorch composition only where
-  that cannot (``vendor: "eager:..."`` says why).
+  that cannot (``vendor: "eager:..."`` says why). vLLM's fused add + RMSNorm
+  works in place, so served functionally it is two launches (an add, then
+  ``_C.rms_norm``): there the default-config kernel comes first and this
+  path only where it cannot serve (:data:`_MULTI_LAUNCH_VENDORS`).
   Every call is counted with its impl and the vendor that served it.
 * The tables' digest joins vLLM's compile-cache key
   (``TUNEKIT_TABLE_DIGEST``), so a graph traced under one table (or under
@@ -728,6 +731,11 @@ _VENDOR_RESOLVERS: dict[str, Callable[[], VendorKernel | str]] = {
 }
 
 
+#: Ops whose vLLM path above is several launches: the op serves its fallbacks with tunekit's
+#: default-config kernel (one launch) first, and this path only where that cannot serve.
+_MULTI_LAUNCH_VENDORS = frozenset({"fused_add_rms_norm"})
+
+
 def _install_vendor_kernels(ops_needed: tuple[str, ...]) -> str:
     """Install vLLM's kernel as the vendor path of each op in ``ops_needed``; returns what was found."""
     from tunekit import ops
@@ -746,6 +754,8 @@ def _install_vendor_kernels(ops_needed: tuple[str, ...]) -> str:
                                "else the PyTorch composition")
         else:
             fn, name, devices = found
-            ops.set_vendor_elementwise(op, fn, name, devices)
-            found_parts.append(f"{op}: {name} on {'/'.join(sorted(devices))}")
+            single = op not in _MULTI_LAUNCH_VENDORS
+            ops.set_vendor_elementwise(op, fn, name, devices, single_launch=single)
+            found_parts.append(f"{op}: {name} on {'/'.join(sorted(devices))}"
+                               + ("" if single else " (after tunekit's default-config Triton kernel, one launch)"))
     return "; ".join(found_parts)

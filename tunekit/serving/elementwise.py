@@ -34,6 +34,7 @@ from tunekit.serving.state import (
     STATE,
     Choice,
     DefaultKernel,
+    VendorKernel,
     dtype_name,
     log_once,
 )
@@ -250,25 +251,34 @@ def _ew_vendor(op: str, device: torch.device, args: tuple[Any, ...], eager: Call
     what the engine runs without tunekit); else ``default`` (tunekit's
     default-config kernel, :func:`_ew_default`: one launch where the
     composition is several); else the PyTorch composition, with the reason
-    in the vendor name. A vendor kernel that raises is logged once and the
-    composition serves: the serving path never raises for tunekit's sake.
+    in the vendor name. A vendor path of several launches (``single_launch``
+    False) comes after ``default`` and before the composition. A vendor
+    kernel that raises is logged once and the composition serves: the
+    serving path never raises for tunekit's sake.
     """
     vk = STATE.vendor_ew.get(op)  # lock-free read (atomic under the GIL): hot path
-    if vk is not None and vk.fn is not None and device.type in vk.device_types:
-        try:
-            return vk.fn(*args), vk.name
-        except Exception as exc:
-            log_once(f"vendor:{op}:{vk.name}", logging.WARNING,
-                      "tunekit: %s: vendor kernel %s raised %s: %s; PyTorch composition instead",
-                      op, vk.name, type(exc).__name__, exc)
-            return eager(), "eager:vendor_error"
+    usable = vk is not None and vk.fn is not None and device.type in vk.device_types
+    if usable and (vk.single_launch or default is None):
+        return _call_vendor(op, vk, args, eager)
     if default is not None:
         out, why = default()
         if why is None and out is not None:
             return out, DEFAULT_VENDOR
+        if usable:
+            return _call_vendor(op, vk, args, eager)
         if why is not None:
             return eager(), why
     return eager(), "eager" if vk is None else "eager:no_vendor_kernel"
+
+
+def _call_vendor(op: str, vk: VendorKernel, args: tuple[Any, ...], eager: Callable[[], Any]) -> tuple[Any, str]:
+    try:
+        return vk.fn(*args), vk.name
+    except Exception as exc:
+        log_once(f"vendor:{op}:{vk.name}", logging.WARNING,
+                  "tunekit: %s: vendor kernel %s raised %s: %s; PyTorch composition instead",
+                  op, vk.name, type(exc).__name__, exc)
+        return eager(), "eager:vendor_error"
 
 
 #: The backend whose default config serves fallbacks without a vendor kernel.

@@ -128,6 +128,9 @@ class VendorKernel:
     fn: Callable[..., Any] | None  # None: the integration looked and found no kernel
     name: str  # the marker's ``vendor`` (what served), or why none was found
     device_types: frozenset[str]
+    #: False for a vendor path of several launches (vLLM's in-place fused add served functionally:
+    #: an add, then its rms_norm): tunekit's default-config kernel, one launch, is tried first
+    single_launch: bool = True
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ def set_vendor_gemm(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | Non
 
 
 def set_vendor_elementwise(op: str, fn: Callable[..., Any] | None, name: str,
-                           device_types: Iterable[str] = ("cuda",)) -> None:
+                           device_types: Iterable[str] = ("cuda",), single_launch: bool = True) -> None:
     """Serve the fallbacks of elementwise ``op`` with ``fn`` on tensors of ``device_types``.
 
     ``fn`` takes the op's arguments (``rms_norm``: x, weight, eps; the fused
@@ -50,12 +50,14 @@ def set_vendor_elementwise(op: str, fn: Callable[..., Any] | None, name: str,
     with nothing installed, by the op's default-config Triton kernel where a
     table serves the device (markers: ``tunekit:triton-default``, see
     :func:`_ew_default`), else by the composition (``eager:no_vendor_kernel``).
-    ``name`` is the markers' ``vendor``.
+    ``name`` is the markers' ``vendor``. ``single_launch=False`` says ``fn`` takes
+    several launches: the default-config kernel (one) serves first where it can,
+    ``fn`` where it cannot, as it still beats the composition.
     """
     if op not in ELEMENTWISE_SCHEMAS:
         raise ValueError(f"unknown elementwise op {op!r}; one of {sorted(ELEMENTWISE_SCHEMAS)}")
     with STATE.lock:
-        STATE.vendor_ew[op] = VendorKernel(fn, name, frozenset(device_types))
+        STATE.vendor_ew[op] = VendorKernel(fn, name, frozenset(device_types), single_launch)
 
 
 def clear_vendor_elementwise() -> None:
