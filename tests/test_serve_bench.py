@@ -261,6 +261,78 @@ def test_run_offline_on_the_stub_engine(fake: Path, tmp_path: Path) -> None:
     assert bench.report_dir(out, log=lines.append)["batches"][1]["agreement"]["verdict"] == "pass"
 
 
+def test_profile_tells_where_the_saving_came_from(fake: Path, tmp_path: Path) -> None:
+    """--profile-steps: each process profiles decode steps after its timing; the report puts vanilla's
+    kernel time per category next to tuned's, and what is left of TPOT outside the kernels."""
+    out = tmp_path / "serve"
+    serve = bench.run_offline(_settings(profile_steps=4, arms=["vanilla", "tuned"]), out, lambda s: None)
+    for row in serve["batches"]:
+        prof = row["profile"]
+        assert prof["vanilla"]["processes"] == prof["tuned"]["processes"] == 2
+        # (1 + 4 tokens) - (1 token), over 4 steps: the stub's per-token kernels exactly, prefill cancelled
+        assert prof["vanilla"]["per_step"]["vendor_gemm"] == {"us": 1500.0, "kernels": 300.0}
+        assert prof["tuned"]["busy_us"] == pytest.approx(1420.0) and prof["tuned"]["kernels"] == 480
+        cmp = row["profile_compare"]["categories"]
+        assert cmp["vendor_gemm"]["saved_us"] == 1500.0 and cmp["tunekit_gemv"]["saved_us"] == -1150.0
+        assert cmp["inductor"]["saved_us"] == 180.0 and cmp["other"]["saved_us"] == 0.0
+        assert row["profile_compare"]["kernel_saved_us"] == pytest.approx(380.0)
+        outside = row["profile_compare"]["outside_kernels_us"]
+        assert outside["vanilla"] == pytest.approx(row["vanilla_tpot_ms"] * 1000 - 1800.0)
+        assert outside["tuned"] == pytest.approx(row["tuned_tpot_ms"] * 1000 - 1420.0)
+    md = (out / "serve.md").read_text()
+    assert "Kernel time per decode step" in md and "| 1 | vendor_gemm | 1500.0 | 0.0 | +1500.0 | 300 / 0 |" in md
+    assert "| 1 | **kernels, all** |  |  | +380.0 |  |" in md
+    # the profile is part of what a resume must match; a run without one keeps the old key
+    with pytest.raises(UserError, match="other settings"):
+        bench.run_offline(_settings(arms=["vanilla", "tuned"]), out, lambda s: None)
+    assert "profile_steps" not in _settings().key()
+    with pytest.raises(UserError, match="--profile-steps"):
+        _settings(profile_steps=-1)
+
+
+def test_kernel_categories_and_the_decode_step_difference(tmp_path: Path) -> None:
+    """Kernel names as the H200's traces spell them; a gzip Chrome trace in torch's format."""
+    import gzip
+
+    from tunekit.serve import profile
+
+    names = {
+        "_gemv_kernel": "tunekit_gemv", "_split_k_reduce_kernel": "tunekit_gemv", "tunekit_gemv": "tunekit_gemv",
+        "_fused_add_rms_norm_kernel": "tunekit_elementwise", "tunekit_silu_and_mul": "tunekit_elementwise",
+        "nvjet_tst_128x64_64x8_1x2_h_bz_coopB_NTN": "vendor_gemm",
+        "void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8>(...)":
+            "vendor_gemm",
+        "void gemv2T_kernel_val<int, int, __nv_bfloat16, float, 128, 16, 4, 4, false>(...)": "vendor_gemm",
+        "void flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<256, 64>>(...)": "attention",
+        "fused_recurrent_gated_delta_rule_fwd_kernel": "recurrence", "_causal_conv1d_update_kernel": "recurrence",
+        "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0": "inductor",
+        "void vllm::rms_norm_kernel<c10::BFloat16, 8>(...)": "other",
+        "void at::native::vectorized_elementwise_kernel<4>(...)": "other",
+    }
+    assert {n: profile.categorize(n) for n in names} == names
+
+    def trace(tokens: int) -> dict:
+        events = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 99.0}, {"ph": "i", "cat": "kernel"}]
+        for _ in range(1 + tokens):  # a prefill-like extra launch of each
+            events.append({"ph": "X", "cat": "kernel", "name": "_gemv_kernel", "dur": 3.0})
+            events.append({"ph": "X", "cat": "kernel", "name": "nvjet_tst_64x8", "dur": 5.0})
+            events.append({"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "dur": 1.0})
+        return {"traceEvents": events}
+
+    paths = []
+    for tokens in (1, 9):
+        path = tmp_path / f"t{tokens}.pt.trace.json.gz"
+        with gzip.open(path, "wt") as f:
+            json.dump(trace(tokens), f)
+        paths.append(path)
+    short, long = (profile.kernel_totals(profile.read_trace(p)) for p in paths)
+    assert short == {"tunekit_gemv": {"us": 6.0, "kernels": 2}, "vendor_gemm": {"us": 10.0, "kernels": 2},
+                     "copies": {"us": 2.0, "kernels": 2}}
+    step = profile.per_step(short, long, 8)
+    assert step == {"copies": {"us": 1.0, "kernels": 1.0}, "tunekit_gemv": {"us": 3.0, "kernels": 1.0},
+                    "vendor_gemm": {"us": 5.0, "kernels": 1.0}}
+
+
 def test_stop_after_leaves_the_rest_to_a_rerun(fake: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     lines: list[str] = []
     settings = _settings(processes=1, arms=("vanilla", "tuned"))

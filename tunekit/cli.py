@@ -451,6 +451,9 @@ def serve_bench(
     stop_after: Annotated[float | None, typer.Option(
         help="start no engine process that would end past this many seconds; exit status 3 (rerun resumes)")] = None,
     report_only: Annotated[bool, typer.Option(help="rebuild serve.json/.md/.png from --out's results")] = False,
+    profile_steps: Annotated[int, typer.Option(
+        help="after the timing, profile this many decode steps per batch size and process (torch's profiler): "
+             "kernel time per category, vanilla vs tuned (0: off)")] = 0,
 ) -> None:
     """vLLM decode end to end: vanilla vs plugin without table vs tuned, TPOT per batch size, vs the prediction."""
     from tunekit.serve import bench
@@ -475,7 +478,8 @@ def serve_bench(
         model, config, table, bench.parse_sizes(batch, "--batch"), tokens=tokens, prompt_len=prompt_len,
         repeats=repeats, processes=processes, layers=layers, arms=[a.strip() for a in arms.split(",") if a.strip()],
         gpu_memory_utilization=gpu_memory_utilization, enforce_eager=eager, agree_steps=agree_steps,
-        logprob_tol=tol, python=str(python) if python else sys.executable, runner_timeout_s=runner_timeout)
+        logprob_tol=tol, python=str(python) if python else sys.executable, runner_timeout_s=runner_timeout,
+        profile_steps=profile_steps)
     serve = bench.run_offline(settings, out or Path("runs") / f"serve-{settings.model}", log, stop_after_s=stop_after)
     if serve is None:
         sys.exit(3)  # stopped early on purpose: not an error, not done

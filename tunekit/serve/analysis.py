@@ -50,6 +50,7 @@ from typing import Any
 
 from tunekit.errors import UserError
 from tunekit.serve import ARMS
+from tunekit.serve.profile import arm_profile, compare
 from tunekit.serve.runner import FORMAT as RUN_FORMAT
 
 FORMAT = "tunekit.serve/1"
@@ -380,6 +381,12 @@ def summarize(settings: dict[str, Any], results: dict[str, list[dict[str, Any]]]
         row["coverage"] = {arm: coverage_at(coverage.get(arm), batch) for arm in ("tuned", "passthrough")
                            if arm in results}
         row["agreement"] = agreement(results, batch, tol)
+        profiles = {arm: arm_profile((_batch_row(res, batch) or {}).get("profile") for res in results.get(arm, []))
+                    for arm in ARMS if arm in results}
+        if any(profiles.values()):
+            row["profile"] = profiles
+            row["profile_compare"] = compare(profiles.get("vanilla"), profiles.get("tuned"),
+                                             {arm: row[f"{arm}_tpot_ms"] for arm in ("vanilla", "tuned")})
         if row["agreement"]["verdict"] == "fail":
             notes.append(f"B={batch}: tuned and vanilla disagree beyond the logprob tolerance {tol:.4g}")
         batches.append(row)

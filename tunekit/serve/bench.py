@@ -97,6 +97,8 @@ class Settings:
     logprob_tol: float = DEFAULT_TOL
     python: str = sys.executable
     runner_timeout_s: float = 3600.0
+    #: decode steps profiled per batch size and process (tunekit.serve.profile); 0: no profile
+    profile_steps: int = 0
 
     @property
     def max_model_len(self) -> int:
@@ -118,6 +120,8 @@ class Settings:
         doc = dataclasses.asdict(self)
         for volatile in ("python", "runner_timeout_s", "logprob_tol", "processes"):
             doc.pop(volatile)
+        if not self.profile_steps:  # the key of a run without a profile, as before the option existed
+            doc.pop("profile_steps")
         doc["tables"] = list(self.tables)
         doc["batches"], doc["arms"] = list(self.batches), list(self.arms)
         return doc
@@ -206,7 +210,8 @@ def build_settings(model: str | None, config: Path | None, tables: Sequence[Path
     if s.tokens < 2:
         raise UserError("--tokens must be at least 2 (TPOT is the difference of a 1-token and a --tokens run)")
     for opt, value, low in (("--prompt-len", s.prompt_len, 1), ("--repeats", s.repeats, 1),
-                            ("--processes", s.processes, 1), ("--agree-steps", s.agree_steps, 1)):
+                            ("--processes", s.processes, 1), ("--agree-steps", s.agree_steps, 1),
+                            ("--profile-steps", s.profile_steps, 0)):
         if value < low:
             raise UserError(f"{opt} must be at least {low}, got {value}")
     if not 0.05 <= s.gpu_memory_utilization <= 0.99:
@@ -460,7 +465,7 @@ def _run_offline(settings: Settings, out_dir: Path, log: Callable[[str], None], 
         spec = {"arm": arm, "index": i, "engine": settings.engine(model_dir.resolve()),
                 "batches": list(settings.batches), "tokens": settings.tokens, "prompt_len": settings.prompt_len,
                 "repeats": settings.repeats, "agree_steps": settings.agree_steps, "logprobs": settings.logprobs,
-                "vocab_size": int(_vocab(settings.model_config))}
+                "vocab_size": int(_vocab(settings.model_config)), "profile_steps": settings.profile_steps}
         spec_path = runs_dir / f"{arm}-{i}.spec.json"
         spec_path.write_text(json.dumps(spec, indent=1) + "\n")
         env = arm_env(arm, i, base, settings, info, out_dir)

@@ -91,6 +91,26 @@ def agreement_table(serve: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return head, rows
 
 
+def profile_table(serve: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Per batch size and kernel category: us per decode step in vanilla and tuned, saved, kernels per step."""
+    head = ["B", "category", "vanilla us/step", "tuned us/step", "saved us", "kernels/step vanilla / tuned"]
+    rows = []
+    for r in serve["batches"]:
+        cmp = r.get("profile_compare")
+        if not cmp:
+            continue
+        for name, c in sorted(cmp["categories"].items(), key=lambda kv: -kv[1]["vanilla_us"]):
+            rows.append([str(r["batch"]), name, _f(c["vanilla_us"], ".1f"), _f(c["tuned_us"], ".1f"),
+                         _f(c["saved_us"], "+.1f"), f"{c['vanilla_kernels']:.0f} / {c['tuned_kernels']:.0f}"])
+        out = cmp["outside_kernels_us"]
+        rows.append([str(r["batch"]), "**kernels, all**", "", "", _f(cmp["kernel_saved_us"], "+.1f"), ""])
+        saved_out = (out["vanilla"] - out["tuned"]) if out.get("vanilla") is not None and out.get("tuned") is not None \
+            else None
+        rows.append([str(r["batch"]), "outside kernels", _f(out.get("vanilla"), ".1f"), _f(out.get("tuned"), ".1f"),
+                     _f(saved_out, "+.1f"), ""])
+    return head, rows
+
+
 def write_markdown(serve: dict[str, Any], path: Path) -> Path:
     """The report section: settings, TPOT per arm, prediction vs measurement, coverage, agreement, notes."""
     s = serve.get("settings", {})
@@ -139,6 +159,13 @@ def write_markdown(serve: dict[str, Any], path: Path) -> Path:
                   f"runs). Tolerance {_f(tol, '.4g')} nats = 4 BF16 unit roundoffs; vanilla vs vanilla is the "
                   "run-to-run floor. Dummy weights make every distribution nearly uniform, so ids are near ties "
                   "and the text is meaningless.", "", _md_table(*ag)]
+    prof = profile_table(serve)
+    if prof[1]:
+        steps = s.get("profile_steps")
+        lines += ["", f"Kernel time per decode step (torch's profiler, CUDA graph replays included: the difference of "
+                  f"a 1-token and a {_f(1 + steps if steps else None, 'd')}-token generate over {steps} steps; median "
+                  "over processes). `saved` = vanilla - tuned; the `outside kernels` row is TPOT minus the step's "
+                  "kernel time (launch gaps, host work), so kernel time + outside = TPOT.", "", _md_table(*prof)]
     if serve.get("notes"):
         lines += ["", "Notes:", ""] + [f"- {n}" for n in serve["notes"]]
     if path.with_suffix(".png").exists():

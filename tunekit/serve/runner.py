@@ -312,6 +312,15 @@ def _run(spec: dict[str, Any], result: dict[str, Any]) -> None:
         outs = llm.generate(prompts, sampling(steps, k), use_tqdm=False)
         row["agreement"] = {"steps": steps, "logprobs": k,
                             "requests": agreement_record(outs, int(spec.get("agree_requests", 8)))}
+        profile_steps = int(spec.get("profile_steps", 0))
+        if profile_steps > 0:  # after the timing: the profiler's overhead never enters a TPOT
+            if torch.cuda.is_available():
+                from tunekit.serve.profile import decode_step_profile
+
+                row["profile"] = decode_step_profile(
+                    lambda n, prompts=prompts: llm.generate(prompts, sampling(n), use_tqdm=False), profile_steps)
+            else:
+                row["profile"], row["profile_error"] = None, "no CUDA device: no kernels to profile"
         result["batches"].append(row)
         progress(f"{spec['arm']} #{spec['index']}: B={batch} TPOT {row['tpot_ms_median']:.3f} ms "
                  f"({row['tpot_ms_min']:.3f}-{row['tpot_ms_max']:.3f}), {row['tokens_per_s']:.1f} tokens/s")

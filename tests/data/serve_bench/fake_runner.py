@@ -26,6 +26,12 @@ REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
 
 TPOT_MS = {"vanilla": 2.0, "passthrough": 2.4, "tuned": 1.6}
+#: the stub engine's kernels per decode token, by arm: {category: (us, kernels)} (a prefill adds a fixed 50 us
+#: and 10 kernels per category). tuned: the GEMMs moved to tunekit's GEMV, Inductor's norm kernels to tunekit's.
+KERNELS = {"vanilla": {"vendor_gemm": (1500.0, 300), "inductor": (200.0, 120), "other": (100.0, 50)},
+           "tuned": {"tunekit_gemv": (1150.0, 300), "tunekit_elementwise": (150.0, 120), "inductor": (20.0, 10),
+                     "other": (100.0, 50)}}
+KERNELS["passthrough"] = KERNELS["vanilla"]
 
 
 def _module(name: str, **attrs: object) -> types.ModuleType:
@@ -84,6 +90,7 @@ class LLM:
 
     def generate(self, prompts: list[dict], params: SamplingParams, use_tqdm: bool = True) -> list[_Output]:
         self.batches_seen.add(len(prompts))
+        LLM.last = (self.arm, params.max_tokens)  # what a profile of this call would see
         time.sleep((1.0 + params.max_tokens * TPOT_MS[self.arm]) / 1000.0)
         outs = []
         for r, p in enumerate(prompts):
@@ -182,6 +189,14 @@ def main() -> int:
         return doc
 
     runner.probe = probe
+
+    def profile_totals(run) -> dict:  # torch's profiler of the stub engine: its KERNELS for the tokens asked
+        run()
+        arm, tokens = LLM.last
+        return {c: {"us": 50.0 + tokens * us, "kernels": 10 + tokens * k} for c, (us, k) in KERNELS[arm].items()}
+
+    from tunekit.serve import profile
+    profile.profile_totals = profile_totals
     if "--probe" not in sys.argv:
         spec = json.loads(Path(sys.argv[sys.argv.index("--spec") + 1]).read_text())
         with open(os.environ["FAKE_RECORD"], "a") as f:

@@ -1,0 +1,152 @@
+"""Where a served decode step's GPU time goes: kernel time per category, per arm (``serve-bench --profile``).
+
+The served saving can fall short of what the tables' standalone figures
+predict. This tells the two possible causes apart by measurement, in the
+same engine process that was timed:
+
+* **GPU time.** torch's profiler (CUPTI) records every kernel, those
+  replayed from vLLM's CUDA graphs included. Two generates are profiled per
+  batch size: 1 token (prefill) and ``1 + steps`` tokens. Their difference
+  divided by ``steps`` is one decode step's kernel time and kernel count per
+  category. This is the TPOT method applied to kernels, so prefill cancels
+  out.
+* **What is not kernel time.** TPOT minus the step's kernel time: launch gaps,
+  host work the graph does not hide, the scheduler.
+
+Categories are read from kernel names (:data:`CATEGORIES`, first match wins):
+tunekit's own kernels (Triton and HIP), the vendor GEMMs (cuBLAS / CUTLASS),
+attention, the linear-attention recurrence, Inductor's fused Triton kernels,
+copies, and everything else. Comparing vanilla's row with tuned's shows which
+category the saving came from, and whether another one grew. An opaque
+tunekit op can stop an Inductor fusion; that shows as more ``inductor``
+kernels.
+
+The engine core must run in the profiling process. The runner ensures this
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+#: (category, kernel-name pattern), first match wins. tunekit's kernels come first: their names say
+#: gemv / rms_norm too. Triton names its kernels after the jit function; the HIP family's are tunekit_*.
+CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("tunekit_gemv", re.compile(r"^(_gemv_kernel|_split_k_reduce_kernel|_rms_norm_gemv_kernel|"
+                                r"_silu_mul_gemv_kernel|tunekit_gemv)")),
+    ("tunekit_elementwise", re.compile(r"^(_rms_norm_kernel|_fused_add_rms_norm_kernel|_gated_rms_norm_kernel|"
+                                       r"_silu_and_mul_kernel|_bias_gelu_kernel|tunekit_)")),
+    # attention before the GEMMs: FlashAttention's kernels say splitkv, CUTLASS-built ones gemm
+    ("attention", re.compile(r"flash|fmha|attn|attention|paged", re.I)),
+    ("vendor_gemm", re.compile(r"gemm|gemv|nvjet|cutlass|xmma|cublas|splitkreduce|wgmma", re.I)),
+    ("recurrence", re.compile(r"recurrent|chunk_|gated_delta|delta_rule|conv1d|causal_conv|fla_|gdn", re.I)),
+    ("inductor", re.compile(r"^triton_")),
+)
+#: the event categories of torch's Chrome trace that are device work
+_DEVICE_CATS = {"kernel": None, "gpu_memcpy": "copies", "gpu_memset": "copies"}
+
+
+def categorize(name: str) -> str:
+    for category, pattern in CATEGORIES:
+        if pattern.search(name):
+            return category
+    return "other"
+
+
+def kernel_totals(trace: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """{category: {"us": summed duration, "kernels": count}} over a Chrome trace's device events."""
+    totals: dict[str, dict[str, float]] = {}
+    for event in trace.get("traceEvents", []):
+        if not isinstance(event, dict) or event.get("ph") != "X" or event.get("cat") not in _DEVICE_CATS:
+            continue
+        category = _DEVICE_CATS[event["cat"]] or categorize(str(event.get("name", "")))
+        slot = totals.setdefault(category, {"us": 0.0, "kernels": 0})
+        slot["us"] += float(event.get("dur", 0.0))
+        slot["kernels"] += 1
+    return totals
+
+
+def read_trace(path: Path) -> dict[str, Any]:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def per_step(short: dict[str, dict[str, float]], long: dict[str, dict[str, float]], steps: int
+             ) -> dict[str, dict[str, float]]:
+    """One decode step per category: (long - short) / steps, for the kernel time (us) and the count."""
+    out = {}
+    for category in sorted(set(short) | set(long)):
+        a, b = short.get(category, {"us": 0.0, "kernels": 0}), long.get(category, {"us": 0.0, "kernels": 0})
+        out[category] = {"us": (b["us"] - a["us"]) / steps, "kernels": (b["kernels"] - a["kernels"]) / steps}
+    return out
+
+
+def profile_totals(run: Callable[[], Any]) -> dict[str, dict[str, float]]:
+    """Kernel totals of everything ``run()`` puts on the GPU (torch's profiler, CUDA activity only)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    fd, name = tempfile.mkstemp(suffix=".json", prefix="tunekit-trace-")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(name)
+        return kernel_totals(read_trace(Path(name)))
+    finally:
+        os.unlink(name)
+
+
+def decode_step_profile(generate: Callable[[int], Any], steps: int) -> dict[str, Any]:
+    """``generate(n)`` runs one generate of n new tokens at the measured batch size. Returns the step's
+    kernel time and count per category, their total (``busy_us``), and the raw totals of both runs."""
+    short = profile_totals(lambda: generate(1))
+    long = profile_totals(lambda: generate(1 + steps))
+    step = per_step(short, long, steps)
+    return {"steps": steps, "per_step": step, "busy_us": sum(c["us"] for c in step.values()),
+            "kernels": sum(c["kernels"] for c in step.values()), "short": short, "long": long}
+
+
+def arm_profile(rows: Iterable[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Median over an arm's processes of each category's per-step time and count (None: no profile)."""
+    import statistics
+
+    profiles = [r for r in rows if r]
+    if not profiles:
+        return None
+    categories = sorted({c for p in profiles for c in p["per_step"]})
+    step = {}
+    for c in categories:
+        values = [p["per_step"].get(c, {"us": 0.0, "kernels": 0.0}) for p in profiles]
+        step[c] = {"us": statistics.median(v["us"] for v in values),
+                   "kernels": statistics.median(v["kernels"] for v in values)}
+    return {"processes": len(profiles), "per_step": step, "busy_us": statistics.median(p["busy_us"] for p in profiles),
+            "kernels": statistics.median(p["kernels"] for p in profiles)}
+
+
+def compare(vanilla: dict[str, Any] | None, tuned: dict[str, Any] | None,
+            tpot_ms: dict[str, float | None]) -> dict[str, Any] | None:
+    """Per category, vanilla minus tuned per decode step (us saved; negative: grew), and each arm's time
+    outside kernels (TPOT - busy): where the measured saving came from and what ate into it."""
+    if not vanilla or not tuned:
+        return None
+    categories: Sequence[str] = sorted(set(vanilla["per_step"]) | set(tuned["per_step"]))
+    zero = {"us": 0.0, "kernels": 0.0}
+    rows = {c: {"vanilla_us": vanilla["per_step"].get(c, zero)["us"], "tuned_us": tuned["per_step"].get(c, zero)["us"],
+                "vanilla_kernels": vanilla["per_step"].get(c, zero)["kernels"],
+                "tuned_kernels": tuned["per_step"].get(c, zero)["kernels"]} for c in categories}
+    for row in rows.values():
+        row["saved_us"] = row["vanilla_us"] - row["tuned_us"]
+    outside = {arm: (tpot_ms[arm] * 1000.0 - prof["busy_us"]) if tpot_ms.get(arm) else None
+               for arm, prof in (("vanilla", vanilla), ("tuned", tuned))}
+    return {"categories": rows, "kernel_saved_us": vanilla["busy_us"] - tuned["busy_us"],
+            "outside_kernels_us": outside}
