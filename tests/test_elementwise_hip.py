@@ -408,3 +408,20 @@ def test_emulated_pointwise(emu_dir: Path, family: str, n: int) -> None:
     y = _out(emu_dir, "y", m, n, n)
     module = silu_and_mul if family == "silu_and_mul" else bias_gelu
     _check(family, inputs, (y,), (module.rounded_reference(*inputs),))
+
+
+def test_the_norms_epsilon_is_a_launch_argument() -> None:
+    """One HIP build serves any model's epsilon: the launcher passes the call's eps (as fp32 bits) and
+    opspec.EPS when none is given; the pointwise ops have no epsilon."""
+    x, w = torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(64, dtype=torch.bfloat16)
+    cases = {"rms_norm": ((x, w), (x.clone(),)), "fused_add_rms_norm": ((x, x.clone(), w), (x.clone(), x.clone())),
+             "gated_rms_norm": ((x, x.clone(), w[:32]), (x.clone(),))}
+    defines = {"ROWS_PER_BLOCK": 1, "THREADS_PER_ROW": 64}
+    for op, (inputs, outs) in cases.items():
+        family = FAMILIES[op]
+        assert family.launch_args(defines, inputs, outs, 1e-5)[2][-1] == eps_bits(1e-5) != eps_bits(opspec.EPS)
+        assert family.launch_args(defines, inputs, outs)[2][-1] == eps_bits(opspec.EPS)
+    a = torch.zeros(2, 128, dtype=torch.bfloat16)
+    pointwise = FAMILIES["silu_and_mul"].launch_args({"THREADS": 64, "VEC": 1, "UNROLL": 1, "ROWS_PER_BLOCK": 1},
+                                                     (a,), (a[:, :64].contiguous(),), 1e-5)[2]
+    assert eps_bits(1e-5) not in pointwise

@@ -65,8 +65,8 @@ q_norm normalises a q view whose rows are 2 * head_dim apart). Results are
 contiguous.
 The tuned kernel is ``backend.build(...)(inputs, out[, eps=eps])`` with
 ``inputs``/``out`` laid out as ``tunekit.opspec`` makes them; a kernel without
-an ``eps`` parameter (HIP's) serves only ``eps == DEFAULT_EPS``, Triton's take any
-(Llama-3.1's 1e-5 as well). Their vendor path is
+an ``eps`` parameter serves only ``eps == DEFAULT_EPS``; the Triton and HIP
+kernels take any (Llama-3.1's 1e-5 as well). Their vendor path is
 the kernel an integration installed with :func:`set_vendor_elementwise` (the
 vLLM plugin: vLLM's own CUDA / Triton kernels); where none is installed for
 the op and device, tunekit's own Triton kernel at the search space's default

@@ -15,7 +15,7 @@ Call protocol (through the HIP backend)::
     defines = family.defines(params, problem, wave)
     module = rtc.compile_kernel(family.source, defines, device)
     launcher = ElementwiseLauncher(family, module, defines, device_index)
-    launcher(inputs, out)                       # async, on torch's current stream
+    launcher(inputs, out[, eps=eps])            # async, on torch's current stream
 
 Kernel arguments are 8-byte integers (pointers, int64 scalars); the norms'
 epsilon travels as the bits of its fp32 value.
@@ -131,7 +131,7 @@ def pointwise_invalid_reason(params: Params, problem: Problem) -> str | None:
     return None
 
 
-LaunchArgs = Callable[[dict[str, int], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]],
+LaunchArgs = Callable[[dict[str, int], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], float],
                       tuple[tuple[int, int, int], tuple[int, int, int], list[int]]]
 
 
@@ -144,7 +144,7 @@ class Family:
     params: tuple[str, ...]  # tunable defines (search-space keys)
     invalid_reason: Callable[[Params, Problem], str | None]
     derived: Callable[[Problem], dict[str, int]]  # defines the backend sets from the problem
-    launch_args: LaunchArgs  # (defines, inputs, outputs) -> (grid, block, args)
+    launch_args: LaunchArgs  # (defines, inputs, outputs, eps) -> (grid, block, args); eps: the norms
 
     def defines(self, params: Params, problem: Problem, wave: int) -> dict[str, int]:
         """The full define set: tunables + WAVE + the problem-derived defines."""
@@ -160,30 +160,33 @@ def _rows_grid(rows: int, d: dict[str, int]) -> tuple[tuple[int, int, int], tupl
     return (max(1, -(-rows // rpb)), 1, 1), (rpb * d["THREADS_PER_ROW"], 1, 1)
 
 
-def _norm_args(d: dict[str, int], inputs: tuple[torch.Tensor, ...], outs: tuple[torch.Tensor, ...]):
+def _norm_args(d: dict[str, int], inputs: tuple[torch.Tensor, ...], outs: tuple[torch.Tensor, ...],
+               eps: float = EPS):
     x, w = inputs
     (y,) = outs
     grid, block = _rows_grid(x.shape[0], d)
     return grid, block, [x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0], x.stride(0), y.stride(0),
-                         eps_bits(EPS)]
+                         eps_bits(eps)]
 
 
-def _fused_args(d: dict[str, int], inputs: tuple[torch.Tensor, ...], outs: tuple[torch.Tensor, ...]):
+def _fused_args(d: dict[str, int], inputs: tuple[torch.Tensor, ...], outs: tuple[torch.Tensor, ...],
+                eps: float = EPS):
     x, r, w = inputs
     y, r_out = outs
     grid, block = _rows_grid(x.shape[0], d)
     return grid, block, [x.data_ptr(), r.data_ptr(), w.data_ptr(), y.data_ptr(), r_out.data_ptr(), x.shape[0],
-                         x.stride(0), r.stride(0), y.stride(0), r_out.stride(0), eps_bits(EPS)]
+                         x.stride(0), r.stride(0), y.stride(0), r_out.stride(0), eps_bits(eps)]
 
 
-def _gated_args(d: dict[str, int], inputs: tuple[torch.Tensor, ...], outs: tuple[torch.Tensor, ...]):
+def _gated_args(d: dict[str, int], inputs: tuple[torch.Tensor, ...], outs: tuple[torch.Tensor, ...],
+                eps: float = EPS):
     x, z, w = inputs
     (y,) = outs
     groups = x.shape[1] // w.shape[0]
     total = x.shape[0] * groups
     grid, block = _rows_grid(total, d)
     return grid, block, [x.data_ptr(), z.data_ptr(), w.data_ptr(), y.data_ptr(), total, groups, x.stride(0),
-                         z.stride(0), y.stride(0), eps_bits(EPS)]
+                         z.stride(0), y.stride(0), eps_bits(eps)]
 
 
 def _pointwise_grid(m: int, n: int, d: dict[str, int]) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
@@ -191,7 +194,8 @@ def _pointwise_grid(m: int, n: int, d: dict[str, int]) -> tuple[tuple[int, int, 
     return (max(1, -(-n // cols)), max(1, -(-m // d["ROWS_PER_BLOCK"])), 1), (d["THREADS"], 1, 1)
 
 
-def _silu_args(d: dict[str, int], inputs: tuple[torch.Tensor, ...], outs: tuple[torch.Tensor, ...]):
+def _silu_args(d: dict[str, int], inputs: tuple[torch.Tensor, ...], outs: tuple[torch.Tensor, ...],
+               eps: float = EPS):
     (x,) = inputs
     (y,) = outs
     m, n = y.shape
@@ -199,7 +203,8 @@ def _silu_args(d: dict[str, int], inputs: tuple[torch.Tensor, ...], outs: tuple[
     return grid, block, [x.data_ptr(), y.data_ptr(), m, n, x.stride(0), y.stride(0)]
 
 
-def _gelu_args(d: dict[str, int], inputs: tuple[torch.Tensor, ...], outs: tuple[torch.Tensor, ...]):
+def _gelu_args(d: dict[str, int], inputs: tuple[torch.Tensor, ...], outs: tuple[torch.Tensor, ...],
+               eps: float = EPS):
     x, b = inputs
     (y,) = outs
     m, n = y.shape
@@ -243,12 +248,14 @@ class ElementwiseLauncher:
         self._problem = problem
         self._fn = module.kernel(family.kernel, device_index)
 
-    def __call__(self, inputs: tuple[torch.Tensor, ...], out: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
+    def __call__(self, inputs: tuple[torch.Tensor, ...], out: torch.Tensor | tuple[torch.Tensor, ...],
+                 eps: float = EPS) -> None:
+        # eps travels as a kernel argument (its fp32 bits), so one build serves every model's epsilon
         outs = out if isinstance(out, tuple) else (out,)
         self._check(inputs, outs)
         if outs[0].shape[0] == 0:
             return
-        grid, block, args = self.family.launch_args(self.defines, inputs, outs)
+        grid, block, args = self.family.launch_args(self.defines, inputs, outs, eps)
         self._fn(grid, block, args, torch.cuda.current_stream(outs[0].device).cuda_stream)
 
     def _check(self, inputs: tuple[torch.Tensor, ...], outs: tuple[torch.Tensor, ...]) -> None:

@@ -94,9 +94,10 @@ def _built_eps() -> float:
 
 #: The epsilon a built elementwise kernel runs at when called without ``eps=``
 #: (``tunekit.opspec.EPS``, what the search times). The Triton kernels take
-#: ``eps=`` per call (Llama-3.1's 1e-5 is served tuned; only this epsilon takes
-#: the bound launcher, which replays the call it recorded); a kernel without it
-#: (HIP's, built for this epsilon) serves another as ``fallback:eps``.
+#: ``eps=`` per call, as the HIP ones do (Llama-3.1's 1e-5 is served tuned; only
+#: this epsilon takes Triton's bound launcher, which replays the call it
+#: recorded); a kernel without it (a plug-in backend's, built for this epsilon)
+#: serves another as ``fallback:eps``.
 DEFAULT_EPS = _built_eps()
 
 #: Elementwise ops and their schemas. Table keys (m, n, k) as in tunekit.shapes.Problem:
