@@ -11,6 +11,14 @@
 #                                                  interleaved re-measure runs) -> /var/tmp/tab/table.json
 #   benchmarks/serve_h200.sh serve  SECONDS ARGS   tunekit serve-bench ARGS --stop-after SECONDS
 #                                                  (rerun until it exits 0; it resumes)
+#   benchmarks/serve_h200.sh endpoint MODEL TABLE OUT [vllm serve options]
+#                                                  benchmarks/endpoint_ab.sh: `vllm serve` vanilla and
+#                                                  tuned side by side, serve-bench --endpoint against both
+#                                                  (MODEL: a built-in name, its config written to OUT/model)
+# `vllm serve` needs seven small wheels the bundle lacks (benchmarks/serve_wheels.txt); fetch them here with
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_17_x86_64 --require-hashes -r benchmarks/serve_wheels.txt -d .vllm-carry/serve-wheels
+# and carry .vllm-carry/serve-wheels with the call.
 # The serve mode first unpacks the bundle once (every part checked against SHA256SUMS, which travels
 # with the last part) and makes the tunekit entry point visible to vLLM from this checkout.
 set -euo pipefail
@@ -69,5 +77,21 @@ case "$mode" in
     export VLLM_CACHE_ROOT=/var/tmp/vllm-cache # the compile cache outlives a call while the machine stays warm
     python3 -m tunekit serve-bench "$@" --stop-after "$limit"
     ;;
-  *) echo "usage: $0 carry | search OUT ARGS... | table RESULT_DIR | serve SECONDS ARGS..." >&2; exit 2 ;;
+  endpoint)
+    model=$1 table=$2 out=$3
+    shift 3
+    optuna_site
+    unpack_vllm
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$vl/serve-site" \
+      .vllm-carry/serve-wheels/*.whl
+    export PYTHONPATH=/var/tmp/optuna-site:$vl/serve-site:$vl/site:$PWD HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0
+    export VLLM_CACHE_ROOT=/var/tmp/vllm-cache
+    model_dir=$(python3 -c "import sys
+from tunekit.serve.bench import build_settings, write_model_dir
+print(write_model_dir(sys.argv[2], build_settings(sys.argv[1], None, [], arms=['vanilla']).model_config))" "$model" "$out")
+    SERVE_BENCH_ARGS="--model $model ${SERVE_BENCH_ARGS:---concurrency 1,8 --tokens 128 --repeats 5}" \
+      bash benchmarks/endpoint_ab.sh python3 "$model_dir" "$table" "$out" "$@"
+    ;;
+  *) echo "usage: $0 carry | search OUT ARGS... | table RESULT_DIR | serve SECONDS ARGS... | endpoint MODEL TABLE OUT" >&2
+     exit 2 ;;
 esac

@@ -620,6 +620,40 @@ def test_endpoint_ab_against_fake_servers(tmp_path: Path) -> None:
     assert any(ln.startswith("C=3") and "speedup" in ln for ln in lines)
 
 
+def test_endpoint_script_starts_both_servers_runs_the_ab_and_stops_them(tmp_path: Path) -> None:
+    """benchmarks/endpoint_ab.sh against two stand-in `vllm serve` processes (tests/data/fake_vllm_serve):
+    each server gets its arm's environment and the serve options, the A/B runs, both stop cleanly."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    out, record = tmp_path / "ab", tmp_path / "record"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "data" / "fake_vllm_serve"), str(REPO)]),
+           "FAKE_SERVE_RECORD": str(record), "PORT": str(port), "START_TIMEOUT": "120",
+           "SERVE_BENCH_ARGS": "--concurrency 1,2 --tokens 8 --prompt-len 4 --repeats 2"}
+    run = subprocess.run(["bash", str(REPO / "benchmarks" / "endpoint_ab.sh"), sys.executable, str(model_dir),
+                          str(TABLE), str(out), "--gdn-prefill-backend", "triton"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    servers = {json.loads(p.read_text())["argv"][3]: json.loads(p.read_text()) for p in record.glob("*.json")}
+    vanilla, tuned = servers[str(port)], servers[str(port + 1)]
+    assert "tunekit" not in (vanilla["env"]["VLLM_PLUGINS"] or "").split(",") and vanilla["env"]["TUNEKIT_TABLE"] is None
+    assert "tunekit" in tuned["env"]["VLLM_PLUGINS"].split(",") and tuned["env"]["TUNEKIT_TABLE"] == str(TABLE)
+    for server in (vanilla, tuned):
+        argv = server["argv"]
+        assert argv[1] == str(model_dir) and argv[-2:] == ["--gdn-prefill-backend", "triton"]
+        assert argv[argv.index("--load-format") + 1] == "dummy" and "--skip-tokenizer-init" in argv
+    # stopped by SIGINT: the tuned server wrote its dispatch log on the way out
+    assert [p.name for p in (out / "dispatch").iterdir()] == [f"tuned-{tuned['pid']}.json"]
+    serve = json.loads((out / "serve.json").read_text())
+    assert serve["mode"] == "endpoint" and [b["batch"] for b in serve["batches"]] == [1, 2]
+    assert all(b["speedup"] > 1.3 for b in serve["batches"])  # the tuned stand-in decodes twice as fast
+
+
 def test_endpoint_errors() -> None:
     with pytest.raises(UserError, match="vanilla=URL and tuned=URL"):
         endpoint.parse_endpoints(["vanilla=http://h:1"])
