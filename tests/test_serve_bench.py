@@ -705,6 +705,33 @@ def test_the_recorded_h200_run_parses_to_its_own_report(tmp_path: Path) -> None:
     # every tuned process served the table inside vLLM's decode graph at M=1: tuned calls, no fallback
     cov = analysis.coverage_at(rebuilt["coverage"]["tuned"], 1)
     assert cov is not None and cov["tuned_calls"] > 0 and cov["fallback_calls"] == 0
+    # ... but vLLM 0.26 never routed its gated norm ([T * H, D] against the table's H * D key, fixed
+    # since): the prediction counted 48 calls per token that ran vLLM's own kernel, and the report says so
+    assert set(b1["predicted_unserved_us"]) == {"gated_rms_norm"}
+    assert b1["predicted_unserved_us"]["gated_rms_norm"] == pytest.approx(53.1, abs=0.1)
+    assert any(n.startswith("B=1: the prediction counts ops that ran no tuned call") and "gated_rms_norm" in n
+               for n in rebuilt["notes"])
+
+
+def test_the_recorded_llama_run_names_its_unserved_norms(tmp_path: Path) -> None:
+    """Llama-3.1-8B on the H200 (a831b66): every norm fell back (the kernels took no eps, Llama's is 1e-5);
+    the rebuilt report names them as predicted but not served."""
+    import shutil
+
+    src = REPO / "benchmarks" / "results" / "h200-serve-llama31-8b-a831b66"
+    out = tmp_path / "serve"
+    shutil.copytree(src / "tuned" / "runs", out / "runs")
+    shutil.copytree(src / "tuned" / "dispatch", out / "dispatch")
+    key = json.loads((src / "tuned" / "serve-settings.json").read_text())
+    key["tables"] = [str(src / "table" / "table.json")]
+    (out / "serve-settings.json").write_text(json.dumps(key))
+    rebuilt = bench.report_dir(out, log=lambda s: None)
+    b1 = rebuilt["batches"][0]
+    recorded = json.loads((src / "tuned" / "serve.json").read_text())["batches"][0]
+    assert b1["speedup"] == pytest.approx(recorded["speedup"], rel=1e-9)
+    assert set(b1["predicted_unserved_us"]) == {"fused_add_rms_norm", "rms_norm"}
+    assert 15 < b1["predicted_unserved_us"]["fused_add_rms_norm"] < 25
+    assert analysis.coverage_at(rebuilt["coverage"]["tuned"], 1)["fallback_reasons"] == {"eps": 780}
 
 
 def test_git_commit_is_none_for_a_copy_inside_another_repository(tmp_path: Path) -> None:

@@ -172,13 +172,24 @@ def predicted_saving_us(spec: Any, table: dict[str, Any], m: int, tp: int = 1) -
     from tunekit.table import lookup, saving_us
 
     saving, served, calls = 0.0, 0, 0
+    by_op: dict[str, float] = {}
     for p in spec.problems(tp=tp, m_list=[m], ops=OPS):
         calls += p.count
         entry = lookup(table, p.op, p.dtype, p.m, p.n, p.k)
         if entry is not None:
             served += p.count
             saving += p.count * saving_us(entry)
-    return {"saving_us": saving, "served_calls": served, "calls": calls}
+            by_op[p.op] = by_op.get(p.op, 0.0) + p.count * saving_us(entry)
+    return {"saving_us": saving, "served_calls": served, "calls": calls, "by_op": by_op}
+
+
+def unserved_predictions(pred: dict[str, Any] | None, cov: dict[str, Any] | None) -> dict[str, float]:
+    """{op: predicted saving us} of the ops the table serves at this M that ran no tuned call in the
+    engine (the dispatch logs at M): a routing gap, or a fallback, that the prediction still counts."""
+    if not pred or cov is None:
+        return {}
+    tuned = {op for op, impls in cov["by_op"].items() if any(k.startswith("tuned") and v for k, v in impls.items())}
+    return {op: us for op, us in sorted(pred["by_op"].items()) if op not in tuned}
 
 
 # ---------------------------------------------------------------------------
@@ -380,6 +391,12 @@ def summarize(settings: dict[str, Any], results: dict[str, list[dict[str, Any]]]
         row["tokens_per_s"] = {arm: tp["tokens_per_s"] for arm, tp in tpot.items() if tp}
         row["coverage"] = {arm: coverage_at(coverage.get(arm), batch) for arm in ("tuned", "passthrough")
                            if arm in results}
+        gaps = unserved_predictions(pred, row["coverage"].get("tuned"))
+        row["predicted_unserved_us"] = gaps
+        if gaps:
+            notes.append(f"B={batch}: the prediction counts ops that ran no tuned call in vLLM ("
+                         + ", ".join(f"{op} {us:.0f} us" for op, us in gaps.items())
+                         + "): a routing gap or a fallback; the dispatch coverage says which")
         row["agreement"] = agreement(results, batch, tol)
         profiles = {arm: arm_profile((_batch_row(res, batch) or {}).get("profile") for res in results.get(arm, []))
                     for arm in ARMS if arm in results}

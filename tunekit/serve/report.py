@@ -47,12 +47,16 @@ def tpot_table(serve: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 
 def prediction_table(serve: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     head = ["B", "vanilla ms", "measured saving ms", "predicted saving ms", "measured / predicted",
-            "speedup", "predicted speedup", "calls served by the tables (of per token)"]
+            "predicted over the ops that ran tuned ms", "speedup", "predicted speedup",
+            "calls served by the tables (of per token)"]
     rows = []
     for row in serve["batches"]:
         meas, pred = row.get("measured_saving_ms"), row.get("predicted_saving_ms")
+        gaps = row.get("predicted_unserved_us") or {}
+        ran = pred - sum(gaps.values()) / 1000.0 if pred is not None else None
         rows.append([str(row["batch"]), _f(row.get("vanilla_tpot_ms"), ".3f"), _f(meas, ".3f"), _f(pred, ".3f"),
-                     _f(meas / pred if meas is not None and pred else None, ".2f"), _f(row["speedup"], ".4f"),
+                     _f(meas / pred if meas is not None and pred else None, ".2f"),
+                     _f(ran, ".3f") + (f" (without {', '.join(gaps)})" if gaps else ""), _f(row["speedup"], ".4f"),
                      _f(row.get("predicted_speedup"), ".4f"),
                      f"{row.get('predicted_served_calls')} of {row.get('predicted_calls')}"
                      if row.get("predicted_calls") is not None else "-"])
