@@ -4,8 +4,10 @@ The served saving can fall short of what the tables' standalone figures
 predict. This tells the two possible causes apart by measurement, in the
 same engine process that was timed:
 
-* **GPU time.** torch's profiler (CUPTI) records every kernel, those
-  replayed from vLLM's CUDA graphs included. Two generates are profiled per
+* **GPU time.** torch's profiler (CUPTI) records every kernel; CUPTI reports
+  the kernels of vLLM's CUDA-graph replays one by one too (not yet checked on
+  the H200: the first GPU run should see tunekit's kernels by name in its
+  tuned rows). Two generates are profiled per
   batch size: 1 token (prefill) and ``1 + steps`` tokens. Their difference
   divided by ``steps`` is one decode step's kernel time and kernel count per
   category. This is the TPOT method applied to kernels, so prefill cancels
