@@ -748,6 +748,16 @@ def test_a_vendor_path_of_several_launches_comes_after_the_default_kernel(tmp_pa
         ops.clear_vendor_elementwise()
     got = {(r["m"], r["vendor"]) for r in ops.dispatch_stats()}
     assert got == {(9, "tunekit:triton-default"), (7, "test.add_then_norm"), (8, "test.one_launch")}
+    # the warm-up builds the default kernel above the table for a several-launch vendor (a capture then
+    # holds it), and leaves those sizes to a single-launch one
+    try:
+        ops.set_vendor_elementwise("fused_add_rms_norm", add_then_norm, "test.add_then_norm", ("cpu",),
+                                   single_launch=False)
+        assert ops.prepare("cpu", ms=[4, 16])["default"] == 1
+        ops.set_vendor_elementwise("fused_add_rms_norm", add_then_norm, "test.one_launch", ("cpu",))
+        assert ops.prepare("cpu", ms=[4, 32])["keys"] == 1  # M=4 only
+    finally:
+        ops.clear_vendor_elementwise()
 
 
 @pytest.mark.skipif(not _triton_has_kernels(), reason="kernels_triton has no elementwise kernels yet")

@@ -79,7 +79,8 @@ def vendor_kernels() -> dict[str, Any]:
 
 
 def has_vendor_kernel(op: str, device: torch.device) -> bool:
-    """True if an integration installed a vendor kernel for elementwise ``op`` on ``device``'s type."""
+    """True if an integration installed a single-launch vendor kernel for elementwise ``op`` on
+    ``device``'s type (a vendor path of several launches serves only after the default-config kernel)."""
     vk = STATE.vendor_ew.get(op)
-    return vk is not None and vk.fn is not None and device.type in vk.device_types
+    return vk is not None and vk.fn is not None and device.type in vk.device_types and vk.single_launch
 

@@ -27,7 +27,8 @@ def prepare(device: torch.device | str | None = None, ms: Iterable[int] | None =
     tabulated M) when that range is at most 64 wide, else at the tabulated
     Ms; or at ``ms`` when given (pass the CUDA-graph capture sizes). For an
     elementwise op with no vendor kernel installed for ``device``, the given
-    ``ms`` above the table are called too, which builds the default-config
+    ``ms`` above the table are called too (also where the vendor path takes
+    several launches: the default kernel serves first), which builds the default-config
     kernels serving those fallbacks (:func:`~tunekit.serving.elementwise._ew_default`), so captured graphs
     hold them instead of the composition. Each M is
     launched once because decisions are cached per M and Triton specialises
