@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -547,42 +547,9 @@ def test_merged_dispatch_keeps_what_served_each_fallback() -> None:
 
 
 def _server(tpot_s: float, seen: list[dict]) -> ThreadingHTTPServer:
-    import time
+    from completions_server import handler_class  # tests/ is on sys.path
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args) -> None:
-            pass
-
-        def do_GET(self) -> None:
-            body = json.dumps({"object": "list", "data": [{"id": "served-model"}]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_POST(self) -> None:
-            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            seen.append(req)
-            if not isinstance(req["prompt"], list):
-                self.send_error(400, "prompt must be token ids here")
-                return
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.end_headers()
-            time.sleep(0.005)  # prefill
-            for i in range(req["max_tokens"]):
-                if i:
-                    time.sleep(tpot_s)
-                chunk = {"choices": [{"index": 0, "text": "", "finish_reason": None}]}
-                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-                self.wfile.flush()
-            usage = {"choices": [], "usage": {"prompt_tokens": len(req["prompt"]),
-                                              "completion_tokens": req["max_tokens"]}}
-            self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
-            self.wfile.flush()
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler_class("served-model", tpot_s, seen))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server

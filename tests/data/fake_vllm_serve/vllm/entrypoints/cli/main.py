@@ -1,5 +1,5 @@
 """A stand-in for ``python -m vllm.entrypoints.cli.main serve MODEL --port P ...`` in the tests of
-benchmarks/endpoint_ab.sh: an OpenAI-style streaming completions server (standard library only).
+benchmarks/endpoint_ab.sh: the tests' streaming completions server (tests/completions_server.py) in a process.
 
 Its decode speed follows the arm its environment makes it (tunekit in VLLM_PLUGINS and a TUNEKIT_TABLE:
 10 ms per token, else 20 ms). At start it records its argv and environment to
@@ -14,8 +14,12 @@ import os
 import signal
 import sys
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
+
+# the tests' shared completions stand-in (tests/completions_server.py); this file runs as its own process
+sys.path.insert(0, str(Path(__file__).resolve().parents[5]))
+from completions_server import handler_class  # noqa: E402
 
 
 def main() -> int:
@@ -30,34 +34,8 @@ def main() -> int:
     (record / f"{port}.json").write_text(json.dumps({"argv": argv, "pid": os.getpid(), "env": {
         k: os.environ.get(k) for k in ("VLLM_PLUGINS", "TUNEKIT_TABLE", "TUNEKIT_DISPATCH_LOG")}}))
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args) -> None:
-            pass
-
-        def do_GET(self) -> None:
-            body = json.dumps({"object": "list", "data": [{"id": model}]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_POST(self) -> None:
-            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.end_headers()
-            for i in range(req["max_tokens"]):
-                time.sleep(0.003 if i == 0 else tpot_s)
-                chunk = {"choices": [{"index": 0, "text": "", "finish_reason": None}]}
-                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-                self.wfile.flush()
-            usage = {"choices": [], "usage": {"completion_tokens": req["max_tokens"]}}
-            self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
-            self.wfile.flush()
-
     time.sleep(float(os.environ.get("FAKE_SERVE_START_S", "0.5")))  # an engine start: the script must wait
-    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    server = ThreadingHTTPServer(("127.0.0.1", port), handler_class(model, tpot_s, prefill_s=0.003))
     server.daemon_threads = True
 
     def shutdown(*_: object) -> None:
