@@ -152,11 +152,12 @@ def _ew_serve(
                 op, dtype, route.shape, m, False, choice.impl, capturing, served_by).tick
         tick()
         return _dense(out)
-    bound_eps = True  # served at the epsilon a bound launcher replays (it binds the kernel's default)
+    # A bound launcher replays the call it recorded, at the kernel's default epsilon: another epsilon
+    # takes the kernel's normal launch and is never registered for the express route.
+    other_eps = choice.takes_eps and eps is not None and eps != DEFAULT_EPS
     try:
         out = make_out(m, n, x)
-        if choice.takes_eps and eps is not None and eps != DEFAULT_EPS:
-            bound_eps = False  # another epsilon: the kernel's normal launch, never the bound one
+        if other_eps:
             choice.kernel(inputs, out, eps=eps)
         elif route.launcher is None or not route.launcher(inputs, out, None, True):
             if route.bind and not capturing:
@@ -171,7 +172,7 @@ def _ew_serve(
         count(op, dtype, route.shape, m, False, "fallback:kernel_error", capturing, served_by)
         return _dense(out)
     route.ticks[capturing]()
-    if express_key is not None and route.launcher is not None and bound_eps:
+    if express_key is not None and route.launcher is not None and not other_eps:
         _EXPRESS[express_key] = route  # (re)registered: a reload leaves the old route stale
     return finish(out)
 
