@@ -118,7 +118,10 @@ def _final_claims(db: Path) -> list[dict]:
     for summary in optuna.get_all_study_summaries(storage, include_best_trial=False):
         if summary.study_name.startswith("final|"):
             study = optuna.load_study(study_name=summary.study_name, storage=storage)
-            claims += [{"state": t.state.name, **t.user_attrs} for t in study.get_trials(deepcopy=False)]
+            # the study and trial number travel with each claim: a failed assertion then says whether two
+            # claims won one study or two final studies were opened for one problem
+            claims += [{"state": t.state.name, "study": summary.study_name, "number": t.number, **t.user_attrs}
+                       for t in study.get_trials(deepcopy=False)]
     return claims
 
 
@@ -148,7 +151,8 @@ def test_two_searches_sharing_one_storage_both_finish_and_fail_none_of_the_other
     # of measuring a second one (and never failed it), then read the same final re-measure
     assert len(measured) == 1, [(t.number, t.user_attrs.get("owner")) for t in trials.values()]
     finals = _final_claims(db)
-    assert [t["status"] for t in finals] == ["ok"], finals
+    assert [t["status"] for t in finals] == ["ok"], [
+        (t["study"], t["number"], t["state"], t["status"], t.get("owner"), t.get("worker")) for t in finals]
     for run in ("a", "b"):
         assert (tmp_path / run / "trials.csv").is_file() and (tmp_path / run / "table.json").is_file()
     assert (tmp_path / "a" / "final.csv").read_text() == (tmp_path / "b" / "final.csv").read_text()
