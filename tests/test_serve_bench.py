@@ -290,6 +290,27 @@ def test_profile_tells_where_the_saving_came_from(fake: Path, tmp_path: Path) ->
         _settings(profile_steps=-1)
 
 
+def test_a_failing_profiler_keeps_the_timing_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The profile runs after the timing: a profiler that raises is recorded on the row, never raised,
+    so the process's TPOTs survive."""
+    from tunekit.serve import profile
+
+    def no_kernels(run):  # CPU torch has no CUDA activity to profile: a profiler that sees no kernels
+        run()
+        return {}
+
+    monkeypatch.setattr(profile, "profile_totals", no_kernels)
+
+    def broken(n: int) -> None:
+        raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED")
+
+    row = runner.profile_row(broken, 4, have_cuda=True)
+    assert row == {"profile": None, "profile_error": "profiler failed: RuntimeError: CUPTI_ERROR_NOT_INITIALIZED"}
+    assert runner.profile_row(broken, 4, have_cuda=False)["profile_error"].startswith("no CUDA device")
+    ok = runner.profile_row(lambda n: None, 4, have_cuda=True)
+    assert ok["profile"]["kernels"] == 0 and "profile_error" not in ok
+
+
 def test_kernel_categories_and_the_decode_step_difference(tmp_path: Path) -> None:
     """Kernel names as the H200's traces spell them; a gzip Chrome trace in torch's format."""
     import gzip

@@ -400,6 +400,10 @@ def summarize(settings: dict[str, Any], results: dict[str, list[dict[str, Any]]]
         row["agreement"] = agreement(results, batch, tol)
         profiles = {arm: arm_profile((_batch_row(res, batch) or {}).get("profile") for res in results.get(arm, []))
                     for arm in ARMS if arm in results}
+        profile_errors = sorted({err for res in (r for docs in results.values() for r in docs)
+                                 if (err := (_batch_row(res, batch) or {}).get("profile_error"))})
+        if profile_errors:
+            notes.append(f"B={batch}: no profile from some processes: " + "; ".join(profile_errors))
         if any(profiles.values()):
             row["profile"] = profiles
             row["profile_compare"] = compare(profiles.get("vanilla"), profiles.get("tuned"),

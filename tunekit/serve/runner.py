@@ -314,16 +314,24 @@ def _run(spec: dict[str, Any], result: dict[str, Any]) -> None:
                             "requests": agreement_record(outs, int(spec.get("agree_requests", 8)))}
         profile_steps = int(spec.get("profile_steps", 0))
         if profile_steps > 0:  # after the timing: the profiler's overhead never enters a TPOT
-            if torch.cuda.is_available():
-                from tunekit.serve.profile import decode_step_profile
-
-                row["profile"] = decode_step_profile(
-                    lambda n, prompts=prompts: llm.generate(prompts, sampling(n), use_tqdm=False), profile_steps)
-            else:
-                row["profile"], row["profile_error"] = None, "no CUDA device: no kernels to profile"
+            row.update(profile_row(lambda n, prompts=prompts: llm.generate(prompts, sampling(n), use_tqdm=False),
+                                   profile_steps, torch.cuda.is_available()))
         result["batches"].append(row)
         progress(f"{spec['arm']} #{spec['index']}: B={batch} TPOT {row['tpot_ms_median']:.3f} ms "
                  f"({row['tpot_ms_min']:.3f}-{row['tpot_ms_max']:.3f}), {row['tokens_per_s']:.1f} tokens/s")
+
+
+def profile_row(generate: Any, steps: int, have_cuda: bool) -> dict[str, Any]:
+    """The batch row's ``profile`` (and ``profile_error``). A profiler that fails is recorded, not raised:
+    the timing this process already took stays valid and must not be lost with it."""
+    if not have_cuda:
+        return {"profile": None, "profile_error": "no CUDA device: no kernels to profile"}
+    from tunekit.serve.profile import decode_step_profile
+
+    try:
+        return {"profile": decode_step_profile(generate, steps)}
+    except Exception as e:  # noqa: BLE001 - any profiler failure; the report shows the message
+        return {"profile": None, "profile_error": f"profiler failed: {type(e).__name__}: {e}"}
 
 
 def _write(path: Path, doc: dict[str, Any]) -> None:
