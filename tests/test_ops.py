@@ -761,6 +761,44 @@ def test_a_vendor_path_of_several_launches_comes_after_the_default_kernel(tmp_pa
 
 
 @pytest.mark.skipif(not _triton_has_kernels(), reason="kernels_triton has no elementwise kernels yet")
+def test_a_vendor_kernel_the_engine_would_not_run_comes_after_the_default_kernel(tmp_path: Path) -> None:
+    """vLLM under Inductor compiles SiLU-and-mul's native math; its _C kernel is then not what it would
+    have run (and was 3x slower at M=2..8 on the H200). Told so, the op serves fallbacks with the
+    default-config kernel first, and the warm-up builds that kernel above the table; told the engine
+    runs the vendor kernel again, the vendor kernel serves first."""
+    ops.load_tables(str(make_table(tmp_path / "silu.json", [_entry("silu_and_mul", 4, 48, 96, params={})])))
+    x = torch.randn(9, 96).bfloat16()
+    want = F.silu(x[:, :48]) * x[:, 48:]
+    seen: list[int] = []
+
+    def vendor(t):
+        seen.append(t.shape[0])
+        return F.silu(t[..., :48]) * t[..., 48:]
+
+    try:
+        ops.set_vendor_elementwise("silu_and_mul", vendor, "test.c_silu", ("cpu",))
+        ops.set_engine_runs_vendor("silu_and_mul", False)
+        assert ops.vendor_kernels()["silu_and_mul"]["serves_first"] is False
+        got = torch.ops.tunekit.silu_and_mul(x)  # M=9: above the table
+        assert ((got.float() - want.float()).abs() <= 2**-6 * want.float().abs() + 1e-3).all()
+        assert seen == []
+        assert ops.prepare("cpu", ms=[4, 16])["default"] == 1  # built above the table before any capture
+        ops.set_engine_runs_vendor("silu_and_mul", True)
+        torch.ops.tunekit.silu_and_mul(x[:8])
+        assert seen == [8]
+        ops.set_engine_runs_vendor("silu_and_mul", False)
+        ops.clear_vendor_elementwise()  # forgets the engine's choice with the kernels
+        ops.set_vendor_elementwise("silu_and_mul", vendor, "test.c_silu", ("cpu",))
+        assert ops.vendor_kernels()["silu_and_mul"]["serves_first"] is True
+    finally:
+        ops.clear_vendor_elementwise()
+    got = {(r["m"], r["vendor"]) for r in ops.dispatch_stats() if r["impl"].startswith("fallback")}
+    assert got == {(9, "tunekit:triton-default"), (8, "test.c_silu")}
+    with pytest.raises(ValueError, match="unknown elementwise op"):
+        ops.set_engine_runs_vendor("gemv", False)
+
+
+@pytest.mark.skipif(not _triton_has_kernels(), reason="kernels_triton has no elementwise kernels yet")
 def test_default_config_kernel_failures_fall_back_to_the_composition_with_a_counted_reason(
         tmp_path: Path, monkeypatch, caplog) -> None:
     from tunekit import backends

@@ -100,7 +100,13 @@ from tunekit.serving.state import STATS_FORMAT as STATS_FORMAT
 from tunekit.serving.state import TABLE_ENV as TABLE_ENV
 from tunekit.serving.tables import covers, load_tables, loaded_tables
 from tunekit.serving.tables import served_entry as served_entry
-from tunekit.serving.vendors import clear_vendor_elementwise, set_vendor_elementwise, set_vendor_gemm, vendor_kernels
+from tunekit.serving.vendors import (
+                                     clear_vendor_elementwise,
+                                     set_engine_runs_vendor,
+                                     set_vendor_elementwise,
+                                     set_vendor_gemm,
+                                     vendor_kernels,
+)
 from tunekit.serving.warmup import prepare
 
 __all__ = [
@@ -117,6 +123,7 @@ __all__ = [
     "loaded_tables",
     "prepare",
     "reset_stats",
+    "set_engine_runs_vendor",
     "set_vendor_elementwise",
     "set_vendor_gemm",
     "vendor_kernels",

@@ -483,13 +483,15 @@ def vllm_c_kernels(plugin):
 
     lib.impl("rms_norm", rms_norm, "CPU")
     lib.impl("silu_and_mul", silu_and_mul, "CPU")
-    saved = dict(STATE.vendor_ew)
+    saved, off = dict(STATE.vendor_ew), set(STATE.vendor_off_engine_path)
     try:
         yield calls
     finally:
         with STATE.lock:
             STATE.vendor_ew.clear()
             STATE.vendor_ew.update(saved)
+            STATE.vendor_off_engine_path.clear()
+            STATE.vendor_off_engine_path.update(off)
         lib._destroy()
 
 
@@ -550,6 +552,23 @@ def test_covered_layers_above_the_table_run_vllms_kernels(plugin, vllm_config, e
     norm(x[:3])
     assert len(vllm_c_kernels) == 2 and _vendors(op="rms_norm", m=3) == [
         ("rms_norm", 3, "tuned:serving_backend:BACKEND", None)]
+    from tunekit import ops
+
+    assert ops.vendor_kernels()["silu_and_mul"]["serves_first"] is True  # this config enables the custom ops
+    # With the custom ops off (vLLM's default under Inductor) vLLM would not run its _C kernels: it compiles
+    # the native math into one kernel. The layers built under that config say so, and tunekit's
+    # default-config kernel serves their fallbacks first (vLLM's _C.silu_and_mul took ~4.5 us at M=2..8 on
+    # the H200 where Inductor's kernel and this one take 1.4-2.1).
+    monkeypatch.setattr(vllm_config.compilation_config, "custom_ops", ["none"])
+    act_off, norm_off = SiluAndMul(), RMSNorm(64, eps=1e-5, dtype=torch.bfloat16)
+    norm_off.weight.data.copy_(norm.weight.data)
+    assert ops.vendor_kernels()["silu_and_mul"]["serves_first"] is False
+    assert ops.vendor_kernels()["rms_norm"]["serves_first"] is False
+    assert (act_off(a).float() - act.forward_native(a).float()).abs().max() < 0.05
+    assert (norm_off(x).float() - norm.forward_native(x).float()).abs().max() < 0.05
+    assert len(vllm_c_kernels) == 2  # neither reached vLLM's kernel
+    assert ("silu_and_mul", 9, "fallback:m_above_table", "tunekit:triton-default") in _vendors(op="silu_and_mul")
+    assert ("rms_norm", 9, "fallback:m_above_table", "tunekit:triton-default") in _vendors(op="rms_norm", m=9)
 
 
 # ----------------------------------------------------------------------------- compilation

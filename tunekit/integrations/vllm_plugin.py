@@ -26,7 +26,10 @@ code, untouched, so its traced graph is the one plain vLLM traces.
   ``rocm_unquantized_gemm`` on ROCm) for GEMMs, vLLM's own kernels for the
   elementwise ops (``torch.ops._C.rms_norm``, ``torch.ops._C.silu_and_mul``,
   the FLA gated-norm Triton kernel; feature-detected, see
-  :func:`_install_vendor_kernels`). Where vLLM has none (GemmaRMSNorm runs
+  :func:`_install_vendor_kernels`) where vLLM enables that custom op. Where
+  it does not (the default under Inductor: vLLM compiles the native math
+  to one kernel) tunekit's default-config kernel, below, comes first and
+  vLLM's kernel only after it (:func:`_tell_engine_path`). Where vLLM has none (GemmaRMSNorm runs
   its native math, which vLLM's Inductor compiles to one kernel; CPU wheels
   lack ``_C``) tunekit's own Triton kernel at the op's default config
   serves, one launch as well (``vendor: "tunekit:triton-default"``, see
@@ -494,7 +497,7 @@ def _oot_installer(class_name: str) -> Callable[[], tuple[bool, str]]:
             if getattr(current, _MARK, False):
                 return True, "already registered in this process"
             return False, f"another plugin registered {class_name} ({current.__module__}.{current.__qualname__})"
-        subclass = _make_oot_subclass(base, route)
+        subclass = _make_oot_subclass(base, route, needed)
         base.register_oot(subclass, name=class_name)
         try:
             fallbacks = _install_vendor_kernels(needed)
@@ -507,7 +510,7 @@ def _oot_installer(class_name: str) -> Callable[[], tuple[bool, str]]:
     return install
 
 
-def _make_oot_subclass(base: type, route: Callable[..., Any]) -> type:
+def _make_oot_subclass(base: type, route: Callable[..., Any], ops_served: tuple[str, ...] = ()) -> type:
     """A subclass of vLLM's ``base`` that serves covered layers by ``route`` and is ``base`` for the others.
 
     vLLM picks a CustomOp's forward once, at construction
@@ -519,6 +522,13 @@ def _make_oot_subclass(base: type, route: Callable[..., Any]) -> type:
     trace): a layer the tables cover reaches the tunekit op; any other runs
     the stock forward, exactly what ``base`` would have run, so its traced
     graph is the stock one (vLLM's kernel, or the native math inductor fuses).
+
+    The same choice tells the ops in ``ops_served`` whether vLLM itself
+    would run their vendor kernel (``tunekit.ops.set_engine_runs_vendor``):
+    with the custom op off, a covered layer's fallbacks are served by
+    tunekit's default-config kernel first, as fast as the kernel Inductor
+    makes of the native math, not by vLLM's ``_C`` kernel, which vLLM would
+    not have run there.
     """
     # vLLM's decision for the in-tree class: its registered name ("rms_norm")
     # is what custom_ops spells ("+rms_norm"); the subclass is registered
@@ -530,6 +540,7 @@ def _make_oot_subclass(base: type, route: Callable[..., Any]) -> type:
 
     def dispatch_forward(self: Any, *args: Any, **kwargs: Any) -> Callable[..., Any]:
         self._tunekit_stock_forward = super(subclass, self).dispatch_forward(*args, **kwargs)
+        _tell_engine_path(ops_served, bool(getattr(self, "_enforce_enable", False) or type(self).enabled()))
         self._tunekit_routes = _routes_on_platform()
         # Read once per layer, not per call (vLLM's env lookup costs microseconds; it is fixed per process).
         self._tunekit_batch_invariant = _env_flag("VLLM_BATCH_INVARIANT", False)
@@ -577,6 +588,19 @@ def _routes_on_platform() -> bool:
 # ---------------------------------------------------------------------------
 # vLLM's kernels as the elementwise ops' vendor path
 # ---------------------------------------------------------------------------
+def _tell_engine_path(ops_served: tuple[str, ...], custom_op_enabled: bool) -> None:
+    """Tell tunekit's ops whether vLLM runs their vendor kernel in this process (its CustomOp's
+    ``enabled()``, as ``dispatch_forward`` reads it). Never raises: a layer's construction must not fail."""
+    try:
+        from tunekit import ops
+
+        for op in ops_served:
+            ops.set_engine_runs_vendor(op, custom_op_enabled)
+    except Exception as exc:  # the vendor kernel keeps serving first, as before this was known
+        logger.warning("tunekit: could not record vLLM's custom-op choice for %s: %s: %s",
+                       "/".join(ops_served), type(exc).__name__, exc)
+
+
 #
 # Inside a covered layer's op, a call the table does not serve (M above the
 # table under vLLM's dynamic-M graph, a capture before build, ...) takes the

@@ -39,6 +39,7 @@ from tunekit.serving.state import (
     log_once,
 )
 from tunekit.serving.tables import tables_for
+from tunekit.serving.vendors import vendor_serves_first
 
 # Vendor paths: the PyTorch math of vLLM's native implementations
 # (vllm.ir.ops.rms_norm / fused_add_rms_norm, GemmaRMSNorm.forward_native,
@@ -253,13 +254,14 @@ def _ew_vendor(op: str, device: torch.device, args: tuple[Any, ...], eager: Call
     default-config kernel, :func:`_ew_default`: one launch where the
     composition is several); else the PyTorch composition, with the reason
     in the vendor name. A vendor path of several launches (``single_launch``
-    False) comes after ``default`` and before the composition. A vendor
+    False), or one the engine itself would not run (``set_engine_runs_vendor``),
+    comes after ``default`` and before the composition. A vendor
     kernel that raises is logged once and the composition serves: the
     serving path never raises for tunekit's sake.
     """
     vk = STATE.vendor_ew.get(op)  # lock-free read (atomic under the GIL): hot path
     usable = vk is not None and vk.fn is not None and device.type in vk.device_types
-    if usable and (vk.single_launch or default is None):
+    if usable and (default is None or vendor_serves_first(op, vk)):
         return _call_vendor(op, vk, args, eager)
     if default is not None:
         out, why = default()

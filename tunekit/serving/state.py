@@ -184,6 +184,9 @@ class State:
         self.vendor_gemm_name = "F.linear"
         #: elementwise op -> the kernel an integration installed as its vendor path
         self.vendor_ew: dict[str, VendorKernel] = {}
+        #: elementwise ops whose installed vendor kernel the engine itself would not run in this process
+        #: (``set_engine_runs_vendor``): their fallbacks try tunekit's default-config kernel first
+        self.vendor_off_engine_path: set[str] = set()
         #: (op, dtype, n, k, device) -> covers(); cleared with the tables
         self.covers: dict[tuple, bool] = {}
         #: (op, dtype, m, n, k, device key) -> the default-config kernel serving fallbacks that have no

@@ -60,10 +60,41 @@ def set_vendor_elementwise(op: str, fn: Callable[..., Any] | None, name: str,
         STATE.vendor_ew[op] = VendorKernel(fn, name, frozenset(device_types), single_launch)
 
 
+def set_engine_runs_vendor(op: str, runs: bool) -> None:
+    """Say whether the engine, without tunekit, would itself run ``op``'s installed vendor kernel.
+
+    The vendor kernel serves a routed layer's fallbacks first because it is
+    what the engine would have run. vLLM runs its kernel (``_C.silu_and_mul``,
+    ``_C.rms_norm``) only where the op's CustomOp is enabled; under its
+    default Inductor compile the op is off and vLLM compiles the native math
+    into one bandwidth kernel instead. There the vendor kernel is no longer
+    the path to match, and it can be much slower: on the H200 vLLM's
+    ``_C.silu_and_mul`` (one block per token) took ~4.5 us per call at
+    M=2..8 inside the decode graph, against 1.4-2.1 us for Inductor's kernel
+    and for tunekit's default-config kernel (within 2% of Inductor in the
+    searches). So with ``runs=False`` tunekit's default-config kernel serves
+    the fallbacks first, and the vendor kernel only where that cannot.
+    """
+    if op not in ELEMENTWISE_SCHEMAS:
+        raise ValueError(f"unknown elementwise op {op!r}; one of {sorted(ELEMENTWISE_SCHEMAS)}")
+    with STATE.lock:
+        if runs:
+            STATE.vendor_off_engine_path.discard(op)
+        else:
+            STATE.vendor_off_engine_path.add(op)
+
+
+def vendor_serves_first(op: str, vk: VendorKernel) -> bool:
+    """True if ``vk`` serves ``op``'s fallbacks before tunekit's default-config kernel: one launch, and
+    what the engine itself runs (lock-free reads: hot path)."""
+    return vk.single_launch and op not in STATE.vendor_off_engine_path
+
+
 def clear_vendor_elementwise() -> None:
     """Forget every vendor kernel :func:`set_vendor_elementwise` installed (the composition serves again)."""
     with STATE.lock:
         STATE.vendor_ew.clear()
+        STATE.vendor_off_engine_path.clear()
 
 
 def vendor_kernels() -> dict[str, Any]:
@@ -74,13 +105,15 @@ def vendor_kernels() -> dict[str, Any]:
         for op, vk in sorted(STATE.vendor_ew.items()):
             out[op] = {"name": vk.name if vk.fn is not None else "eager:no_vendor_kernel",
                        "device_types": sorted(vk.device_types) if vk.fn is not None else [],
-                       **({} if vk.fn is not None else {"why": vk.name})}
+                       **({} if vk.fn is not None else {"why": vk.name}),
+                       # False: tunekit's default-config kernel serves this op's fallbacks first
+                       **({"serves_first": vendor_serves_first(op, vk)} if vk.fn is not None else {})}
     return out
 
 
 def has_vendor_kernel(op: str, device: torch.device) -> bool:
-    """True if an integration installed a single-launch vendor kernel for elementwise ``op`` on
-    ``device``'s type (a vendor path of several launches serves only after the default-config kernel)."""
+    """True if an integration installed a vendor kernel for elementwise ``op`` on ``device``'s type that
+    serves before the default-config kernel (:func:`vendor_serves_first`)."""
     vk = STATE.vendor_ew.get(op)
-    return vk is not None and vk.fn is not None and device.type in vk.device_types and vk.single_launch
+    return vk is not None and vk.fn is not None and device.type in vk.device_types and vendor_serves_first(op, vk)
 
