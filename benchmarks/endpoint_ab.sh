@@ -39,20 +39,26 @@ stop() {
   done
 }
 trap stop EXIT
-pids+=("$(serve vanilla "$port" VLLM_PLUGINS="$others")")
-pids+=("$(serve tuned $((port + 1)) VLLM_PLUGINS="${others:+$others,}tunekit" TUNEKIT_TABLE="$table" \
-  TUNEKIT_DISPATCH_LOG="$out/dispatch/tuned-{pid}.json")")
 t0=$SECONDS
-for p in "$port" $((port + 1)); do
+wait_up() {  # wait_up PORT ARM: until the server answers; fails if it exits or START_TIMEOUT passes
+  local p=$1 arm=$2
   until "$python" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$p/v1/models', timeout=5)" 2>/dev/null; do
     for pid in "${pids[@]}"; do
-      kill -0 "$pid" 2>/dev/null || { echo "a server exited before it answered; its log:" >&2; tail -n 30 "$out"/logs/*.log >&2; exit 1; }
+      kill -0 "$pid" 2>/dev/null || { echo "a server exited before it answered; its log:" >&2; tail -n 30 "$out/logs/$arm.log" >&2; exit 1; }
     done
     if ((SECONDS - t0 > ${START_TIMEOUT:-900})); then echo "servers not up after ${START_TIMEOUT:-900} s" >&2; exit 1; fi
     sleep 5
   done
-  echo "server on port $p up after $((SECONDS - t0)) s"
-done
+  echo "$arm server on port $p up after $((SECONDS - t0)) s"
+}
+# One after the other: vLLM sizes its KV cache from the memory it sees used while it profiles, so two
+# servers starting together on one GPU can count each other's allocations ("No available memory for
+# the cache blocks", seen on the H200).
+pids+=("$(serve vanilla "$port" VLLM_PLUGINS="$others")")
+wait_up "$port" vanilla
+pids+=("$(serve tuned $((port + 1)) VLLM_PLUGINS="${others:+$others,}tunekit" TUNEKIT_TABLE="$table" \
+  TUNEKIT_DISPATCH_LOG="$out/dispatch/tuned-{pid}.json")")
+wait_up $((port + 1)) tuned
 # shellcheck disable=SC2086  # SERVE_BENCH_ARGS is a list of options
 "$python" -m tunekit serve-bench --endpoint "vanilla=http://127.0.0.1:$port" \
   --endpoint "tuned=http://127.0.0.1:$((port + 1))" --table "$table" --out "$out" \
