@@ -279,8 +279,12 @@ def test_profile_tells_where_the_saving_came_from(fake: Path, tmp_path: Path) ->
         outside = row["profile_compare"]["outside_kernels_us"]
         assert outside["vanilla"] == pytest.approx(row["vanilla_tpot_ms"] * 1000 - 1800.0)
         assert outside["tuned"] == pytest.approx(row["tuned_tpot_ms"] * 1000 - 1420.0)
+        changed = row["profile_compare"]["kernels_changed"]  # the stub names one kernel per category
+        assert changed["vendor_gemm: vendor_gemm_kernel"]["saved_us"] == 1500.0
+        assert list(changed)[:2] == ["vendor_gemm: vendor_gemm_kernel", "tunekit_gemv: tunekit_gemv_kernel"]
     md = (out / "serve.md").read_text()
     assert "Kernel time per decode step" in md and "| 1 | vendor_gemm | 1500.0 | 0.0 | +1500.0 | 300 / 0 |" in md
+    assert "| 1 | `vendor_gemm: vendor_gemm_kernel` | 1500.0 | 0.0 | +1500.0 | 300 / 0 |" in md
     assert "| 1 | **kernels, all** |  |  | +380.0 |  |" in md
     # the profile is part of what a resume must match; a run without one keeps the old key
     with pytest.raises(UserError, match="other settings"):
@@ -297,7 +301,7 @@ def test_a_failing_profiler_keeps_the_timing_and_says_why(monkeypatch: pytest.Mo
 
     def no_kernels(run):  # CPU torch has no CUDA activity to profile: a profiler that sees no kernels
         run()
-        return {}
+        return {}, {}
 
     monkeypatch.setattr(profile, "profile_totals", no_kernels)
 
@@ -352,6 +356,11 @@ def test_kernel_categories_and_the_decode_step_difference(tmp_path: Path) -> Non
     step = profile.per_step(short, long, 8)
     assert step == {"copies": {"us": 1.0, "kernels": 1.0}, "tunekit_gemv": {"us": 3.0, "kernels": 1.0},
                     "vendor_gemm": {"us": 5.0, "kernels": 1.0}}
+    # by kernel name: what a category's change is made of, largest first
+    short, long = (profile.kernel_totals(profile.read_trace(p), by_name=True) for p in paths)
+    named = profile.top_kernels(profile.per_step(short, long, 8), n=2)
+    assert named == {"vendor_gemm: nvjet_tst_64x8": {"us": 5.0, "kernels": 1.0},
+                     "tunekit_gemv: _gemv_kernel": {"us": 3.0, "kernels": 1.0}}
 
 
 def test_stop_after_leaves_the_rest_to_a_rerun(fake: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

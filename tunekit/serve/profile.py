@@ -62,14 +62,23 @@ def categorize(name: str) -> str:
     return "other"
 
 
-def kernel_totals(trace: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """{category: {"us": summed duration, "kernels": count}} over a Chrome trace's device events."""
+#: kernels kept by name per profiled step (the largest by time): enough to name what a category's change is
+TOP_KERNELS = 40
+#: a kernel's name is cut to this many characters (C++ template names run to kilobytes)
+NAME_CHARS = 160
+
+
+def kernel_totals(trace: dict[str, Any], by_name: bool = False) -> dict[str, dict[str, float]]:
+    """{category: {"us": summed duration, "kernels": count}} over a Chrome trace's device events;
+    ``by_name``: keyed by ``"category: kernel name"`` instead (the name cut to NAME_CHARS)."""
     totals: dict[str, dict[str, float]] = {}
     for event in trace.get("traceEvents", []):
         if not isinstance(event, dict) or event.get("ph") != "X" or event.get("cat") not in _DEVICE_CATS:
             continue
-        category = _DEVICE_CATS[event["cat"]] or categorize(str(event.get("name", "")))
-        slot = totals.setdefault(category, {"us": 0.0, "kernels": 0})
+        name = str(event.get("name", ""))
+        category = _DEVICE_CATS[event["cat"]] or categorize(name)
+        key = f"{category}: {name[:NAME_CHARS]}" if by_name else category
+        slot = totals.setdefault(key, {"us": 0.0, "kernels": 0})
         slot["us"] += float(event.get("dur", 0.0))
         slot["kernels"] += 1
     return totals
@@ -91,8 +100,14 @@ def per_step(short: dict[str, dict[str, float]], long: dict[str, dict[str, float
     return out
 
 
-def profile_totals(run: Callable[[], Any]) -> dict[str, dict[str, float]]:
-    """Kernel totals of everything ``run()`` puts on the GPU (torch's profiler, CUDA activity only)."""
+def top_kernels(step: dict[str, dict[str, float]], n: int = TOP_KERNELS) -> dict[str, dict[str, float]]:
+    """The ``n`` entries of a per-step by-name difference with the most time."""
+    return dict(sorted(step.items(), key=lambda kv: -abs(kv[1]["us"]))[:n])
+
+
+def profile_totals(run: Callable[[], Any]) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """Kernel totals of everything ``run()`` puts on the GPU (torch's profiler, CUDA activity only), per
+    category and per kernel name."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -103,7 +118,8 @@ def profile_totals(run: Callable[[], Any]) -> dict[str, dict[str, float]]:
     os.close(fd)
     try:
         prof.export_chrome_trace(name)
-        return kernel_totals(read_trace(Path(name)))
+        trace = read_trace(Path(name))
+        return kernel_totals(trace), kernel_totals(trace, by_name=True)
     finally:
         os.unlink(name)
 
@@ -111,11 +127,12 @@ def profile_totals(run: Callable[[], Any]) -> dict[str, dict[str, float]]:
 def decode_step_profile(generate: Callable[[int], Any], steps: int) -> dict[str, Any]:
     """``generate(n)`` runs one generate of n new tokens at the measured batch size. Returns the step's
     kernel time and count per category, their total (``busy_us``), and the raw totals of both runs."""
-    short = profile_totals(lambda: generate(1))
-    long = profile_totals(lambda: generate(1 + steps))
+    short, short_names = profile_totals(lambda: generate(1))
+    long, long_names = profile_totals(lambda: generate(1 + steps))
     step = per_step(short, long, steps)
     return {"steps": steps, "per_step": step, "busy_us": sum(c["us"] for c in step.values()),
-            "kernels": sum(c["kernels"] for c in step.values()), "short": short, "long": long}
+            "kernels": sum(c["kernels"] for c in step.values()), "short": short, "long": long,
+            "by_kernel": top_kernels(per_step(short_names, long_names, steps))}
 
 
 def arm_profile(rows: Iterable[dict[str, Any] | None]) -> dict[str, Any] | None:
@@ -131,8 +148,12 @@ def arm_profile(rows: Iterable[dict[str, Any] | None]) -> dict[str, Any] | None:
         values = [p["per_step"].get(c, {"us": 0.0, "kernels": 0.0}) for p in profiles]
         step[c] = {"us": statistics.median(v["us"] for v in values),
                    "kernels": statistics.median(v["kernels"] for v in values)}
+    names = sorted({k for p in profiles for k in p.get("by_kernel", {})})
+    by_kernel = {k: {"us": statistics.median(p.get("by_kernel", {}).get(k, zero)["us"] for p in profiles),
+                     "kernels": statistics.median(p.get("by_kernel", {}).get(k, zero)["kernels"] for p in profiles)}
+                 for k in names for zero in ({"us": 0.0, "kernels": 0.0},)}
     return {"processes": len(profiles), "per_step": step, "busy_us": statistics.median(p["busy_us"] for p in profiles),
-            "kernels": statistics.median(p["kernels"] for p in profiles)}
+            "kernels": statistics.median(p["kernels"] for p in profiles), "by_kernel": by_kernel}
 
 
 def compare(vanilla: dict[str, Any] | None, tuned: dict[str, Any] | None,
@@ -150,5 +171,14 @@ def compare(vanilla: dict[str, Any] | None, tuned: dict[str, Any] | None,
         row["saved_us"] = row["vanilla_us"] - row["tuned_us"]
     outside = {arm: (tpot_ms[arm] * 1000.0 - prof["busy_us"]) if tpot_ms.get(arm) else None
                for arm, prof in (("vanilla", vanilla), ("tuned", tuned))}
+    names = set(vanilla.get("by_kernel", {})) | set(tuned.get("by_kernel", {}))
+    by_kernel = {k: {"vanilla_us": vanilla.get("by_kernel", {}).get(k, zero)["us"],
+                     "tuned_us": tuned.get("by_kernel", {}).get(k, zero)["us"],
+                     "vanilla_kernels": vanilla.get("by_kernel", {}).get(k, zero)["kernels"],
+                     "tuned_kernels": tuned.get("by_kernel", {}).get(k, zero)["kernels"]} for k in names}
+    for row in by_kernel.values():
+        row["saved_us"] = row["vanilla_us"] - row["tuned_us"]
+    # the kernels whose time changed most between the arms: what a category's change is made of
+    changed = dict(sorted(by_kernel.items(), key=lambda kv: -abs(kv[1]["saved_us"]))[:20])
     return {"categories": rows, "kernel_saved_us": vanilla["busy_us"] - tuned["busy_us"],
-            "outside_kernels_us": outside}
+            "outside_kernels_us": outside, "kernels_changed": changed}

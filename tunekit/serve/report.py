@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from tunekit.serve import ARMS
+from tunekit.serve.profile import TOP_KERNELS
 
 EVIDENCE = ("end-to-end measurement in vLLM (the served-model layer of evidence): the whole decode step with "
             "attention, recurrence, sampling and the scheduler, one engine per process, arms alternated over "
@@ -115,6 +116,19 @@ def profile_table(serve: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return head, rows
 
 
+def kernel_changes_table(serve: dict[str, Any], n: int = 10) -> tuple[list[str], list[list[str]]]:
+    """Per batch size, the ``n`` kernels whose time per decode step changed most from vanilla to tuned."""
+    head = ["B", "category: kernel", "vanilla us/step", "tuned us/step", "saved us", "kernels/step vanilla / tuned"]
+    rows = []
+    for r in serve["batches"]:
+        changed = (r.get("profile_compare") or {}).get("kernels_changed") or {}
+        for name, c in list(changed.items())[:n]:
+            rows.append([str(r["batch"]), f"`{name.replace('|', '/').replace('`', '')}`", _f(c["vanilla_us"], ".1f"),
+                         _f(c["tuned_us"], ".1f"), _f(c["saved_us"], "+.1f"),
+                         f"{c['vanilla_kernels']:.0f} / {c['tuned_kernels']:.0f}"])
+    return head, rows
+
+
 def write_markdown(serve: dict[str, Any], path: Path) -> Path:
     """The report section: settings, TPOT per arm, prediction vs measurement, coverage, agreement, notes."""
     s = serve.get("settings", {})
@@ -170,6 +184,10 @@ def write_markdown(serve: dict[str, Any], path: Path) -> Path:
                   f"a 1-token and a {_f(1 + steps if steps else None, 'd')}-token generate over {steps} steps; median "
                   "over processes). `saved` = vanilla - tuned; the `outside kernels` row is TPOT minus the step's "
                   "kernel time (launch gaps, host work), so kernel time + outside = TPOT.", "", _md_table(*prof)]
+        changes = kernel_changes_table(serve)
+        if changes[1]:
+            lines += ["", "The kernels whose time per decode step changed most (by name, among each process's "
+                      f"{TOP_KERNELS} largest):", "", _md_table(*changes)]
     if serve.get("notes"):
         lines += ["", "Notes:", ""] + [f"- {n}" for n in serve["notes"]]
     if path.with_suffix(".png").exists():

@@ -193,7 +193,8 @@ def main() -> int:
     def profile_totals(run) -> dict:  # torch's profiler of the stub engine: its KERNELS for the tokens asked
         run()
         arm, tokens = LLM.last
-        return {c: {"us": 50.0 + tokens * us, "kernels": 10 + tokens * k} for c, (us, k) in KERNELS[arm].items()}
+        cats = {c: {"us": 50.0 + tokens * us, "kernels": 10 + tokens * k} for c, (us, k) in KERNELS[arm].items()}
+        return cats, {f"{c}: {c}_kernel": v for c, v in cats.items()}  # one kernel name per category
 
     from tunekit.serve import profile
     profile.profile_totals = profile_totals
