@@ -614,9 +614,10 @@ def test_an_entry_whose_config_cannot_run_a_smaller_m_is_a_reasoned_fallback(tmp
 # ----------------------------------------------------------------------------- default-config kernel
 
 
-def _gemma_table(tmp_path: Path, n: int = 64) -> None:
-    """Gemma norms of width ``n`` tabulated at M=4 (Triton): M=9 is above the table."""
-    entries = [_entry("gemma_rms_norm", 4, n, n, params={}), _entry("gemma_fused_add_rms_norm", 4, n, n, params={})]
+def _gemma_table(tmp_path: Path, n: int = 64, backend: str = "triton", params: dict | None = None) -> None:
+    """Gemma norms of width ``n`` tabulated at M=4 (Triton unless ``backend``): M=9 is above the table."""
+    entries = [_entry("gemma_rms_norm", 4, n, n, backend, params=params or {}),
+               _entry("gemma_fused_add_rms_norm", 4, n, n, backend, params=params or {})]
     ops.load_tables(str(make_table(tmp_path / "gemma.json", entries)))
 
 
@@ -652,7 +653,8 @@ def _count_builds(monkeypatch) -> list[tuple]:
 @pytest.mark.parametrize("width", [64, 1536])  # one pass, and the default BLOCK_N=1024's chunked two passes
 def test_gemma_norm_above_the_table_without_a_vendor_kernel_runs_the_default_config_kernel(
         tmp_path: Path, monkeypatch, width: int) -> None:
-    _gemma_table(tmp_path, width)
+    # the table's entries are HIP's: no Triton config of the shape to borrow, so the family's default serves
+    _gemma_table(tmp_path, width, backend="hip", params={"THREADS_PER_ROW": 64, "ROWS_PER_BLOCK": 1, "VEC": 1})
     built = _count_builds(monkeypatch)
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(9, width, generator=gen).bfloat16()
@@ -681,6 +683,40 @@ def test_gemma_norm_above_the_table_without_a_vendor_kernel_runs_the_default_con
     assert got == {("gemma_rms_norm", 9, "fallback:m_above_table", ops.DEFAULT_VENDOR): 3,
                    ("gemma_fused_add_rms_norm", 9, "fallback:m_above_table", ops.DEFAULT_VENDOR): 2}
     assert ops.DEFAULT_VENDOR in ops.dispatch_log()["default_vendor"]
+
+
+@pytest.mark.skipif(not _triton_has_kernels(), reason="kernels_triton has no elementwise kernels yet")
+def test_above_the_table_the_fallback_kernel_borrows_the_nearest_tuned_config(tmp_path: Path, monkeypatch) -> None:
+    """A row op computes each row alone, so the Triton config tuned at M=4 for this shape serves M=9 (the
+    search measured the generic default slower than Inductor; the tuned one-pass configs faster). A
+    config that cannot run the call's M leaves the generic default."""
+    from tunekit import backends
+
+    tuned = {"BLOCK_N": 2048, "ROWS": 2, "num_warps": 2}
+    _gemma_table(tmp_path, 1536, params=tuned)
+    built = _count_builds(monkeypatch)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(9, 1536, generator=gen).bfloat16()
+    w = (torch.randn(1536, generator=gen) * 0.3).bfloat16()
+    y = torch.ops.tunekit.gemma_rms_norm(x, w, ops.DEFAULT_EPS)
+    assert _within_op_bound("gemma_rms_norm", (y,), (), (x, w))
+    assert built == [("gemma_rms_norm", 9, tuple(sorted((tuned | {"VLLM_ROUNDING": 1}).items())))]
+    assert {(r["m"], r["impl"], r["vendor"]) for r in ops.dispatch_stats()} == {
+        (9, "fallback:m_above_table", ops.DEFAULT_VENDOR)}
+    backend = backends.get("triton")
+    check = backend.invalid_reason
+    monkeypatch.setattr(backend, "invalid_reason",
+                        lambda problem, params: "no" if params.get("BLOCK_N") == 2048 else check(problem, params))
+    y = torch.ops.tunekit.gemma_rms_norm(x[:7], w, ops.DEFAULT_EPS)
+    assert _within_op_bound("gemma_rms_norm", (y,), (), (x[:7], w))
+    default = {"BLOCK_N": 1024, "ROWS": 1, "num_warps": 4, "VLLM_ROUNDING": 1}  # search_spaces' default + fixed
+    assert built[1:] == [("gemma_rms_norm", 7, tuple(sorted(default.items())))]
+    # the nearest M below the call's is preferred, then the nearest above
+    entries = [{"op": "rms_norm", "dtype": "bf16", "n": 8, "k": 8, "m": m, "backend": "triton", "params": {"M": m}}
+               for m in (1, 4, 16)]
+    assert [elementwise._nearest_config(entries, "rms_norm", "bf16", m, 8, 8, "triton") for m in (2, 9, 32)] == [
+        {"M": 1}, {"M": 4}, {"M": 16}]
+    assert elementwise._nearest_config(entries, "rms_norm", "bf16", 2, 8, 8, "hip") is None
 
 
 @pytest.mark.skipif(not _triton_has_kernels(), reason="kernels_triton has no elementwise kernels yet")

@@ -94,8 +94,9 @@ def dispatch_log() -> dict[str, Any]:
         "fallback_reasons": FALLBACK_REASONS,
         "vendors": vendor_kernels(),
         "eager_vendors": EAGER_VENDORS,
-        "default_vendor": {DEFAULT_VENDOR: "tunekit's Triton kernel at the op's default config (valid for every "
-                                           "M), serving an elementwise fallback that has no vendor kernel"},
+        "default_vendor": {DEFAULT_VENDOR: "tunekit's Triton kernel at the config of the table's nearest-M Triton "
+                                           "entry for the shape, else the op's default config (valid for every M), "
+                                           "serving an elementwise fallback that has no vendor kernel first"},
         "calls": dispatch_stats(),
     }
 

@@ -56,7 +56,8 @@ FALLBACK_REASONS: dict[str, str] = {
     "kernel_error": "the tuned kernel raised at launch (logged once; the key stays on the vendor path)",
 }
 
-#: The ``vendor`` of an elementwise fallback served by tunekit's Triton kernel at the op's default config.
+#: The ``vendor`` of an elementwise fallback served by tunekit's Triton kernel at a config valid for every M:
+#: the table's nearest-M Triton entry for the shape, else the op's default config.
 DEFAULT_VENDOR = "tunekit:triton-default"
 
 #: The ``vendor`` of a fallback row when tunekit's own PyTorch composition served it (elementwise ops).
