@@ -2,13 +2,15 @@
 # The served A/B against real `vllm serve` processes: a vanilla server (tunekit's plugin left out of
 # VLLM_PLUGINS) and a tuned one (plugin + TUNEKIT_TABLE) side by side on one GPU, then
 # `tunekit serve-bench --endpoint` against both; the servers are stopped at the end (SIGINT: each
-# writes its TUNEKIT_DISPATCH_LOG at exit).
+# writes its TUNEKIT_DISPATCH_LOG at exit; --shutdown-timeout, where vLLM has it, lets the engine core
+# exit cleanly too) and `serve-bench --report-only` adds the tuned server's dispatch coverage.
 #
 #   benchmarks/endpoint_ab.sh PYTHON MODEL_DIR TABLE OUT_DIR [vllm serve options...]
 #
 # PYTHON: the interpreter with vLLM (and tunekit importable); MODEL_DIR: a folder with config.json
 # (dummy weights, no tokenizer: `tunekit serve-bench --model NAME` writes one under OUT/model);
 # SERVE_BENCH_ARGS: extra serve-bench options (default: --concurrency 1,8 --tokens 128 --repeats 5);
+# SHUTDOWN_TIMEOUT: seconds a stopping server drains (default 30, where vLLM has --shutdown-timeout);
 # GPU_SHARE: each server's --gpu-memory-utilization (default 0.4); START_TIMEOUT: seconds to wait
 # for both servers (default 900); PORT: the vanilla server's port (tuned: PORT + 1; default 8100).
 set -euo pipefail
@@ -30,6 +32,13 @@ serve() {  # serve ARM PORT [ENV=VALUE...]
   echo $!
 }
 serve_args=("$@")
+# vLLM's drain mode (0.26's --shutdown-timeout): without it a stopped server kills its engine core before
+# the core's exit hooks run, and the dispatch log of the process that ran the model is lost
+if "$python" -c "import dataclasses, sys
+from vllm.engine.arg_utils import EngineArgs
+sys.exit(0 if 'shutdown_timeout' in {f.name for f in dataclasses.fields(EngineArgs)} else 1)" 2>/dev/null; then
+  serve_args=(--shutdown-timeout "${SHUTDOWN_TIMEOUT:-30}" "${serve_args[@]}")
+fi
 pids=()
 stop() {
   for pid in "${pids[@]}"; do kill -INT -- "-$pid" 2>/dev/null || true; done
@@ -63,3 +72,7 @@ wait_up $((port + 1)) tuned
 "$python" -m tunekit serve-bench --endpoint "vanilla=http://127.0.0.1:$port" \
   --endpoint "tuned=http://127.0.0.1:$((port + 1))" --table "$table" --out "$out" \
   ${SERVE_BENCH_ARGS:---concurrency 1,8 --tokens 128 --repeats 5}
+# the servers write their dispatch logs as they stop; then the report gains the tuned server's coverage
+stop
+trap - EXIT
+"$python" -m tunekit serve-bench --report-only --out "$out"

@@ -645,11 +645,33 @@ def test_endpoint_script_starts_both_servers_runs_the_ab_and_stops_them(tmp_path
         argv = server["argv"]
         assert argv[1] == str(model_dir) and argv[-2:] == ["--gdn-prefill-backend", "triton"]
         assert argv[argv.index("--load-format") + 1] == "dummy" and "--skip-tokenizer-init" in argv
-    # stopped by SIGINT: the tuned server wrote its dispatch log on the way out
+        assert argv[argv.index("--shutdown-timeout") + 1] == "30"  # feature-detected: the engine core drains
+    # stopped by SIGINT: the tuned server wrote its dispatch log on the way out, and the report merged it
     assert [p.name for p in (out / "dispatch").iterdir()] == [f"tuned-{tuned['pid']}.json"]
     serve = json.loads((out / "serve.json").read_text())
     assert serve["mode"] == "endpoint" and [b["batch"] for b in serve["batches"]] == [1, 2]
     assert all(b["speedup"] > 1.3 for b in serve["batches"])  # the tuned stand-in decodes twice as fast
+    assert [b["coverage"]["tuned"]["tuned_calls"] for b in serve["batches"]] == [64, 64]
+    assert endpoint.NOTE_NO_COVERAGE not in serve["notes"] and "Dispatch coverage" in (out / "serve.md").read_text()
+
+
+def test_endpoint_report_says_when_the_dispatch_logs_hold_no_call(tmp_path: Path) -> None:
+    """A server stopped without draining leaves its API process's log only (no call): the report says so;
+    no log at all keeps the note that says how to add it."""
+    # the H200's `vllm serve` A/B (vLLM 0.26.0, stopped without draining): its API server's log, 0 calls
+    recorded = REPO / "benchmarks" / "results" / "h200-serve-fallbacks-34a4b7f" / "endpoint-llama-a4366bc"
+    (tmp_path / "serve.json").write_text((recorded / "serve.json").read_text())
+    got = bench.report_dir(tmp_path, log=lambda s: None)  # --report-only on an endpoint folder
+    assert endpoint.NOTE_NO_COVERAGE in got["notes"] and all(b["coverage"] is None for b in got["batches"])
+    assert [round(b["speedup"], 4) for b in got["batches"]] == [1.1255, 0.9696, 0.9686]  # the figures are kept
+    (tmp_path / "dispatch").mkdir()
+    for log in (recorded / "dispatch").iterdir():
+        (tmp_path / "dispatch" / log.name).write_text(log.read_text())
+    got = bench.report_dir(tmp_path, log=lambda s: None)
+    assert "no call counted" in got["notes"][-1] and endpoint.NOTE_NO_COVERAGE not in got["notes"]
+    count = len(got["notes"])
+    got = bench.report_dir(tmp_path, log=lambda s: None)
+    assert len(got["notes"]) == count  # rebuilt again: the note is replaced, not repeated
 
 
 def test_endpoint_errors() -> None:

@@ -499,6 +499,11 @@ def report_dir(out_dir: Path, tol: float = DEFAULT_TOL, log: Callable[[str], Non
     from tunekit.serve.report import write_markdown, write_plot
 
     out_dir = Path(out_dir)
+    if not (out_dir / SETTINGS_FILE).is_file() and (out_dir / "serve.json").is_file():
+        from tunekit.serve import endpoint  # an --endpoint folder: its report, with the servers' coverage
+
+        if load_json(out_dir / "serve.json", "serve-bench report").get("mode") == "endpoint":
+            return endpoint.add_coverage(out_dir, log)
     key = load_json(out_dir / SETTINGS_FILE, "serve-bench settings")
     results = {arm: docs for arm, docs in load_runs(out_dir / "runs").items() if arm in key["arms"]}
     if not results:

@@ -30,7 +30,15 @@ from typing import Any
 
 from tunekit.errors import UserError
 from tunekit.serve import ARMS
-from tunekit.serve.analysis import FORMAT, merged_table, pair_ratios, predicted_saving_us
+from tunekit.serve.analysis import (
+    FORMAT,
+    coverage_at,
+    load_json,
+    merge_dispatch,
+    merged_table,
+    pair_ratios,
+    predicted_saving_us,
+)
 from tunekit.serve.runner import make_prompts
 
 
@@ -205,8 +213,46 @@ def summarize_endpoints(rounds: dict[str, list[dict[str, Any]]], endpoints: dict
             "served_model": {arm: rs[0]["model"] for arm, rs in rounds.items() if rs}, "device": None,
             "vllm": None, "torch": None, "tunekit_commit": settings.get("tunekit_commit"), "settings": settings,
             "tables": [p for p, _ in tables], "arms": rounds, "batches": batches,
-            "notes": ["endpoint mode: no dispatch coverage or logprob agreement here (each server writes its own "
-                      "TUNEKIT_DISPATCH_LOG at exit); TPOT is client-side, streaming chunks may group tokens"]}
+            "notes": [NOTE_TPOT, NOTE_NO_COVERAGE]}
+
+
+NOTE_TPOT = "endpoint mode: no logprob agreement here; TPOT is client-side, streaming chunks may group tokens"
+NOTE_NO_COVERAGE = ("no dispatch coverage yet: each server writes its TUNEKIT_DISPATCH_LOG at exit; stop the "
+                    "servers, then `tunekit serve-bench --report-only --out DIR` adds it (benchmarks/endpoint_ab.sh "
+                    "does)")
+
+
+def add_coverage(out_dir: Any, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Rebuild an endpoint folder's report with the dispatch coverage of the tuned server(s): the
+    ``DIR/dispatch/tuned-*.json`` files the servers wrote at exit, merged, at M = C per concurrency
+    (C concurrent requests decode at M <= C: the M = C rows are the full-batch steps)."""
+    from pathlib import Path
+
+    from tunekit.serve.report import write_markdown, write_plot
+
+    out = Path(out_dir)
+    serve = load_json(out / "serve.json", "serve-bench endpoint report")
+    logs = [load_json(p, "dispatch log") for p in sorted((out / "dispatch").glob("tuned-*.json"))]
+    coverage = merge_dispatch(logs) if logs else None
+    notes = [n for n in serve.get("notes", []) if n not in (NOTE_NO_COVERAGE,) and not n.startswith("dispatch log")]
+    if coverage is None:
+        notes.append(NOTE_NO_COVERAGE)
+    elif not coverage["rows"]:
+        notes.append(f"dispatch logs: {len(logs)} file(s), no call counted: the process that ran the model (vLLM's "
+                     "engine core) wrote none. vLLM stops it without exit hooks unless `--shutdown-timeout` lets "
+                     "it drain")
+    else:
+        notes.append(f"dispatch logs: {len(logs)} file(s) of the tuned server merged; coverage at M = C")
+    for row in serve["batches"]:
+        row["coverage"] = {"tuned": coverage_at(coverage, int(row["batch"]))} if coverage and coverage["rows"] \
+            else None
+    serve["coverage"] = {"tuned": coverage} if coverage else {}
+    serve["notes"] = notes
+    (out / "serve.json").write_text(json.dumps(serve, indent=1, default=str) + "\n")
+    write_plot(serve, out / "serve.png")
+    md = write_markdown(serve, out / "serve.md")
+    log(f"{notes[-1]}; wrote {out / 'serve.json'}, {md}")
+    return serve
 
 
 def run(endpoints: dict[str, str], out_dir: Any, concurrency: Sequence[int] = (1, 4, 8), tokens: int = 128,
