@@ -151,11 +151,67 @@ def test_two_searches_sharing_one_storage_both_finish_and_fail_none_of_the_other
     # of measuring a second one (and never failed it), then read the same final re-measure
     assert len(measured) == 1, [(t.number, t.user_attrs.get("owner")) for t in trials.values()]
     finals = _final_claims(db)
-    assert [t["status"] for t in finals] == ["ok"], [
-        (t["study"], t["number"], t["state"], t["status"], t.get("owner"), t.get("worker")) for t in finals]
+    # one final re-measure: exactly one claim "ok"; a search that asked at the same moment lost its claim
+    # (the protocol's answer to that race, PRUNED with status claim_lost), in the same final study
+    why = [(t["study"], t["number"], t["state"], t["status"], t.get("owner"), t.get("worker")) for t in finals]
+    assert [t["status"] for t in finals].count("ok") == 1, why
+    assert all(t["status"] == "claim_lost" and t["state"] == "PRUNED" for t in finals if t["status"] != "ok"), why
+    assert len({t["study"] for t in finals}) == 1, why
     for run in ("a", "b"):
         assert (tmp_path / run / "trials.csv").is_file() and (tmp_path / run / "table.json").is_file()
     assert (tmp_path / "a" / "final.csv").read_text() == (tmp_path / "b" / "final.csv").read_text()
+
+
+def test_a_tuning_trial_told_while_a_search_reads_the_final_candidates_opens_no_second_final(
+        tmp_path, monkeypatch) -> None:
+    # The interleaving of the two searches above, step by step: search A's trial stores ``measured``
+    # before it is told, so B's trial phase is over while it is still RUNNING; B reads the final
+    # candidates (no trial of A's yet) and A's tell lands before B looks for tuning trials in flight.
+    # B must not claim a final keyed by the candidates it read: A claims the one with its trial in it.
+    from types import SimpleNamespace
+
+    from tunekit.search import engine
+    from tunekit.shapes import Problem
+
+    storage = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'shared.db'}")
+    problem = Problem("gemv", "bf16", 1, 24, 64)
+    tuning = optuna.create_study(study_name=engine.study_name("cpu", problem, "triton", "bounded"),
+                                 storage=storage, direction="minimize")
+    in_flight = tuning.ask({"BLOCK_N": optuna.distributions.CategoricalDistribution([4, 8])})
+    for key, value in (("owner", "elsewhere:1"), ("worker", "elsewhere:1:gpu0"), ("measured", True),
+                       ("status", "ok")):
+        in_flight.set_user_attr(key, value)
+
+    def run_of(name: str) -> SimpleNamespace:
+        return SimpleNamespace(cfg=SimpleNamespace(numerics="bounded"), storage=storage, device={"arch": "cpu"},
+                               usable=["triton"], extra=[], probe={}, stamp_text="", name=name)
+
+    def ctx_of(name: str) -> SimpleNamespace:
+        live = SimpleNamespace(begin=lambda trial: trial.set_user_attr("owner", name), end=lambda: None)
+        return SimpleNamespace(live=live, device={})
+
+    read = engine._final_candidates
+    calls = []
+
+    def candidates_then_a_tells(run, problem):
+        candidates = read(run, problem)
+        calls.append(run.name)
+        if len(calls) == 1:  # B's first read: A's tell lands right after it
+            tuning.tell(in_flight.number, 1.0)
+        return candidates
+
+    monkeypatch.setattr(engine, "_final_candidates", candidates_then_a_tells)
+    monkeypatch.setattr(engine, "_final_remeasure", lambda run, ctx, problem, candidates: [
+        {"label": c["label"], "time_us": 1.0, "measured_by": run.name} for c in candidates])
+
+    b_first = engine._final_step(run_of("B"), ctx_of("B"), problem)
+    a_rows = engine._final_step(run_of("A"), ctx_of("A"), problem)
+    b_rows = engine._final_step(run_of("B"), ctx_of("B"), problem)
+    claims = _final_claims(tmp_path / "shared.db")
+    assert [c["status"] for c in claims] == ["ok"], [
+        (c["study"], c["number"], c["state"], c["status"], c.get("owner")) for c in claims]
+    assert b_first is None and a_rows == b_rows
+    assert [r["label"] for r in a_rows] == ["vendor", f"triton#{in_flight.number}"]
 
 
 def test_ctrl_c_exits_130_with_one_line_and_a_rerun_resumes(tmp_path) -> None:

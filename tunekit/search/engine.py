@@ -550,6 +550,11 @@ def _final_step(run: _Run, ctx: _WorkerContext, problem: Problem) -> list[dict[s
         _fail_dead_trials(tuning, storage)
         if tuning.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             return None
+    # the candidates were read before that check: a trial told since (its ``measured`` is stored before
+    # its state, so another search's trial phase may already be over) changes the top, and claiming
+    # ``name`` now would open a second final for this problem next to the one its teller claims
+    if fleet.final_study_name(run.device["arch"], problem.key, cfg.numerics, _final_candidates(run, problem)) != name:
+        return None
     with _stops_deferred(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
         trial = study.ask()
