@@ -285,6 +285,8 @@ def test_profile_tells_where_the_saving_came_from(fake: Path, tmp_path: Path) ->
     md = (out / "serve.md").read_text()
     assert "Kernel time per decode step" in md and "| 1 | vendor_gemm | 1500.0 | 0.0 | +1500.0 | 300 / 0 |" in md
     assert "| 1 | `vendor_gemm: vendor_gemm_kernel` | 1500.0 | 0.0 | +1500.0 | 300 / 0 |" in md
+    # the host ops of the 1-token generate: what the tuned arm's prefill spends beyond vanilla's
+    assert "| 1 | `tunekit::gemv` | 0.000 | 2.000 | 0 / 10 |" in md
     assert "| 1 | **kernels, all** |  |  | +380.0 |  |" in md
     # the profile is part of what a resume must match; a run without one keeps the old key
     with pytest.raises(UserError, match="other settings"):
@@ -304,6 +306,7 @@ def test_a_failing_profiler_keeps_the_timing_and_says_why(monkeypatch: pytest.Mo
         return {}, {}
 
     monkeypatch.setattr(profile, "profile_totals", no_kernels)
+    monkeypatch.setattr(profile, "host_profile", lambda run: (run(), {})[1])
 
     def broken(n: int) -> None:
         raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED")
@@ -361,6 +364,9 @@ def test_kernel_categories_and_the_decode_step_difference(tmp_path: Path) -> Non
     named = profile.top_kernels(profile.per_step(short, long, 8), n=2)
     assert named == {"vendor_gemm: nvjet_tst_64x8": {"us": 5.0, "kernels": 1.0},
                      "tunekit_gemv: _gemv_kernel": {"us": 3.0, "kernels": 1.0}}
+    # host ops: cpu_op events by name, inclusive time, largest first
+    host = profile.host_totals(profile.read_trace(paths[1]), n=1)
+    assert host == {"aten::mm": {"us": 99.0, "calls": 1}}
 
 
 def test_stop_after_leaves_the_rest_to_a_rerun(fake: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -124,15 +124,52 @@ def profile_totals(run: Callable[[], Any]) -> tuple[dict[str, dict[str, float]],
         os.unlink(name)
 
 
+#: host ops kept by name from the profiled 1-token generate (the largest by inclusive time)
+TOP_HOST_OPS = 30
+
+
+def host_totals(trace: dict[str, Any], n: int = TOP_HOST_OPS) -> dict[str, dict[str, float]]:
+    """{op name: {"us": summed inclusive CPU time, "calls": count}} of a trace's ``cpu_op`` events, the
+    ``n`` largest. Inclusive: a nested op counts in its parent too, so compare a name across arms, not
+    names with each other."""
+    totals: dict[str, dict[str, float]] = {}
+    for event in trace.get("traceEvents", []):
+        if isinstance(event, dict) and event.get("ph") == "X" and event.get("cat") == "cpu_op":
+            slot = totals.setdefault(str(event.get("name", ""))[:NAME_CHARS], {"us": 0.0, "calls": 0})
+            slot["us"] += float(event.get("dur", 0.0))
+            slot["calls"] += 1
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]["us"])[:n])
+
+
+def host_profile(run: Callable[[], Any]) -> dict[str, dict[str, float]]:
+    """The host ops of ``run()`` (torch's profiler, CPU activity only, so the kernel profiles stay free of
+    its overhead): where a prefill's time goes when its kernels take the same time in both arms."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+        torch.cuda.synchronize()
+    fd, name = tempfile.mkstemp(suffix=".json", prefix="tunekit-host-trace-")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(name)
+        return host_totals(read_trace(Path(name)))
+    finally:
+        os.unlink(name)
+
+
 def decode_step_profile(generate: Callable[[int], Any], steps: int) -> dict[str, Any]:
     """``generate(n)`` runs one generate of n new tokens at the measured batch size. Returns the step's
-    kernel time and count per category, their total (``busy_us``), and the raw totals of both runs."""
+    kernel time and count per category, their total (``busy_us``), the raw totals of both runs, the
+    kernels by name, and the host ops of a third, CPU-profiled 1-token generate (``prefill_host``)."""
     short, short_names = profile_totals(lambda: generate(1))
     long, long_names = profile_totals(lambda: generate(1 + steps))
     step = per_step(short, long, steps)
     return {"steps": steps, "per_step": step, "busy_us": sum(c["us"] for c in step.values()),
             "kernels": sum(c["kernels"] for c in step.values()), "short": short, "long": long,
-            "by_kernel": top_kernels(per_step(short_names, long_names, steps))}
+            "by_kernel": top_kernels(per_step(short_names, long_names, steps)),
+            "prefill_host": host_profile(lambda: generate(1))}
 
 
 def arm_profile(rows: Iterable[dict[str, Any] | None]) -> dict[str, Any] | None:
@@ -152,8 +189,13 @@ def arm_profile(rows: Iterable[dict[str, Any] | None]) -> dict[str, Any] | None:
     by_kernel = {k: {"us": statistics.median(p.get("by_kernel", {}).get(k, zero)["us"] for p in profiles),
                      "kernels": statistics.median(p.get("by_kernel", {}).get(k, zero)["kernels"] for p in profiles)}
                  for k in names for zero in ({"us": 0.0, "kernels": 0.0},)}
+    hosts = sorted({k for p in profiles for k in p.get("prefill_host", {})})
+    prefill_host = {k: {"us": statistics.median(p.get("prefill_host", {}).get(k, {"us": 0.0})["us"] for p in profiles),
+                        "calls": statistics.median(p.get("prefill_host", {}).get(k, {"calls": 0})["calls"]
+                                                   for p in profiles)} for k in hosts}
     return {"processes": len(profiles), "per_step": step, "busy_us": statistics.median(p["busy_us"] for p in profiles),
-            "kernels": statistics.median(p["kernels"] for p in profiles), "by_kernel": by_kernel}
+            "kernels": statistics.median(p["kernels"] for p in profiles), "by_kernel": by_kernel,
+            "prefill_host": prefill_host}
 
 
 def compare(vanilla: dict[str, Any] | None, tuned: dict[str, Any] | None,
@@ -180,5 +222,13 @@ def compare(vanilla: dict[str, Any] | None, tuned: dict[str, Any] | None,
         row["saved_us"] = row["vanilla_us"] - row["tuned_us"]
     # the kernels whose time changed most between the arms: what a category's change is made of
     changed = dict(sorted(by_kernel.items(), key=lambda kv: -abs(kv[1]["saved_us"]))[:20])
+    zero_host = {"us": 0.0, "calls": 0.0}
+    hv, ht = vanilla.get("prefill_host", {}), tuned.get("prefill_host", {})
+    host = {k: {"vanilla_us": hv.get(k, zero_host)["us"], "tuned_us": ht.get(k, zero_host)["us"],
+                "vanilla_calls": hv.get(k, zero_host)["calls"], "tuned_calls": ht.get(k, zero_host)["calls"]}
+            for k in set(hv) | set(ht)}
+    # the host ops of the 1-token generate whose time changed most (a name in one arm's top only counts
+    # 0 in the other: read it as "at least")
+    host_changed = dict(sorted(host.items(), key=lambda kv: -abs(kv[1]["tuned_us"] - kv[1]["vanilla_us"]))[:15])
     return {"categories": rows, "kernel_saved_us": vanilla["busy_us"] - tuned["busy_us"],
-            "outside_kernels_us": outside, "kernels_changed": changed}
+            "outside_kernels_us": outside, "kernels_changed": changed, "prefill_host_changed": host_changed}

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from tunekit.serve import ARMS
-from tunekit.serve.profile import TOP_KERNELS
+from tunekit.serve.profile import TOP_HOST_OPS, TOP_KERNELS
 
 EVIDENCE = ("end-to-end measurement in vLLM (the served-model layer of evidence): the whole decode step with "
             "attention, recurrence, sampling and the scheduler, one engine per process, arms alternated over "
@@ -129,6 +129,19 @@ def kernel_changes_table(serve: dict[str, Any], n: int = 10) -> tuple[list[str],
     return head, rows
 
 
+def prefill_host_table(serve: dict[str, Any], n: int = 10) -> tuple[list[str], list[list[str]]]:
+    """Per batch size, the host ops of the 1-token generate whose inclusive CPU time changed most."""
+    head = ["B", "host op", "vanilla ms", "tuned ms", "calls vanilla / tuned"]
+    rows = []
+    for r in serve["batches"]:
+        changed = (r.get("profile_compare") or {}).get("prefill_host_changed") or {}
+        for name, c in list(changed.items())[:n]:
+            rows.append([str(r["batch"]), f"`{name.replace('|', '/').replace('`', '')}`",
+                         _f(c["vanilla_us"] / 1000.0, ".3f"), _f(c["tuned_us"] / 1000.0, ".3f"),
+                         f"{c['vanilla_calls']:.0f} / {c['tuned_calls']:.0f}"])
+    return head, rows
+
+
 def write_markdown(serve: dict[str, Any], path: Path) -> Path:
     """The report section: settings, TPOT per arm, prediction vs measurement, coverage, agreement, notes."""
     s = serve.get("settings", {})
@@ -188,6 +201,11 @@ def write_markdown(serve: dict[str, Any], path: Path) -> Path:
         if changes[1]:
             lines += ["", "The kernels whose time per decode step changed most (by name, among each process's "
                       f"{TOP_KERNELS} largest):", "", _md_table(*changes)]
+        host = prefill_host_table(serve)
+        if host[1]:
+            lines += ["", "Host ops of a 1-token generate (prefill + one step) whose CPU time changed most "
+                      f"(torch's profiler, CPU only; inclusive times, among each process's {TOP_HOST_OPS} "
+                      "largest): where time to first token goes when the kernels match.", "", _md_table(*host)]
     if serve.get("notes"):
         lines += ["", "Notes:", ""] + [f"- {n}" for n in serve["notes"]]
     if path.with_suffix(".png").exists():
