@@ -536,14 +536,17 @@ def _final_step(run: _Run, ctx: _WorkerContext, problem: Problem) -> list[dict[s
     cfg, storage = run.cfg, run.storage
     candidates = _final_candidates(run, problem)
     name = fleet.final_study_name(run.device["arch"], problem.key, cfg.numerics, candidates)
-    study = _retrying(lambda: optuna.create_study(study_name=name, storage=storage, direction="minimize",
-                                                  load_if_exists=True))
-    _fail_dead_trials(study, storage)
-    stored = fleet.final_result(study)
-    if stored is not None:
-        return stored["rows"]
-    if study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        return None  # claimed by a live worker
+    try:  # only read here: a final study is created where it is claimed, so a stale name leaves none behind
+        study = optuna.load_study(study_name=name, storage=storage)
+    except KeyError:
+        study = None
+    if study is not None:
+        _fail_dead_trials(study, storage)
+        stored = fleet.final_result(study)
+        if stored is not None:
+            return stored["rows"]
+        if study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            return None  # claimed by a live worker
     for backend in run.usable:  # tuning trials of this problem still in flight elsewhere: they may change the top
         tuning = optuna.load_study(study_name=study_name(run.device["arch"], problem, backend, cfg.numerics),
                                    storage=storage)
@@ -555,6 +558,9 @@ def _final_step(run: _Run, ctx: _WorkerContext, problem: Problem) -> list[dict[s
     # ``name`` now would open a second final for this problem next to the one its teller claims
     if fleet.final_study_name(run.device["arch"], problem.key, cfg.numerics, _final_candidates(run, problem)) != name:
         return None
+    if study is None:
+        study = _retrying(lambda: optuna.create_study(study_name=name, storage=storage, direction="minimize",
+                                                      load_if_exists=True))
     with _stops_deferred(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
         trial = study.ask()
