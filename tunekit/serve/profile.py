@@ -105,23 +105,28 @@ def top_kernels(step: dict[str, dict[str, float]], n: int = TOP_KERNELS) -> dict
     return dict(sorted(step.items(), key=lambda kv: -abs(kv[1]["us"]))[:n])
 
 
-def profile_totals(run: Callable[[], Any]) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
-    """Kernel totals of everything ``run()`` puts on the GPU (torch's profiler, CUDA activity only), per
-    category and per kernel name."""
+def _traced(run: Callable[[], Any], activity: str) -> dict[str, Any]:
+    """The Chrome trace of ``run()`` under torch's profiler with one activity ("CUDA" or "CPU")."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[getattr(ProfilerActivity, activity)]) as prof:
         run()
         torch.cuda.synchronize()
     fd, name = tempfile.mkstemp(suffix=".json", prefix="tunekit-trace-")
     os.close(fd)
     try:
         prof.export_chrome_trace(name)
-        trace = read_trace(Path(name))
-        return kernel_totals(trace), kernel_totals(trace, by_name=True)
+        return read_trace(Path(name))
     finally:
         os.unlink(name)
+
+
+def profile_totals(run: Callable[[], Any]) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """Kernel totals of everything ``run()`` puts on the GPU (torch's profiler, CUDA activity only), per
+    category and per kernel name."""
+    trace = _traced(run, "CUDA")
+    return kernel_totals(trace), kernel_totals(trace, by_name=True)
 
 
 #: host ops kept by name from the profiled 1-token generate (the largest by inclusive time)
@@ -144,19 +149,7 @@ def host_totals(trace: dict[str, Any], n: int = TOP_HOST_OPS) -> dict[str, dict[
 def host_profile(run: Callable[[], Any]) -> dict[str, dict[str, float]]:
     """The host ops of ``run()`` (torch's profiler, CPU activity only, so the kernel profiles stay free of
     its overhead): where a prefill's time goes when its kernels take the same time in both arms."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        run()
-        torch.cuda.synchronize()
-    fd, name = tempfile.mkstemp(suffix=".json", prefix="tunekit-host-trace-")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(name)
-        return host_totals(read_trace(Path(name)))
-    finally:
-        os.unlink(name)
+    return host_totals(_traced(run, "CPU"))
 
 
 def decode_step_profile(generate: Callable[[int], Any], steps: int) -> dict[str, Any]:
@@ -179,23 +172,33 @@ def arm_profile(rows: Iterable[dict[str, Any] | None]) -> dict[str, Any] | None:
     profiles = [r for r in rows if r]
     if not profiles:
         return None
-    categories = sorted({c for p in profiles for c in p["per_step"]})
-    step = {}
-    for c in categories:
-        values = [p["per_step"].get(c, {"us": 0.0, "kernels": 0.0}) for p in profiles]
-        step[c] = {"us": statistics.median(v["us"] for v in values),
-                   "kernels": statistics.median(v["kernels"] for v in values)}
-    names = sorted({k for p in profiles for k in p.get("by_kernel", {})})
-    by_kernel = {k: {"us": statistics.median(p.get("by_kernel", {}).get(k, zero)["us"] for p in profiles),
-                     "kernels": statistics.median(p.get("by_kernel", {}).get(k, zero)["kernels"] for p in profiles)}
-                 for k in names for zero in ({"us": 0.0, "kernels": 0.0},)}
-    hosts = sorted({k for p in profiles for k in p.get("prefill_host", {})})
-    prefill_host = {k: {"us": statistics.median(p.get("prefill_host", {}).get(k, {"us": 0.0})["us"] for p in profiles),
-                        "calls": statistics.median(p.get("prefill_host", {}).get(k, {"calls": 0})["calls"]
-                                                   for p in profiles)} for k in hosts}
-    return {"processes": len(profiles), "per_step": step, "busy_us": statistics.median(p["busy_us"] for p in profiles),
-            "kernels": statistics.median(p["kernels"] for p in profiles), "by_kernel": by_kernel,
-            "prefill_host": prefill_host}
+    return {"processes": len(profiles), "per_step": _medians([p["per_step"] for p in profiles], "kernels"),
+            "busy_us": statistics.median(p["busy_us"] for p in profiles),
+            "kernels": statistics.median(p["kernels"] for p in profiles),
+            "by_kernel": _medians([p.get("by_kernel", {}) for p in profiles], "kernels"),
+            "prefill_host": _medians([p.get("prefill_host", {}) for p in profiles], "calls")}
+
+
+def _medians(tables: Sequence[dict[str, dict[str, float]]], count: str) -> dict[str, dict[str, float]]:
+    """Per name in any of ``tables`` ({name: {"us", count}}, one per process), the median of each field;
+    a name missing from a process counts 0 there."""
+    import statistics
+
+    zero = {"us": 0.0, count: 0.0}
+    return {k: {f: statistics.median(t.get(k, zero)[f] for t in tables) for f in ("us", count)}
+            for k in sorted({k for t in tables for k in t})}
+
+
+def _side_by_side(vanilla: dict[str, dict[str, float]], tuned: dict[str, dict[str, float]],
+                  count: str) -> dict[str, dict[str, float]]:
+    """Per name in either arm: each arm's time and count (0 where absent) and ``saved_us`` (vanilla - tuned)."""
+    zero = {"us": 0.0, count: 0.0}
+    rows = {}
+    for k in sorted(set(vanilla) | set(tuned)):
+        v, t = vanilla.get(k, zero), tuned.get(k, zero)
+        rows[k] = {"vanilla_us": v["us"], "tuned_us": t["us"], f"vanilla_{count}": v[count],
+                   f"tuned_{count}": t[count], "saved_us": v["us"] - t["us"]}
+    return rows
 
 
 def compare(vanilla: dict[str, Any] | None, tuned: dict[str, Any] | None,
@@ -204,31 +207,15 @@ def compare(vanilla: dict[str, Any] | None, tuned: dict[str, Any] | None,
     outside kernels (TPOT - busy): where the measured saving came from and what ate into it."""
     if not vanilla or not tuned:
         return None
-    categories: Sequence[str] = sorted(set(vanilla["per_step"]) | set(tuned["per_step"]))
-    zero = {"us": 0.0, "kernels": 0.0}
-    rows = {c: {"vanilla_us": vanilla["per_step"].get(c, zero)["us"], "tuned_us": tuned["per_step"].get(c, zero)["us"],
-                "vanilla_kernels": vanilla["per_step"].get(c, zero)["kernels"],
-                "tuned_kernels": tuned["per_step"].get(c, zero)["kernels"]} for c in categories}
-    for row in rows.values():
-        row["saved_us"] = row["vanilla_us"] - row["tuned_us"]
+    rows = _side_by_side(vanilla["per_step"], tuned["per_step"], "kernels")
     outside = {arm: (tpot_ms[arm] * 1000.0 - prof["busy_us"]) if tpot_ms.get(arm) else None
                for arm, prof in (("vanilla", vanilla), ("tuned", tuned))}
-    names = set(vanilla.get("by_kernel", {})) | set(tuned.get("by_kernel", {}))
-    by_kernel = {k: {"vanilla_us": vanilla.get("by_kernel", {}).get(k, zero)["us"],
-                     "tuned_us": tuned.get("by_kernel", {}).get(k, zero)["us"],
-                     "vanilla_kernels": vanilla.get("by_kernel", {}).get(k, zero)["kernels"],
-                     "tuned_kernels": tuned.get("by_kernel", {}).get(k, zero)["kernels"]} for k in names}
-    for row in by_kernel.values():
-        row["saved_us"] = row["vanilla_us"] - row["tuned_us"]
     # the kernels whose time changed most between the arms: what a category's change is made of
+    by_kernel = _side_by_side(vanilla.get("by_kernel", {}), tuned.get("by_kernel", {}), "kernels")
     changed = dict(sorted(by_kernel.items(), key=lambda kv: -abs(kv[1]["saved_us"]))[:20])
-    zero_host = {"us": 0.0, "calls": 0.0}
-    hv, ht = vanilla.get("prefill_host", {}), tuned.get("prefill_host", {})
-    host = {k: {"vanilla_us": hv.get(k, zero_host)["us"], "tuned_us": ht.get(k, zero_host)["us"],
-                "vanilla_calls": hv.get(k, zero_host)["calls"], "tuned_calls": ht.get(k, zero_host)["calls"]}
-            for k in set(hv) | set(ht)}
     # the host ops of the 1-token generate whose time changed most (a name in one arm's top only counts
     # 0 in the other: read it as "at least")
-    host_changed = dict(sorted(host.items(), key=lambda kv: -abs(kv[1]["tuned_us"] - kv[1]["vanilla_us"]))[:15])
+    host = _side_by_side(vanilla.get("prefill_host", {}), tuned.get("prefill_host", {}), "calls")
+    host_changed = dict(sorted(host.items(), key=lambda kv: -abs(kv[1]["saved_us"]))[:15])
     return {"categories": rows, "kernel_saved_us": vanilla["busy_us"] - tuned["busy_us"],
             "outside_kernels_us": outside, "kernels_changed": changed, "prefill_host_changed": host_changed}
