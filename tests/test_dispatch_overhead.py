@@ -239,7 +239,7 @@ def test_rms_norm_fast_path_is_bit_identical_and_counted_exactly(tmp_path: Path)
     kernel((x, w), ref)
     for _ in range(4):
         assert torch.equal(torch.ops.tunekit.rms_norm(x, w, 1e-6), ref)
-    route = elementwise._EW_ROUTES[("rms_norm", 2, 64, 64, x.dtype, x.device)]
+    route = elementwise._EW_ROUTES[("rms_norm", 2, 64, 64, x.dtype, x.device, 1e-6)]
     assert route.launcher is None and not route.bind
     assert [(r["impl"], r["calls"]) for r in ops.dispatch_stats()] == [("tuned:triton", 4)]
 
@@ -344,7 +344,7 @@ def test_a_patched_norm_launches_a_known_shape_through_its_kept_express_route(tm
     with torch.no_grad():
         ref = forward(x)  # the full path: the tuned kernel, launched the normal way
         key = ("rms_norm", x.shape, x.dtype, x.device, norm.weight.shape, norm.weight.dtype, norm.weight.device, 1e-6)
-        route = elementwise._EW_ROUTES[("rms_norm", 2, 64, 64, x.dtype, x.device)]  # this call's (an earlier
+        route = elementwise._EW_ROUTES[("rms_norm", 2, 64, 64, x.dtype, x.device, 1e-6)]  # this call's (an earlier
         # test's routes of other shapes may still be in the module's table)
         launches = []
 
@@ -370,3 +370,62 @@ def test_a_patched_norm_launches_a_known_shape_through_its_kept_express_route(tm
             assert torch.equal(forward(x), torch.ops.tunekit.rms_norm(x, norm.weight, 1e-6)) and len(launches) == 7
     rows = {(r["impl"], r["calls"]) for r in ops.dispatch_stats()}
     assert rows == {("fallback:no_table", 4), ("tuned:triton", 6)}  # 4 x, wide and its contiguous copy
+
+
+def _stand_in_binding(monkeypatch) -> tuple[list, list]:
+    """``launch.bind`` as a GPU binds: it runs the callable it is given once and returns a launcher
+    that replays that callable (here by calling it). Returns (bound callables, launcher replays)."""
+    binds, replays = [], []
+
+    def bind(kernel, inputs, out):
+        binds.append(kernel)
+        kernel(inputs, out)
+
+        def launcher(inputs, out, _scratch=None, trusted=False):
+            replays.append(kernel)
+            kernel(inputs, out)
+            return True
+
+        return launcher
+
+    monkeypatch.setattr(launch, "bind", bind)
+    return binds, replays
+
+
+def test_a_tuned_norm_binds_at_the_callers_epsilon(tmp_path: Path, monkeypatch) -> None:
+    # Llama's norms run at eps 1e-5, not the kernels' built 1e-6: their launcher must record and replay
+    # the caller's epsilon (before, any other epsilon kept Triton's slow launch path for good).
+    binds, replays = _stand_in_binding(monkeypatch)
+    ops.load_tables(str(_table(tmp_path / "t.json", [("rms_norm", 2, 64, 64, NORM_PARAMS)])))
+    gen = torch.Generator().manual_seed(7)
+    x, w = torch.randn((2, 64), generator=gen).bfloat16(), torch.randn(64, generator=gen).bfloat16()
+    kernel = backends.get("triton").build(Problem("rms_norm", "bf16", 2, 64, 64), NORM_PARAMS, detect())
+    at_half, at_default = torch.empty(2, 64, dtype=torch.bfloat16), torch.empty(2, 64, dtype=torch.bfloat16)
+    kernel((x, w), at_half, eps=0.5)  # an epsilon large enough to change every row's scale
+    kernel((x, w), at_default)
+    assert not torch.equal(at_half, at_default)
+    for _ in range(3):
+        assert torch.equal(torch.ops.tunekit.rms_norm(x, w, 0.5), at_half)
+    assert len(binds) == 1 and len(replays) == 2  # bound at the first call, replayed by the next two
+    for _ in range(2):  # the same key at the built epsilon: its own route, its own launcher
+        assert torch.equal(torch.ops.tunekit.rms_norm(x, w, 1e-6), at_default)
+    assert len(binds) == 2 and len(replays) == 3
+    assert [(r["impl"], r["calls"]) for r in ops.dispatch_stats()] == [("tuned:triton", 5)]
+
+
+def test_a_fallback_default_kernel_binds_when_its_size_comes_back(tmp_path: Path, monkeypatch) -> None:
+    # Above the table's M (an eager prefill) the default-config kernel serves; a size seen once is not
+    # worth binding (three checked launches and a sync), a size seen twice is: later calls replay.
+    binds, replays = _stand_in_binding(monkeypatch)
+    ops.load_tables(str(_table(tmp_path / "t.json", [("fused_add_rms_norm", 1, 64, 64, NORM_PARAMS)])))
+    gen = torch.Generator().manual_seed(8)
+    x, r, w = (torch.randn(shape, generator=gen).bfloat16() for shape in ((6, 64), (6, 64), (64,)))
+    kernel = backends.get("triton").build(Problem("fused_add_rms_norm", "bf16", 6, 64, 64), NORM_PARAMS, detect())
+    ref = (torch.empty(6, 64, dtype=torch.bfloat16), torch.empty(6, 64, dtype=torch.bfloat16))
+    kernel((x, r, w), ref, eps=1e-5)
+    for call in range(4):
+        y, s = torch.ops.tunekit.fused_add_rms_norm(x, r, w, 1e-5)
+        assert torch.equal(y, ref[0]) and torch.equal(s, ref[1])
+        assert (len(binds), len(replays)) == [(0, 0), (1, 0), (1, 1), (1, 2)][call]
+    rows = [(r["impl"], r["vendor"], r["calls"]) for r in ops.dispatch_stats()]
+    assert rows == [("fallback:m_above_table", "tunekit:triton-default", 4)]

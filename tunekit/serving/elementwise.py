@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -136,10 +137,11 @@ def _ew_serve(
         # inputs a vendor kernel may not take either (odd strides, dtypes, devices): the composition
         count(op, dtype, f"{n}x{k}", m, False, f"fallback:{reason}", capturing, "eager")
         return _dense(vendor())
-    rkey = (op, m, n, k, xdtype, device)
+    # one route per epsilon: its launchers replay the calls they recorded, eps included
+    rkey = (op, m, n, k, xdtype, device, eps)
     route = _EW_ROUTES.get(rkey)  # lock-free read (atomic under the GIL), as for the decision cache
     if route is None or STATE.choices.get(route.ckey) is not route.choice:
-        route = _EwRoute(op, dtype, m, n, k, x.device, capturing)
+        route = _EwRoute(op, dtype, m, n, k, x.device, capturing, eps)
         if STATE.choices.get(route.ckey) is route.choice:  # a choice met under capture is not cached
             _EW_ROUTES[rkey] = route
     choice = route.choice
@@ -147,7 +149,7 @@ def _ew_serve(
         choice = Choice("fallback:eps")
     if choice.kernel is None:
         out, served_by = _ew_vendor(op, device, vendor_args, vendor, lambda: _ew_default(
-            op, dtype, m, n, k, x, capturing, inputs, make_out, finish, eps, route.ckey))
+            op, dtype, m, n, k, x, capturing, inputs, make_out, finish, eps, route.ckey, route))
         # the fallback's rows by what served it: counters kept on the route (no key built per call)
         tick = route.vticks.get((choice.impl, served_by, capturing))
         if tick is None:
@@ -155,19 +157,15 @@ def _ew_serve(
                 op, dtype, route.shape, m, False, choice.impl, capturing, served_by).tick
         tick()
         return _dense(out)
-    # A bound launcher replays the call it recorded, at the kernel's default epsilon: another epsilon
-    # takes the kernel's normal launch and is never registered for the express route.
-    other_eps = choice.takes_eps and eps is not None and eps != DEFAULT_EPS
     try:
         out = make_out(m, n, x)
-        if other_eps:
-            choice.kernel(inputs, out, eps=eps)
-        elif route.launcher is None or not route.launcher(inputs, out, None, True):
+        if route.launcher is None or not route.launcher(inputs, out, None, True):
             if route.bind and not capturing:
-                # The first eager launch of a Triton kernel binds it (tunekit.serving.launch).
-                route.launcher, route.bind = launch.bind(choice.kernel, inputs, out), False
+                # The first eager launch of a Triton kernel binds it (tunekit.serving.launch), at
+                # the route's epsilon (route.run carries it).
+                route.launcher, route.bind = launch.bind(route.run, inputs, out), False
             else:
-                choice.kernel(inputs, out)
+                route.run(inputs, out)
     except Exception as exc:  # the serving path never raises for tunekit's sake
         mark_broken(op, dtype, m, n, k, x.device, exc)
         out, served_by = _ew_vendor(op, x.device, vendor_args, vendor, lambda: _ew_default(
@@ -175,7 +173,7 @@ def _ew_serve(
         count(op, dtype, route.shape, m, False, "fallback:kernel_error", capturing, served_by)
         return _dense(out)
     route.ticks[capturing]()
-    if express_key is not None and route.launcher is not None and not other_eps:
+    if express_key is not None and route.launcher is not None:
         _EXPRESS[express_key] = route  # (re)registered: a reload leaves the old route stale
     return finish(out)
 
@@ -211,25 +209,41 @@ def _other_device(tensors: tuple[torch.Tensor, ...], device: torch.device) -> bo
     return False
 
 
+def _at_eps(kernel: Callable[..., None], takes_eps: bool, eps: float | None) -> Callable[..., None]:
+    """``kernel`` as called at ``eps``: itself at its built epsilon (or when it takes none), else a
+    partial that passes ``eps``, so a bound launcher records and replays that epsilon."""
+    if not takes_eps or eps is None or eps == DEFAULT_EPS:
+        return kernel
+    return partial(kernel, eps=eps)
+
+
 class _EwRoute:
-    """What serves one (op, m, n, k, dtype, device), resolved once: the choice, its marker
-    rows' counters and its kernel's bound launcher (valid while the decision cache holds the choice)."""
+    """What serves one (op, m, n, k, dtype, device, eps), resolved once: the choice, its marker
+    rows' counters, its kernel's bound launcher and, for a fallback, the default-config kernel's
+    (valid while the decision cache holds the choice)."""
 
-    __slots__ = ("ckey", "choice", "shape", "ticks", "launcher", "bind", "vticks")
+    __slots__ = ("ckey", "choice", "shape", "ticks", "run", "launcher", "bind", "vticks",
+                 "default", "drun", "dlauncher", "dseen")
 
-    def __init__(self, op: str, dtype: str, m: int, n: int, k: int, device: torch.device, capturing: bool) -> None:
+    def __init__(self, op: str, dtype: str, m: int, n: int, k: int, device: torch.device, capturing: bool,
+                 eps: float | None = None) -> None:
         self.ckey = (op, dtype, m, n, k, str(device))
         self.choice = STATE.choices.get(self.ckey) or resolve(op, dtype, m, n, k, device, capturing)
         self.shape = f"{n}x{k}"
         # ticks[capturing]: the tuned rows (fallbacks count through count(): their vendor varies per call)
         self.ticks = [counter(op, dtype, self.shape, m, False, self.choice.impl, c).tick for c in (False, True)]
-        self.launcher, self.bind = None, False
+        self.run, self.launcher, self.bind = None, None, False
         #: (impl, served by, capturing) -> tick of a fallback's row
         self.vticks: dict[tuple, Callable[[], int]] = {}
+        #: the default-config kernel serving this key's fallbacks: the DefaultKernel, its call at this eps,
+        #: its bound launcher and how far binding got (0: no eager call yet, 1: one, 2: bound or tried)
+        self.default, self.drun, self.dlauncher, self.dseen = None, None, None, 0
         kernel = self.choice.kernel
-        if kernel is not None and self.choice.impl == "tuned:triton":
-            tried, self.launcher = launch.bound(kernel)
-            self.bind = not tried
+        if kernel is not None:
+            self.run = _at_eps(kernel, self.choice.takes_eps, eps)
+            if self.choice.impl == "tuned:triton":
+                tried, self.launcher = launch.bound(self.run)
+                self.bind = not tried
 
 
 #: (op, m, n, k, torch dtype, device) -> _EwRoute
@@ -293,7 +307,7 @@ _DEFAULT_BACKEND = "triton"
 def _ew_default(op: str, dtype: str, m: int, n: int, k: int, x: torch.Tensor, capturing: bool,
                 inputs: tuple[torch.Tensor, ...], make_out: Callable[[int, int, torch.Tensor], Any],
                 finish: Callable[[Any], Any], eps: float | None,
-                key: tuple | None = None) -> tuple[Any, str | None]:
+                key: tuple | None = None, route: _EwRoute | None = None) -> tuple[Any, str | None]:
     """Serve a fallback that has no vendor kernel with tunekit's Triton kernel at a config valid for every M.
 
     The config is that of the table's Triton entry for the same shape at
@@ -310,7 +324,9 @@ def _ew_default(op: str, dtype: str, m: int, n: int, k: int, x: torch.Tensor, ca
     Built once per (op, dtype, M, N, K, device), like a tuned entry, and
     cached; never built under CUDA-graph capture (the composition serves,
     ``eager:default_not_built_at_capture``, and the next eager call builds
-    it; :func:`prepare` builds it for the Ms it is given). Returns
+    it; :func:`prepare` builds it for the Ms it is given). A call with its
+    ``route`` launches through a bound launcher from the key's second eager
+    call on (:func:`_launch_default`). Returns
     ``(result, None)`` when it served, ``(None, why)`` with an
     :data:`EAGER_VENDORS` key when it could not, ``(None, None)`` where it
     does not apply (no table serves this device). Never raises.
@@ -332,7 +348,11 @@ def _ew_default(op: str, dtype: str, m: int, n: int, k: int, x: torch.Tensor, ca
     if eps is not None and not dk.takes_eps and eps != DEFAULT_EPS:
         return None, "eager:default_eps"
     try:
-        out = _launch_ew(dk.kernel, dk.takes_eps, inputs, make_out(m, n, x), eps)
+        out = make_out(m, n, x)
+        if route is None:
+            _launch_ew(dk.kernel, dk.takes_eps, inputs, out, eps)
+        else:
+            _launch_default(route, dk, inputs, out, eps, capturing)
     except Exception as exc:  # the serving path never raises for tunekit's sake
         log_once(f"default-kernel:{op}:{dtype}:{m}:{n}:{k}:{device}", logging.WARNING,
                   "tunekit: %s %s M=%d N=%d K=%d: default-config kernel raised %s: %s; PyTorch composition "
@@ -341,6 +361,29 @@ def _ew_default(op: str, dtype: str, m: int, n: int, k: int, x: torch.Tensor, ca
             STATE.defaults[key] = DefaultKernel(None, "eager:default_kernel_error")
         return None, "eager:default_kernel_error"
     return finish(out), None
+
+
+def _launch_default(route: _EwRoute, dk: DefaultKernel, inputs: tuple[torch.Tensor, ...], out: Any,
+                    eps: float | None, capturing: bool) -> None:
+    """Launch a route's default-config kernel, through a launcher bound at the key's second eager call.
+
+    These calls are an eager prefill's (sizes above the captured ones), where
+    Triton's own launch path costs the host tens of microseconds per call
+    (``benchmarks/fallback_overhead.py``). Binding costs three checked
+    launches and a synchronization, so a size seen once (a prefill length
+    that never comes back) does not bind; one that repeats does, and its
+    later calls cost what a tuned call's do.
+    """
+    if route.default is not dk:  # first call, or the defaults were rebuilt (a table reload)
+        route.default, route.drun, route.dlauncher, route.dseen = dk, _at_eps(dk.kernel, dk.takes_eps, eps), None, 0
+    if route.dlauncher is not None and route.dlauncher(inputs, out, None, True):
+        return
+    if not capturing and route.dseen < 2:
+        route.dseen += 1
+        if route.dseen == 2:
+            route.dlauncher = launch.bind(route.drun, inputs, out)  # serves this call either way
+            return
+    route.drun(inputs, out)
 
 
 def _nearest_config(entries: list[dict[str, Any]], op: str, dtype: str, m: int, n: int, k: int,
