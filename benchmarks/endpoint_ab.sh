@@ -2,8 +2,9 @@
 # The served A/B against real `vllm serve` processes: a vanilla server (tunekit's plugin left out of
 # VLLM_PLUGINS) and a tuned one (plugin + TUNEKIT_TABLE) side by side on one GPU, then
 # `tunekit serve-bench --endpoint` against both; the servers are stopped at the end (SIGINT: each
-# writes its TUNEKIT_DISPATCH_LOG at exit; --shutdown-timeout, where vLLM has it, lets the engine core
-# exit cleanly too) and `serve-bench --report-only` adds the tuned server's dispatch coverage.
+# process writes its TUNEKIT_DISPATCH_LOG at exit, the forked engine core on multiprocessing's exit
+# path; --shutdown-timeout, where vLLM has it, lets it drain first) and `serve-bench --report-only`
+# adds the tuned server's dispatch coverage.
 #
 #   benchmarks/endpoint_ab.sh PYTHON MODEL_DIR TABLE OUT_DIR [vllm serve options...]
 #
@@ -32,8 +33,8 @@ serve() {  # serve ARM PORT [ENV=VALUE...]
   echo $!
 }
 serve_args=("$@")
-# vLLM's drain mode (0.26's --shutdown-timeout): without it a stopped server kills its engine core before
-# the core's exit hooks run, and the dispatch log of the process that ran the model is lost
+# vLLM's drain mode (0.26's --shutdown-timeout): the engine core finishes its requests and leaves its
+# busy loop before the server exits (a core killed instead writes no dispatch log)
 if "$python" -c "import dataclasses, sys
 from vllm.engine.arg_utils import EngineArgs
 sys.exit(0 if 'shutdown_timeout' in {f.name for f in dataclasses.fields(EngineArgs)} else 1)" 2>/dev/null; then

@@ -239,8 +239,8 @@ def add_coverage(out_dir: Any, log: Callable[[str], None] = print) -> dict[str, 
         notes.append(NOTE_NO_COVERAGE)
     elif not coverage["rows"]:
         notes.append(f"dispatch logs: {len(logs)} file(s), no call counted: the process that ran the model (vLLM's "
-                     "engine core) wrote none. vLLM stops it without exit hooks unless `--shutdown-timeout` lets "
-                     "it drain")
+                     "engine core, a forked child) wrote none: it must stop through multiprocessing's exit path "
+                     "(SIGINT to the server; a killed core writes nothing)")
     else:
         notes.append(f"dispatch logs: {len(logs)} file(s) of the tuned server merged; coverage at M = C")
     for row in serve["batches"]:

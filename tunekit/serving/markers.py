@@ -7,13 +7,15 @@ that its per-key route keeps (one C call on the hot path); :func:`dispatch_stats
 :func:`reset_stats` read and clear the counters; :func:`dispatch_log` is the JSON document ``TUNEKIT_DISPATCH_LOG``
 names, written by :func:`write_dispatch_log` at interpreter exit once
 :func:`maybe_register_atexit` registered it (on ``import tunekit.ops`` and
-on every :func:`~tunekit.serving.tables.load_tables`).
+on every :func:`~tunekit.serving.tables.load_tables`), and at the exit of a
+forked ``multiprocessing`` child (:func:`_register_child_exit`).
 """
 
 from __future__ import annotations
 
 import atexit
 import json
+import multiprocessing.util
 import os
 from pathlib import Path
 from typing import Any
@@ -128,4 +130,24 @@ def maybe_register_atexit() -> None:
             return
         STATE.atexit_registered = True
     atexit.register(write_dispatch_log)
+
+
+class _ForkHook:
+    """The owner of the after-fork hook (``multiprocessing.util.register_after_fork`` keeps it weakly)."""
+
+
+def _register_child_exit(_owner: _ForkHook) -> None:
+    """In a forked ``multiprocessing`` child: write the child's log on its way out too.
+
+    Such a child (vLLM's engine core, forked from the API server that loaded
+    the plugin) inherits the registration flag but leaves through
+    ``os._exit``, which skips ``atexit``; its exit path runs
+    ``multiprocessing``'s finalizers instead, so the log is registered there.
+    """
+    if STATE.atexit_registered:
+        multiprocessing.util.Finalize(None, write_dispatch_log, exitpriority=0)
+
+
+_FORK_HOOK = _ForkHook()
+multiprocessing.util.register_after_fork(_FORK_HOOK, _register_child_exit)
 
