@@ -309,24 +309,30 @@ def test_dispatch_log_is_written_at_exit(gemv_table: Path, tmp_path: Path) -> No
     assert {(c["impl"], c["calls"]) for c in written["calls"]} == {("tuned:triton", 3), ("fallback:no_entry", 1)}
 
 
-def test_a_forked_worker_writes_its_own_dispatch_log(gemv_table: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("ending", ["returns", "killed"])
+def test_a_forked_worker_writes_its_own_dispatch_log(gemv_table: Path, tmp_path: Path, ending: str) -> None:
     # vLLM's engine core is a multiprocessing child forked from the process that loaded the plugin:
-    # it inherits the registration and leaves through os._exit, which skips atexit. Its calls are the
-    # model's, so its log must be written on the child's own exit path.
+    # it inherits the registration and leaves through os._exit, which skips atexit, or is killed by
+    # its server's SIGTERM while it tears down. Its calls are the model's, so its own log must be
+    # written on the child's exit path ("returns", no rewrites) and while it runs ("killed").
     log = tmp_path / "dispatch-{pid}.json"
     code = (
-        "import multiprocessing as mp, os, torch, tunekit.ops\n"
+        "import multiprocessing as mp, os, signal, time, torch, tunekit.ops\n"
         "def work():\n"
         f"    x = torch.randn(1, {K}).bfloat16(); w = torch.randn({N}, {K}).bfloat16()\n"
         "    for _ in range(2): torch.ops.tunekit.gemv(x, w, None)\n"
         "    print(os.getpid(), flush=True)\n"
+        f"    if {ending == 'killed'}:\n"
+        "        time.sleep(2.0)\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
         "if __name__ == '__main__':\n"
         "    child = mp.get_context('fork').Process(target=work)\n"
         "    child.start(); child.join()\n"
-        "    assert child.exitcode == 0\n"
+        f"    assert child.exitcode == {-9 if ending == 'killed' else 0}, child.exitcode\n"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1", "TUNEKIT_TABLE": str(gemv_table),
-           "TUNEKIT_DISPATCH_LOG": str(log), "PYTHONPATH": str(REPO)}
+           "TUNEKIT_DISPATCH_LOG": str(log), "PYTHONPATH": str(REPO),
+           "TUNEKIT_DISPATCH_LOG_INTERVAL": "0.3" if ending == "killed" else "0"}
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     child = json.loads((tmp_path / f"dispatch-{out.stdout.strip()}.json").read_text())

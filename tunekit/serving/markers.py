@@ -7,8 +7,10 @@ that its per-key route keeps (one C call on the hot path); :func:`dispatch_stats
 :func:`reset_stats` read and clear the counters; :func:`dispatch_log` is the JSON document ``TUNEKIT_DISPATCH_LOG``
 names, written by :func:`write_dispatch_log` at interpreter exit once
 :func:`maybe_register_atexit` registered it (on ``import tunekit.ops`` and
-on every :func:`~tunekit.serving.tables.load_tables`), and at the exit of a
-forked ``multiprocessing`` child (:func:`_register_child_exit`).
+on every :func:`~tunekit.serving.tables.load_tables`), at the exit of a
+forked ``multiprocessing`` child (:func:`_register_child_exit`), and every
+few seconds while the counts change (:func:`_start_flusher`: a process
+killed before its exit hooks keeps what the last rewrite saw).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import atexit
 import json
 import multiprocessing.util
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -124,12 +128,49 @@ def write_dispatch_log(path: str | os.PathLike | None = None) -> Path | None:
     return out
 
 
+#: seconds between rewrites of the dispatch log while a process runs (``TUNEKIT_DISPATCH_LOG_INTERVAL``)
+INTERVAL_ENV = "TUNEKIT_DISPATCH_LOG_INTERVAL"
+DEFAULT_INTERVAL_S = 5.0
+
+
 def maybe_register_atexit() -> None:
+    """Once per process, where ``TUNEKIT_DISPATCH_LOG`` is set: write the log at exit, and rewrite it
+    every few seconds while the counts change (:func:`_start_flusher`)."""
     with STATE.lock:
         if STATE.atexit_registered or not os.environ.get(LOG_ENV):
             return
         STATE.atexit_registered = True
     atexit.register(write_dispatch_log)
+    _start_flusher()
+
+
+def _start_flusher() -> None:
+    """Rewrite the log from a daemon thread whenever the counts changed since the last write.
+
+    A process may be killed before any exit hook runs: a stopping ``vllm
+    serve`` sends SIGTERM to its engine core (the process that runs the
+    model) while the core tears down, with the core's handlers already
+    reset. What the last rewrite saw survives; exit hooks add the rest where
+    they run. Rewrites happen only on change, so a decode running from CUDA
+    graphs (no Python, no counts) writes nothing.
+    """
+    try:
+        interval = float(os.environ.get(INTERVAL_ENV) or DEFAULT_INTERVAL_S)
+    except ValueError:
+        interval = DEFAULT_INTERVAL_S
+    if interval <= 0:
+        return
+
+    def flush() -> None:
+        written: dict | None = None
+        while True:
+            time.sleep(interval)
+            with STATE.lock:
+                now = dict(STATE.stats)
+            if now != written and write_dispatch_log() is not None:
+                written = now
+
+    threading.Thread(target=flush, name="tunekit-dispatch-log", daemon=True).start()
 
 
 class _ForkHook:
@@ -137,17 +178,17 @@ class _ForkHook:
 
 
 def _register_child_exit(_owner: _ForkHook) -> None:
-    """In a forked ``multiprocessing`` child: write the child's log on its way out too.
+    """In a forked ``multiprocessing`` child: the child's own log, rewritten while it runs and at its exit.
 
     Such a child (vLLM's engine core, forked from the API server that loaded
-    the plugin) inherits the registration flag but leaves through
-    ``os._exit``, which skips ``atexit``; its exit path runs
-    ``multiprocessing``'s finalizers instead, so the log is registered there.
+    the plugin) inherits the registration flag but not the flusher thread,
+    and leaves through ``os._exit``, which skips ``atexit``; its clean exit
+    path runs ``multiprocessing``'s finalizers instead.
     """
     if STATE.atexit_registered:
         multiprocessing.util.Finalize(None, write_dispatch_log, exitpriority=0)
+        _start_flusher()
 
 
 _FORK_HOOK = _ForkHook()
 multiprocessing.util.register_after_fork(_FORK_HOOK, _register_child_exit)
-
