@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -757,6 +758,36 @@ def test_the_recorded_llama_run_names_its_unserved_norms(tmp_path: Path) -> None
     assert set(b1["predicted_unserved_us"]) == {"fused_add_rms_norm", "rms_norm"}
     assert 15 < b1["predicted_unserved_us"]["fused_add_rms_norm"] < 25
     assert analysis.coverage_at(rebuilt["coverage"]["tuned"], 1)["fallback_reasons"] == {"eps": 780}
+
+
+def test_the_recorded_llama_prefill_run_reports_the_later_first_token(tmp_path: Path) -> None:
+    """Llama-3.1-8B above its M=1 table on the H200 (d993bdd): TPOT even at B=8, but the 1-token
+    generate (prefill + one step) took longer with the table; the rebuilt report measures and names it."""
+    import shutil
+
+    src = REPO / "benchmarks" / "results" / "h200-serve-prefill-d993bdd" / "llama-offline-d993bdd"
+    out = tmp_path / "serve"
+    shutil.copytree(src / "runs", out / "runs")
+    shutil.copytree(src / "dispatch", out / "dispatch")
+    key = json.loads((src / "serve-settings.json").read_text())
+    key["tables"] = [str(REPO / "benchmarks" / "results" / "h200-serve-llama31-8b-a831b66" / "table" / "table.json")]
+    (out / "serve-settings.json").write_text(json.dumps(key))
+    rebuilt = bench.report_dir(out, log=lambda s: None)
+    recorded = json.loads((src / "serve.json").read_text())
+    for mine, theirs in zip(rebuilt["batches"], recorded["batches"], strict=True):
+        assert mine["speedup"] == pytest.approx(theirs["speedup"], rel=1e-9)
+    b8 = rebuilt["batches"][0]
+    assert b8["batch"] == 8 and 0.99 < b8["speedup"] < 1.01
+    # re-derived from the raw t_1 samples: per process the median of its repeats, then the arm's median
+    per_arm = {arm: sorted(statistics.median(json.loads(p.read_text())["batches"][0]["t_1_s"]) * 1000.0
+                           for p in (out / "runs").glob(f"{arm}-?.json"))
+               for arm in ("vanilla", "tuned")}
+    assert b8["first_token"]["vanilla"]["median_ms"] == pytest.approx(statistics.median(per_arm["vanilla"]))
+    assert b8["first_token"]["tuned"]["median_ms"] == pytest.approx(statistics.median(per_arm["tuned"]))
+    assert b8["first_token_ratio"] > 1.5 and b8["first_token_ratio_min"] > 1.5
+    assert any(n.startswith("B=8: the first token") for n in rebuilt["notes"])
+    report = (out / "serve.md").read_text()
+    assert "1-token generate ms" in report
 
 
 def test_git_commit_is_none_for_a_copy_inside_another_repository(tmp_path: Path) -> None:

@@ -144,6 +144,22 @@ def arm_tpot(results: Sequence[dict[str, Any]], batch: int) -> dict[str, Any] | 
             "processes": len(rows), "tokens_per_s": batch / (med / 1000.0) if med > 0 else None}
 
 
+def arm_first_token(results: Sequence[dict[str, Any]], batch: int) -> dict[str, Any] | None:
+    """One arm's 1-token generate at ``batch`` (prefill + one step: the offline time to first token), in
+    ms: median of the per-process medians, their min/max and each process's median."""
+    rows = [(res["index"], _batch_row(res, batch)) for res in results]
+    rows = [(i, r) for i, r in rows if r is not None and r.get("t_1_s")]
+    if not rows:
+        return None
+    medians = [statistics.median(float(t) for t in r["t_1_s"]) * 1000.0 for _, r in rows]
+    return {"median_ms": statistics.median(medians), "min_ms": min(medians), "max_ms": max(medians),
+            "per_process_ms": {str(i): m for (i, _), m in zip(rows, medians, strict=True)}}
+
+
+#: a tuned arm whose first token comes this much later than vanilla's gets a note
+FIRST_TOKEN_NOTE_RATIO = 1.05
+
+
 def pair_ratios(base: dict[str, Any] | None, other: dict[str, Any] | None) -> list[float]:
     """base / other TPOT over the processes of the same round (index)."""
     if not base or not other:
@@ -389,6 +405,18 @@ def summarize(settings: dict[str, Any], results: dict[str, list[dict[str, Any]]]
                                     and vm > row["predicted_saving_ms"] else None)
         row["measured_saving_ms"] = vm - t["median_ms"] if v and t else None
         row["tokens_per_s"] = {arm: tp["tokens_per_s"] for arm, tp in tpot.items() if tp}
+        # the time to the first token: "never slower" covers the prefill too, which runs eager above the
+        # captured sizes (a routed layer's op then costs host time on every call)
+        first = {arm: arm_first_token(results.get(arm, []), batch) for arm in ARMS if arm in results}
+        row["first_token"] = first
+        vf, tf = first.get("vanilla"), first.get("tuned")
+        row["first_token_ratio"] = tf["median_ms"] / vf["median_ms"] if vf and tf and vf["median_ms"] > 0 else None
+        fratios = pair_ratios(tf, vf)
+        row["first_token_ratio_min"] = min(fratios) if fratios else None
+        row["first_token_ratio_max"] = max(fratios) if fratios else None
+        if row["first_token_ratio"] is not None and row["first_token_ratio"] > FIRST_TOKEN_NOTE_RATIO:
+            notes.append(f"B={batch}: the first token (a 1-token generate) takes {row['first_token_ratio']:.2f}x "
+                         f"vanilla's time with the table ({tf['median_ms']:.1f} vs {vf['median_ms']:.1f} ms)")
         row["coverage"] = {arm: coverage_at(coverage.get(arm), batch) for arm in ("tuned", "passthrough")
                            if arm in results}
         gaps = unserved_predictions(pred, row["coverage"].get("tuned"))

@@ -46,6 +46,23 @@ def tpot_table(serve: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return head, rows
 
 
+def first_token_table(serve: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Offline runs: each arm's 1-token generate (prefill + one step) and tuned / vanilla (>1: later)."""
+    arms = _arms(serve)
+    head = ["B"] + [f"{a} 1-token generate ms (min-max)" for a in arms] + ["tuned / vanilla (min-max)"]
+    rows = []
+    for row in serve["batches"]:
+        first = row.get("first_token") or {}
+        cells = [str(row["batch"])]
+        for a in arms:
+            f = first.get(a)
+            cells.append(f"{f['median_ms']:.1f} ({f['min_ms']:.1f}-{f['max_ms']:.1f})" if f else "-")
+        cells.append(f"{_f(row.get('first_token_ratio'), '.3f')} ({_f(row.get('first_token_ratio_min'), '.3f')}-"
+                     f"{_f(row.get('first_token_ratio_max'), '.3f')})")
+        rows.append(cells)
+    return head, rows
+
+
 def prediction_table(serve: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     head = ["B", "vanilla ms", "measured saving ms", "predicted saving ms", "measured / predicted",
             "predicted over the ops that ran tuned ms", "speedup", "predicted speedup",
@@ -173,6 +190,11 @@ def write_markdown(serve: dict[str, Any], path: Path) -> Path:
                 + [_f((r.get("throughput_tokens_per_s") or {}).get(a), ".1f") for a in _arms(serve)]
                 for r in serve["batches"]]
         lines += ["", _md_table(head, rows)]
+    elif any(r.get("first_token") for r in serve["batches"]):
+        lines += ["", "Time to the first token offline: a 1-token generate of B prompts (prefill and one step; "
+                  "median over repeats per process, then over processes). Prefills above the captured sizes run "
+                  "eager, so a routed layer's op costs host time there on every call.", "",
+                  _md_table(*first_token_table(serve))]
     if any(r.get("predicted_saving_ms") is not None for r in serve["batches"]):
         lines += ["", "Prediction from the tables' standalone figures (per token at M = B: sum of count x "
                   "(baseline - tuned) over the model's problems a table serves; predicted speedup = vanilla / "
