@@ -141,25 +141,14 @@ def _rms_norm_gemv_kernel(
         rstd = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
 
         w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
-        if BLOCK_M == 1:
-            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc = _acc_zeros(BLOCK_M, BLOCK_N, BLOCK_K)
         for k0 in range(0, K, BLOCK_K):
-            kk = k0 + offs_k
-            k_mask = kk < K
-            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy=W_EVICT).to(tl.float32)
-            c = kk[None, :]
-            s = _row_sum(x_rows, r_rows, o_rows, c, m_mask & (c < K), k0, pid, nprog, BLOCK_K, HAS_RESIDUAL,
-                         BY_BITS, False)
-            g = tl.load(g_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+            w, s, g = _k_step(w_ptrs, x_rows, r_rows, o_rows, g_ptr, m_mask, k0, offs_k, pid, nprog, K, BLOCK_K,
+                              HAS_RESIDUAL, BY_BITS, False, W_EVICT)
             # the BF16 activation vLLM's norm kernel would write (0 past K: s is 0 there)
             acc = _accumulate(acc, w, _apply_weight(s * rstd, g[None, :], GEMMA, True, BY_BITS), BLOCK_M)
             w_ptrs += BLOCK_K
-        if BLOCK_M == 1:
-            out = tl.sum(acc, axis=1)[None, :]
-        else:
-            out = tl.sum(acc, axis=2)
+        out = _acc_total(acc, BLOCK_M)
     y_mask = m_mask & (offs_n[None, :] < N)
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], out.to(y_ptr.dtype.element_ty), mask=y_mask)
 
@@ -181,6 +170,40 @@ def _row_sum(x_rows, r_rows, o_rows, c, mask, k0, pid, nprog, BLOCK_K: tl.conste
 
 
 @triton.jit
+def _k_step(w_ptrs, x_rows, r_rows, o_rows, g_ptr, m_mask, k0, offs_k, pid, nprog, K, BLOCK_K: tl.constexpr,
+            HAS_RESIDUAL: tl.constexpr, BY_BITS: tl.constexpr, STORE: tl.constexpr, W_EVICT: tl.constexpr):
+    """One K step's operands, fp32: W's [BLOCK_N, BLOCK_K] chunk (``w_ptrs``), s = x (+ residual) of the
+    M rows at those columns (:func:`_row_sum`, storing its chunk with STORE) and the norm weight g."""
+    kk = k0 + offs_k
+    k_mask = kk < K
+    w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy=W_EVICT).to(tl.float32)
+    c = kk[None, :]
+    s = _row_sum(x_rows, r_rows, o_rows, c, m_mask & (c < K), k0, pid, nprog, BLOCK_K, HAS_RESIDUAL, BY_BITS, STORE)
+    g = tl.load(g_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+    return w, s, g
+
+
+@triton.jit
+def _acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The fp32 accumulator: [BLOCK_N, BLOCK_K] at M=1, else [BLOCK_M, BLOCK_N, BLOCK_K]."""
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _acc_total(acc, BLOCK_M: tl.constexpr):
+    """The accumulator reduced over K: [BLOCK_M, BLOCK_N]."""
+    if BLOCK_M == 1:
+        out = tl.sum(acc, axis=1)[None, :]
+    else:
+        out = tl.sum(acc, axis=2)
+    return out
+
+
+@triton.jit
 def _accumulate(acc, w, a, BLOCK_M: tl.constexpr):
     """acc + W * a: [BLOCK_N, BLOCK_K] at M=1, else [BLOCK_M, BLOCK_N, BLOCK_K] (a: [BLOCK_M, BLOCK_K])."""
     if BLOCK_M == 1:
@@ -198,30 +221,17 @@ def _one_pass(x_rows, r_rows, o_rows, g_ptr, w_rows, m_mask, pid, nprog, K, eps,
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_rows + offs_k[None, :]
     sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    if BLOCK_M == 1:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = _acc_zeros(BLOCK_M, BLOCK_N, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
-        kk = k0 + offs_k
-        k_mask = kk < K
-        w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy=W_EVICT).to(tl.float32)
-        c = kk[None, :]
-        s = _row_sum(x_rows, r_rows, o_rows, c, m_mask & (c < K), k0, pid, nprog, BLOCK_K, HAS_RESIDUAL,
-                     BY_BITS, True)
+        w, s, g = _k_step(w_ptrs, x_rows, r_rows, o_rows, g_ptr, m_mask, k0, offs_k, pid, nprog, K, BLOCK_K,
+                          HAS_RESIDUAL, BY_BITS, True, W_EVICT)
         sq += s * s
-        g = tl.load(g_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
         if GEMMA:
             g = g + 1.0
         acc = _accumulate(acc, w, s * g[None, :], BLOCK_M)  # unnormalised, fp32: rstd comes after the loop
         w_ptrs += BLOCK_K
     rstd = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
-    # one return: Triton generates every statement after a constexpr branch's return as well
-    if BLOCK_M == 1:
-        out = tl.sum(acc, axis=1)[None, :] * rstd
-    else:
-        out = tl.sum(acc, axis=2) * rstd
-    return out
+    return _acc_total(acc, BLOCK_M) * rstd
 
 
 def rms_norm_gemv(

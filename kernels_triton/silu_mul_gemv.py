@@ -116,7 +116,8 @@ def invalid_reason(config: SiluMulGemvConfig, m: int, n: int, k: int) -> str | N
 
 def _k_per_split(k: int, config: SiluMulGemvConfig) -> int:
     """K of each split, a whole number of BLOCK_K steps."""
-    return -(-(-(-k // config.SPLIT_K)) // config.BLOCK_K) * config.BLOCK_K
+    per_split = -(-k // config.SPLIT_K)  # ceil(k / SPLIT_K)
+    return -(-per_split // config.BLOCK_K) * config.BLOCK_K  # rounded up to whole BLOCK_K steps
 
 
 @triton.jit

@@ -496,7 +496,7 @@ def report_dir(out_dir: Path, tol: float = DEFAULT_TOL, log: Callable[[str], Non
     ``tunekit serve-bench --report-only``)."""
     from tunekit import table as table_mod
     from tunekit.models.spec import ModelSpec
-    from tunekit.serve.report import write_markdown, write_plot
+    from tunekit.serve.report import write_reports
 
     out_dir = Path(out_dir)
     if not (out_dir / SETTINGS_FILE).is_file() and (out_dir / "serve.json").is_file():
@@ -518,14 +518,12 @@ def report_dir(out_dir: Path, tol: float = DEFAULT_TOL, log: Callable[[str], Non
     settings = {k: v for k, v in key.items() if k != "model_config"}
     settings["processes"] = max(len(docs) for docs in results.values())  # not in the key: a resume may add some
     serve = summarize(settings, results, coverage, spec, tables, table_mismatch, tol, _git_commit())
-    (out_dir / "serve.json").write_text(json.dumps(serve, indent=1, default=str) + "\n")
-    png = write_plot(serve, out_dir / "serve.png")  # first: the markdown links it when present
-    md = write_markdown(serve, out_dir / "serve.md")
+    doc, md, png = write_reports(serve, out_dir)
     for row in serve["batches"]:
         log(_line(row))
     for note in serve["notes"]:
         log(f"note: {note}")
-    log(f"wrote {out_dir / 'serve.json'}, {md}" + (f", {png}" if png else ""))
+    log(f"wrote {doc}, {md}" + (f", {png}" if png else ""))
     return serve
 
 

@@ -228,7 +228,7 @@ def add_coverage(out_dir: Any, log: Callable[[str], None] = print) -> dict[str, 
     (C concurrent requests decode at M <= C: the M = C rows are the full-batch steps)."""
     from pathlib import Path
 
-    from tunekit.serve.report import write_markdown, write_plot
+    from tunekit.serve.report import write_reports
 
     out = Path(out_dir)
     serve = load_json(out / "serve.json", "serve-bench endpoint report")
@@ -248,10 +248,8 @@ def add_coverage(out_dir: Any, log: Callable[[str], None] = print) -> dict[str, 
             else None
     serve["coverage"] = {"tuned": coverage} if coverage else {}
     serve["notes"] = notes
-    (out / "serve.json").write_text(json.dumps(serve, indent=1, default=str) + "\n")
-    write_plot(serve, out / "serve.png")
-    md = write_markdown(serve, out / "serve.md")
-    log(f"{notes[-1]}; wrote {out / 'serve.json'}, {md}")
+    doc, md, _ = write_reports(serve, out)
+    log(f"{notes[-1]}; wrote {doc}, {md}")
     return serve
 
 
@@ -263,7 +261,7 @@ def run(endpoints: dict[str, str], out_dir: Any, concurrency: Sequence[int] = (1
 
     from tunekit import table as table_mod
     from tunekit.serve.bench import _git_commit
-    from tunekit.serve.report import write_markdown, write_plot
+    from tunekit.serve.report import write_reports
 
     if not concurrency or any(c < 1 or c > 1024 for c in concurrency):
         raise UserError(f"--concurrency takes sizes 1..1024, got {list(concurrency)}")
@@ -285,12 +283,10 @@ def run(endpoints: dict[str, str], out_dir: Any, concurrency: Sequence[int] = (1
     serve = summarize_endpoints(rounds, endpoints, settings, spec, loaded)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "serve.json").write_text(json.dumps(serve, indent=1, default=str) + "\n")
-    png = write_plot(serve, out / "serve.png")
-    md = write_markdown(serve, out / "serve.md")
+    doc, md, png = write_reports(serve, out)
     for row in serve["batches"]:
         log(f"C={row['batch']}: " + ", ".join(f"{a} TPOT {f['median_ms']:.3f} ms TTFT {f['ttft_ms']:.1f} ms"
                                               for a, f in row["tpot"].items() if f)
             + (f"; speedup x{row['speedup']:.4f}" if row["speedup"] else ""))
-    log(f"wrote {out / 'serve.json'}, {md}" + (f", {png}" if png else ""))
+    log(f"wrote {doc}, {md}" + (f", {png}" if png else ""))
     return serve

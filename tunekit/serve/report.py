@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -234,6 +236,18 @@ def write_markdown(serve: dict[str, Any], path: Path) -> Path:
         lines += ["", f"![TPOT per arm]({path.with_suffix('.png').name})"]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def write_reports(serve: dict[str, Any], out: Path) -> tuple[Path, Path, Path | None]:
+    """``serve.json``, ``serve.png`` and ``serve.md`` in ``out``; returns their paths (png: None without
+    matplotlib). The json is replaced atomically (a crash leaves the previous one whole); the plot comes
+    first because the markdown links it when present."""
+    path = out / "serve.json"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(serve, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+    png = write_plot(serve, out / "serve.png")
+    return path, write_markdown(serve, out / "serve.md"), png
 
 
 def write_plot(serve: dict[str, Any], path: Path) -> Path | None:
