@@ -289,6 +289,12 @@ def test_profile_tells_where_the_saving_came_from(fake: Path, tmp_path: Path) ->
     # the host ops of the 1-token generate: what the tuned arm's prefill spends beyond vanilla's
     assert "| 1 | `tunekit::gemv` | 0.000 | 2.000 | 0 / 10 |" in md
     assert "| 1 | **kernels, all** |  |  | +380.0 |  |" in md
+    # ... and the Python between the ops (a real cProfile of the stub's 1-token generate): the tuned arm's
+    # routed calls, 10 per generate, none in vanilla
+    routed = [ln for ln in md.splitlines() if "fake_runner.py:" in ln and "(_routed_call)`" in ln]
+    assert routed and all(ln.endswith("| 0 / 10 |") for ln in routed), routed
+    py = serve["batches"][0]["profile"]["tuned"]["prefill_python"]
+    assert any(k.endswith("(_routed_call)") and v["calls"] == 10 and v["us"] > 0 for k, v in py.items())
     # the profile is part of what a resume must match; a run without one keeps the old key
     with pytest.raises(UserError, match="other settings"):
         bench.run_offline(_settings(arms=["vanilla", "tuned"]), out, lambda s: None)

@@ -152,17 +152,51 @@ def host_profile(run: Callable[[], Any]) -> dict[str, dict[str, float]]:
     return host_totals(_traced(run, "CPU"))
 
 
+#: Python functions kept from the cProfile-d 1-token generate (the largest by own time)
+TOP_PY_FUNCS = 30
+
+
+def _py_name(key: tuple[str, int, str]) -> str:
+    """cProfile's (file, line, function) as ``package/module.py:line(function)`` (a builtin: its name)."""
+    filename, line, func = key
+    if filename == "~" or not filename:
+        return func[:NAME_CHARS]
+    path = Path(filename)
+    return f"{path.parent.name}/{path.name}:{line}({func})"[:NAME_CHARS]
+
+
+def python_profile(run: Callable[[], Any], n: int = TOP_PY_FUNCS) -> dict[str, dict[str, float]]:
+    """Python's own profiler (cProfile) over ``run()``: {function: {"us": own time, "cum_us": inclusive
+    time, "calls"}}, the ``n`` with the most own time. torch's profiler sees aten ops and kernels, not
+    the Python between them: this names the functions where an eager prefill's host time goes."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        run()
+    finally:
+        prof.disable()
+    stats = pstats.Stats(prof).stats  # {(file, line, function): (primitive calls, calls, own s, cum s, callers)}
+    top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:n]
+    return {_py_name(key): {"us": own * 1e6, "cum_us": cum * 1e6, "calls": float(calls)}
+            for key, (_, calls, own, cum, _) in top}
+
+
 def decode_step_profile(generate: Callable[[int], Any], steps: int) -> dict[str, Any]:
     """``generate(n)`` runs one generate of n new tokens at the measured batch size. Returns the step's
     kernel time and count per category, their total (``busy_us``), the raw totals of both runs, the
-    kernels by name, and the host ops of a third, CPU-profiled 1-token generate (``prefill_host``)."""
+    kernels by name, the host ops of a third, CPU-profiled 1-token generate (``prefill_host``) and the
+    Python functions of a fourth under cProfile (``prefill_python``)."""
     short, short_names = profile_totals(lambda: generate(1))
     long, long_names = profile_totals(lambda: generate(1 + steps))
     step = per_step(short, long, steps)
     return {"steps": steps, "per_step": step, "busy_us": sum(c["us"] for c in step.values()),
             "kernels": sum(c["kernels"] for c in step.values()), "short": short, "long": long,
             "by_kernel": top_kernels(per_step(short_names, long_names, steps)),
-            "prefill_host": host_profile(lambda: generate(1))}
+            "prefill_host": host_profile(lambda: generate(1)),
+            "prefill_python": python_profile(lambda: generate(1))}
 
 
 def arm_profile(rows: Iterable[dict[str, Any] | None]) -> dict[str, Any] | None:
@@ -176,7 +210,8 @@ def arm_profile(rows: Iterable[dict[str, Any] | None]) -> dict[str, Any] | None:
             "busy_us": statistics.median(p["busy_us"] for p in profiles),
             "kernels": statistics.median(p["kernels"] for p in profiles),
             "by_kernel": _medians([p.get("by_kernel", {}) for p in profiles], "kernels"),
-            "prefill_host": _medians([p.get("prefill_host", {}) for p in profiles], "calls")}
+            "prefill_host": _medians([p.get("prefill_host", {}) for p in profiles], "calls"),
+            "prefill_python": _medians([p.get("prefill_python", {}) for p in profiles], "calls")}
 
 
 def _medians(tables: Sequence[dict[str, dict[str, float]]], count: str) -> dict[str, dict[str, float]]:
@@ -217,5 +252,8 @@ def compare(vanilla: dict[str, Any] | None, tuned: dict[str, Any] | None,
     # 0 in the other: read it as "at least")
     host = _side_by_side(vanilla.get("prefill_host", {}), tuned.get("prefill_host", {}), "calls")
     host_changed = dict(sorted(host.items(), key=lambda kv: -abs(kv[1]["saved_us"]))[:15])
+    python = _side_by_side(vanilla.get("prefill_python", {}), tuned.get("prefill_python", {}), "calls")
+    python_changed = dict(sorted(python.items(), key=lambda kv: -abs(kv[1]["saved_us"]))[:15])
     return {"categories": rows, "kernel_saved_us": vanilla["busy_us"] - tuned["busy_us"],
-            "outside_kernels_us": outside, "kernels_changed": changed, "prefill_host_changed": host_changed}
+            "outside_kernels_us": outside, "kernels_changed": changed, "prefill_host_changed": host_changed,
+            "prefill_python_changed": python_changed}

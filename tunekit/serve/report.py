@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tunekit.serve import ARMS
-from tunekit.serve.profile import TOP_HOST_OPS, TOP_KERNELS
+from tunekit.serve.profile import TOP_HOST_OPS, TOP_KERNELS, TOP_PY_FUNCS
 
 EVIDENCE = ("end-to-end measurement in vLLM (the served-model layer of evidence): the whole decode step with "
             "attention, recurrence, sampling and the scheduler, one engine per process, arms alternated over "
@@ -161,6 +161,19 @@ def prefill_host_table(serve: dict[str, Any], n: int = 10) -> tuple[list[str], l
     return head, rows
 
 
+def prefill_python_table(serve: dict[str, Any], n: int = 10) -> tuple[list[str], list[list[str]]]:
+    """Per batch size, the Python functions of the 1-token generate whose own time changed most."""
+    head = ["B", "Python function", "vanilla ms", "tuned ms", "calls vanilla / tuned"]
+    rows = []
+    for r in serve["batches"]:
+        changed = (r.get("profile_compare") or {}).get("prefill_python_changed") or {}
+        for name, c in list(changed.items())[:n]:
+            rows.append([str(r["batch"]), f"`{name.replace('|', '/').replace('`', '')}`",
+                         _f(c["vanilla_us"] / 1000.0, ".3f"), _f(c["tuned_us"] / 1000.0, ".3f"),
+                         f"{c['vanilla_calls']:.0f} / {c['tuned_calls']:.0f}"])
+    return head, rows
+
+
 def write_markdown(serve: dict[str, Any], path: Path) -> Path:
     """The report section: settings, TPOT per arm, prediction vs measurement, coverage, agreement, notes."""
     s = serve.get("settings", {})
@@ -230,6 +243,10 @@ def write_markdown(serve: dict[str, Any], path: Path) -> Path:
             lines += ["", "Host ops of a 1-token generate (prefill + one step) whose CPU time changed most "
                       f"(torch's profiler, CPU only; inclusive times, among each process's {TOP_HOST_OPS} "
                       "largest): where time to first token goes when the kernels match.", "", _md_table(*host)]
+        python = prefill_python_table(serve)
+        if python[1]:
+            lines += ["", "Python functions of another 1-token generate (cProfile; own time, among each process's "
+                      f"{TOP_PY_FUNCS} largest): the host work between the ops.", "", _md_table(*python)]
     if serve.get("notes"):
         lines += ["", "Notes:", ""] + [f"- {n}" for n in serve["notes"]]
     if path.with_suffix(".png").exists():

@@ -77,6 +77,13 @@ class _Output:
         self.metrics = None
 
 
+def _routed_call() -> int:
+    total = 0
+    for i in range(2000):
+        total += i
+    return total
+
+
 class LLM:
     def __init__(self, **kwargs: object) -> None:
         self.kwargs = kwargs
@@ -92,6 +99,9 @@ class LLM:
         self.batches_seen.add(len(prompts))
         LLM.last = (self.arm, params.max_tokens)  # what a profile of this call would see
         time.sleep((1.0 + params.max_tokens * TPOT_MS[self.arm]) / 1000.0)
+        if self.arm == "tuned":
+            for _ in range(10):  # Python work per routed call, as a tuned prefill's ops do (cProfile sees it)
+                _routed_call()
         outs = []
         for r, p in enumerate(prompts):
             ids = p["prompt_token_ids"]
