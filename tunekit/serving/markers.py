@@ -119,7 +119,9 @@ def write_dispatch_log(path: str | os.PathLike | None = None) -> Path | None:
     out = Path(target.replace("{pid}", str(os.getpid())))
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
+        # one temporary file per writer (the flusher thread and an exit hook may write at once): each
+        # writes a whole document, and the atomic replace leaves one of them, never a mix
+        tmp = out.with_name(out.name + f".{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_text(json.dumps(dispatch_log(), indent=2, default=str) + "\n")
         os.replace(tmp, out)
     except Exception as exc:
