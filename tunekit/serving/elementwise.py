@@ -246,7 +246,7 @@ class _EwRoute:
                 self.bind = not tried
 
 
-#: (op, m, n, k, torch dtype, device) -> _EwRoute
+#: (op, m, n, k, torch dtype, device, eps) -> _EwRoute
 _EW_ROUTES: dict[tuple, _EwRoute] = {}
 
 
