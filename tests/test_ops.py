@@ -327,13 +327,14 @@ def test_a_forked_worker_writes_its_own_dispatch_log(gemv_table: Path, tmp_path:
         "        os.kill(os.getpid(), signal.SIGKILL)\n"
         "if __name__ == '__main__':\n"
         "    child = mp.get_context('fork').Process(target=work)\n"
-        "    child.start(); child.join()\n"
+        "    child.start(); child.join(120)\n"
         f"    assert child.exitcode == {-9 if ending == 'killed' else 0}, child.exitcode\n"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1", "TUNEKIT_TABLE": str(gemv_table),
            "TUNEKIT_DISPATCH_LOG": str(log), "PYTHONPATH": str(REPO),
            "TUNEKIT_DISPATCH_LOG_INTERVAL": "0.3" if ending == "killed" else "0"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr
     child = json.loads((tmp_path / f"dispatch-{out.stdout.strip()}.json").read_text())
     assert child["pid"] == int(out.stdout.strip())
