@@ -236,6 +236,13 @@ def _side_by_side(vanilla: dict[str, dict[str, float]], tuned: dict[str, dict[st
     return rows
 
 
+def _most_changed(vanilla: dict[str, Any], tuned: dict[str, Any], key: str, count: str,
+                  n: int) -> dict[str, dict[str, float]]:
+    """The ``n`` names of both arms' ``key`` tables (:func:`_side_by_side`) whose time changed most."""
+    rows = _side_by_side(vanilla.get(key, {}), tuned.get(key, {}), count)
+    return dict(sorted(rows.items(), key=lambda kv: -abs(kv[1]["saved_us"]))[:n])
+
+
 def compare(vanilla: dict[str, Any] | None, tuned: dict[str, Any] | None,
             tpot_ms: dict[str, float | None]) -> dict[str, Any] | None:
     """Per category, vanilla minus tuned per decode step (us saved; negative: grew), and each arm's time
@@ -246,14 +253,11 @@ def compare(vanilla: dict[str, Any] | None, tuned: dict[str, Any] | None,
     outside = {arm: (tpot_ms[arm] * 1000.0 - prof["busy_us"]) if tpot_ms.get(arm) else None
                for arm, prof in (("vanilla", vanilla), ("tuned", tuned))}
     # the kernels whose time changed most between the arms: what a category's change is made of
-    by_kernel = _side_by_side(vanilla.get("by_kernel", {}), tuned.get("by_kernel", {}), "kernels")
-    changed = dict(sorted(by_kernel.items(), key=lambda kv: -abs(kv[1]["saved_us"]))[:20])
+    changed = _most_changed(vanilla, tuned, "by_kernel", "kernels", 20)
     # the host ops of the 1-token generate whose time changed most (a name in one arm's top only counts
     # 0 in the other: read it as "at least")
-    host = _side_by_side(vanilla.get("prefill_host", {}), tuned.get("prefill_host", {}), "calls")
-    host_changed = dict(sorted(host.items(), key=lambda kv: -abs(kv[1]["saved_us"]))[:15])
-    python = _side_by_side(vanilla.get("prefill_python", {}), tuned.get("prefill_python", {}), "calls")
-    python_changed = dict(sorted(python.items(), key=lambda kv: -abs(kv[1]["saved_us"]))[:15])
+    host_changed = _most_changed(vanilla, tuned, "prefill_host", "calls", 15)
+    python_changed = _most_changed(vanilla, tuned, "prefill_python", "calls", 15)
     return {"categories": rows, "kernel_saved_us": vanilla["busy_us"] - tuned["busy_us"],
             "outside_kernels_us": outside, "kernels_changed": changed, "prefill_host_changed": host_changed,
             "prefill_python_changed": python_changed}

@@ -148,25 +148,15 @@ def kernel_changes_table(serve: dict[str, Any], n: int = 10) -> tuple[list[str],
     return head, rows
 
 
-def prefill_host_table(serve: dict[str, Any], n: int = 10) -> tuple[list[str], list[list[str]]]:
-    """Per batch size, the host ops of the 1-token generate whose inclusive CPU time changed most."""
-    head = ["B", "host op", "vanilla ms", "tuned ms", "calls vanilla / tuned"]
+def prefill_changes_table(serve: dict[str, Any], key: str, what: str,
+                          n: int = 10) -> tuple[list[str], list[list[str]]]:
+    """Per batch size, the ``n`` names of the 1-token generate's profile ``key`` of ``profile_compare``
+    (``prefill_host_changed``: host ops, inclusive CPU time; ``prefill_python_changed``: Python functions,
+    own time) whose time changed most from vanilla to tuned; ``what`` heads the name column."""
+    head = ["B", what, "vanilla ms", "tuned ms", "calls vanilla / tuned"]
     rows = []
     for r in serve["batches"]:
-        changed = (r.get("profile_compare") or {}).get("prefill_host_changed") or {}
-        for name, c in list(changed.items())[:n]:
-            rows.append([str(r["batch"]), f"`{name.replace('|', '/').replace('`', '')}`",
-                         _f(c["vanilla_us"] / 1000.0, ".3f"), _f(c["tuned_us"] / 1000.0, ".3f"),
-                         f"{c['vanilla_calls']:.0f} / {c['tuned_calls']:.0f}"])
-    return head, rows
-
-
-def prefill_python_table(serve: dict[str, Any], n: int = 10) -> tuple[list[str], list[list[str]]]:
-    """Per batch size, the Python functions of the 1-token generate whose own time changed most."""
-    head = ["B", "Python function", "vanilla ms", "tuned ms", "calls vanilla / tuned"]
-    rows = []
-    for r in serve["batches"]:
-        changed = (r.get("profile_compare") or {}).get("prefill_python_changed") or {}
+        changed = (r.get("profile_compare") or {}).get(key) or {}
         for name, c in list(changed.items())[:n]:
             rows.append([str(r["batch"]), f"`{name.replace('|', '/').replace('`', '')}`",
                          _f(c["vanilla_us"] / 1000.0, ".3f"), _f(c["tuned_us"] / 1000.0, ".3f"),
@@ -238,12 +228,12 @@ def write_markdown(serve: dict[str, Any], path: Path) -> Path:
         if changes[1]:
             lines += ["", "The kernels whose time per decode step changed most (by name, among each process's "
                       f"{TOP_KERNELS} largest):", "", _md_table(*changes)]
-        host = prefill_host_table(serve)
+        host = prefill_changes_table(serve, "prefill_host_changed", "host op")
         if host[1]:
             lines += ["", "Host ops of a 1-token generate (prefill + one step) whose CPU time changed most "
                       f"(torch's profiler, CPU only; inclusive times, among each process's {TOP_HOST_OPS} "
                       "largest): where time to first token goes when the kernels match.", "", _md_table(*host)]
-        python = prefill_python_table(serve)
+        python = prefill_changes_table(serve, "prefill_python_changed", "Python function")
         if python[1]:
             lines += ["", "Python functions of another 1-token generate (cProfile; own time, among each process's "
                       f"{TOP_PY_FUNCS} largest): the host work between the ops.", "", _md_table(*python)]
