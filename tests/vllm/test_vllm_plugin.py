@@ -110,7 +110,8 @@ def test_entry_point_loads_once_and_installs_every_hook(plugin) -> None:
     assert [ep.value for ep in eps] == ["tunekit.integrations.vllm_plugin:register"]
     assert set(plugin.installed()) == {"linear", "RMSNorm", "GemmaRMSNorm", "RMSNormGated", "SiluAndMul",
                                        "compile_cache_key"}
-    assert plugin.skipped() == {}
+    # the session's table is empty: no M to end a compile range at (test_token_counts_above_the_tables_...)
+    assert plugin.skipped() == {"compile_ranges": "the named tables hold no entry"}
     # the tables join vLLM's compile-cache key: a graph traced under another table is not reused
     import vllm.envs as envs
 
@@ -154,7 +155,7 @@ def test_without_a_table_nothing_is_installed(plugin, monkeypatch) -> None:
         plugin.register()
         assert plugin.installed() == {}
         assert set(plugin.skipped()) == {"linear", "RMSNorm", "GemmaRMSNorm", "RMSNormGated", "SiluAndMul",
-                                         "compile_cache_key"}
+                                         "compile_cache_key", "compile_ranges"}
         assert all("TUNEKIT_TABLE is not set" in why for why in plugin.skipped().values())
     assert calls == []  # no hook was attempted
     assert dict(op_registry_oot) == registry_before and linear.dispatch_unquantized_gemm is gemm_before
@@ -682,3 +683,53 @@ def test_dispatch_stats_are_json(plugin) -> None:
     from tunekit import ops
 
     json.dumps(ops.dispatch_log())
+
+
+def test_token_counts_above_the_tables_compile_vllms_own_math(plugin, vllm_config, monkeypatch,
+                                                               tmp_path: Path) -> None:
+    """vLLM's inductor compile per token-count range: a range ending at the tables' largest M keeps the
+    tunekit ops; in the range above, the plugin's post-grad pass hands them back to vLLM's math, so an
+    eager prefill there calls no tunekit op at all (and pays none of its Python)."""
+    from vllm.compilation.passes import pass_manager
+    from vllm.config import CompilationConfig, CompilationMode, DeviceConfig, VllmConfig, set_current_vllm_config
+
+    from tunekit import ops
+
+    path = _table(tmp_path / "ranges.json", [
+        _entry("gemv", 2, 96, 64), _entry("rms_norm", 4, 64, 64, backend="serving_backend:BACKEND", params={}),
+        _entry("silu_and_mul", 4, 48, 96, backend="serving_backend:BACKEND", params={})])
+    monkeypatch.setenv("TUNEKIT_TABLE", str(path))
+    # the hook patches two vLLM classes: restored after this test
+    monkeypatch.setattr(VllmConfig, "_set_compile_ranges", VllmConfig._set_compile_ranges)
+    monkeypatch.setattr(pass_manager.PostGradPassManager, "configure", pass_manager.PostGradPassManager.configure)
+    # vLLM's last post-grad pass rewrites its own _C ops, which a CPU wheel lacks (it names them on
+    # entry); this graph holds none of them, so skipping it changes nothing here
+    monkeypatch.setattr(pass_manager.FixFunctionalizationPass, "__call__", lambda self, graph: None)
+    done, why = plugin._install_compile_ranges()
+    assert done and "endpoint 4" in why, why
+    ops.load_tables(str(path))
+    plugin.RANGE_ROUTES.clear()
+
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"), compilation_config=CompilationConfig(
+        mode=CompilationMode.VLLM_COMPILE, backend="inductor", cudagraph_mode="NONE", compile_sizes=[],
+        custom_ops=["none"], pass_config=vllm_config.compilation_config.pass_config))
+    ranges = config.compilation_config.get_compile_ranges()
+    assert [(r.start, r.end) for r in ranges][0] == (1, 4) and ranges[1].start == 5, ranges
+    Block = _norm_up_act_block()
+    with set_current_vllm_config(config):
+        torch.manual_seed(0)
+        model = Block(vllm_config=config)
+        model.up.weight.data.normal_(0, 0.125)
+        xs = {m: torch.randn(m, 64).bfloat16() for m in (3, 7)}
+        got = {m: model(x) for m, x in xs.items()}
+        routes = dict(plugin.RANGE_ROUTES)
+        called = {(op, m) for op, _, m, _ in _impls()}
+        # the same block compiled with no table: the graph vLLM compiles without tunekit
+        ops.load_tables([])
+        plain = Block(vllm_config=config)
+        plain.load_state_dict(model.state_dict())
+        want = {m: plain(x) for m, x in xs.items()}
+    # every compiled piece went through the pass; only the range above the tables lost its tunekit ops
+    assert routes == {str(ranges[1]): {"rms_norm": 1, "gemv": 1, "silu_and_mul": 1}}, routes
+    assert called >= {("rms_norm", 3), ("gemv", 3), ("silu_and_mul", 3)} and not {c for c in called if c[1] == 7}
+    assert torch.equal(got[7], want[7])  # above the tables: vLLM's own compiled math, bit for bit

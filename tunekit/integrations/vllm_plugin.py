@@ -81,10 +81,23 @@ Hooks:
   ``forward_hip``; every other layer runs that stock forward. Installed only
   for ops ``tunekit.ops`` defines.
 * ``compile_cache_key``: the tables' digest as a vLLM compile factor.
+* ``compile_ranges``: vLLM compiles each graph piece once per token-count
+  range (``CompilationConfig.compile_ranges_endpoints``) and runs its
+  post-grad passes per range. The hook adds one endpoint, the tables'
+  largest M (2 at least: vLLM takes endpoints above 1), and one post-grad
+  pass (``PostGradPassManager.configure`` gains it): in a range that starts
+  above the largest M a table holds for a node's (op, dtype, N, K), the
+  node is replaced by the stock math (``tunekit.integrations.graph_routes``),
+  so prefills and captured sizes above the tables run the graph vLLM
+  compiles without tunekit, with none of the op's per-call Python. Off
+  where vLLM's compile mode is not its Inductor one (no post-grad passes):
+  there the op decides per call, as before.
 
-No hook branches on M: vLLM compiles with dynamic token counts and drops
-shape guards, so every choice that depends on M is made inside the op. The
-static checks here (dtype, hidden size, flags, coverage) are fixed per layer.
+No route branches on M: vLLM traces with dynamic token counts and drops
+shape guards, so inside a compile range every choice that depends on M is
+made inside the op. The static checks here (dtype, hidden size, flags,
+coverage) are fixed per layer; the ranges split the token counts once, at
+compile time.
 
 Every vLLM name is feature-detected; an older vLLM (the forks DCU users run)
 missing one gets that hook skipped with a log line naming what is missing.
@@ -151,7 +164,7 @@ def _table_paths() -> list[str]:
 
 
 def _hook_names() -> list[str]:
-    return ["linear", *_OOT_SPECS, "compile_cache_key"]
+    return ["linear", *_OOT_SPECS, "compile_cache_key", "compile_ranges"]
 
 
 def _install_nothing() -> None:
@@ -181,7 +194,7 @@ def _install() -> tuple[dict[str, str], dict[str, str]]:
     installed: dict[str, str] = {}
     skipped: dict[str, str] = {}
     hooks = (("linear", _install_linear), *[(n, _oot_installer(n)) for n in _OOT_SPECS],
-             ("compile_cache_key", _install_compile_factor))
+             ("compile_cache_key", _install_compile_factor), ("compile_ranges", _install_compile_ranges))
     for name, hook in hooks:
         try:
             done, why = hook()
@@ -230,6 +243,110 @@ def _install_compile_factor() -> tuple[bool, str]:
     digest = _tables_digest()  # hashed here (bytes only): the tables are parsed at the first op call
     factors[COMPILE_FACTOR] = lambda: digest
     return True, f"{COMPILE_FACTOR}={digest[:12]} joins vLLM's compile-cache factors"
+
+
+# ---------------------------------------------------------------------------
+# compile ranges: token counts above the tables run vLLM's own graph
+# ---------------------------------------------------------------------------
+
+#: Per compile range (vLLM's ``Range``, as text): tunekit op -> graph nodes handed back to vLLM's path.
+RANGE_ROUTES: dict[str, dict[str, int]] = {}
+
+
+def _tables_largest_m() -> int | None:
+    """The largest M of any entry in the named tables (read from the files: no GPU here), or None."""
+    from tunekit import table as table_mod
+
+    top = None
+    for path in _table_paths():
+        try:
+            entries = table_mod.load(path)["entries"]
+        except Exception:  # the ops log a broken table once, at their first call
+            continue
+        for entry in entries:
+            top = max(top or 0, int(entry["m"]))
+    return top
+
+
+def _install_compile_ranges() -> tuple[bool, str]:
+    # A covered layer calls the tunekit op at every token count, since the route is decided once
+    # per trace. An eager prefill above the tables then pays the op's Python per call (~190 calls
+    # per Llama-8B forward) for a fallback, where vLLM's compiled code runs a fused kernel from
+    # Inductor's wrapper. vLLM compiles each graph piece per token-count range and runs its
+    # post-grad passes per range: one range ends at the tables' largest M, and in the ranges above
+    # it a pass hands every tunekit node back to the stock math (graph_routes.unroute).
+    top = _tables_largest_m()
+    if top is None:
+        return False, "the named tables hold no entry"
+    try:
+        from vllm.compilation.passes import pass_manager
+        from vllm.compilation.passes.inductor_pass import InductorPass, get_pass_context
+        from vllm.config import CompilationConfig, VllmConfig
+    except ImportError as exc:
+        return False, f"this vLLM has no compile ranges or post-grad pass manager ({exc}): every range keeps the ops"
+    manager = getattr(pass_manager, "PostGradPassManager", None)
+    set_ranges = VllmConfig.__dict__.get("_set_compile_ranges")
+    configure = getattr(manager, "configure", None)
+    if (manager is None or not callable(set_ranges) or not callable(configure) or not hasattr(manager, "add")
+            or "compile_ranges_endpoints" not in getattr(CompilationConfig, "__dataclass_fields__", {})):
+        return False, ("this vLLM lacks VllmConfig._set_compile_ranges, CompilationConfig.compile_ranges_endpoints "
+                       "or PostGradPassManager.configure/add: every range keeps the ops")
+    # vLLM takes endpoints above 1 only; a table of M=1 alone makes the range [1, 2]
+    endpoint = max(2, top)
+    route_pass = _range_pass(InductorPass, get_pass_context)
+
+    if not getattr(set_ranges, _MARK, False):
+        @functools.wraps(set_ranges)
+        def _set_compile_ranges(self: Any) -> Any:
+            cc = self.compilation_config
+            cc.compile_ranges_endpoints = sorted(set(cc.compile_ranges_endpoints or ()) | {endpoint})
+            return set_ranges(self)
+
+        setattr(_set_compile_ranges, _MARK, True)
+        VllmConfig._set_compile_ranges = _set_compile_ranges
+    if not getattr(configure, _MARK, False):
+        @functools.wraps(configure)
+        def configure_with_tunekit(self: Any, config: Any) -> Any:
+            result = configure(self, config)
+            self.add(route_pass)
+            return result
+
+        setattr(configure_with_tunekit, _MARK, True)
+        manager.configure = configure_with_tunekit
+    return True, (f"compile range endpoint {endpoint} (the tables' largest M is {top}); in the ranges above it "
+                  "the tunekit ops are handed back to vLLM's own math")
+
+
+def _range_pass(base: type, get_pass_context: Callable[[], Any]) -> Any:
+    """vLLM's post-grad pass that keeps the tunekit ops only in compile ranges the tables serve."""
+    import inspect
+
+    from tunekit.integrations import graph_routes
+    from tunekit.serving import elementwise
+
+    digest = _tables_digest()
+    # what decides the rewritten graph: the rewrite, its compositions and this pass
+    sources = tuple(inspect.getsource(obj) for obj in (graph_routes, elementwise, _range_pass))
+
+    class TunekitRangeRoutes(base):  # type: ignore[misc, valid-type]
+        def __call__(self, graph: Any) -> None:
+            compile_range = get_pass_context().compile_range
+            start = compile_range.start
+            replaced = graph_routes.unroute(graph, lambda *key: graph_routes.within_table(*key, start=start))
+            if replaced:
+                seen = RANGE_ROUTES.setdefault(str(compile_range), {})
+                first = not seen
+                for op, count in replaced.items():
+                    seen[op] = seen.get(op, 0) + count
+                if first:
+                    logger.info("tunekit vLLM plugin: compile range %s is above the tables: tunekit ops handed "
+                                "back to vLLM's math (first graph piece: %s)", compile_range, replaced)
+
+        def uuid(self) -> str:
+            # the rewrite's code and the tables it reads (vLLM's pass manager adds the range)
+            return base.hash_dict({"source": base.hash_source(*sources), "tables": digest})
+
+    return TunekitRangeRoutes()
 
 
 # ---------------------------------------------------------------------------

@@ -176,6 +176,22 @@ def covers(op: str, dtype: str, n: int | None, k: int, device: str) -> bool:
     return found
 
 
+def largest_m(op: str, dtype: str, n: int | None, k: int, device: str) -> int | None:
+    """The largest M a table serving ``device`` holds for (op, dtype, N, K) (``n=None``: at any N, as in
+    :func:`covers`), or None. Every M up to it is served by a tuned entry (the lookup takes the
+    smallest tabulated M at or above the call's); above it, the op's fallback. Never raises.
+
+    For integrations that compile per token-count range: a range starting above it gains nothing
+    from the op (``tunekit.integrations.graph_routes``).
+    """
+    merged = serving_table(device)
+    if merged is None:
+        return None
+    ms = [e["m"] for e in merged["entries"]
+          if e["op"] == op and e["dtype"] == dtype and n in (None, e["n"]) and e["k"] == k]
+    return max(ms) if ms else None
+
+
 def served_entry(op: str, dtype: str, m: int, n: int, k: int, device: str) -> dict[str, Any] | None:
     """The table entry that serves (op, dtype, M, N, K) on ``device`` (the lookup rule of the ops:
     exact M, else the smallest tabulated larger M), or None for the vendor path. Never raises.

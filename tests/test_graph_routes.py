@@ -1,0 +1,130 @@
+"""tunekit.integrations.graph_routes: a compiled graph's tunekit ops handed back to the stock math.
+
+Inductor on the CPU, with the rewrite as its post-grad custom pass (as vLLM
+runs it per compile range): the rewritten nodes must compile to exactly what
+the stock composition compiles to, the kept ones must stay tunekit ops, and
+the token dimension stays symbolic throughout.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+import tunekit.ops  # noqa: F401 - defines torch.ops.tunekit.*
+from tunekit.integrations import graph_routes
+from tunekit.serving import elementwise
+
+
+class _Pass(CustomGraphPass):
+    """The rewrite as Inductor's post-grad custom pass; records what it replaced and what stayed."""
+
+    def __init__(self, keep) -> None:
+        self.keep, self.replaced, self.left = keep, {}, []
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.replaced = graph_routes.unroute(graph, self.keep)
+        self.left = [graph_routes.tunekit_op(n) for n in graph.nodes if graph_routes.tunekit_op(n)]
+
+    def uuid(self) -> str:
+        return f"test-{id(self)}"
+
+
+def _block(x, r, w, wu, wd):
+    h, res = torch.ops.tunekit.fused_add_rms_norm(x, r, w, 1e-5)
+    a = torch.ops.tunekit.silu_and_mul(torch.ops.tunekit.gemv(h, wu, None))
+    return torch.ops.tunekit.rms_norm(torch.ops.tunekit.gemv(a, wd, None), w, 1e-5), res
+
+
+def _stock_block(x, r, w, wu, wd):
+    h, res = elementwise._vendor_fused_add(x, r, w, 1e-5, False)
+    a = elementwise._vendor_silu_and_mul(F.linear(h, wu))
+    return elementwise._vendor_rms_norm(F.linear(a, wd), w, 1e-5, False), res
+
+
+def _inputs(m: int):
+    g = torch.Generator().manual_seed(m)
+    x, r = (torch.randn(m, 64, generator=g).bfloat16() for _ in range(2))
+    w = torch.randn(64, generator=g).bfloat16()
+    wu, wd = torch.randn(96, 64, generator=g).bfloat16() * 0.1, torch.randn(64, 48, generator=g).bfloat16() * 0.1
+    torch._dynamo.mark_dynamic(x, 0)
+    torch._dynamo.mark_dynamic(r, 0)
+    return x, r, w, wu, wd
+
+
+def _compiled(fn, custom_pass=None):
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(post_grad_custom_post_pass=custom_pass, fx_graph_cache=False):
+        compiled = torch.compile(fn, backend="inductor", fullgraph=True, dynamic=None)
+        return {m: compiled(*_inputs(m)) for m in (5, 9)}
+
+
+def test_a_range_above_the_tables_compiles_to_the_stock_math_bit_for_bit() -> None:
+    every = _Pass(lambda *key: False)
+    got = _compiled(_block, every)
+    assert every.replaced == {"fused_add_rms_norm": 1, "gemv": 2, "silu_and_mul": 1, "rms_norm": 1}
+    assert every.left == []
+    want = _compiled(_stock_block)
+    for m in (5, 9):  # one graph, symbolic in the token count, serves both
+        assert all(torch.equal(a, b) for a, b in zip(got[m], want[m], strict=True)), m
+
+
+def test_nodes_the_tables_serve_stay_tunekit_ops() -> None:
+    seen = []
+
+    def keep(op, dtype, n, k, device):
+        seen.append((op, dtype, n, k, device))
+        return op == "gemv" and (n, k) == (96, 64)
+
+    some = _Pass(keep)
+    got = _compiled(_block, some)
+    assert some.left == ["gemv"] and some.replaced == {"fused_add_rms_norm": 1, "silu_and_mul": 1, "gemv": 1,
+                                                         "rms_norm": 1}
+    # the keys asked: the vLLM routes' (op, dtype, N, K), widths as plain ints
+    assert sorted(set(seen)) == sorted({("fused_add_rms_norm", "bf16", 64, 64, "cpu"), ("gemv", "bf16", 96, 64, "cpu"),
+                                        ("silu_and_mul", "bf16", 48, 96, "cpu"), ("gemv", "bf16", 64, 48, "cpu"),
+                                        ("rms_norm", "bf16", 64, 64, "cpu")})
+    eager = {m: _block(*_inputs(m)) for m in (5, 9)}
+    for m in (5, 9):
+        for a, b in zip(got[m], eager[m], strict=True):
+            assert (a.float() - b.float()).abs().max() <= 0.0625  # a few BF16 roundings apart, not garbage
+
+
+@pytest.mark.parametrize("top, start, kept", [(None, 1, False), (8, 9, False), (8, 8, True), (1, 2, False),
+                                              (4, 1, True)])
+def test_a_range_keeps_an_op_only_where_the_tables_reach_it(monkeypatch, top, start, kept) -> None:
+    asked = []
+
+    def largest_m(op, dtype, n, k, device):
+        asked.append((op, dtype, n, k, device))
+        return top
+
+    monkeypatch.setattr(tunekit.ops, "largest_m", largest_m)
+    assert graph_routes.within_table("rms_norm", "bf16", 64, 64, "cuda:0", start=start) is kept
+    assert asked == [("rms_norm", "bf16", 64, 64, "cuda:0")]
+
+
+def test_largest_m_reads_the_serving_tables(tmp_path) -> None:
+    from tunekit import ops
+    from tunekit import table as table_mod
+    from tunekit.device import detect
+
+    def entry(op, m, n, k):
+        return {"op": op, "dtype": "bf16", "m": m, "n": n, "k": k, "backend": "triton", "params": {},
+                "kernel": "t", "time_us": 1.0, "baseline_us": 2.0, "speedup": 2.0, "gbps": 1.0}
+
+    path = table_mod.save({"format": table_mod.FORMAT, "created": "test",
+                           "environment": table_mod.environment_stamp(detect().as_dict(), []),
+                           "read_limit_gbps": None,
+                           "entries": [entry("gemv", 1, 96, 64), entry("gemv", 8, 96, 64), entry("gemv", 4, 32, 64),
+                                       entry("gated_rms_norm", 2, 512, 128)]}, tmp_path / "t.json")
+    ops.load_tables(str(path))
+    try:
+        assert ops.largest_m("gemv", "bf16", 96, 64, "cpu") == 8
+        assert ops.largest_m("gemv", "bf16", 32, 64, "cpu") == 4
+        assert ops.largest_m("gemv", "fp16", 96, 64, "cpu") is None
+        assert ops.largest_m("gated_rms_norm", "bf16", None, 128, "cpu") == 2  # by row width, as covers()
+    finally:
+        ops.load_tables([])

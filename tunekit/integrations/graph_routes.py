@@ -1,0 +1,196 @@
+"""Compile-time routing: hand a traced graph's tunekit ops back to the stock math where no table serves.
+
+A vLLM layer that a table covers calls a tunekit op for every token count,
+since the decision is made once per trace and vLLM traces with a dynamic
+token dimension. Inside the op, a token count the table has no entry for
+takes the op's fallback; that costs nothing in a CUDA graph, but an eager
+prefill pays the op's Python on every call (about 190 calls per Llama-8B
+forward), where vLLM's compiled code would have run a fused kernel straight
+from Inductor's wrapper.
+
+vLLM compiles each piece of the graph once per token-count range
+(``CompilationConfig.compile_ranges_endpoints``) and runs its post-grad
+passes per range. :func:`unroute` is the pass body: every tunekit node whose
+(op, dtype, N, K) the tables serve at no token count of the range is
+replaced, in place, by the op's stock composition (``F.linear``; the
+PyTorch math of vLLM's native norms and activation, the op's own vendor
+path), traced with Inductor's decompositions, so Inductor compiles and
+fuses it as it does in a graph traced without tunekit. Nodes the range can
+use stay. ``tunekit.integrations.vllm_plugin`` adds the range endpoint (the
+tables' largest M) and installs the pass.
+
+Call protocol::
+
+    counts = unroute(graph, keep)  # keep(op, dtype, n, k, device) -> bool; {op: nodes replaced}
+    unroute(graph, lambda *key: within_table(*key, start=9))  # vLLM's pass for the range [9, ...]
+
+Pure FX over torch: no vLLM import, so the main test tier checks it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from tunekit.serving.state import DTYPE_NAMES, NAMESPACE
+
+
+def _rms_norm(gemma: bool) -> Callable[..., torch.Tensor]:
+    def composition(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        from tunekit.serving.elementwise import _vendor_rms_norm
+
+        return _vendor_rms_norm(x, weight, eps, gemma)
+
+    return composition
+
+
+def _fused_add(gemma: bool) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    def composition(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        from tunekit.serving.elementwise import _vendor_fused_add
+
+        return _vendor_fused_add(x, residual, weight, eps, gemma)
+
+    return composition
+
+
+def _gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    from tunekit.serving.elementwise import _vendor_gated
+
+    return _vendor_gated(x, z, weight, eps)
+
+
+def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    from tunekit.serving.elementwise import _vendor_silu_and_mul
+
+    return _vendor_silu_and_mul(x)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _norm_nk(args: tuple) -> tuple[int | None, int | None]:
+    width = _shape(args[-2])  # the weight: second to last (eps last)
+    return (width[0], width[0]) if width else (None, None)
+
+
+#: op -> (stock composition, its table key's (N, K) from the node's argument values). The keys are
+#: those the vLLM plugin's routes check (``_covered``): the gated norm by row width alone (N None).
+COMPOSITIONS: dict[str, tuple[Callable[..., Any], Callable[[tuple], tuple[int | None, int | None]]]] = {
+    "gemv": (_linear, lambda a: tuple(_shape(a[1]) or (None, None))),  # type: ignore[dict-item]
+    "rms_norm": (_rms_norm(False), _norm_nk),
+    "gemma_rms_norm": (_rms_norm(True), _norm_nk),
+    "fused_add_rms_norm": (_fused_add(False), _norm_nk),
+    "gemma_fused_add_rms_norm": (_fused_add(True), _norm_nk),
+    "gated_rms_norm": (_gated, lambda a: (None, (_shape(a[2]) or (None,))[0])),
+    "silu_and_mul": (_silu_and_mul, lambda a: ((_shape(a[0])[-1] // 2, _shape(a[0])[-1]) if _shape(a[0])
+                                              else (None, None))),
+}
+
+
+def tunekit_op(node: fx.Node) -> str | None:
+    """The tunekit op a graph node calls (``torch.ops.tunekit.<op>.default``), or None."""
+    if node.op != "call_function":
+        return None
+    target = node.target
+    name = getattr(target, "name", None)  # OpOverload.name(): "tunekit::rms_norm"
+    if not callable(name):
+        return None
+    qualified = name()
+    prefix = NAMESPACE + "::"
+    if not qualified.startswith(prefix):
+        return None
+    op = qualified[len(prefix):].split(".", 1)[0]
+    return op if op in COMPOSITIONS else None
+
+
+def _meta(arg: Any) -> Any:
+    return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
+
+
+def within_table(op: str, dtype: str, n: int | None, k: int, device: str, start: int) -> bool:
+    """True if the tables serving ``device`` tune (op, dtype, N, K) at some token count >= ``start``:
+    then a graph for token counts from ``start`` up keeps the op (its Ms the table lacks fall back
+    inside it), else the stock composition serves that whole graph."""
+    from tunekit import ops
+
+    top = ops.largest_m(op, dtype, n, k, device)
+    return top is not None and top >= start
+
+
+def unroute(graph: fx.Graph, keep: Callable[[str, str, int | None, int, str], bool]) -> dict[str, int]:
+    """Replace every tunekit node that ``keep(op, dtype, n, k, device)`` refuses by its stock composition.
+
+    A node whose argument values (``meta["val"]``, as Dynamo and AOT
+    autograd leave them) are missing, or whose key cannot be read, is kept:
+    the op serves it at run time, as before. Returns {op: nodes replaced}.
+    """
+    replaced: dict[str, int] = {}
+    for node in list(graph.nodes):
+        op = tunekit_op(node)
+        if op is None:
+            continue
+        values = tuple(_meta(a) for a in node.args)
+        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+        if not tensors or any(isinstance(a, fx.Node) and _meta(a) is None for a in node.args) or node.kwargs:
+            continue
+        composition, key = COMPOSITIONS[op]
+        n, k = key(values)
+        dtype = DTYPE_NAMES.get(tensors[0].dtype)
+        if dtype is None or not isinstance(k, int) or keep(op, dtype, n, k, str(tensors[0].device)):
+            continue
+        _inline(graph, node, composition, values)
+        replaced[op] = replaced.get(op, 0) + 1
+    if replaced:
+        graph.eliminate_dead_code()
+        graph.lint()
+    return replaced
+
+
+def _inline(graph: fx.Graph, node: fx.Node, composition: Callable[..., Any], values: tuple) -> None:
+    """Trace ``composition`` on the node's argument values and splice the trace in place of the node."""
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch._guards import detect_fake_mode
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    tensor_at = [i for i, a in enumerate(node.args) if isinstance(a, fx.Node)]
+
+    def traced(*tensors: torch.Tensor) -> Any:
+        args = list(values)
+        for i, t in zip(tensor_at, tensors, strict=True):
+            args[i] = t
+        return composition(*args)
+
+    inputs = [values[i] for i in tensor_at]
+    fake_mode = detect_fake_mode(inputs)
+    # Traced as Inductor's pattern matcher traces a replacement (its fwd_only): the graph's own
+    # fake tensors, symbolic token counts included, with Inductor's decompositions.
+    with fake_mode if fake_mode is not None else contextlib.nullcontext(), enable_python_dispatcher():
+        sub = make_fx(traced, select_decomp_table(), tracing_mode="real")(*inputs)
+    placeholders = [p for p in sub.graph.nodes if p.op == "placeholder"]
+    env = {p: node.args[i] for p, i in zip(placeholders, tensor_at, strict=True)}
+    with graph.inserting_before(node):
+        out = graph.graph_copy(sub.graph, env)
+    if isinstance(out, (tuple, list)):
+        # a multi-output op: its users are getitem nodes
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem and not user.kwargs:
+                user.replace_all_uses_with(out[user.args[1]])
+                graph.erase_node(user)
+    else:
+        node.replace_all_uses_with(out)
+    if not node.users:
+        graph.erase_node(node)
+
