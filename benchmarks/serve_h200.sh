@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The served A/B on the lent H200 (no network; vLLM 0.26.0 carried as a bundle built by
-# shared/device/vllm/build-carry.sh, PART_SIZE=36m so a part plus the 25 MiB working tree fits one
+# shared/device/vllm/build-carry.sh, PART_SIZE=34m so a part plus the 31 MiB working tree fits one
 # call of 64 MiB).
 # Run from the repository root there; /var/tmp persists between calls while the machine stays warm,
 # and has outlived a session: give every run a fresh --out / OUT (serve-bench resumes a folder).
