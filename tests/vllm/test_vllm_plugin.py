@@ -41,8 +41,8 @@ class _Records(logging.Handler):
 
 
 PLUGIN_LOG = _Records()
-logging.getLogger("tunekit.vllm").addHandler(PLUGIN_LOG)
-logging.getLogger("tunekit.vllm").setLevel(logging.INFO)
+logging.getLogger("vllm.tunekit").addHandler(PLUGIN_LOG)
+logging.getLogger("vllm.tunekit").setLevel(logging.INFO)
 
 
 def _entry(op: str, m: int, n: int, k: int, backend: str = "triton", params: dict | None = None) -> dict:

@@ -120,7 +120,9 @@ import torch
 
 __all__ = ["installed", "register", "skipped"]
 
-logger = logging.getLogger("tunekit.vllm")
+# A child of vLLM's logger: vLLM configures "vllm" (its handler, VLLM_LOGGING_LEVEL) in every
+# process, so the plugin's lines land in vLLM's own log, where a user reads what was installed.
+logger = logging.getLogger("vllm.tunekit")
 
 #: Modules that bound ``dispatch_unquantized_gemm`` at import (``from ... import``).
 GEMM_DISPATCH_MODULES: tuple[str, ...] = (

@@ -198,7 +198,8 @@ def write_markdown(serve: dict[str, Any], path: Path) -> Path:
     elif any(r.get("first_token") for r in serve["batches"]):
         lines += ["", "Time to the first token offline: a 1-token generate of B prompts (prefill and one step; "
                   "median over repeats per process, then over processes). Prefills above the captured sizes run "
-                  "eager, so a routed layer's op costs host time there on every call.", "",
+                  "eager; where the plugin's compile_ranges hook is installed, the graph vLLM compiles for token "
+                  "counts above the tables' largest M holds no tunekit op.", "",
                   _md_table(*first_token_table(serve))]
     if any(r.get("predicted_saving_ms") is not None for r in serve["batches"]):
         lines += ["", "Prediction from the tables' standalone figures (per token at M = B: sum of count x "
