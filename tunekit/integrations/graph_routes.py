@@ -150,16 +150,19 @@ def unroute(graph: fx.Graph, keep: Callable[[str, str, int | None, int, str], bo
         dtype = DTYPE_NAMES.get(tensors[0].dtype)
         if dtype is None or not isinstance(k, int) or keep(op, dtype, n, k, str(tensors[0].device)):
             continue
-        _inline(graph, node, composition, values)
-        replaced[op] = replaced.get(op, 0) + 1
+        if _inline(graph, node, composition, values):
+            replaced[op] = replaced.get(op, 0) + 1
     if replaced:
         graph.eliminate_dead_code()
         graph.lint()
     return replaced
 
 
-def _inline(graph: fx.Graph, node: fx.Node, composition: Callable[..., Any], values: tuple) -> None:
-    """Trace ``composition`` on the node's argument values and splice the trace in place of the node."""
+def _inline(graph: fx.Graph, node: fx.Node, composition: Callable[..., Any], values: tuple) -> bool:
+    """Trace ``composition`` on the node's argument values and splice the trace in place of the node.
+
+    True when the node is gone. A multi-output node used other than through ``getitem`` stays
+    (its spliced copy is dead code, removed with the graph's dead code)."""
     from torch._dispatch.python import enable_python_dispatcher
     from torch._guards import detect_fake_mode
     from torch._inductor.decomposition import select_decomp_table
@@ -191,6 +194,8 @@ def _inline(graph: fx.Graph, node: fx.Node, composition: Callable[..., Any], val
                 graph.erase_node(user)
     else:
         node.replace_all_uses_with(out)
-    if not node.users:
-        graph.erase_node(node)
+    if node.users:
+        return False
+    graph.erase_node(node)
+    return True
 
