@@ -182,10 +182,11 @@ def test_unquantized_linear_and_lm_head_route_to_tunekit_gemv(plugin, vllm_confi
         y, _ = layer(x)
         ref = x.double() @ layer.weight.data.double().T
         assert y.shape == (m, 48) and (y.double() - ref).abs().max() < 0.05
-        if m == 3:  # the vendor path: F.linear's own bits
+        if m == 3:  # above the table: vLLM's own GEMM, F.linear's bits
             assert torch.equal(y, F.linear(x, layer.weight))
-    assert _vendors(op="gemv") == [("gemv", 1, "tuned:triton", None), ("gemv", 2, "tuned:triton", None),
-                                   ("gemv", 3, "fallback:m_above_table", "F.linear")]
+    # an eager call knows M: above the table's largest M the layer runs vLLM's impl and never enters
+    # the op (vLLM's logits at every step, enforce_eager); under tracing the op decides per call
+    assert _vendors(op="gemv") == [("gemv", 1, "tuned:triton", None), ("gemv", 2, "tuned:triton", None)]
     # linears no table covers (another N x K; the tabulated N x K in another dtype) keep vLLM's own GEMM:
     # the tunekit op is never entered
     head = ParallelLMHead(96, 64, params_dtype=torch.bfloat16)
@@ -196,7 +197,7 @@ def test_unquantized_linear_and_lm_head_route_to_tunekit_gemv(plugin, vllm_confi
     half.weight.data.normal_(0, 64**-0.5)
     xh = torch.randn(2, 64).half()
     assert torch.equal(half(xh)[0], F.linear(xh, half.weight))
-    assert len(_impls()) == 3  # only the covered layer's three calls
+    assert len(_impls()) == 2  # only the covered layer's two calls within the table
 
 
 def test_uncovered_linear_runs_vllms_impl_itself(plugin) -> None:
@@ -501,6 +502,9 @@ def test_covered_layers_above_the_table_run_vllms_kernels(plugin, vllm_config, e
     from vllm.model_executor.layers.activation import SiluAndMul
     from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm, RMSNormGated
 
+    # The op's own fallbacks, as a compiled graph's range meets them (M symbolic: the op decides). An
+    # eager call above the tables skips the op (test_an_eager_call_above_the_tables_skips_the_op).
+    monkeypatch.setattr(plugin, "_eager_above_tables", lambda *args: False)
     found = plugin._install_vendor_kernels(("rms_norm", "fused_add_rms_norm", "silu_and_mul", "gemma_rms_norm",
                                             "gated_rms_norm"))
     assert "rms_norm: torch.ops._C.rms_norm on cpu" in found
@@ -635,7 +639,7 @@ def test_vllm_compile_without_a_table_traces_no_tunekit_op(plugin, vllm_config, 
 
 
 def test_ops_are_opaque_under_vllm_compile_and_torch_compile(plugin, vllm_config, tmp_path: Path,
-                                                             vllm_graphs) -> None:
+                                                             vllm_graphs, monkeypatch) -> None:
     from vllm.model_executor.layers.linear import ReplicatedLinear
 
     from tunekit import ops
@@ -649,6 +653,9 @@ def test_ops_are_opaque_under_vllm_compile_and_torch_compile(plugin, vllm_config
     model = Tiny(vllm_config=vllm_config)
     model.up.weight.data.normal_(0, 0.125)
     eager = Tiny.forward  # the undecorated forward, for the reference
+    # the reference goes through the ops at every M, as the graph does (eagerly, an M above the
+    # tables would skip them: test_an_eager_call_above_the_tables_skips_the_op)
+    monkeypatch.setattr(plugin, "_eager_above_tables", lambda *args: False)
     for m in (2, 3, 6):
         x = torch.randn(m, 64).bfloat16()
         y = model(x)
@@ -733,3 +740,31 @@ def test_token_counts_above_the_tables_compile_vllms_own_math(plugin, vllm_confi
     assert routes == {str(ranges[1]): {"rms_norm": 1, "gemv": 1, "silu_and_mul": 1}}, routes
     assert called >= {("rms_norm", 3), ("gemv", 3), ("silu_and_mul", 3)} and not {c for c in called if c[1] == 7}
     assert torch.equal(got[7], want[7])  # above the tables: vLLM's own compiled math, bit for bit
+
+
+def test_an_eager_call_above_the_tables_skips_the_op(plugin, vllm_config, elementwise_table: Path,
+                                                     monkeypatch) -> None:
+    """Eager, M is known: a covered norm or activation above the table's largest M (4 here) runs
+    vLLM's own forward and never enters the tunekit op; within the table it does."""
+    from vllm.config import get_cached_compilation_config
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    # custom ops off: vLLM's own forward is its native math (its CUDA kernels are not in this CPU wheel)
+    monkeypatch.setattr(vllm_config.compilation_config, "custom_ops", ["none"])
+    get_cached_compilation_config.cache_clear()
+    try:
+        torch.manual_seed(0)
+        norm, act = RMSNorm(64, eps=1e-5, dtype=torch.bfloat16), SiluAndMul()
+        norm.weight.data.normal_()
+        x, r, a = torch.randn(9, 64).bfloat16(), torch.randn(9, 64).bfloat16(), torch.randn(9, 96).bfloat16()
+        assert torch.equal(act(a), act.forward_native(a))
+        y, s = norm(x.clone(), r.clone())
+        y_ref, s_ref = norm.forward_native(x.clone(), r.clone())
+        assert torch.equal(y, y_ref) and torch.equal(s, s_ref)
+        assert _impls() == []  # nothing entered a tunekit op
+        norm(x[:4])
+        act(a[:4])
+    finally:
+        get_cached_compilation_config.cache_clear()
+    assert sorted((op, m) for op, _, m, _ in _impls()) == [("rms_norm", 4), ("silu_and_mul", 4)]

@@ -20,6 +20,12 @@ code, untouched, so its traced graph is the one plain vLLM traces.
   and the tables' keys (``tunekit.ops.covers``: an entry at some M),
   decided once per trace and baked into the graph: a covered layer calls
   the tunekit op, any other runs vLLM's own forward / GEMM.
+* An eager call (M known: vLLM's logits, computed outside the compiled
+  graph at every step; ``enforce_eager``) above the largest M the tables
+  hold for the layer runs vLLM's own path and never enters the op
+  (:func:`_eager_above_tables`; not the gated norm, whose flattened rows do
+  not tell the token count). Traced graphs get the same from the compile
+  ranges (``compile_ranges`` below).
 * Inside a covered layer's op, per call (M is dynamic under vLLM's
   compile): a tuned kernel where the table has one for this M, else the
   fallback, which runs what vLLM itself would have run: ``F.linear`` (vLLM's
@@ -442,7 +448,8 @@ def _wrap_gemm(impl: Callable[..., Any], plain: tuple[Callable[..., Any], ...]) 
         # op decides per call. A linear no loaded table covers runs vLLM's own
         # GEMM, untouched: an opaque op there would only cost (no tuned kernel
         # to gain, and vLLM's compiler passes lose sight of the matmul).
-        if weight.dim() == 2 and weight.dtype == x.dtype and _covered("gemv", x, weight.shape[0], weight.shape[1]):
+        if weight.dim() == 2 and weight.dtype == x.dtype and _covered("gemv", x, weight.shape[0], weight.shape[1]) \
+                and not _eager_above_tables("gemv", x, weight.shape[0], weight.shape[1], weight.shape[1]):
             return torch.ops.tunekit.gemv(x, weight, bias)
         return impl(layer, x, weight, bias)
 
@@ -511,6 +518,30 @@ def _covered(op: str, x: torch.Tensor, n: int | None, k: int) -> bool:
     return bool(_covers(op, dtype, n, k, str(x.device)))
 
 
+def _largest_impl(op: str, dtype: str, n: int | None, k: int, device: str) -> int | None:
+    ops = sys.modules.get("tunekit.ops") or importlib.import_module("tunekit.ops")
+    return ops.largest_m(op, dtype, n, k, device)
+
+
+_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+
+
+def _eager_above_tables(op: str, x: torch.Tensor, n: int | None, k: int, width: int) -> bool:
+    """True for a call made outside tracing whose token count is above every M the tables hold for
+    the layer's (op, dtype, N, K): vLLM's own path serves it then, with none of the op's Python.
+
+    Eager calls know M: vLLM's logits (computed outside the compiled graph, at every step), an
+    ``enforce_eager`` engine, a capture without compilation. Under tracing M is symbolic and never
+    read here: the op decides per call, and the compile ranges keep the ops out of the graphs for
+    token counts above the tables (:func:`_install_compile_ranges`).
+    """
+    if _is_compiling():  # before any size is read: nothing of this enters a traced graph
+        return False
+    dtype = _TABLE_DTYPES.get(x.dtype)
+    top = None if dtype is None else _largest_impl(op, dtype, n, k, str(x.device))
+    return top is not None and x.numel() // width > top  # rows of ``width`` elements: the op's M
+
+
 def _same_rows(a: torch.Tensor, x: torch.Tensor) -> bool:
     """a matches x in dtype and in every dim but the token dim. That one is dynamic and never compared
     here, so no shape check enters the traced graph; the op itself rejects a token-count mismatch."""
@@ -528,7 +559,8 @@ def _norm_route(self: Any, x: torch.Tensor, residual: torch.Tensor | None, weigh
     n = weight.shape[0]
     op = plain_op if residual is None else fused_op
     # coverage first: an uncovered layer (the common case) leaves after the fewest checks in eager mode
-    if x.shape[-1] != n or not _covered(op, x, n, n) or not _x_ok(x, weight) or not _rows_even(x):
+    if x.shape[-1] != n or not _covered(op, x, n, n) or not _x_ok(x, weight) or not _rows_even(x) \
+            or _eager_above_tables(op, x, n, n, n):
         return None
     eps = float(self.variance_epsilon)
     if residual is None:
@@ -557,6 +589,7 @@ def _rms_norm_gated_route(self: Any, x: torch.Tensor, z: torch.Tensor | None = N
     if (z is None or not self.norm_before_gate or self.activation not in ("swish", "silu")
             or self.group_size not in (None, hidden) or x.shape[-1] != hidden):
         return None
+    # No eager M check here: the [T * H, D] layout below does not tell the token count T.
     # Matched by row width (head_dim) alone, as the torch patch does: vLLM 0.26's Qwen3.5 passes
     # [T * H, D] (flattened before the norm; no head count left to form the table's N = H * D), the
     # 0.33 Qwen3-Next path [T, H, D]. The op serves either row layout from the table's entries per M.
@@ -568,7 +601,8 @@ def _rms_norm_gated_route(self: Any, x: torch.Tensor, z: torch.Tensor | None = N
 
 def _silu_and_mul_route(self: Any, x: torch.Tensor) -> Any:
     k = x.shape[-1]
-    if k % 2 or not _covered("silu_and_mul", x, k // 2, k):  # _covered admits only the tabulated dtypes
+    if k % 2 or not _covered("silu_and_mul", x, k // 2, k) \
+            or _eager_above_tables("silu_and_mul", x, k // 2, k, k):  # _covered: tabulated dtypes only
         return None
     return torch.ops.tunekit.silu_and_mul(x)
 

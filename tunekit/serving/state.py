@@ -190,6 +190,8 @@ class State:
         self.vendor_off_engine_path: set[str] = set()
         #: (op, dtype, n, k, device) -> covers(); cleared with the tables
         self.covers: dict[tuple, bool] = {}
+        #: (op, dtype, n, k, device) -> the largest tabulated M, or 0 for none (tables.largest_m's cache)
+        self.largest: dict[tuple, int] = {}
         #: (op, dtype, m, n, k, device key) -> the default-config kernel serving fallbacks that have no
         #: vendor kernel (or why none does); cleared with the tables
         self.defaults: dict[tuple, DefaultKernel] = {}

@@ -53,6 +53,7 @@ def load_tables(paths: str | os.PathLike | Sequence[str | os.PathLike] | None) -
         STATE.gated_layouts.clear()
         STATE.built.clear()
         STATE.covers.clear()
+        STATE.largest.clear()
         STATE.defaults.clear()
     # Imported here: the dispatch log (markers) reports the loaded tables, so it imports this module.
     from tunekit.serving.markers import maybe_register_atexit
@@ -181,15 +182,24 @@ def largest_m(op: str, dtype: str, n: int | None, k: int, device: str) -> int | 
     :func:`covers`), or None. Every M up to it is served by a tuned entry (the lookup takes the
     smallest tabulated M at or above the call's); above it, the op's fallback. Never raises.
 
-    For integrations that compile per token-count range: a range starting above it gains nothing
-    from the op (``tunekit.integrations.graph_routes``).
+    For integrations that compile per token-count range (a range starting above it gains nothing
+    from the op: ``tunekit.integrations.graph_routes``) or that know M per eager call. Cached per
+    key until the tables change, as :func:`covers`.
     """
-    merged = serving_table(device)
-    if merged is None:
-        return None
-    ms = [e["m"] for e in merged["entries"]
-          if e["op"] == op and e["dtype"] == dtype and n in (None, e["n"]) and e["k"] == k]
-    return max(ms) if ms else None
+    key = (op, dtype, n, k, device)
+    hit = STATE.largest.get(key)  # lock-free read (atomic under the GIL)
+    if hit is None:
+        with STATE.lock:
+            tables = STATE.tables
+        merged = serving_table(device)
+        ms = [] if merged is None else [
+            e["m"] for e in merged["entries"]
+            if e["op"] == op and e["dtype"] == dtype and n in (None, e["n"]) and e["k"] == k]
+        hit = max(ms, default=0)
+        with STATE.lock:
+            if tables is not None and STATE.tables is tables:  # not cached across a load_tables in between
+                STATE.largest[key] = hit
+    return hit or None
 
 
 def served_entry(op: str, dtype: str, m: int, n: int, k: int, device: str) -> dict[str, Any] | None:
