@@ -128,3 +128,39 @@ def test_largest_m_reads_the_serving_tables(tmp_path) -> None:
         assert ops.largest_m("gated_rms_norm", "bf16", None, 128, "cpu") == 2  # by row width, as covers()
     finally:
         ops.load_tables([])
+
+
+def _gemma_block(x, r, w, z):
+    h, res = torch.ops.tunekit.gemma_fused_add_rms_norm(x, r, w, 1e-6)
+    g = torch.ops.tunekit.gated_rms_norm(h.view(-1, 4, 16), z, w[:16], 1e-6)
+    return torch.ops.tunekit.gemma_rms_norm(g.reshape(-1, 64), w, 1e-6), res
+
+
+def _stock_gemma_block(x, r, w, z):
+    h, res = elementwise._vendor_fused_add(x, r, w, 1e-6, True)
+    g = elementwise._vendor_gated(h.view(-1, 4, 16), z, w[:16], 1e-6)
+    return elementwise._vendor_rms_norm(g.reshape(-1, 64), w, 1e-6, True), res
+
+
+def test_the_gemma_and_gated_norms_compile_to_their_stock_math_bit_for_bit() -> None:
+    def inputs(m: int):
+        g = torch.Generator().manual_seed(m)
+        x, r = (torch.randn(m, 64, generator=g).bfloat16() for _ in range(2))
+        z = torch.randn(m, 4, 16, generator=g).bfloat16()
+        w = torch.randn(64, generator=g).bfloat16() * 0.1
+        for t in (x, r, z):
+            torch._dynamo.mark_dynamic(t, 0)
+        return x, r, w, z
+
+    def compiled(fn, custom_pass=None):
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(post_grad_custom_post_pass=custom_pass, fx_graph_cache=False):
+            c = torch.compile(fn, backend="inductor", fullgraph=True)
+            return {m: c(*inputs(m)) for m in (3, 10)}
+
+    every = _Pass(lambda *key: False)
+    got = compiled(_gemma_block, every)
+    assert every.replaced == {"gemma_fused_add_rms_norm": 1, "gated_rms_norm": 1, "gemma_rms_norm": 1}
+    want = compiled(_stock_gemma_block)
+    for m in (3, 10):
+        assert all(torch.equal(a, b) for a, b in zip(got[m], want[m], strict=True)), m

@@ -768,3 +768,24 @@ def test_an_eager_call_above_the_tables_skips_the_op(plugin, vllm_config, elemen
     finally:
         get_cached_compilation_config.cache_clear()
     assert sorted((op, m) for op, _, m, _ in _impls()) == [("rms_norm", 4), ("silu_and_mul", 4)]
+
+
+def test_compile_ranges_hook_is_skipped_where_vllm_lacks_its_pieces(plugin, monkeypatch, tmp_path: Path) -> None:
+    from vllm.compilation.passes import pass_manager
+    from vllm.config import VllmConfig
+
+    path = _table(tmp_path / "r.json", [_entry("gemv", 8, 96, 64)])
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    # a broken table beside a good one: the good one still ends the range (the ops log the broken one)
+    monkeypatch.setenv("TUNEKIT_TABLE", f"{broken}{os.pathsep}{path}")
+    assert plugin._tables_largest_m() == 8
+    monkeypatch.setenv("TUNEKIT_TABLE", str(broken))
+    assert plugin._install_compile_ranges() == (False, "the named tables hold no entry")
+    # an older vLLM without compile ranges: skipped with the reason, nothing patched
+    monkeypatch.setenv("TUNEKIT_TABLE", str(path))
+    original = pass_manager.PostGradPassManager.configure
+    monkeypatch.delattr(VllmConfig, "_set_compile_ranges")
+    done, why = plugin._install_compile_ranges()
+    assert not done and "_set_compile_ranges" in why and "every range keeps the ops" in why
+    assert pass_manager.PostGradPassManager.configure is original
