@@ -84,8 +84,14 @@ case "$mode" in
     shift 3
     optuna_site
     unpack_vllm
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$vl/serve-site" \
-      .vllm-carry/serve-wheels/*.whl
+    # the wheels travel with a call; a later call on the same machine reuses what the first installed
+    if compgen -G ".vllm-carry/serve-wheels/*.whl" >/dev/null; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$vl/serve-site" \
+        .vllm-carry/serve-wheels/*.whl
+    elif [ ! -d "$vl/serve-site" ]; then
+      echo "carry .vllm-carry/serve-wheels with this call: vllm serve needs them (see the header)" >&2
+      exit 2
+    fi
     export PYTHONPATH=/var/tmp/optuna-site:$vl/serve-site:$vl/site:$PWD HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0
     export VLLM_CACHE_ROOT=/var/tmp/vllm-cache
     model_dir=$(python3 -c "import sys
