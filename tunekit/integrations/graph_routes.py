@@ -32,52 +32,23 @@ from __future__ import annotations
 import contextlib
 import operator
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import fx
 
+from tunekit.serving import elementwise
 from tunekit.serving.state import DTYPE_NAMES, NAMESPACE
-
-
-def _rms_norm(gemma: bool) -> Callable[..., torch.Tensor]:
-    def composition(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        from tunekit.serving.elementwise import _vendor_rms_norm
-
-        return _vendor_rms_norm(x, weight, eps, gemma)
-
-    return composition
-
-
-def _fused_add(gemma: bool) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    def composition(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        from tunekit.serving.elementwise import _vendor_fused_add
-
-        return _vendor_fused_add(x, residual, weight, eps, gemma)
-
-    return composition
-
-
-def _gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    from tunekit.serving.elementwise import _vendor_gated
-
-    return _vendor_gated(x, z, weight, eps)
-
-
-def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    from tunekit.serving.elementwise import _vendor_silu_and_mul
-
-    return _vendor_silu_and_mul(x)
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, weight, bias)
 
 
 def _shape(value: Any) -> tuple[int, ...] | None:
     return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _gemv_nk(args: tuple) -> tuple[int | None, int | None]:
+    return _shape(args[1]) or (None, None)  # the weight [N, K]
 
 
 def _norm_nk(args: tuple) -> tuple[int | None, int | None]:
@@ -85,17 +56,27 @@ def _norm_nk(args: tuple) -> tuple[int | None, int | None]:
     return (width[0], width[0]) if width else (None, None)
 
 
-#: op -> (stock composition, its table key's (N, K) from the node's argument values). The keys are
-#: those the vLLM plugin's routes check (``_covered``): the gated norm by row width alone (N None).
+def _gated_nk(args: tuple) -> tuple[int | None, int | None]:
+    width = _shape(args[2])  # the weight: one group's width
+    return (None, width[0]) if width else (None, None)
+
+
+def _silu_nk(args: tuple) -> tuple[int | None, int | None]:
+    shape = _shape(args[0])  # x [..., 2 * N]
+    return (shape[-1] // 2, shape[-1]) if shape else (None, None)
+
+
+#: op -> (stock composition: the op's own vendor path, as its fallback computes it; its table key's
+#: (N, K) from the node's argument values). The keys are those the vLLM plugin's routes check
+#: (``_covered``): the gated norm by row width alone (N None).
 COMPOSITIONS: dict[str, tuple[Callable[..., Any], Callable[[tuple], tuple[int | None, int | None]]]] = {
-    "gemv": (_linear, lambda a: tuple(_shape(a[1]) or (None, None))),  # type: ignore[dict-item]
-    "rms_norm": (_rms_norm(False), _norm_nk),
-    "gemma_rms_norm": (_rms_norm(True), _norm_nk),
-    "fused_add_rms_norm": (_fused_add(False), _norm_nk),
-    "gemma_fused_add_rms_norm": (_fused_add(True), _norm_nk),
-    "gated_rms_norm": (_gated, lambda a: (None, (_shape(a[2]) or (None,))[0])),
-    "silu_and_mul": (_silu_and_mul, lambda a: ((_shape(a[0])[-1] // 2, _shape(a[0])[-1]) if _shape(a[0])
-                                              else (None, None))),
+    "gemv": (F.linear, _gemv_nk),
+    "rms_norm": (partial(elementwise._vendor_rms_norm, gemma=False), _norm_nk),
+    "gemma_rms_norm": (partial(elementwise._vendor_rms_norm, gemma=True), _norm_nk),
+    "fused_add_rms_norm": (partial(elementwise._vendor_fused_add, gemma=False), _norm_nk),
+    "gemma_fused_add_rms_norm": (partial(elementwise._vendor_fused_add, gemma=True), _norm_nk),
+    "gated_rms_norm": (elementwise._vendor_gated, _gated_nk),
+    "silu_and_mul": (elementwise._vendor_silu_and_mul, _silu_nk),
 }
 
 

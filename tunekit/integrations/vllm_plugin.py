@@ -327,14 +327,7 @@ def _install_compile_ranges() -> tuple[bool, str]:
 
 def _range_pass(base: type, get_pass_context: Callable[[], Any]) -> Any:
     """vLLM's post-grad pass that keeps the tunekit ops only in compile ranges the tables serve."""
-    import inspect
-
     from tunekit.integrations import graph_routes
-    from tunekit.serving import elementwise
-
-    digest = _tables_digest()
-    # what decides the rewritten graph: the rewrite, its compositions and this pass
-    sources = tuple(inspect.getsource(obj) for obj in (graph_routes, elementwise, _range_pass))
 
     class TunekitRangeRoutes(base):  # type: ignore[misc, valid-type]
         def __call__(self, graph: Any) -> None:
@@ -350,9 +343,20 @@ def _range_pass(base: type, get_pass_context: Callable[[], Any]) -> Any:
                     logger.info("tunekit vLLM plugin: compile range %s is above the tables: tunekit ops handed "
                                 "back to vLLM's math (first graph piece: %s)", compile_range, replaced)
 
+        _uuid: str | None = None
+
         def uuid(self) -> str:
-            # the rewrite's code and the tables it reads (vLLM's pass manager adds the range)
-            return base.hash_dict({"source": base.hash_source(*sources), "tables": digest})
+            # the rewrite, its compositions, this pass and the tables it reads (vLLM's pass manager adds
+            # the range); made at the first compile, so no vLLM process pays it at start-up, and kept:
+            # vLLM asks per compiled piece
+            if self._uuid is None:
+                import inspect
+
+                from tunekit.serving import elementwise
+
+                sources = (inspect.getsource(obj) for obj in (graph_routes, elementwise, _range_pass))
+                self._uuid = base.hash_dict({"source": base.hash_source(*sources), "tables": _tables_digest()})
+            return self._uuid
 
     return TunekitRangeRoutes()
 
@@ -449,7 +453,7 @@ def _wrap_gemm(impl: Callable[..., Any], plain: tuple[Callable[..., Any], ...]) 
         # GEMM, untouched: an opaque op there would only cost (no tuned kernel
         # to gain, and vLLM's compiler passes lose sight of the matmul).
         if weight.dim() == 2 and weight.dtype == x.dtype and _covered("gemv", x, weight.shape[0], weight.shape[1]) \
-                and not _eager_above_tables("gemv", x, weight.shape[0], weight.shape[1], weight.shape[1]):
+                and not _eager_above_tables("gemv", x, weight.shape[0], weight.shape[1]):
             return torch.ops.tunekit.gemv(x, weight, bias)
         return impl(layer, x, weight, bias)
 
@@ -487,10 +491,13 @@ def _rows_even(x: torch.Tensor, row_dims: int = 1) -> bool:
     return all(x.stride(d) == x.shape[d + 1] * x.stride(d + 1) for d in folded)
 
 
-def _covers_impl(op: str, dtype: str, n: int | None, k: int, device: str) -> bool:
+def _ops() -> Any:
     # Eager vLLM asks on every call of every layer: no import statement here.
-    ops = sys.modules.get("tunekit.ops") or importlib.import_module("tunekit.ops")
-    return ops.covers(op, dtype, n, k, device)
+    return sys.modules.get("tunekit.ops") or importlib.import_module("tunekit.ops")
+
+
+def _covers_impl(op: str, dtype: str, n: int | None, k: int, device: str) -> bool:
+    return _ops().covers(op, dtype, n, k, device)
 
 
 #: torch dtype -> the tables' dtype name (tunekit.ops' names; other dtypes are never tabulated)
@@ -518,15 +525,10 @@ def _covered(op: str, x: torch.Tensor, n: int | None, k: int) -> bool:
     return bool(_covers(op, dtype, n, k, str(x.device)))
 
 
-def _largest_impl(op: str, dtype: str, n: int | None, k: int, device: str) -> int | None:
-    ops = sys.modules.get("tunekit.ops") or importlib.import_module("tunekit.ops")
-    return ops.largest_m(op, dtype, n, k, device)
-
-
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 
 
-def _eager_above_tables(op: str, x: torch.Tensor, n: int | None, k: int, width: int) -> bool:
+def _eager_above_tables(op: str, x: torch.Tensor, n: int | None, k: int) -> bool:
     """True for a call made outside tracing whose token count is above every M the tables hold for
     the layer's (op, dtype, N, K): vLLM's own path serves it then, with none of the op's Python.
 
@@ -538,8 +540,8 @@ def _eager_above_tables(op: str, x: torch.Tensor, n: int | None, k: int, width: 
     if _is_compiling():  # before any size is read: nothing of this enters a traced graph
         return False
     dtype = _TABLE_DTYPES.get(x.dtype)
-    top = None if dtype is None else _largest_impl(op, dtype, n, k, str(x.device))
-    return top is not None and x.numel() // width > top  # rows of ``width`` elements: the op's M
+    top = None if dtype is None else _ops().largest_m(op, dtype, n, k, str(x.device))
+    return top is not None and x.numel() // k > top  # rows of K elements (every routed op's input): its M
 
 
 def _same_rows(a: torch.Tensor, x: torch.Tensor) -> bool:
@@ -560,7 +562,7 @@ def _norm_route(self: Any, x: torch.Tensor, residual: torch.Tensor | None, weigh
     op = plain_op if residual is None else fused_op
     # coverage first: an uncovered layer (the common case) leaves after the fewest checks in eager mode
     if x.shape[-1] != n or not _covered(op, x, n, n) or not _x_ok(x, weight) or not _rows_even(x) \
-            or _eager_above_tables(op, x, n, n, n):
+            or _eager_above_tables(op, x, n, n):
         return None
     eps = float(self.variance_epsilon)
     if residual is None:
@@ -602,7 +604,7 @@ def _rms_norm_gated_route(self: Any, x: torch.Tensor, z: torch.Tensor | None = N
 def _silu_and_mul_route(self: Any, x: torch.Tensor) -> Any:
     k = x.shape[-1]
     if k % 2 or not _covered("silu_and_mul", x, k // 2, k) \
-            or _eager_above_tables("silu_and_mul", x, k // 2, k, k):  # _covered: tabulated dtypes only
+            or _eager_above_tables("silu_and_mul", x, k // 2, k):  # _covered: tabulated dtypes only
         return None
     return torch.ops.tunekit.silu_and_mul(x)
 

@@ -52,7 +52,6 @@ def load_tables(paths: str | os.PathLike | Sequence[str | os.PathLike] | None) -
         STATE.epoch += 1
         STATE.gated_layouts.clear()
         STATE.built.clear()
-        STATE.covers.clear()
         STATE.largest.clear()
         STATE.defaults.clear()
     # Imported here: the dispatch log (markers) reports the loaded tables, so it imports this module.
@@ -159,22 +158,9 @@ def covers(op: str, dtype: str, n: int | None, k: int, device: str) -> bool:
 
     For integrations that decide per layer (static: no M) whether to enter a
     tunekit op at all, where the op's vendor path would differ from theirs.
-    Cached per key until the tables change: an eager integration asks on
-    every call, and the scan is over every entry.
+    An eager integration asks on every call: :func:`largest_m` caches the scan.
     """
-    key = (op, dtype, n, k, device)
-    hit = STATE.covers.get(key)  # lock-free read (atomic under the GIL), as for the choices
-    if hit is not None:
-        return hit
-    with STATE.lock:
-        tables = STATE.tables
-    merged = serving_table(device)
-    found = merged is not None and any(
-        e["op"] == op and e["dtype"] == dtype and n in (None, e["n"]) and e["k"] == k for e in merged["entries"])
-    with STATE.lock:
-        if tables is not None and STATE.tables is tables:  # not cached across a load_tables in between
-            STATE.covers[key] = found
-    return found
+    return largest_m(op, dtype, n, k, device) is not None
 
 
 def largest_m(op: str, dtype: str, n: int | None, k: int, device: str) -> int | None:
@@ -183,8 +169,9 @@ def largest_m(op: str, dtype: str, n: int | None, k: int, device: str) -> int | 
     smallest tabulated M at or above the call's); above it, the op's fallback. Never raises.
 
     For integrations that compile per token-count range (a range starting above it gains nothing
-    from the op: ``tunekit.integrations.graph_routes``) or that know M per eager call. Cached per
-    key until the tables change, as :func:`covers`.
+    from the op: ``tunekit.integrations.graph_routes``) or that know M per eager call; :func:`covers`
+    is its "any M". Cached per key until the tables change: eager integrations ask on every call,
+    and the scan is over every entry.
     """
     key = (op, dtype, n, k, device)
     hit = STATE.largest.get(key)  # lock-free read (atomic under the GIL)
