@@ -54,11 +54,12 @@ def _inputs(m: int):
     return x, r, w, wu, wd
 
 
-def _compiled(fn, custom_pass=None):
+def _compiled(fn, custom_pass=None, inputs=_inputs, ms=(5, 9)):
+    """{m: fn compiled by Inductor (one graph, the token dim dynamic) on inputs(m)}."""
     torch._dynamo.reset()
     with torch._inductor.config.patch(post_grad_custom_post_pass=custom_pass, fx_graph_cache=False):
         compiled = torch.compile(fn, backend="inductor", fullgraph=True, dynamic=None)
-        return {m: compiled(*_inputs(m)) for m in (5, 9)}
+        return {m: compiled(*inputs(m)) for m in ms}
 
 
 def test_a_range_above_the_tables_compiles_to_the_stock_math_bit_for_bit() -> None:
@@ -142,25 +143,20 @@ def _stock_gemma_block(x, r, w, z):
     return elementwise._vendor_rms_norm(g.reshape(-1, 64), w, 1e-6, True), res
 
 
+def _gemma_inputs(m: int):
+    g = torch.Generator().manual_seed(m)
+    x, r = (torch.randn(m, 64, generator=g).bfloat16() for _ in range(2))
+    z = torch.randn(m, 4, 16, generator=g).bfloat16()
+    w = torch.randn(64, generator=g).bfloat16() * 0.1
+    for t in (x, r, z):
+        torch._dynamo.mark_dynamic(t, 0)
+    return x, r, w, z
+
+
 def test_the_gemma_and_gated_norms_compile_to_their_stock_math_bit_for_bit() -> None:
-    def inputs(m: int):
-        g = torch.Generator().manual_seed(m)
-        x, r = (torch.randn(m, 64, generator=g).bfloat16() for _ in range(2))
-        z = torch.randn(m, 4, 16, generator=g).bfloat16()
-        w = torch.randn(64, generator=g).bfloat16() * 0.1
-        for t in (x, r, z):
-            torch._dynamo.mark_dynamic(t, 0)
-        return x, r, w, z
-
-    def compiled(fn, custom_pass=None):
-        torch._dynamo.reset()
-        with torch._inductor.config.patch(post_grad_custom_post_pass=custom_pass, fx_graph_cache=False):
-            c = torch.compile(fn, backend="inductor", fullgraph=True)
-            return {m: c(*inputs(m)) for m in (3, 10)}
-
     every = _Pass(lambda *key: False)
-    got = compiled(_gemma_block, every)
+    got = _compiled(_gemma_block, every, _gemma_inputs, (3, 10))
     assert every.replaced == {"gemma_fused_add_rms_norm": 1, "gated_rms_norm": 1, "gemma_rms_norm": 1}
-    want = compiled(_stock_gemma_block)
+    want = _compiled(_stock_gemma_block, None, _gemma_inputs, (3, 10))
     for m in (3, 10):
         assert all(torch.equal(a, b) for a, b in zip(got[m], want[m], strict=True)), m
