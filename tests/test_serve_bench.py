@@ -489,6 +489,8 @@ def test_measure_batch_difference_method(monkeypatch: pytest.MonkeyPatch) -> Non
     assert row["tpot_ms"] == pytest.approx([15.0] * 3) and row["tpot_ms_median"] == pytest.approx(15.0)
     assert row["tokens_per_s"] == pytest.approx(4 / 0.015) and row["short_outputs"] == 0
     assert row["vllm_metrics"]["tpot_ms_median"] == pytest.approx(15.0)
+    assert len(row["t_1_host"]) == len(row["t_tokens_host"]) == 3
+    assert all(h["allocator"] is None and len(h["gc_collections"]) == 3 for h in row["t_1_host"])
     rec = runner.agreement_record(llm.generate([{}] * 3, sampling(4, 2)), 2)
     assert len(rec) == 2 and rec[0]["token_ids"] == [7] * 4 and rec[0]["logprobs"] == [-1.5] * 4
     assert rec[0]["top"][0] == [[7, -1.5], [9, -2.0]]
@@ -846,3 +848,35 @@ def test_git_commit_marks_sources_that_differ_from_head(tmp_path: Path) -> None:
     with (repo / "tunekit" / "errors.py").open("a") as f:
         f.write("# changed after the commit\n")
     assert commit() == head + "+dirty"
+
+
+def test_host_events_count_the_collections_inside_only() -> None:
+    import gc
+
+    def cycles() -> None:
+        for _ in range(200):
+            a: list = []
+            a.append(a)
+
+    with runner.HostEvents() as events:
+        cycles()
+        gc.collect()
+    rec = events.record()
+    assert rec["gc_collections"][2] >= 1 and rec["gc_ms"] > 0.0
+    assert rec["allocator"] is None  # no CUDA initialized in this process: nothing counted, nothing invented
+    gc.collect()  # after the block: the callback is gone
+    assert events.record() == rec
+
+
+def test_first_token_reads_the_host_events() -> None:
+    from tunekit.serve import analysis
+
+    def run(index: int, gc_ms: list[float], stalls: int | None) -> dict:
+        alloc = None if stalls is None else {"num_device_alloc": stalls, "num_device_free": 0, "num_alloc_retries": 0}
+        host = [{"gc_ms": g, "gc_collections": [1, 0, 0], "allocator": alloc} for g in gc_ms]
+        return {"index": index, "batches": [{"batch": 1, "t_1_s": [0.1] * len(gc_ms), "t_1_host": host}]}
+
+    first = analysis.arm_first_token([run(0, [1.0, 3.0, 2.0], 4), run(1, [5.0, 6.0, 7.0], 0)], 1)
+    assert first["gc_ms"] == pytest.approx(4.0) and first["allocator_stalls"] == pytest.approx(2.0)
+    old = analysis.arm_first_token([{"index": 0, "batches": [{"batch": 1, "t_1_s": [0.1]}]}], 1)
+    assert old["gc_ms"] is None and old["allocator_stalls"] is None  # a result from before the counters

@@ -152,8 +152,28 @@ def arm_first_token(results: Sequence[dict[str, Any]], batch: int) -> dict[str, 
     if not rows:
         return None
     medians = [statistics.median(float(t) for t in r["t_1_s"]) * 1000.0 for _, r in rows]
-    return {"median_ms": statistics.median(medians), "min_ms": min(medians), "max_ms": max(medians),
-            "per_process_ms": {str(i): m for (i, _), m in zip(rows, medians, strict=True)}}
+    doc: dict[str, Any] = {"median_ms": statistics.median(medians), "min_ms": min(medians), "max_ms": max(medians),
+                           "per_process_ms": {str(i): m for (i, _), m in zip(rows, medians, strict=True)}}
+    doc.update(_first_token_host(r for _, r in rows))
+    return doc
+
+
+def _first_token_host(rows: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """Over an arm's processes (median of each process's median per 1-token generate): the time its
+    garbage collections took (``gc_ms``) and the caching allocator's stalling events
+    (``allocator_stalls``: cudaMalloc + cudaFree + OOM retries); None where the runner recorded none."""
+    gc_ms, stalls = [], []
+    for r in rows:
+        host = [h for h in r.get("t_1_host") or [] if isinstance(h, dict)]
+        if host:
+            gc_ms.append(statistics.median(float(h.get("gc_ms", 0.0)) for h in host))
+        counted = [h["allocator"] for h in host if h.get("allocator")]
+        if counted:
+            stalls.append(statistics.median(
+                a.get("num_device_alloc", 0) + a.get("num_device_free", 0) + a.get("num_alloc_retries", 0)
+                for a in counted))
+    return {"gc_ms": statistics.median(gc_ms) if gc_ms else None,
+            "allocator_stalls": statistics.median(stalls) if stalls else None}
 
 
 #: a tuned arm whose first token comes this much later than vanilla's gets a note

@@ -51,7 +51,8 @@ def tpot_table(serve: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 def first_token_table(serve: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """Offline runs: each arm's 1-token generate (prefill + one step) and tuned / vanilla (>1: later)."""
     arms = _arms(serve)
-    head = ["B"] + [f"{a} 1-token generate ms (min-max)" for a in arms] + ["tuned / vanilla (min-max)"]
+    head = (["B"] + [f"{a} 1-token generate ms (min-max)" for a in arms] + ["tuned / vanilla (min-max)"]
+            + [f"{a} GC ms / allocator stalls" for a in arms])
     rows = []
     for row in serve["batches"]:
         first = row.get("first_token") or {}
@@ -61,6 +62,9 @@ def first_token_table(serve: dict[str, Any]) -> tuple[list[str], list[list[str]]
             cells.append(f"{f['median_ms']:.1f} ({f['min_ms']:.1f}-{f['max_ms']:.1f})" if f else "-")
         cells.append(f"{_f(row.get('first_token_ratio'), '.3f')} ({_f(row.get('first_token_ratio_min'), '.3f')}-"
                      f"{_f(row.get('first_token_ratio_max'), '.3f')})")
+        for a in arms:
+            f = first.get(a) or {}
+            cells.append(f"{_f(f.get('gc_ms'), '.2f')} / {_f(f.get('allocator_stalls'), '.0f')}")
         rows.append(cells)
     return head, rows
 

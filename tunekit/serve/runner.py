@@ -38,6 +38,7 @@ Result (``format`` = ``tunekit.serve_run/1``; the parent's parse test reads it):
      "batches": [{"batch", "tokens", "prompt_len", "repeats", "t_tokens_s": [...], "t_1_s": [...],
                   "tpot_ms": [...], "tpot_ms_median", "tpot_ms_min", "tpot_ms_max", "tokens_per_s",
                   "short_outputs", "vllm_metrics": {...} | None,
+                  "t_1_host" / "t_tokens_host": [HostEvents.record() per timed generate],
                   "agreement": {"steps", "logprobs", "requests": [{"token_ids", "logprobs", "top"}]}}],
      "error": None | "Type: message", "traceback"}
 """
@@ -47,6 +48,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as _dt
+import gc
 import importlib.metadata
 import importlib.util
 import inspect
@@ -228,25 +230,83 @@ def plugin_state() -> dict[str, Any]:
     return {"loaded": True, "installed": mod.installed(), "skipped": mod.skipped()}
 
 
+#: torch.cuda.memory_stats() counters that mean host stalls: a cudaMalloc / cudaFree (the caching
+#: allocator's pool did not serve the request; a free synchronizes the device), a retry after an
+#: out-of-memory (every cached block freed first) and a wait on all streams
+_ALLOCATOR_EVENTS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+
+
+class HostEvents:
+    """What a generate's host time went to that no profiler table names: Python's garbage collections
+    (time and count, through ``gc.callbacks``) and the CUDA caching allocator's stalling events
+    (:data:`_ALLOCATOR_EVENTS`, differences of ``torch.cuda.memory_stats``). A context manager;
+    ``record()`` after it: ``{"gc_ms", "gc_collections": [gen0, gen1, gen2], "allocator": {...}}``
+    (``allocator`` None without an initialized CUDA)."""
+
+    def __init__(self) -> None:
+        self.gc_s, self.collections, self._t0 = 0.0, [0, 0, 0], None
+        self._mem0: dict[str, int] | None = None
+        self.allocator: dict[str, int] | None = None
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.gc_s += time.perf_counter() - self._t0
+            self.collections[min(int(info.get("generation", 0)), 2)] += 1
+            self._t0 = None
+
+    def __enter__(self) -> HostEvents:
+        self._mem0 = _allocator_counts()
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        gc.callbacks.remove(self._on_gc)
+        after = _allocator_counts()
+        if self._mem0 is not None and after is not None:
+            self.allocator = {k: after[k] - self._mem0[k] for k in _ALLOCATOR_EVENTS}
+
+    def record(self) -> dict[str, Any]:
+        return {"gc_ms": self.gc_s * 1000.0, "gc_collections": list(self.collections), "allocator": self.allocator}
+
+
+def _allocator_counts() -> dict[str, int] | None:
+    torch = sys.modules.get("torch")  # never imported here: a process without torch records nothing
+    try:
+        if torch is None or not torch.cuda.is_initialized():
+            return None
+        stats = torch.cuda.memory_stats()
+    except Exception:  # noqa: BLE001 - a counter is evidence, never a reason to lose the timing
+        return None
+    return {k: int(stats.get(k, 0)) for k in _ALLOCATOR_EVENTS}
+
+
 def measure_batch(llm: Any, prompts: list[Any], sampling: Any, batch: int, spec: dict[str, Any]) -> dict[str, Any]:
-    """Warm-up, then ``repeats`` interleaved (1 token, ``tokens`` tokens) pairs; TPOT by difference."""
+    """Warm-up, then ``repeats`` interleaved (1 token, ``tokens`` tokens) pairs; TPOT by difference.
+    Each timed generate also records its :class:`HostEvents` (``t_1_host``, ``t_tokens_host``)."""
     tokens, repeats = int(spec["tokens"]), int(spec["repeats"])
     long_params, one_params = sampling(tokens), sampling(1)
     llm.generate(prompts, long_params, use_tqdm=False)  # warm-up: graphs, kernels, allocator
     llm.generate(prompts, one_params, use_tqdm=False)
     t_tokens, t_one, short, last = [], [], 0, None
+    host_tokens: list[dict[str, Any]] = []
+    host_one: list[dict[str, Any]] = []
     for r in range(repeats):
         # alternate the order so that a drift within the pair charges both lengths alike
         for n in ((1, tokens) if r % 2 == 0 else (tokens, 1)):
-            start = time.perf_counter()
-            outs = llm.generate(prompts, long_params if n == tokens else one_params, use_tqdm=False)
-            elapsed = time.perf_counter() - start
+            with HostEvents() as events:
+                start = time.perf_counter()
+                outs = llm.generate(prompts, long_params if n == tokens else one_params, use_tqdm=False)
+                elapsed = time.perf_counter() - start
             if n == tokens:
                 t_tokens.append(elapsed)
+                host_tokens.append(events.record())
                 short += sum(1 for o in outs if len(o.outputs[0].token_ids) != tokens)
                 last = outs
             else:
                 t_one.append(elapsed)
+                host_one.append(events.record())
     tpot = [(a - b) / (tokens - 1) * 1000.0 for a, b in zip(t_tokens, t_one, strict=True)]
     med = statistics.median(tpot)
     row: dict[str, Any] = {
@@ -255,6 +315,7 @@ def measure_batch(llm: Any, prompts: list[Any], sampling: Any, batch: int, spec:
         "tpot_ms_min": min(tpot), "tpot_ms_max": max(tpot),
         "tokens_per_s": batch / (med / 1000.0) if med > 0 else None,
         "short_outputs": short, "vllm_metrics": vllm_metrics(last or []),
+        "t_1_host": host_one, "t_tokens_host": host_tokens,
     }
     return row
 
