@@ -295,6 +295,11 @@ def test_profile_tells_where_the_saving_came_from(fake: Path, tmp_path: Path) ->
     assert routed and all(ln.endswith("| 0 / 10 |") for ln in routed), routed
     py = serve["batches"][0]["profile"]["tuned"]["prefill_python"]
     assert any(k.endswith("(_routed_call)") and v["calls"] == 10 and v["us"] > 0 for k, v in py.items())
+    # the same generate's work, counted: the stub's 1-token kernels, and at least its 10 routed calls more
+    work = serve["batches"][0]["profile_compare"]["prefill_work"]
+    assert work["vanilla"]["kernels"] == 500 and work["tuned"]["kernels"] == 520
+    assert work["tuned"]["python_calls"] >= work["vanilla"]["python_calls"] + 10
+    assert "Work of a 1-token generate, counted" in md and "| 1 | 500 / 520 |" in md
     # the profile is part of what a resume must match; a run without one keeps the old key
     with pytest.raises(UserError, match="other settings"):
         bench.run_offline(_settings(arms=["vanilla", "tuned"]), out, lambda s: None)

@@ -165,10 +165,8 @@ def _py_name(key: tuple[str, int, str]) -> str:
     return f"{path.parent.name}/{path.name}:{line}({func})"[:NAME_CHARS]
 
 
-def python_profile(run: Callable[[], Any], n: int = TOP_PY_FUNCS) -> dict[str, dict[str, float]]:
-    """Python's own profiler (cProfile) over ``run()``: {function: {"us": own time, "cum_us": inclusive
-    time, "calls"}}, the ``n`` with the most own time. torch's profiler sees aten ops and kernels, not
-    the Python between them: this names the functions where an eager prefill's host time goes."""
+def _cprofiled(run: Callable[[], Any]) -> dict[tuple[str, int, str], tuple]:
+    """cProfile's stats of ``run()``: {(file, line, function): (primitive calls, calls, own s, cum s, callers)}."""
     import cProfile
     import pstats
 
@@ -178,10 +176,20 @@ def python_profile(run: Callable[[], Any], n: int = TOP_PY_FUNCS) -> dict[str, d
         run()
     finally:
         prof.disable()
-    stats = pstats.Stats(prof).stats  # {(file, line, function): (primitive calls, calls, own s, cum s, callers)}
+    return pstats.Stats(prof).stats
+
+
+def _top_functions(stats: dict[tuple[str, int, str], tuple], n: int = TOP_PY_FUNCS) -> dict[str, dict[str, float]]:
     top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:n]
     return {_py_name(key): {"us": own * 1e6, "cum_us": cum * 1e6, "calls": float(calls)}
             for key, (_, calls, own, cum, _) in top}
+
+
+def python_profile(run: Callable[[], Any], n: int = TOP_PY_FUNCS) -> dict[str, dict[str, float]]:
+    """Python's own profiler (cProfile) over ``run()``: {function: {"us": own time, "cum_us": inclusive
+    time, "calls"}}, the ``n`` with the most own time. torch's profiler sees aten ops and kernels, not
+    the Python between them: this names the functions where an eager prefill's host time goes."""
+    return _top_functions(_cprofiled(run), n)
 
 
 def decode_step_profile(generate: Callable[[int], Any], steps: int) -> dict[str, Any]:
@@ -196,7 +204,15 @@ def decode_step_profile(generate: Callable[[int], Any], steps: int) -> dict[str,
             "kernels": sum(c["kernels"] for c in step.values()), "short": short, "long": long,
             "by_kernel": top_kernels(per_step(short_names, long_names, steps)),
             "prefill_host": host_profile(lambda: generate(1)),
-            "prefill_python": python_profile(lambda: generate(1))}
+            **_prefill_python(lambda: generate(1))}
+
+
+def _prefill_python(run: Callable[[], Any]) -> dict[str, Any]:
+    """``prefill_python`` (the top functions) and ``prefill_python_calls``: every Python call of the
+    generate. A count does not depend on how fast the host ran, so it tells more host work (a count that
+    grew) from a slower host (equal counts, more time): the two causes a time alone cannot separate."""
+    stats = _cprofiled(run)
+    return {"prefill_python": _top_functions(stats), "prefill_python_calls": float(sum(v[1] for v in stats.values()))}
 
 
 def arm_profile(rows: Iterable[dict[str, Any] | None]) -> dict[str, Any] | None:
@@ -211,7 +227,19 @@ def arm_profile(rows: Iterable[dict[str, Any] | None]) -> dict[str, Any] | None:
             "kernels": statistics.median(p["kernels"] for p in profiles),
             "by_kernel": _medians([p.get("by_kernel", {}) for p in profiles], "kernels"),
             "prefill_host": _medians([p.get("prefill_host", {}) for p in profiles], "calls"),
-            "prefill_python": _medians([p.get("prefill_python", {}) for p in profiles], "calls")}
+            "prefill_python": _medians([p.get("prefill_python", {}) for p in profiles], "calls"),
+            "prefill_work": _prefill_work(profiles)}
+
+
+def _prefill_work(profiles: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+    """The 1-token generate's work, counted (medians over processes): kernels launched and Python calls
+    made; None where no process recorded it (results from before the Python call count)."""
+    import statistics
+
+    kernels = [sum(c["kernels"] for c in p["short"].values()) for p in profiles if p.get("short")]
+    calls = [p["prefill_python_calls"] for p in profiles if p.get("prefill_python_calls") is not None]
+    return {"kernels": statistics.median(kernels) if kernels else None,
+            "python_calls": statistics.median(calls) if calls else None}
 
 
 def _medians(tables: Sequence[dict[str, dict[str, float]]], count: str) -> dict[str, dict[str, float]]:
@@ -260,4 +288,5 @@ def compare(vanilla: dict[str, Any] | None, tuned: dict[str, Any] | None,
     python_changed = _most_changed(vanilla, tuned, "prefill_python", "calls", 15)
     return {"categories": rows, "kernel_saved_us": vanilla["busy_us"] - tuned["busy_us"],
             "outside_kernels_us": outside, "kernels_changed": changed, "prefill_host_changed": host_changed,
-            "prefill_python_changed": python_changed}
+            "prefill_python_changed": python_changed,
+            "prefill_work": {"vanilla": vanilla.get("prefill_work"), "tuned": tuned.get("prefill_work")}}

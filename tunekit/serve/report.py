@@ -168,6 +168,21 @@ def prefill_changes_table(serve: dict[str, Any], key: str, what: str,
     return head, rows
 
 
+def prefill_work_table(serve: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Per batch size, the 1-token generate's kernel and Python-call counts of vanilla and tuned."""
+    head = ["B", "kernels vanilla / tuned", "Python calls vanilla / tuned", "Python calls tuned / vanilla"]
+    rows = []
+    for r in serve["batches"]:
+        work = (r.get("profile_compare") or {}).get("prefill_work") or {}
+        v, t = work.get("vanilla") or {}, work.get("tuned") or {}
+        if not v or not t:
+            continue
+        vc, tc = v.get("python_calls"), t.get("python_calls")
+        rows.append([str(r["batch"]), f"{_f(v.get('kernels'), '.0f')} / {_f(t.get('kernels'), '.0f')}",
+                     f"{_f(vc, '.0f')} / {_f(tc, '.0f')}", _f(tc / vc if vc and tc is not None else None, ".4f")])
+    return head, rows
+
+
 def write_markdown(serve: dict[str, Any], path: Path) -> Path:
     """The report section: settings, TPOT per arm, prediction vs measurement, coverage, agreement, notes."""
     s = serve.get("settings", {})
@@ -238,6 +253,11 @@ def write_markdown(serve: dict[str, Any], path: Path) -> Path:
             lines += ["", "Host ops of a 1-token generate (prefill + one step) whose CPU time changed most "
                       f"(torch's profiler, CPU only; inclusive times, among each process's {TOP_HOST_OPS} "
                       "largest): where time to first token goes when the kernels match.", "", _md_table(*host)]
+        work = prefill_work_table(serve)
+        if work[1]:
+            lines += ["", "Work of a 1-token generate, counted (medians over processes): kernels launched and "
+                      "Python calls made (cProfile). Equal counts with a longer time mean a slower host, not "
+                      "more host work.", "", _md_table(*work)]
         python = prefill_changes_table(serve, "prefill_python_changed", "Python function")
         if python[1]:
             lines += ["", "Python functions of another 1-token generate (cProfile; own time, among each process's "
