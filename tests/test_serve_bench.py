@@ -878,10 +878,35 @@ def test_first_token_reads_the_host_events() -> None:
 
     def run(index: int, gc_ms: list[float], stalls: int | None) -> dict:
         alloc = None if stalls is None else {"num_device_alloc": stalls, "num_device_free": 0, "num_alloc_retries": 0}
-        host = [{"gc_ms": g, "gc_collections": [1, 0, 0], "allocator": alloc} for g in gc_ms]
+        host = [{"gc_ms": g, "gc_collections": [1, 0, 0], "allocator": alloc, "jit_compiles": index} for g in gc_ms]
         return {"index": index, "batches": [{"batch": 1, "t_1_s": [0.1] * len(gc_ms), "t_1_host": host}]}
 
     first = analysis.arm_first_token([run(0, [1.0, 3.0, 2.0], 4), run(1, [5.0, 6.0, 7.0], 0)], 1)
     assert first["gc_ms"] == pytest.approx(4.0) and first["allocator_stalls"] == pytest.approx(2.0)
+    assert first["jit_compiles"] == pytest.approx(0.5)  # medians 0 and 1 over the two processes
     old = analysis.arm_first_token([{"index": 0, "batches": [{"batch": 1, "t_1_s": [0.1]}]}], 1)
-    assert old["gc_ms"] is None and old["allocator_stalls"] is None  # a result from before the counters
+    assert old["gc_ms"] is None and old["allocator_stalls"] is None and old["jit_compiles"] is None
+
+
+def test_host_events_count_triton_compiles_through_the_hook_set_before() -> None:
+    knobs = pytest.importorskip("triton").knobs
+    seen = []
+
+    def monitor(*args, **kwargs):  # a hook already there (vLLM's JIT monitor): still called, and put back
+        seen.append(kwargs.get("key"))
+
+    before = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = monitor
+    try:
+        with runner.HostEvents() as events:
+            # what JITFunction._do_compile calls after a compile or a load from the disk cache
+            knobs.runtime.jit_post_compile_hook(key="k1", repr="k", fn=None, compile=None, is_manual_warmup=False,
+                                                already_compiled=False)
+            knobs.runtime.jit_post_compile_hook(key="k2")
+        assert events.record()["jit_compiles"] == 2 and seen == ["k1", "k2"]
+        assert knobs.runtime.jit_post_compile_hook is monitor
+    finally:
+        knobs.runtime.jit_post_compile_hook = before
+    with runner.HostEvents() as events:
+        pass
+    assert events.record()["jit_compiles"] == 0  # counted, and none happened

@@ -160,20 +160,25 @@ def arm_first_token(results: Sequence[dict[str, Any]], batch: int) -> dict[str, 
 
 def _first_token_host(rows: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """Over an arm's processes (median of each process's median per 1-token generate): the time its
-    garbage collections took (``gc_ms``) and the caching allocator's stalling events
-    (``allocator_stalls``: cudaMalloc + cudaFree + OOM retries); None where the runner recorded none."""
-    gc_ms, stalls = [], []
+    garbage collections took (``gc_ms``), the caching allocator's stalling events (``allocator_stalls``:
+    cudaMalloc + cudaFree + OOM retries) and Triton JIT compiles (``jit_compiles``); None where the runner
+    recorded none."""
+    gc_ms, stalls, compiles = [], [], []
     for r in rows:
         host = [h for h in r.get("t_1_host") or [] if isinstance(h, dict)]
         if host:
             gc_ms.append(statistics.median(float(h.get("gc_ms", 0.0)) for h in host))
+        counted_jit = [h["jit_compiles"] for h in host if h.get("jit_compiles") is not None]
+        if counted_jit:
+            compiles.append(statistics.median(counted_jit))
         counted = [h["allocator"] for h in host if h.get("allocator")]
         if counted:
             stalls.append(statistics.median(
                 a.get("num_device_alloc", 0) + a.get("num_device_free", 0) + a.get("num_alloc_retries", 0)
                 for a in counted))
     return {"gc_ms": statistics.median(gc_ms) if gc_ms else None,
-            "allocator_stalls": statistics.median(stalls) if stalls else None}
+            "allocator_stalls": statistics.median(stalls) if stalls else None,
+            "jit_compiles": statistics.median(compiles) if compiles else None}
 
 
 #: a tuned arm whose first token comes this much later than vanilla's gets a note

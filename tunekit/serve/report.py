@@ -52,7 +52,7 @@ def first_token_table(serve: dict[str, Any]) -> tuple[list[str], list[list[str]]
     """Offline runs: each arm's 1-token generate (prefill + one step) and tuned / vanilla (>1: later)."""
     arms = _arms(serve)
     head = (["B"] + [f"{a} 1-token generate ms (min-max)" for a in arms] + ["tuned / vanilla (min-max)"]
-            + [f"{a} GC ms / allocator stalls" for a in arms])
+            + [f"{a} GC ms / allocator stalls / JIT compiles" for a in arms])
     rows = []
     for row in serve["batches"]:
         first = row.get("first_token") or {}
@@ -64,7 +64,8 @@ def first_token_table(serve: dict[str, Any]) -> tuple[list[str], list[list[str]]
                      f"{_f(row.get('first_token_ratio_max'), '.3f')})")
         for a in arms:
             f = first.get(a) or {}
-            cells.append(f"{_f(f.get('gc_ms'), '.2f')} / {_f(f.get('allocator_stalls'), '.0f')}")
+            cells.append(f"{_f(f.get('gc_ms'), '.2f')} / {_f(f.get('allocator_stalls'), '.0f')} / "
+                         f"{_f(f.get('jit_compiles'), '.0f')}")
         rows.append(cells)
     return head, rows
 

@@ -238,15 +238,26 @@ _ALLOCATOR_EVENTS = ("num_device_alloc", "num_device_free", "num_alloc_retries",
 
 class HostEvents:
     """What a generate's host time went to that no profiler table names: Python's garbage collections
-    (time and count, through ``gc.callbacks``) and the CUDA caching allocator's stalling events
-    (:data:`_ALLOCATOR_EVENTS`, differences of ``torch.cuda.memory_stats``). A context manager;
-    ``record()`` after it: ``{"gc_ms", "gc_collections": [gen0, gen1, gen2], "allocator": {...}}``
-    (``allocator`` None without an initialized CUDA)."""
+    (time and count, through ``gc.callbacks``), the CUDA caching allocator's stalling events
+    (:data:`_ALLOCATOR_EVENTS`, differences of ``torch.cuda.memory_stats``) and Triton JIT compiles
+    (``@triton.jit`` kernels missing from the in-memory cache: a compile, or a load from the disk cache,
+    tens of ms each; Triton's ``knobs.runtime.jit_post_compile_hook``, chained to the one set before,
+    such as vLLM's JIT monitor). A context manager; ``record()`` after it: ``{"gc_ms", "gc_collections":
+    [gen0, gen1, gen2], "allocator": {...}, "jit_compiles"}`` (``allocator`` None without an initialized
+    CUDA, ``jit_compiles`` None without Triton's hook)."""
 
     def __init__(self) -> None:
         self.gc_s, self.collections, self._t0 = 0.0, [0, 0, 0], None
         self._mem0: dict[str, int] | None = None
         self.allocator: dict[str, int] | None = None
+        self.jit_compiles: int | None = None
+        self._runtime: Any = None
+        self._prev_hook: Any = None
+        self._hook: Any = None
+
+    def _on_compile(self, *args: Any, **kwargs: Any) -> Any:
+        self.jit_compiles = (self.jit_compiles or 0) + 1
+        return self._prev_hook(*args, **kwargs) if self._prev_hook is not None else None
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
@@ -259,16 +270,27 @@ class HostEvents:
     def __enter__(self) -> HostEvents:
         self._mem0 = _allocator_counts()
         gc.callbacks.append(self._on_gc)
+        knobs = getattr(sys.modules.get("triton"), "knobs", None)  # never imported here
+        runtime = getattr(knobs, "runtime", None)
+        if runtime is not None and hasattr(runtime, "jit_post_compile_hook"):
+            self._runtime, self._prev_hook, self.jit_compiles = runtime, runtime.jit_post_compile_hook, 0
+            self._hook = self._on_compile  # one bound method, so __exit__ can tell it is still the one set
+            runtime.jit_post_compile_hook = self._hook
         return self
 
     def __exit__(self, *exc: Any) -> None:
         gc.callbacks.remove(self._on_gc)
+        if self._runtime is not None:
+            if self._runtime.jit_post_compile_hook is self._hook:  # a hook set since is left alone
+                self._runtime.jit_post_compile_hook = self._prev_hook
+            self._runtime = None
         after = _allocator_counts()
         if self._mem0 is not None and after is not None:
             self.allocator = {k: after[k] - self._mem0[k] for k in _ALLOCATOR_EVENTS}
 
     def record(self) -> dict[str, Any]:
-        return {"gc_ms": self.gc_s * 1000.0, "gc_collections": list(self.collections), "allocator": self.allocator}
+        return {"gc_ms": self.gc_s * 1000.0, "gc_collections": list(self.collections), "allocator": self.allocator,
+                "jit_compiles": self.jit_compiles}
 
 
 def _allocator_counts() -> dict[str, int] | None:
