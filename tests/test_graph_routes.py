@@ -127,6 +127,11 @@ def test_largest_m_reads_the_serving_tables(tmp_path) -> None:
         assert ops.largest_m("gemv", "bf16", 32, 64, "cpu") == 4
         assert ops.largest_m("gemv", "fp16", 96, 64, "cpu") is None
         assert ops.largest_m("gated_rms_norm", "bf16", None, 128, "cpu") == 2  # by row width, as covers()
+        # rows of K one call is served in, whatever layout it comes in: M x N / K = 2 x 512 / 128
+        assert ops.largest_rows("gated_rms_norm", "bf16", 128, "cpu") == 8
+        assert ops.largest_rows("gemv", "bf16", 64, "cpu") == 12  # 8 x 96 / 64 beats 4 x 32 / 64
+        assert ops.largest_rows("gated_rms_norm", "bf16", 64, "cpu") is None
+        assert ops.largest_m("gemv", "bf16", 96, 64, "cpu") == 8  # the two caches keep apart
     finally:
         ops.load_tables([])
 

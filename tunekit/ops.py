@@ -100,6 +100,7 @@ from tunekit.serving.state import STATS_FORMAT as STATS_FORMAT
 from tunekit.serving.state import TABLE_ENV as TABLE_ENV
 from tunekit.serving.tables import covers, load_tables, loaded_tables
 from tunekit.serving.tables import largest_m as largest_m
+from tunekit.serving.tables import largest_rows as largest_rows
 from tunekit.serving.tables import served_entry as served_entry
 from tunekit.serving.vendors import (
                                      clear_vendor_elementwise,

@@ -505,6 +505,7 @@ def test_covered_layers_above_the_table_run_vllms_kernels(plugin, vllm_config, e
     # The op's own fallbacks, as a compiled graph's range meets them (M symbolic: the op decides). An
     # eager call above the tables skips the op (test_an_eager_call_above_the_tables_skips_the_op).
     monkeypatch.setattr(plugin, "_eager_above_tables", lambda *args: False)
+    monkeypatch.setattr(plugin, "_eager_rows_above_tables", lambda *args: False)
     found = plugin._install_vendor_kernels(("rms_norm", "fused_add_rms_norm", "silu_and_mul", "gemma_rms_norm",
                                             "gated_rms_norm"))
     assert "rms_norm: torch.ops._C.rms_norm on cpu" in found
@@ -656,6 +657,7 @@ def test_ops_are_opaque_under_vllm_compile_and_torch_compile(plugin, vllm_config
     # the reference goes through the ops at every M, as the graph does (eagerly, an M above the
     # tables would skip them: test_an_eager_call_above_the_tables_skips_the_op)
     monkeypatch.setattr(plugin, "_eager_above_tables", lambda *args: False)
+    monkeypatch.setattr(plugin, "_eager_rows_above_tables", lambda *args: False)
     for m in (2, 3, 6):
         x = torch.randn(m, 64).bfloat16()
         y = model(x)
@@ -745,10 +747,12 @@ def test_token_counts_above_the_tables_compile_vllms_own_math(plugin, vllm_confi
 def test_an_eager_call_above_the_tables_skips_the_op(plugin, vllm_config, elementwise_table: Path,
                                                      monkeypatch) -> None:
     """Eager, M is known: a covered norm or activation above the table's largest M (4 here) runs
-    vLLM's own forward and never enters the tunekit op; within the table it does."""
+    vLLM's own forward and never enters the tunekit op; within the table it does. The gated norm's
+    flattened [T * H, D] rows do not tell M: it counts rows of D against the most an entry serves
+    (4 x 128 / 32 = 16 here)."""
     from vllm.config import get_cached_compilation_config
     from vllm.model_executor.layers.activation import SiluAndMul
-    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.layernorm import RMSNorm, RMSNormGated
 
     # custom ops off: vLLM's own forward is its native math (its CUDA kernels are not in this CPU wheel)
     monkeypatch.setattr(vllm_config.compilation_config, "custom_ops", ["none"])
@@ -762,12 +766,19 @@ def test_an_eager_call_above_the_tables_skips_the_op(plugin, vllm_config, elemen
         y, s = norm(x.clone(), r.clone())
         y_ref, s_ref = norm.forward_native(x.clone(), r.clone())
         assert torch.equal(y, y_ref) and torch.equal(s, s_ref)
+        gated = RMSNormGated(32, eps=1e-6, group_size=None, norm_before_gate=True, dtype=torch.bfloat16,
+                             activation="silu")
+        gated.weight.data.normal_()
+        h, z = torch.randn(20, 32).bfloat16(), torch.randn(20, 32).bfloat16()  # 5 tokens x 4 heads, flattened
+        assert torch.equal(gated(h, z), gated.forward_native(h, z))
         assert _impls() == []  # nothing entered a tunekit op
         norm(x[:4])
         act(a[:4])
+        gated(h[:16], z[:16])  # 4 tokens x 4 heads: the table's 4 x 128
     finally:
         get_cached_compilation_config.cache_clear()
-    assert sorted((op, m) for op, _, m, _ in _impls()) == [("rms_norm", 4), ("silu_and_mul", 4)]
+    assert sorted((op, m) for op, _, m, _ in _impls()) == [("gated_rms_norm", 4), ("rms_norm", 4),
+                                                           ("silu_and_mul", 4)]
 
 
 def test_compile_ranges_hook_is_skipped_where_vllm_lacks_its_pieces(plugin, monkeypatch, tmp_path: Path) -> None:

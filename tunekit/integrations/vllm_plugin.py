@@ -23,9 +23,10 @@ code, untouched, so its traced graph is the one plain vLLM traces.
 * An eager call (M known: vLLM's logits, computed outside the compiled
   graph at every step; ``enforce_eager``) above the largest M the tables
   hold for the layer runs vLLM's own path and never enters the op
-  (:func:`_eager_above_tables`; not the gated norm, whose flattened rows do
-  not tell the token count). Traced graphs get the same from the compile
-  ranges (``compile_ranges`` below).
+  (:func:`_eager_above_tables`; the gated norm, whose flattened rows do not
+  tell the token count, by the most rows an entry serves:
+  :func:`_eager_rows_above_tables`). Traced graphs get the same from the
+  compile ranges (``compile_ranges`` below).
 * Inside a covered layer's op, per call (M is dynamic under vLLM's
   compile): a tuned kernel where the table has one for this M, else the
   fallback, which runs what vLLM itself would have run: ``F.linear`` (vLLM's
@@ -544,6 +545,17 @@ def _eager_above_tables(op: str, x: torch.Tensor, n: int | None, k: int) -> bool
     return top is not None and x.numel() // k > top  # rows of K elements (every routed op's input): its M
 
 
+def _eager_rows_above_tables(op: str, x: torch.Tensor, k: int) -> bool:
+    """:func:`_eager_above_tables` for an op called in either row layout (the gated norm: vLLM 0.26's
+    Qwen3.5 flattens [T, H, D] to [T * H, D], so T cannot be read): True for an eager call of more
+    K-wide rows than any of the tables' entries serves in one call (``tunekit.ops.largest_rows``)."""
+    if _is_compiling():
+        return False
+    dtype = _TABLE_DTYPES.get(x.dtype)
+    top = None if dtype is None else _ops().largest_rows(op, dtype, k, str(x.device))
+    return top is not None and x.numel() // k > top
+
+
 def _same_rows(a: torch.Tensor, x: torch.Tensor) -> bool:
     """a matches x in dtype and in every dim but the token dim. That one is dynamic and never compared
     here, so no shape check enters the traced graph; the op itself rejects a token-count mismatch."""
@@ -591,12 +603,13 @@ def _rms_norm_gated_route(self: Any, x: torch.Tensor, z: torch.Tensor | None = N
     if (z is None or not self.norm_before_gate or self.activation not in ("swish", "silu")
             or self.group_size not in (None, hidden) or x.shape[-1] != hidden):
         return None
-    # No eager M check here: the [T * H, D] layout below does not tell the token count T.
     # Matched by row width (head_dim) alone, as the torch patch does: vLLM 0.26's Qwen3.5 passes
     # [T * H, D] (flattened before the norm; no head count left to form the table's N = H * D), the
-    # 0.33 Qwen3-Next path [T, H, D]. The op serves either row layout from the table's entries per M.
+    # 0.33 Qwen3-Next path [T, H, D]. The op serves either row layout from the table's entries per M;
+    # the eager check above the tables counts rows of D, since that layout does not tell T.
     if (not _covered("gated_rms_norm", x, None, hidden) or not _x_ok(x, self.weight) or not _same_rows(z, x)
-            or not _rows_even(x, 2 if x.dim() >= 3 else 1) or not _rows_even(z, 2 if z.dim() >= 3 else 1)):
+            or not _rows_even(x, 2 if x.dim() >= 3 else 1) or not _rows_even(z, 2 if z.dim() >= 3 else 1)
+            or _eager_rows_above_tables("gated_rms_norm", x, hidden)):
         return None
     return torch.ops.tunekit.gated_rms_norm(x, z, self.weight, float(self.eps))
 

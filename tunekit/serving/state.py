@@ -188,8 +188,8 @@ class State:
         #: elementwise ops whose installed vendor kernel the engine itself would not run in this process
         #: (``set_engine_runs_vendor``): their fallbacks try tunekit's default-config kernel first
         self.vendor_off_engine_path: set[str] = set()
-        #: (op, dtype, n, k, device) -> the largest tabulated M, or 0 for none (the cache of
-        #: tables.largest_m and covers); cleared with the tables
+        #: (op, dtype, n, k, device, "m" | "rows") -> the largest tabulated M (or M x N / K rows), 0 for
+        #: none (the cache of tables.largest_m, largest_rows and covers); cleared with the tables
         self.largest: dict[tuple, int] = {}
         #: (op, dtype, m, n, k, device key) -> the default-config kernel serving fallbacks that have no
         #: vendor kernel (or why none does); cleared with the tables

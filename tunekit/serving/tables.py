@@ -173,16 +173,32 @@ def largest_m(op: str, dtype: str, n: int | None, k: int, device: str) -> int | 
     is its "any M". Cached per key until the tables change: eager integrations ask on every call,
     and the scan is over every entry.
     """
-    key = (op, dtype, n, k, device)
+    return _largest(op, dtype, n, k, device, "m")
+
+
+def largest_rows(op: str, dtype: str, k: int, device: str) -> int | None:
+    """The most K-wide rows one call of (op, dtype, any N, K) is served in by a tuned entry: the largest
+    M x N / K of the entries, or None. Never raises.
+
+    For an op whose calls come in either row layout, so that a call's M cannot be read from it: the
+    gated norm, which vLLM 0.26's Qwen3.5 calls as [tokens * heads, head_dim] where the table holds
+    [tokens, heads * head_dim] (``tunekit.serving.elementwise._gated_layout`` serves the same groups
+    in the table's rows). A call of more rows is above every entry. Cached as :func:`largest_m`.
+    """
+    return _largest(op, dtype, None, k, device, "rows")
+
+
+def _largest(op: str, dtype: str, n: int | None, k: int, device: str, unit: str) -> int | None:
+    key = (op, dtype, n, k, device, unit)
     hit = STATE.largest.get(key)  # lock-free read (atomic under the GIL)
     if hit is None:
         with STATE.lock:
             tables = STATE.tables
         merged = serving_table(device)
-        ms = [] if merged is None else [
-            e["m"] for e in merged["entries"]
+        sizes = [] if merged is None else [
+            e["m"] if unit == "m" else e["m"] * e["n"] // k for e in merged["entries"]
             if e["op"] == op and e["dtype"] == dtype and n in (None, e["n"]) and e["k"] == k]
-        hit = max(ms, default=0)
+        hit = max(sizes, default=0)
         with STATE.lock:
             if tables is not None and STATE.tables is tables:  # not cached across a load_tables in between
                 STATE.largest[key] = hit
