@@ -11,6 +11,7 @@
 # the whole run stops by itself at DEADLINE_S seconds.
 #
 #   benchmarks/prefill_ablation_h200.sh TABLE OUT_ROOT DEADLINE_S [serve-bench options, e.g. --layers 16]
+#   MODEL: the built-in model (default qwen3.5-27b)
 set -euo pipefail
 table=$1 root=$2 deadline=$3
 shift 3
@@ -38,6 +39,6 @@ for name in full gemv ew no-lmhead; do
     continue
   fi
   echo "prefill-ablation: $name (${left} s left)"
-  bash benchmarks/serve_h200.sh serve "$left" --model qwen3.5-27b --table "$root/tables/$name.json" \
+  bash benchmarks/serve_h200.sh serve "$left" --model "${MODEL:-qwen3.5-27b}" --table "$root/tables/$name.json" \
     --arms vanilla,tuned --out "$root/$name" "$@" || echo "prefill-ablation: $name stopped (rc $?)"
 done
