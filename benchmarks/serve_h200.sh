@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The served A/B on the lent H200 (no network; vLLM 0.26.0 carried as a bundle built by
-# shared/device/vllm/build-carry.sh, PART_SIZE=34m so a part plus the 31 MiB working tree fits one
-# call of 64 MiB).
+# shared/device/vllm/build-carry.sh, PART_SIZE=30m: six parts, one per call, each with the 32 MiB
+# working tree within a call's 64 MiB; the last part travels with SHA256SUMS, .whl and the real command.
+# A carry call takes seconds on a warm machine; the next must start within 30 s of it).
 # Run from the repository root there; /var/tmp persists between calls while the machine stays warm,
 # and has outlived a session: give every run a fresh --out / OUT (serve-bench resumes a folder).
 #
