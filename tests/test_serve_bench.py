@@ -798,9 +798,19 @@ def test_the_recorded_llama_prefill_run_reports_the_later_first_token(tmp_path: 
     assert b8["first_token"]["vanilla"]["median_ms"] == pytest.approx(statistics.median(per_arm["vanilla"]))
     assert b8["first_token"]["tuned"]["median_ms"] == pytest.approx(statistics.median(per_arm["tuned"]))
     assert b8["first_token_ratio"] > 1.5 and b8["first_token_ratio_min"] > 1.5
-    assert any(n.startswith("B=8: the first token") for n in rebuilt["notes"])
+    note = next(n for n in rebuilt["notes"] if n.startswith("B=8: the first token"))
+    assert "beyond vanilla's own spread over its 2 processes" in note  # 1.86x against vanilla's 1.04x
     report = (out / "serve.md").read_text()
     assert "1-token generate ms" in report
+
+
+def test_a_first_token_ratio_is_read_against_vanillas_spread() -> None:
+    from tunekit.serve import analysis
+
+    two = {"per_process_ms": {"0": 90.0, "1": 120.0}}
+    assert analysis.first_token_spread(two, 1.2).startswith("within vanilla's own spread over its 2 processes (1.33x)")
+    assert analysis.first_token_spread(two, 1.4).startswith("beyond")
+    assert analysis.first_token_spread({"per_process_ms": {"0": 90.0}}, 1.34).startswith("one vanilla process")
 
 
 def test_git_commit_is_none_for_a_copy_inside_another_repository(tmp_path: Path) -> None:
