@@ -12,7 +12,8 @@
 # (dummy weights, no tokenizer: `tunekit serve-bench --model NAME` writes one under OUT/model);
 # SERVE_BENCH_ARGS: extra serve-bench options (default: --concurrency 1,8 --tokens 128 --repeats 5);
 # SHUTDOWN_TIMEOUT: seconds a stopping server drains (default 30, where vLLM has --shutdown-timeout);
-# GPU_SHARE: each server's --gpu-memory-utilization (default 0.4); START_TIMEOUT: seconds to wait
+# GPU_SHARE: each server's --gpu-memory-utilization (default 0.4: an 8B model; Qwen3.5-27B holds 50 GiB
+# of weights, so two of its servers need about 0.47 each on a 140 GB GPU, not yet tried); START_TIMEOUT: seconds to wait
 # for both servers (default 900); PORT: the vanilla server's port (tuned: PORT + 1; default 8100).
 set -euo pipefail
 python=$1 model_dir=$2 table=$3 out=$4

@@ -11,7 +11,8 @@
 # the whole run stops by itself at DEADLINE_S seconds.
 #
 #   benchmarks/prefill_ablation_h200.sh TABLE OUT_ROOT DEADLINE_S [serve-bench options, e.g. --layers 16]
-#   MODEL: the built-in model (default qwen3.5-27b)
+#   MODEL: the built-in model (default qwen3.5-27b); CUTS: which tables, in order (default
+#   "full gemv ew no-lmhead"): each A/B costs two engine starts, 165-190 s each for Qwen3.5-27B
 set -euo pipefail
 table=$1 root=$2 deadline=$3
 shift 3
@@ -32,7 +33,8 @@ for name, pred in keep.items():
     (dest / f"{name}.json").write_text(json.dumps(doc, indent=1))
     print(f"prefill-ablation: table {name}: {len(doc['entries'])} entries")
 PY
-for name in full gemv ew no-lmhead; do
+for name in ${CUTS:-full gemv ew no-lmhead}; do
+  [ -f "$root/tables/$name.json" ] || { echo "prefill-ablation: no cut named $name" >&2; exit 2; }
   left=$((deadline - (SECONDS - start) - 20))
   if [ "$left" -lt 60 ]; then
     echo "prefill-ablation: $name not started (${left} s left); rerun to resume"
