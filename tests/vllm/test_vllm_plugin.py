@@ -504,8 +504,7 @@ def test_covered_layers_above_the_table_run_vllms_kernels(plugin, vllm_config, e
 
     # The op's own fallbacks, as a compiled graph's range meets them (M symbolic: the op decides). An
     # eager call above the tables skips the op (test_an_eager_call_above_the_tables_skips_the_op).
-    monkeypatch.setattr(plugin, "_eager_above_tables", lambda *args: False)
-    monkeypatch.setattr(plugin, "_eager_rows_above_tables", lambda *args: False)
+    monkeypatch.setattr(plugin, "_eager_above_tables", lambda *args, **kwargs: False)
     found = plugin._install_vendor_kernels(("rms_norm", "fused_add_rms_norm", "silu_and_mul", "gemma_rms_norm",
                                             "gated_rms_norm"))
     assert "rms_norm: torch.ops._C.rms_norm on cpu" in found
@@ -656,8 +655,7 @@ def test_ops_are_opaque_under_vllm_compile_and_torch_compile(plugin, vllm_config
     eager = Tiny.forward  # the undecorated forward, for the reference
     # the reference goes through the ops at every M, as the graph does (eagerly, an M above the
     # tables would skip them: test_an_eager_call_above_the_tables_skips_the_op)
-    monkeypatch.setattr(plugin, "_eager_above_tables", lambda *args: False)
-    monkeypatch.setattr(plugin, "_eager_rows_above_tables", lambda *args: False)
+    monkeypatch.setattr(plugin, "_eager_above_tables", lambda *args, **kwargs: False)
     for m in (2, 3, 6):
         x = torch.randn(m, 64).bfloat16()
         y = model(x)

@@ -24,9 +24,8 @@ code, untouched, so its traced graph is the one plain vLLM traces.
   graph at every step; ``enforce_eager``) above the largest M the tables
   hold for the layer runs vLLM's own path and never enters the op
   (:func:`_eager_above_tables`; the gated norm, whose flattened rows do not
-  tell the token count, by the most rows an entry serves:
-  :func:`_eager_rows_above_tables`). Traced graphs get the same from the
-  compile ranges (``compile_ranges`` below).
+  tell the token count, by the most rows an entry serves). Traced graphs
+  get the same from the compile ranges (``compile_ranges`` below).
 * Inside a covered layer's op, per call (M is dynamic under vLLM's
   compile): a tuned kernel where the table has one for this M, else the
   fallback, which runs what vLLM itself would have run: ``F.linear`` (vLLM's
@@ -529,31 +528,26 @@ def _covered(op: str, x: torch.Tensor, n: int | None, k: int) -> bool:
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 
 
-def _eager_above_tables(op: str, x: torch.Tensor, n: int | None, k: int) -> bool:
+def _eager_above_tables(op: str, x: torch.Tensor, n: int | None, k: int, by_rows: bool = False) -> bool:
     """True for a call made outside tracing whose token count is above every M the tables hold for
     the layer's (op, dtype, N, K): vLLM's own path serves it then, with none of the op's Python.
 
     Eager calls know M: vLLM's logits (computed outside the compiled graph, at every step), an
     ``enforce_eager`` engine, a capture without compilation. Under tracing M is symbolic and never
     read here: the op decides per call, and the compile ranges keep the ops out of the graphs for
-    token counts above the tables (:func:`_install_compile_ranges`).
+    token counts above the tables (:func:`_install_compile_ranges`). ``by_rows``: for an op called in
+    either row layout (the gated norm: vLLM 0.26's Qwen3.5 flattens [T, H, D] to [T * H, D], so T
+    cannot be read), the call's K-wide rows against the most any entry serves in one call
+    (``tunekit.ops.largest_rows``).
     """
     if _is_compiling():  # before any size is read: nothing of this enters a traced graph
         return False
     dtype = _TABLE_DTYPES.get(x.dtype)
-    top = None if dtype is None else _ops().largest_m(op, dtype, n, k, str(x.device))
-    return top is not None and x.numel() // k > top  # rows of K elements (every routed op's input): its M
-
-
-def _eager_rows_above_tables(op: str, x: torch.Tensor, k: int) -> bool:
-    """:func:`_eager_above_tables` for an op called in either row layout (the gated norm: vLLM 0.26's
-    Qwen3.5 flattens [T, H, D] to [T * H, D], so T cannot be read): True for an eager call of more
-    K-wide rows than any of the tables' entries serves in one call (``tunekit.ops.largest_rows``)."""
-    if _is_compiling():
+    if dtype is None:
         return False
-    dtype = _TABLE_DTYPES.get(x.dtype)
-    top = None if dtype is None else _ops().largest_rows(op, dtype, k, str(x.device))
-    return top is not None and x.numel() // k > top
+    device = str(x.device)
+    top = _ops().largest_rows(op, dtype, k, device) if by_rows else _ops().largest_m(op, dtype, n, k, device)
+    return top is not None and x.numel() // k > top  # rows of K elements (every routed op's input): its M
 
 
 def _same_rows(a: torch.Tensor, x: torch.Tensor) -> bool:
@@ -609,7 +603,7 @@ def _rms_norm_gated_route(self: Any, x: torch.Tensor, z: torch.Tensor | None = N
     # the eager check above the tables counts rows of D, since that layout does not tell T.
     if (not _covered("gated_rms_norm", x, None, hidden) or not _x_ok(x, self.weight) or not _same_rows(z, x)
             or not _rows_even(x, 2 if x.dim() >= 3 else 1) or not _rows_even(z, 2 if z.dim() >= 3 else 1)
-            or _eager_rows_above_tables("gated_rms_norm", x, hidden)):
+            or _eager_above_tables("gated_rms_norm", x, None, hidden, by_rows=True)):
         return None
     return torch.ops.tunekit.gated_rms_norm(x, z, self.weight, float(self.eps))
 

@@ -185,13 +185,6 @@ def _top_functions(stats: dict[tuple[str, int, str], tuple], n: int = TOP_PY_FUN
             for key, (_, calls, own, cum, _) in top}
 
 
-def python_profile(run: Callable[[], Any], n: int = TOP_PY_FUNCS) -> dict[str, dict[str, float]]:
-    """Python's own profiler (cProfile) over ``run()``: {function: {"us": own time, "cum_us": inclusive
-    time, "calls"}}, the ``n`` with the most own time. torch's profiler sees aten ops and kernels, not
-    the Python between them: this names the functions where an eager prefill's host time goes."""
-    return _top_functions(_cprofiled(run), n)
-
-
 def decode_step_profile(generate: Callable[[int], Any], steps: int) -> dict[str, Any]:
     """``generate(n)`` runs one generate of n new tokens at the measured batch size. Returns the step's
     kernel time and count per category, their total (``busy_us``), the raw totals of both runs, the
@@ -208,9 +201,12 @@ def decode_step_profile(generate: Callable[[int], Any], steps: int) -> dict[str,
 
 
 def _prefill_python(run: Callable[[], Any]) -> dict[str, Any]:
-    """``prefill_python`` (the top functions) and ``prefill_python_calls``: every Python call of the
-    generate. A count does not depend on how fast the host ran, so it tells more host work (a count that
-    grew) from a slower host (equal counts, more time): the two causes a time alone cannot separate."""
+    """Python's own profiler (cProfile) over ``run()``. torch's profiler sees aten ops and kernels, not
+    the Python between them: ``prefill_python`` ({function: {"us": own time, "cum_us": inclusive time,
+    "calls"}}, the :data:`TOP_PY_FUNCS` with the most own time) names the functions where an eager
+    prefill's host time goes; ``prefill_python_calls`` counts every Python call of it. A count does
+    not depend on how fast the host ran, so it tells more host work (a count that grew) from a slower
+    host (equal counts, more time): the two causes a time alone cannot separate."""
     stats = _cprofiled(run)
     return {"prefill_python": _top_functions(stats), "prefill_python_calls": float(sum(v[1] for v in stats.values()))}
 
