@@ -346,6 +346,8 @@ def test_kernel_categories_and_the_decode_step_difference(tmp_path: Path) -> Non
         "void flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<256, 64>>(...)": "attention",
         "fused_recurrent_gated_delta_rule_fwd_kernel": "recurrence", "_causal_conv1d_update_kernel": "recurrence",
         "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0": "inductor",
+        "triton_poi_fused_gemv_mul_silu_slice_1": "inductor",  # Inductor's, after the tunekit GEMV it reads
+        "triton_per_fused_attention_0": "inductor",
         "void vllm::rms_norm_kernel<c10::BFloat16, 8>(...)": "other",
         "void at::native::vectorized_elementwise_kernel<4>(...)": "other",
     }

@@ -45,11 +45,13 @@ CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = (
                                 r"_silu_mul_gemv_kernel|tunekit_gemv)")),
     ("tunekit_elementwise", re.compile(r"^(_rms_norm_kernel|_fused_add_rms_norm_kernel|_gated_rms_norm_kernel|"
                                        r"_silu_and_mul_kernel|_bias_gelu_kernel|tunekit_)")),
+    # Inductor names its kernels after the graph nodes they fuse, so one that reads a GEMV's output says
+    # gemv (triton_poi_fused_gemv_mul_silu_slice_1 on the H200): its prefix decides before any name does
+    ("inductor", re.compile(r"^triton_")),
     # attention before the GEMMs: FlashAttention's kernels say splitkv, CUTLASS-built ones gemm
     ("attention", re.compile(r"flash|fmha|attn|attention|paged", re.I)),
     ("vendor_gemm", re.compile(r"gemm|gemv|nvjet|cutlass|xmma|cublas|splitkreduce|wgmma", re.I)),
     ("recurrence", re.compile(r"recurrent|chunk_|gated_delta|delta_rule|conv1d|causal_conv|fla_|gdn", re.I)),
-    ("inductor", re.compile(r"^triton_")),
 )
 #: the event categories of torch's Chrome trace that are device work
 _DEVICE_CATS = {"kernel": None, "gpu_memcpy": "copies", "gpu_memset": "copies"}
