@@ -548,8 +548,11 @@ def _line(row: dict[str, Any]) -> str:
         tp = row["tpot"].get(arm)
         if tp:
             parts.append(f"{arm} {tp['median_ms']:.3f} ms ({tp['min_ms']:.3f}-{tp['max_ms']:.3f})")
-    parts.append(f"speedup x{_fmt(row['speedup'], '.4f')} ({_fmt(row['speedup_min'], '.4f')}-"
-                 f"{_fmt(row['speedup_max'], '.4f')})")
+    if row["speedup"] is not None:
+        parts.append(f"speedup x{row['speedup']:.4f} ({_fmt(row['speedup_min'], '.4f')}-"
+                     f"{_fmt(row['speedup_max'], '.4f')})")
+    if row.get("passthrough_ratio") is not None:  # vanilla / passthrough TPOT: the plugin's cost alone
+        parts.append(f"passthrough x{row['passthrough_ratio']:.4f}")
     if row["predicted_speedup"] is not None:
         parts.append(f"predicted x{row['predicted_speedup']:.4f}")
     if row["measured_saving_ms"] is not None and row["predicted_saving_ms"] is not None:

@@ -25,6 +25,15 @@ def _md_table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _arm_text(arm: str, serve: dict[str, Any]) -> str:
+    """How an arm was run, for the report's header (only the arms that ran are named)."""
+    if arm == "vanilla":
+        return "vanilla = tunekit's plugin excluded by VLLM_PLUGINS"
+    if arm == "passthrough":
+        return "passthrough = plugin loaded, no table (its cost alone)"
+    return "tuned = plugin with TUNEKIT_TABLE = " + ", ".join(f"`{t}`" for t in serve.get("tables", []))
+
+
 def _arms(serve: dict[str, Any]) -> list[str]:
     present = {arm for row in serve["batches"] for arm, tp in row["tpot"].items() if tp}
     return [a for a in ARMS if a in present]
@@ -205,9 +214,7 @@ def write_markdown(serve: dict[str, Any], path: Path) -> Path:
                   f"tokens after prompts of {s.get('prompt_len')} tokens. TPOT = (t({tokens} tokens) - t(1 token)) / "
                   f"{tokens - 1} per generate of B prompts; an arm's figure is the median of its processes' medians, "
                   "(min-max) over processes; speedup spread over the process pairs of one round.", "",
-                  "Arms: vanilla = tunekit's plugin excluded by VLLM_PLUGINS; passthrough = plugin loaded, no table "
-                  "(its cost alone); tuned = plugin with TUNEKIT_TABLE = "
-                  + ", ".join(f"`{t}`" for t in serve.get("tables", [])) + "."]
+                  "Arms: " + "; ".join(_arm_text(a, serve) for a in _arms(serve)) + "."]
     lines += ["", _md_table(*tpot_table(serve))]
     if endpoint:
         head = ["C"] + [f"{a} TTFT ms" for a in _arms(serve)] + [f"{a} tokens/s (all requests)" for a in _arms(serve)]
