@@ -1,4 +1,5 @@
-"""Triton GEMV family: y[M, N] = x[M, K] @ W[N, K]^T for decode (M = 1..8).
+"""Triton GEMV family: y[M, N] = x[M, K] @ W[N, K]^T for decode (M = 1..8),
+and ``gemv_add``: y = x @ W^T + r, the residual add in the epilogue.
 
 BF16 in and out, FP32 accumulation, each weight element read once per call.
 The caller passes an explicit ``GemvConfig`` (no ``@triton.autotune``: tuning
@@ -27,7 +28,13 @@ Design, for a memory-bound problem:
   on sm_90 Triton lowers it to mma.sync m16n8k16 fed by ldmatrix);
   "dot_w": the same product with the operands swapped, acc^T = W x^T, so W's
   rows are the MMA's M side (BLOCK_N >= 64 lowers to Hopper wgmma m64n16k16
-  reading W from shared memory) - the usual layout of small-M GEMMs.
+  reading W from shared memory) - the usual layout of small-M GEMMs;
+- ``residual`` (op ``gemv_add``): the fp32 result plus r[M, N], rounded once,
+  wherever the output is stored (the split-K sums included). A decoder's
+  o_proj / out_proj / down_proj output is only ever added to the residual
+  stream (vLLM's fused_add_rms_norm does it next, in its own launch); done
+  here, the next norm is a plain one and that launch is gone. The epilogue
+  reads M x N values against the N x K of W: nothing at decode sizes.
 """
 
 from __future__ import annotations
@@ -65,6 +72,9 @@ class GemvConfig:
     def as_params(self) -> dict:
         return asdict(self)
 
+
+#: The name every kernel module gives its config (``gemv_add`` is built through it).
+Config = GemvConfig
 
 #: Valid for every shape and M = 1..8 (the fallback / "tactic -1" config).
 DEFAULT = GemvConfig()
@@ -128,13 +138,13 @@ def invalid_reason(config: GemvConfig, m: int, n: int, k: int) -> str | None:
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, y_ptr, p_ptr, count_ptr,
+    x_ptr, w_ptr, y_ptr, p_ptr, count_ptr, r_ptr,
     M, N, K, K_PER_SPLIT,
-    stride_xm, stride_wn, stride_ym, stride_ps, stride_pm,
+    stride_xm, stride_wn, stride_ym, stride_ps, stride_pm, stride_rm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, FUSED_REDUCE: tl.constexpr,
     EVEN_K: tl.constexpr, W_EVICT: tl.constexpr, USE_DOT: tl.constexpr, ROWS: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr, SWAP_AB: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, SWAP_AB: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -233,7 +243,10 @@ def _gemv_kernel(
         out = tl.sum(acc, axis=2)
     y_mask = m_mask & (offs_n[None, :] < N)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    r_ptrs = r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :]
     if SPLIT_K == 1:
+        if HAS_RESIDUAL:
+            out += tl.load(r_ptrs, mask=y_mask, other=0.0).to(tl.float32)
         tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
     else:
         p_tile = p_ptr + offs_m[:, None] * stride_pm + offs_n[None, :]
@@ -248,14 +261,16 @@ def _gemv_kernel(
                 total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 for s in tl.static_range(SPLIT_K):
                     total += tl.load(p_tile + s * stride_ps, mask=y_mask, other=0.0, cache_modifier=".cg")
+                if HAS_RESIDUAL:
+                    total += tl.load(r_ptrs, mask=y_mask, other=0.0).to(tl.float32)
                 tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
                 tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
 @triton.jit
 def _split_k_reduce_kernel(
-    p_ptr, y_ptr, M, N, stride_ps, stride_pm, stride_ym,
-    SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+    p_ptr, y_ptr, r_ptr, M, N, stride_ps, stride_pm, stride_ym, stride_rm,
+    SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):
     # Sums the SPLIT_K fp32 partials in a fixed order: bitwise reproducible.
     pid = tl.program_id(0)
@@ -266,6 +281,8 @@ def _split_k_reduce_kernel(
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
         acc += tl.load(p_ptr + s * stride_ps + m * stride_pm + n, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        acc += tl.load(r_ptr + m * stride_rm + n, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + m * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -286,16 +303,21 @@ def gemv(
     w: torch.Tensor,
     config: GemvConfig = DEFAULT,
     out: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y = x @ w.T with an explicit config. x [M, K], w [N, K] (unit stride on K)."""
+    """y = x @ w.T (+ residual) with an explicit config. x [M, K], w [N, K] (unit stride on K);
+    residual [M, N] (unit stride on N; ``out`` may be the residual itself: updated in place)."""
     m, k = x.shape
     n = w.shape[0]
     if w.shape[1] != k:
         raise ValueError(f"x is [{m}, {k}] but w is {list(w.shape)}")
     if x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError("gemv needs unit stride along K for x and w")
+    if residual is not None and (tuple(residual.shape) != (m, n) or residual.stride(1) != 1):
+        raise ValueError(f"residual must be [{m}, {n}] with unit stride along N, got {list(residual.shape)}")
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    r = out if residual is None else residual  # unused by the kernels without a residual
     use_dot = config.M_MODE in ("dot", "dot_w")
     rows = config.M_MODE == "rows" and m > 1
     block_m = max(_DOT_MIN, next_pow2(m)) if use_dot else next_pow2(m)
@@ -312,24 +334,35 @@ def gemv(
         partials = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
         tickets = _tickets(x.device, blocks_n) if fused else partials
     _gemv_kernel[(blocks_n, split)](
-        x, w, out, partials, tickets,
+        x, w, out, partials, tickets, r,
         m, n, k, k_per_split,
         x.stride(0), w.stride(0), out.stride(0), partials.stride(0) if split > 1 else 0,
-        partials.stride(1) if split > 1 else 0,
+        partials.stride(1) if split > 1 else 0, r.stride(0),
         BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
         SPLIT_K=split, FUSED_REDUCE=fused, EVEN_K=even_k, W_EVICT=config.W_EVICT, USE_DOT=use_dot, ROWS=rows,
-        DOT_IN_FP32=_DOT_IN_FP32, SWAP_AB=config.M_MODE == "dot_w",
+        DOT_IN_FP32=_DOT_IN_FP32, SWAP_AB=config.M_MODE == "dot_w", HAS_RESIDUAL=residual is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split > 1 and not fused:
         block = 256
         _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
-            partials, out, m, n, partials.stride(0), partials.stride(1), out.stride(0),
-            SPLIT_K=split, BLOCK=block, num_warps=4,
+            partials, out, r, m, n, partials.stride(0), partials.stride(1), out.stride(0), r.stride(0),
+            SPLIT_K=split, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=4,
         )
     return out
 
 
-def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def launch(op: str, inputs: tuple[torch.Tensor, ...], out: torch.Tensor, config: GemvConfig,
+           eps: float = 1e-6) -> None:
+    """The backend's entry for ``gemv_add`` (``tunekit.opspec``'s protocol): inputs ``(x, W, residual)``
+    -> ``y = x @ W^T + residual`` (``eps`` unused). The plain GEMV is built on :func:`gemv` directly."""
+    if op != "gemv_add":
+        raise ValueError(f"kernels_triton.gemv.launch serves gemv_add, not {op!r}")
+    x, w, residual = inputs
+    gemv(x, w, config, out=out, residual=residual)
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
     """fp64 reference on the same (BF16) values."""
-    return x.double() @ w.double().T
+    y = x.double() @ w.double().T
+    return y if residual is None else y + residual.double()

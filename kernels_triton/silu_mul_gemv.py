@@ -229,8 +229,8 @@ def silu_mul_gemv(
     if split > 1:
         block = 256
         _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
-            partials, out, m, n, partials.stride(0), partials.stride(1), out.stride(0),
-            SPLIT_K=split, BLOCK=block, num_warps=4,
+            partials, out, out, m, n, partials.stride(0), partials.stride(1), out.stride(0), 0,
+            SPLIT_K=split, BLOCK=block, HAS_RESIDUAL=False, num_warps=4,
         )
     return out
 

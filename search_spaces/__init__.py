@@ -23,6 +23,8 @@ FILES: dict[str, str] = {
     "gemma_rms_norm_gemv": "rms_norm_gemv",
     "fused_add_rms_norm_gemv": "rms_norm_gemv",
     "gemma_fused_add_rms_norm_gemv": "rms_norm_gemv",
+    # the residual add in the GEMV epilogue: the GEMV's kernel and tunables
+    "gemv_add": "gemv",
 }
 
 

@@ -255,6 +255,28 @@ def gemv_cases() -> list[Case]:
     return cases
 
 
+def gemv_add_cases() -> list[Case]:
+    """The GEMV with its residual epilogue (``gemv_add``): every store site that adds it (one split, the
+    fused split-K reduction, the reduce kernel), in the 2D, per-row and swapped-MMA layouts."""
+    import torch
+
+    from kernels_triton import gemv as g
+
+    n, k = 40, 384
+    configs = [g.DEFAULT, g.GemvConfig(BLOCK_K=64, SPLIT_K=3),
+               g.GemvConfig(BLOCK_K=64, SPLIT_K=3, SPLIT_REDUCE="fused"),
+               g.GemvConfig(BLOCK_N=64, BLOCK_K=64, M_MODE="dot_w"), g.GemvConfig(BLOCK_K=64, M_MODE="rows")]
+    cases: list[Case] = []
+    for m, config in itertools.product((1, 3), configs):
+        if g.invalid_reason(config, m, n, k) is not None:
+            continue
+        x, w, r = _bf16(m, k), _bf16(n, k), _bf16(m, n)
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        cases.append((f"gemv_add[M={m},N={n},K={k}] {_params(config)}",
+                      lambda x=x, w=w, r=r, config=config, out=out: g.gemv(x, w, config, out=out, residual=r)))
+    return cases
+
+
 def _search_configs(module, op: str, m: int, n: int, k: int) -> list:
     """DEFAULT and the first and last valid configs (domain order) of ``op``'s search space.
 
@@ -400,7 +422,8 @@ def stream_cases() -> list[Case]:
 
 def repo_cases() -> list[Case]:
     """Every Triton kernel of kernels_triton, through its wrapper."""
-    return gemv_cases() + elementwise_cases() + norm_gemv_cases() + act_gemv_cases() + stream_cases()
+    return (gemv_cases() + gemv_add_cases() + elementwise_cases() + norm_gemv_cases() + act_gemv_cases()
+            + stream_cases())
 
 
 # ---------------------------------------------------------------------------------------------

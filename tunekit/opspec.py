@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tunekit.shapes import ACT_GEMV_OPS, DTYPE_BYTES, NORM_GEMV_OPS, Problem
+from tunekit.shapes import ACT_GEMV_OPS, DTYPE_BYTES, GEMV_ADD_OPS, NORM_GEMV_OPS, Problem
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -524,10 +524,58 @@ SILU_MUL_GEMV = OpSpec(
 )
 assert ACT_GEMV_OPS == (SILU_MUL_GEMV.name,)
 
+# ------------------------------------------------------------ gemv + residual
+# The residual add in the GEMV epilogue (kernels_triton/gemv.py, residual=): inputs
+# (x[m,k], W[n,k], residual[m,n]) -> y[m,n] = x W^T + residual, the updated residual
+# stream of o_proj / out_proj / down_proj (vLLM adds their output to it in the next norm).
+
+
+def _gemv_add_inputs(problem: Problem, device: torch.device, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    # x and W as the GEMV's (|x W^T| ~ 1) and a unit-variance residual: a missing, doubled or
+    # misplaced residual changes every output by O(1).
+    x, w = _gemv_inputs(problem, device, gen)
+    return x, w, _randn((problem.m, problem.n), gen, device, TORCH_DTYPES[problem.dtype])
+
+
+def _gemv_add_reference(inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """fp64 of x W^T + residual on the same BF16 values, no intermediate rounding."""
+    x, w, residual = inputs
+    return x.double() @ w.double().T + residual.double()
+
+
+def _gemv_add_bound(problem: Problem, inputs: tuple[torch.Tensor, ...], ref: torch.Tensor) -> torch.Tensor:
+    """The GEMV's bound with the residual as one more fp32 term of the sum, and the rounding of
+    the sequence it replaces.
+
+    The kernel adds the residual to the fp32 dot (error <= k u32 |x|.|W|, any
+    order) in fp32 and rounds once. vLLM's unfused path (the GEMV writes BF16
+    h, its next norm adds h to the residual in fp32 and rounds again) errs by
+    2u |h| more, which matters where h and the residual cancel. Both are held
+    to |y - ref| <= 2u (|ref| + |x W^T|) + 1.01 (k + 1) u32 (|x|.|W| + |r|) +
+    tiny (1.01 covers the output rounding of the fp32 error). A missing,
+    doubled or misplaced residual errs by O(|r|) ~ 1 in every element.
+    """
+    x, w, residual = inputs
+    dot = x.double() @ w.double().T
+    abs_terms = x.double().abs() @ w.double().abs().T + residual.double().abs()
+    u_out = _UNIT_ROUNDOFF[problem.dtype]
+    return 2 * u_out * (ref.abs() + dot.abs()) + 1.01 * (problem.k + 1) * _FP32_U * abs_terms + _TINY
+
+
+def _gemv_add_bytes(problem: Problem) -> int:
+    return _gemv_bytes(problem) + problem.m * problem.n * DTYPE_BYTES[problem.dtype]  # + the residual read
+
+
+GEMV_ADD = OpSpec(
+    name="gemv_add", make_inputs=_gemv_add_inputs, make_output=_gemv_output, reference=_gemv_add_reference,
+    error_bound=_gemv_add_bound, bytes_moved=_gemv_add_bytes, rotated_input=1,
+)
+assert GEMV_ADD_OPS == (GEMV_ADD.name,)
+
 OPS: dict[str, OpSpec] = {
     spec.name: spec
     for spec in (GEMV, RMS_NORM, GEMMA_RMS_NORM, FUSED_ADD_RMS_NORM, GEMMA_FUSED_ADD_RMS_NORM, GATED_RMS_NORM,
-                 SILU_AND_MUL, BIAS_GELU, *(_norm_gemv(name) for name in NORM_GEMV_OPS), SILU_MUL_GEMV)
+                 SILU_AND_MUL, BIAS_GELU, *(_norm_gemv(name) for name in NORM_GEMV_OPS), SILU_MUL_GEMV, GEMV_ADD)
 }
 
 

@@ -37,8 +37,12 @@ NORM_GEMV_OPS = ("rms_norm_gemv", "gemma_rms_norm_gemv", "fused_add_rms_norm_gem
 #: SiLU-and-mul in the GEMV prologue (kernels_triton/silu_mul_gemv.py): act_fn -> down_proj; n, k
 #: are the GEMV's (the input gate_up is [m, 2k]). Opt-in as the norm family.
 ACT_GEMV_OPS = ("silu_mul_gemv",)
-#: Every op that fuses an elementwise prologue into a GEMV (the problem's n, k are the GEMV's).
-FUSED_GEMV_OPS = NORM_GEMV_OPS + ACT_GEMV_OPS
+#: The residual add in the GEMV epilogue (kernels_triton/gemv.py, ``residual=``): o_proj /
+#: out_proj / down_proj -> the residual stream; n, k are the GEMV's. Opt-in as the others.
+GEMV_ADD_OPS = ("gemv_add",)
+#: Every op that fuses an elementwise step into a GEMV, before or after it (the problem's n, k
+#: are the GEMV's).
+FUSED_GEMV_OPS = NORM_GEMV_OPS + ACT_GEMV_OPS + GEMV_ADD_OPS
 #: ``--ops`` names -> the ops they select (a family selects both weight conventions;
 #: the model's norm style decides which one its problems use).
 OP_FAMILIES: dict[str, tuple[str, ...]] = {
@@ -53,7 +57,8 @@ OP_FAMILIES: dict[str, tuple[str, ...]] = {
     # opt-in only (never in a default op set): the model's norm style and layers pick the ops
     "rms_norm_gemv": NORM_GEMV_OPS,
     "silu_mul_gemv": ACT_GEMV_OPS,
-    "fused_gemv": FUSED_GEMV_OPS,  # both fused families
+    "gemv_add": GEMV_ADD_OPS,
+    "fused_gemv": FUSED_GEMV_OPS,  # every fused family
 }
 
 
@@ -74,7 +79,8 @@ class Problem:
     * ``silu_and_mul``: x[m, k] with k = 2n -> y[m, n] = silu(x[:, :n]) * x[:, n:];
     * ``bias_gelu``: y[m, n] = gelu_tanh(x[m, n] + b[n]); k = n;
     * ``FUSED_GEMV_OPS``: the GEMV's n, k; the norm family normalises x[m, k],
-      ``silu_mul_gemv`` reads gate_up[m, 2k] (gate, then up) -> silu(gate) * up.
+      ``silu_mul_gemv`` reads gate_up[m, 2k] (gate, then up) -> silu(gate) * up,
+      ``gemv_add`` writes y[m, n] = x @ W^T + residual[m, n].
 
     ``names`` lists the model layers that execute it (for reports).
     """

@@ -135,6 +135,17 @@ def silu_and_mul_then_mm(inputs: Tensors, out: torch.Tensor) -> None:
 NORM_GEMV["silu_mul_gemv"] = silu_and_mul_then_mm
 
 
+def addmm(inputs: Tensors, out: torch.Tensor) -> None:
+    """What gemv_add (the residual add in the GEMV epilogue) is measured against: the BLAS call with
+    its own epilogue, residual + x @ W^T in one launch (cuBLAS / hipBLASLt beta = 1), stronger than
+    vLLM's mm followed by the add inside its next norm."""
+    x, w, residual = inputs
+    torch.addmm(residual, x, w.t(), out=out)
+
+
+NORM_GEMV["gemv_add"] = addmm
+
+
 class VendorBackend:
     name = "vendor"
     kind = "vendor"
@@ -173,6 +184,8 @@ class VendorBackend:
     def kernel_name(self, problem: Problem) -> str:
         if problem.op in ELEMENTWISE:
             return f"tunekit.backends.vendor:{ELEMENTWISE[problem.op].__name__} (PyTorch eager)"
+        if problem.op == "gemv_add":
+            return "torch.addmm (residual + x @ W^T, the BLAS epilogue)"
         if problem.op in NORM_GEMV:
             return f"tunekit.backends.vendor:{NORM_GEMV[problem.op].__name__} (PyTorch eager + mm)"
         return "torch.nn.functional.linear"

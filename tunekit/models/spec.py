@@ -38,6 +38,7 @@ from tunekit.shapes import (
     ACT_GEMV_OPS,
     DTYPE_BYTES,
     FUSED_GEMV_OPS,
+    GEMV_ADD_OPS,
     NORM_GEMV_OPS,
     OPS,
     Problem,
@@ -383,6 +384,21 @@ class ModelSpec:
         n, k = n_of[f"{mlp}down_proj"]
         return [(f"{mlp}act_fn+{mlp}down_proj", "silu_mul_gemv", n, k, self.num_layers)]
 
+    def residual_gemvs(self, tp: int = 1) -> list[tuple[str, str, int, int, int]]:
+        """The GEMVs whose output the decoder adds to the residual stream next (o_proj,
+        linear_attn.out_proj, down_proj: vLLM's fused_add_rms_norm does the add), as
+        ``gemv_add`` (opt-in only: ``--ops gemv_add`` or ``fused_gemv``).
+
+        Entries as ``elementwise``'s: (names, op, n, k, count), n and k the GEMV's. Only at
+        tp = 1: a row-parallel layer's partial outputs are all-reduced before the add, so
+        no rank's GEMV holds the sum the residual is added to.
+        """
+        if tp != 1:
+            return []
+        writes_residual = ("o_proj", "linear_attn.out_proj", f"{self.mlp_prefix}down_proj")
+        return [(name, "gemv_add", n, k, count) for name, n, k, count in self.linears(tp)
+                if name in writes_residual]
+
     def problems(
         self,
         tp: int = 1,
@@ -408,6 +424,8 @@ class ModelSpec:
             wanted += [item for item in self.norm_gemvs(tp) if item[1] in ops]
         if set(ops) & set(ACT_GEMV_OPS):
             wanted += [item for item in self.act_gemvs(tp) if item[1] in ops]
+        if set(ops) & set(GEMV_ADD_OPS):
+            wanted += self.residual_gemvs(tp)
         return out + elementwise_problems(wanted, ms, dtype)
 
 
