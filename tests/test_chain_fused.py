@@ -27,11 +27,14 @@ def _spec() -> ModelSpec:
     return ModelSpec.from_config(TINY, name="tiny")
 
 
-def _default_kernel(m: int):
-    """fused(op, n, k, replaced) of Chain.build: every fused op at its search space's default config."""
+def _default_kernel(m: int, skip: tuple[str, ...] = ()):
+    """fused(op, n, k, replaced, added) of Chain.build: every fused op but ``skip`` at its search space's
+    default config."""
     triton = backends.get("triton")
 
-    def fused(op: str, n: int, k: int, replaced=None):
+    def fused(op: str, n: int, k: int, replaced=None, added=()):
+        if op in skip:
+            return None
         problem = Problem(op, "bf16", m, n, k)
         return triton.build(problem, triton.space(problem).default, None)
 
@@ -47,7 +50,8 @@ def _bound_chain(m: int, fused=None) -> chain_mod.Chain:
 
 
 def test_every_pair_is_fused_and_its_problem_is_the_listed_one() -> None:
-    chain = _bound_chain(2)
+    # the prologue families alone (the residual epilogue turns the norms after it into plain ones: below)
+    chain = _bound_chain(2, _default_kernel(2, skip=("gemv_add",)))
     kinds = chain.kinds["tuned_fused"]
     # 4 layers x (input norm + its 1-2 projections, post norm + gate_up, act_fn + down_proj);
     # left unfused: the mixers' output projections, the gated norm, the final norm and lm_head
@@ -57,11 +61,75 @@ def test_every_pair_is_fused_and_its_problem_is_the_listed_one() -> None:
     assert chain.kinds["tuned"] == ["vendor"] * len(chain.steps)  # nothing else served: tuned is vendor
     # the fused problems are those `--ops fused_gemv` lists for the model (names, shapes and counts)
     spec = _spec()
-    listed = {(p.op, p.n, p.k): p.count for p in spec.problems(ops=shapes.parse_ops("fused_gemv"))}
+    listed = {(p.op, p.n, p.k): p.count for p in spec.problems(ops=shapes.parse_ops("rms_norm_gemv,silu_mul_gemv"))}
     used: dict[tuple, int] = {}
     for step in chain.fused["tuned_fused"]:
         used[(step.op, step.n, step.k)] = used.get((step.op, step.n, step.k), 0) + 1
     assert used == listed
+
+
+def _fused_names(chain: chain_mod.Chain) -> list[str]:
+    return [f"{s.op} {s.name}" for s in chain.fused["tuned_fused"]]
+
+
+def test_the_residual_epilogue_turns_the_next_norm_plain() -> None:
+    """Every family served: o_proj / out_proj add the residual (gemv_add), so each post_attention_layernorm
+    is the plain norm fused with gate_up_proj; down_proj takes the SiLU prologue (decided first), so the
+    next input norm keeps its add. Only gemv_add served: every layer output adds the residual and each
+    norm after one runs as the plain norm (retyped), the final norm included."""
+    chain = _bound_chain(2)
+    kinds = chain.kinds["tuned_fused"]
+    unfused = [s.name for s, kind in zip(chain.steps, kinds, strict=True) if kind != "fused"]
+    assert sorted(set(unfused)) == ["linear_attn.norm", "lm_head", "norm (final)"]
+    names = _fused_names(chain)
+    assert sorted(n for n in names if n.startswith("gemv_add")) == sorted(
+        ["gemv_add linear_attn.out_proj+post_attention_layernorm"] * 3 + ["gemv_add o_proj+post_attention_layernorm"])
+    assert names.count("gemma_rms_norm_gemv post_attention_layernorm+mlp.gate_up_proj") == 4
+    assert not [n for n in names if n.startswith("gemma_fused_add_rms_norm_gemv post_attention")]
+    assert len(names) == 16 and kinds.count("fused") == 31 and chain.retyped["tuned_fused"] == []
+    adds = chain.adds["tuned_fused"]
+    assert {chain.steps[i].name for i in adds} == {"o_proj", "linear_attn.out_proj"}
+
+    only = _bound_chain(2, _default_kernel(2, skip=("silu_mul_gemv", *shapes.NORM_GEMV_OPS)))
+    assert {only.steps[i].name for i in only.adds["tuned_fused"]} == {"o_proj", "linear_attn.out_proj",
+                                                                        "mlp.down_proj"}
+    retyped = only.retyped["tuned_fused"]
+    assert len(retyped) == 8 and {s.op for s in retyped} == {"gemma_rms_norm"}
+    assert sorted({s.name for s in retyped}) == ["input_layernorm", "norm (final)", "post_attention_layernorm"]
+    # 4 layers x 2 layer outputs: 8 gemv_add kernels, each with its plain norm (16 steps)
+    assert len(only.fused["tuned_fused"]) == 8 and only.kinds["tuned_fused"].count("fused") == 16
+    # each pair: the GEMV returns x W^T + residual, the norm after it the plain norm of that sum and the
+    # sum itself as the residual
+    gen = torch.Generator().manual_seed(7)
+    fused, vendor = only._impls["tuned_fused"], only._impls["vendor"]
+    for i in sorted(only.adds["tuned_fused"]):
+        step = only.steps[i]
+        src = torch.randn(2, step.k, generator=gen).bfloat16()
+        residual = torch.randn(2, step.n, generator=gen).bfloat16()
+        total = fused[i](src, only.weights[i], residual)
+        expected = F.linear(src.double(), only.weights[i].double()) + residual.double()
+        assert (total.double() - expected).abs().max() <= 2.0**-6 * expected.abs().max()
+        normed, passed = fused[i + 1](total, residual, only.weights[i + 1])
+        assert passed is total
+        plain_vendor = chain_mod._vendor_impl(retyped[0], chain_mod._vendor_elementwise(CPU), only)
+        assert torch.equal(normed, plain_vendor(total, only.weights[i + 1]))  # served by nothing: vendor's
+        assert not torch.equal(normed, vendor[i + 1](total, residual, only.weights[i + 1])[0])  # no second add
+
+
+@pytest.mark.parametrize("skip", [(), ("silu_mul_gemv", *shapes.NORM_GEMV_OPS)], ids=["all", "gemv_add only"])
+def test_the_residual_epilogue_keeps_the_logits(skip: tuple[str, ...]) -> None:
+    chain = _bound_chain(3, _default_kernel(3, skip=skip))
+    results = {r.variant: r for r in chain_mod.compare_eager(chain, chain_mod.VARIANTS)}
+    fused = results["tuned_fused"]
+    assert fused.fused_kernels == len(chain.fused["tuned_fused"]) > 0
+    assert fused.rel_diff is not None and 0 < fused.rel_diff <= 0.05
+    assert fused.rms_err_fp32 <= 2 * results["vendor"].rms_err_fp32
+    # a chain whose gemv_add forgot the residual is far off: the check can fail
+    for i in chain.adds["tuned_fused"]:
+        kernel = chain._impls["tuned_fused"][i]
+        chain._impls["tuned_fused"][i] = lambda x, w, residual, kernel=kernel: kernel(x, w, torch.zeros_like(residual))
+    broken = chain_mod.compare_eager(chain, ["vendor", "tuned_fused"])[1]
+    assert broken.rel_diff > 10 * fused.rel_diff
 
 
 def test_qkvz_and_ba_weights_are_row_slices_of_one_tensor() -> None:
@@ -79,7 +147,8 @@ def test_qkvz_and_ba_weights_are_row_slices_of_one_tensor() -> None:
 @pytest.mark.parametrize("m", [1, 3])
 def test_fused_pairs_compute_what_the_unfused_steps_do(m: int) -> None:
     # per pair: the fused kernel's outputs (the consumers' slices, the residual) against the vendor steps
-    chain = _bound_chain(m)
+    # (the prologue families; the residual epilogue's pairs are checked below)
+    chain = _bound_chain(m, _default_kernel(m, skip=("gemv_add",)))
     gen = torch.Generator().manual_seed(m)
     steps, fused, vendor = chain.steps, chain._impls["tuned_fused"], chain._impls["vendor"]
 
@@ -112,7 +181,7 @@ def test_fused_pairs_compute_what_the_unfused_steps_do(m: int) -> None:
 
 
 def test_logits_are_as_close_to_fp32_as_vendor() -> None:
-    chain = _bound_chain(2)
+    chain = _bound_chain(2, _default_kernel(2, skip=("gemv_add",)))
     results = {r.variant: r for r in chain_mod.compare_eager(chain, chain_mod.VARIANTS)}
     fused = results["tuned_fused"]
     assert fused.fused_kernels == 12 and fused.fused_steps == 27 and fused.vendor_steps == 9
@@ -123,7 +192,7 @@ def test_logits_are_as_close_to_fp32_as_vendor() -> None:
 def test_a_pair_without_an_entry_keeps_the_tuned_steps() -> None:
     # only silu_mul_gemv is served: the norms and their projections are the tuned variant's
     only_act = _default_kernel(1)
-    chain = _bound_chain(1, lambda op, n, k, replaced: only_act(op, n, k) if op == "silu_mul_gemv" else None)
+    chain = _bound_chain(1, lambda op, n, k, replaced, added: only_act(op, n, k) if op == "silu_mul_gemv" else None)
     fused_names = {s.name for s, kind in zip(chain.steps, chain.kinds["tuned_fused"], strict=True) if kind == "fused"}
     assert fused_names == {"mlp.act_fn", "mlp.down_proj"} and len(chain.fused["tuned_fused"]) == 4
 
@@ -178,3 +247,47 @@ def test_a_fused_entry_slower_than_the_tuned_steps_it_replaces_is_left_unfused(t
     assert "tuned_fused" not in variants  # nothing pays: tuned_fused is tuned, not measured twice
     assert any("silu_mul_gemv 64x96: fused 1.20 us >= the tuned steps it replaces 1.00 us" in line
                for line in lines), lines
+
+
+def test_run_moves_the_residual_add_only_where_the_plain_norm_pays(tmp_path: Path) -> None:
+    """gemv_add replaces a layer output's GEMV and turns the fused add + norm after it into the plain norm:
+    taken where gemv_add + the plain norm beat the tuned GEMV + the tuned fused add + norm (o_proj /
+    out_proj, 1.1 + 0.5 < 1.0 + 1.0 us), left with a log line where not (down_proj, 1.6 + 0.5 >= 2.0)."""
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(TINY))
+    spec = load_model(str(config))
+
+    def row(op: str, n: int, k: int, time_us: float) -> dict:
+        params = backends.get("triton").space(Problem(op, "bf16", 1, n, k)).default
+        return dict(_entry(op, 1, n, k, params=params), time_us=time_us, speedup=2.0 / time_us)
+
+    table = make_table(tmp_path / "t.json", [
+        row("gemv", 64, 64, 1.0), row("gemv", 64, 96, 1.0),  # o_proj / out_proj, down_proj
+        row("gemma_fused_add_rms_norm", 64, 64, 1.0), row("gemma_rms_norm", 64, 64, 0.5),
+        row("gemv_add", 64, 64, 1.1), row("gemv_add", 64, 96, 1.6),
+    ])
+    lines: list[str] = []
+    report = chain_mod.run(spec, [str(table)], [1], log=lines.append)
+    rows = {r["variant"]: r for r in report["results"]}
+    fused, tuned = rows["tuned_fused"], rows["tuned"]
+    # 3 out_proj + 1 o_proj, each with the post-attention norm after it
+    assert fused["fused_kernels"] == 4 and fused["fused_steps"] == 8
+    assert fused["tuned_steps"] == tuned["tuned_steps"] - 8
+    assert any("gemv_add 64x96: fused 1.60 us + gemma_rms_norm 0.50 >= the tuned steps it replaces 2.00 us"
+               in line for line in lines), lines
+    # prediction: the 4 gemv_add entries and their 4 plain norms replace 4 GEMV and 4 fused-add entries
+    saving = {op: 2.0 - t for op, t in (("gemv", 1.0), ("add", 1.0), ("gemv_add", 1.1), ("plain", 0.5))}
+    moved = 4 * (saving["gemv_add"] + saving["plain"] - saving["gemv"] - saving["add"])
+    assert fused["predicted_saving_us"] == pytest.approx(tuned["predicted_saving_us"] + moved)
+    assert fused["rms_err_fp32"] <= 2 * rows["vendor"]["rms_err_fp32"]
+
+
+def test_run_keeps_the_add_where_no_table_serves_the_plain_norm(tmp_path: Path) -> None:
+    """Without the plain norm's entry the cost of the norm gemv_add would leave is unknown: not fused."""
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(TINY))
+    spec = load_model(str(config))
+    params = backends.get("triton").space(Problem("gemv_add", "bf16", 1, 64, 64)).default
+    table = make_table(tmp_path / "t.json", [_entry("gemv_add", 1, 64, 64, params=params)])
+    report = chain_mod.run(spec, [str(table)], [1], log=lambda s: None)
+    assert "tuned_fused" not in [r["variant"] for r in report["results"]]

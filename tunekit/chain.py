@@ -36,13 +36,17 @@ Variants (``VARIANTS``), on the same weights and inputs:
   shape at this M, the vendor elementwise ops;
 * ``tuned``: every step a table serves goes through ``torch.ops.tunekit``;
 * ``tuned_fused``: ``tuned``, except where a table holds a fused entry for a
-  pair of steps (``FUSED_PAIRS``): ``input_layernorm`` -> its projection(s)
-  and ``post_attention_layernorm`` -> ``gate_up_proj`` run as one
-  ``rms_norm_gemv``-family kernel, ``act_fn`` -> ``down_proj`` as one
+  pair of steps (``FUSED_PAIRS``): a layer output's GEMV (``o_proj``,
+  ``linear_attn.out_proj``, ``down_proj``) adds the residual in its epilogue
+  (``gemv_add``), which turns the fused add + norm after it into a plain norm;
+  ``input_layernorm`` -> its projection(s) and ``post_attention_layernorm`` ->
+  ``gate_up_proj`` run as one ``rms_norm_gemv``-family kernel (the plain form
+  where the add moved into the GEMV before); ``act_fn`` -> ``down_proj`` as one
   ``silu_mul_gemv`` kernel (``tunekit.shapes.FUSED_GEMV_OPS``; built straight
-  from the entry's backend, as ``tunekit.ops`` does not serve them), and only
-  where the fused entry's standalone time beats the tuned entries of the steps
-  it replaces (otherwise the pair stays as ``tuned`` runs it: never slower by
+  from the entry's backend, as ``tunekit.ops`` does not serve them). Each only
+  where the fused entry's standalone time (plus that of the plain norm it
+  leaves, for ``gemv_add``) beats the tuned entries of the steps it replaces
+  (otherwise the steps stay as ``tuned`` runs them: never slower by
   construction). Measured only at an M where at least one pair is fused (it
   equals ``tuned`` otherwise).
 
@@ -75,6 +79,7 @@ import json
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -93,8 +98,13 @@ VARIANTS = ("vendor", "tuned_gemv", "tuned", "tuned_fused")
 _NORM_CONSUMERS = ("qkv_proj", "linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba", "gate_up_proj")
 #: The fused families the tuned_fused variant uses: norm step -> norm op + "_gemv"; act_fn -> this op.
 FUSED_ACT_OP = "silu_mul_gemv"
+#: The residual epilogue: a layer output's GEMV writes x W^T + residual.
+FUSED_ADD_OP = "gemv_add"
 FUSED_PAIRS = ("input_layernorm -> qkv_proj | in_proj_qkvz + in_proj_ba",
-               "post_attention_layernorm -> gate_up_proj", "act_fn (silu_and_mul) -> down_proj")
+               "post_attention_layernorm -> gate_up_proj", "act_fn (silu_and_mul) -> down_proj",
+               "o_proj | out_proj | down_proj -> the fused add + norm after it")
+#: The GEMVs whose output the next norm adds to the residual stream.
+_LAYER_OUTPUTS = ("o_proj", "out_proj", "down_proj")
 
 #: ``ModelSpec.elementwise`` lists two input_layernorm entries: [0] the first layer's plain norm,
 #: [1] the fused add + norm of every later layer.
@@ -111,6 +121,11 @@ class Step:
     op: str
     n: int
     k: int
+
+
+#: ``Chain.build``'s ``fused(op, n, k, replaced, added)``: the kernel of a fused op that serves in place of the
+#: steps ``replaced`` (running ``added`` besides), or None.
+FusedLookup = Callable[[str, int, int, list[Step], list[Step]], Callable[..., None] | None]
 
 
 def chain_steps(spec: ModelSpec, tp: int = 1, layers: int | None = None) -> list[Step]:
@@ -223,20 +238,25 @@ class Chain:
         self.kinds: dict[str, list[str]] = {}
         #: per bound variant, the fused problems it runs, one Step per fused kernel (op, n, k the fused op's)
         self.fused: dict[str, list[Step]] = {}
+        #: per bound variant, the steps it runs as another op (a fused add + norm whose add moved into the
+        #: GEMV before it runs as the plain norm), as that op's Step: the tables' entries for them
+        self.retyped: dict[str, list[Step]] = {}
+        #: per bound variant, the indices of the GEMV steps that add the residual (called with it)
+        self.adds: dict[str, frozenset[int]] = {}
 
     # ------------------------------------------------------------ variants
 
     def build(self, variant: str, vendor_elementwise: dict[str, Callable[..., None]],
-              served: Callable[[Step], bool],
-              fused: Callable[[str, int, int, list[Step]], Callable[..., None] | None] | None = None) -> list[str]:
+              served: Callable[[Step], bool], fused: FusedLookup | None = None) -> list[str]:
         """Bind ``variant``'s implementation of every step; returns each step's "tuned" / "vendor" /
         "fused".
 
         ``vendor_elementwise`` maps op -> ``fn(inputs, out)`` (``tunekit.backends.vendor``'s form,
         possibly compiled); ``served(step)`` says whether a loaded table serves the step at this M;
-        ``fused(op, n, k, replaced)`` (tuned_fused only) returns the kernel ``fn(inputs, out)``
+        ``fused(op, n, k, replaced, added)`` (tuned_fused only) returns the kernel ``fn(inputs, out)``
         (``tunekit.opspec``'s form) of a fused op a table serves at this M in place of the steps
-        ``replaced``, or None (no entry, or, in ``run``, one slower than those steps' tuned kernels).
+        ``replaced``, the fusion running ``added`` steps besides (the plain norm a ``gemv_add`` leaves),
+        or None (no entry, or, in ``run``, one slower than those steps' tuned kernels).
         """
         if variant not in VARIANTS:
             raise UserError(f"unknown chain variant {variant!r} (known: {', '.join(VARIANTS)})")
@@ -245,18 +265,42 @@ class Chain:
             tuned = variant != "vendor" and (step.op == "gemv" or variant != "tuned_gemv") and served(step)
             impls.append(_tuned_impl(step) if tuned else _vendor_impl(step, vendor_elementwise, self))
             kinds.append("tuned" if tuned else "vendor")
-        self.fused[variant] = []
+        self.fused[variant], self.retyped[variant], adds = [], [], set()
         if variant == "tuned_fused" and fused is not None:
-            self._bind_fused(impls, kinds, fused, self.fused[variant])
+            plain_impl = partial(_plain_norm_impl, served=served, fns=vendor_elementwise, chain=self)
+            self._bind_fused(impls, kinds, fused, self.fused[variant], self.retyped[variant], adds, plain_impl)
+        self.adds[variant] = frozenset(adds)
         self._impls[variant] = impls
         self.kinds[variant] = kinds
         return kinds
 
-    def _bind_fused(self, impls: list[Callable[..., Any]], kinds: list[str],
-                    fused: Callable[[str, int, int, list[Step]], Callable[..., None] | None], used: list[Step]) -> None:
-        """Replace every pair a fused entry serves by its fused kernel (``FUSED_PAIRS``), in place."""
+    def _bind_fused(self, impls: list[Callable[..., Any]], kinds: list[str], fused: FusedLookup,
+                    used: list[Step], retyped: list[Step], adds: set[int],
+                    plain_impl: Callable[[Step], Callable[..., Any]]) -> None:
+        """Replace every pair a fused entry serves by its fused kernel (``FUSED_PAIRS``), in place.
+
+        In step order, so that a layer output's ``gemv_add`` has turned the norm after it into a plain
+        norm before that norm is considered for fusion with its consumers."""
         m, dtype, device = self.m, self.dtype, self.device
+        plain_at: dict[int, Step] = {}  # norm steps whose add moved into the GEMV before them
         for i, step in enumerate(self.steps):
+            if step.op == "gemv" and step.name.endswith(_LAYER_OUTPUTS) and kinds[i] != "fused":
+                j = i + 1  # the fused add + norm that reads this output (the next layer's, or the final)
+                norm = self.steps[j] if j < len(self.steps) else None
+                if norm is None or "fused_add" not in norm.op:
+                    continue
+                plain = Step(norm.layer, norm.name, norm.op.replace("fused_add_", ""), norm.n, norm.k)
+                kernel = fused(FUSED_ADD_OP, step.n, step.k, [step, norm], [plain])
+                if kernel is None:
+                    continue
+                impls[i] = _gemv_add(kernel, torch.empty(m, step.n, dtype=dtype, device=device))
+                impls[j] = _plain_after_add(plain_impl(plain))
+                adds.add(i)
+                kinds[i] = kinds[j] = "fused"
+                plain_at[j] = plain
+                retyped.append(plain)
+                used.append(Step(step.layer, f"{step.name}+{norm.name}", FUSED_ADD_OP, step.n, step.k))
+                continue
             if step.layer < 0:
                 continue  # the final norm -> lm_head: not fused (module docstring)
             if step.op == "silu_and_mul":
@@ -264,7 +308,7 @@ class Chain:
                 down = self.steps[j] if j < len(self.steps) else None
                 if down is None or down.op != "gemv" or not down.name.endswith("down_proj"):
                     continue
-                kernel = fused(FUSED_ACT_OP, down.n, down.k, [step, down])
+                kernel = fused(FUSED_ACT_OP, down.n, down.k, [step, down], [])
                 if kernel is None:
                     continue
                 out = torch.empty(m, down.n, dtype=dtype, device=device)
@@ -278,6 +322,7 @@ class Chain:
                 kinds[i] = kinds[j] = "fused"
                 used.append(Step(down.layer, f"{step.name}+{down.name}", FUSED_ACT_OP, down.n, down.k))
             elif step.op.endswith("rms_norm") and step.op != "gated_rms_norm":
+                norm = plain_at.get(i, step)
                 consumers = []
                 for j in range(i + 1, len(self.steps)):
                     nxt = self.steps[j]
@@ -289,15 +334,18 @@ class Chain:
                 weight = self._joined([self.weights[j] for j in consumers])
                 if weight is None:
                     continue  # the consumers' weights are not one tensor: the pair stays unfused
-                op = f"{step.op}_gemv"
+                op = f"{norm.op}_gemv"
                 n = weight.shape[0]
-                kernel = fused(op, n, step.n, [step] + [self.steps[j] for j in consumers])
+                kernel = fused(op, n, step.n, [norm] + [self.steps[j] for j in consumers], [])
                 if kernel is None:
                     continue
                 y = torch.empty(m, n, dtype=dtype, device=device)
-                with_residual = "fused_add" in step.op
+                with_residual = "fused_add" in norm.op
                 residual_out = torch.empty(m, step.n, dtype=dtype, device=device) if with_residual else None
                 impls[i] = _fused_norm(kernel, weight, y, residual_out)
+                if i in plain_at:  # the plain kernel in the fused add's place: the sum passes on as the residual
+                    impls[i] = _plain_after_add(impls[i])
+                    retyped.remove(plain_at[i])  # run inside the fused kernel now, not as a step of its own
                 start = 0
                 for j in consumers:
                     rows = self.steps[j].n
@@ -326,7 +374,7 @@ class Chain:
     def forward(self, variant: str) -> torch.Tensor:
         """One decode step through ``variant`` (bound by ``build``); returns the logits [m, vocab]."""
         impls = self._impls[variant]
-        return self._forward(impls, self.hidden, self.mixer)
+        return self._forward(impls, self.hidden, self.mixer, self.adds.get(variant, frozenset()))
 
     def forward_fp32(self) -> torch.Tensor:
         """The same step with fp32 activations and fp32 math (weights upcast per call; eager, not for
@@ -337,12 +385,17 @@ class Chain:
         return self._forward(impls, self.hidden.float(), mixer)
 
     def _forward(self, impls: list[Callable[..., Any]], hidden: torch.Tensor,
-                 mixer: dict[tuple[str, int], torch.Tensor]) -> torch.Tensor:
+                 mixer: dict[tuple[str, int], torch.Tensor], adds: frozenset[int] = frozenset()) -> torch.Tensor:
+        """``adds``: the GEMV steps that add the residual themselves (called with it; the norm after
+        them returns their output as the residual)."""
         x = hidden
         residual: torch.Tensor | None = None
         normed = x
-        for step, w, impl in zip(self.steps, self.weights, impls, strict=True):
-            if step.op == "gemv":
+        for index, (step, w, impl) in enumerate(zip(self.steps, self.weights, impls, strict=True)):
+            if index in adds:
+                src = mixer[("out", step.k)] if step.name == "o_proj" else normed
+                x = impl(src, w, residual)
+            elif step.op == "gemv":
                 if step.name in ("o_proj", "linear_attn.out_proj"):
                     src = mixer[("out", step.k)] if step.name == "o_proj" else normed
                 elif step.name.endswith("down_proj"):
@@ -391,6 +444,28 @@ def _fused_norm(kernel: Callable[..., None], weight: torch.Tensor, y: torch.Tens
         kernel((x, residual, g, weight), (y, residual_out))
         return y, residual_out
     return with_residual
+
+
+def _gemv_add(kernel: Callable[..., None], out: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """A layer output's GEMV with the residual add in its epilogue: returns x W^T + residual."""
+    def layer_output(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        kernel((x, w, residual), out)
+        return out
+    return layer_output
+
+
+def _plain_after_add(norm: Callable[..., torch.Tensor]) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The fused add + norm step after a ``gemv_add``: its input already is the sum, so the plain norm
+    ``norm(s, g)`` runs, and the sum passes on as the residual (the fused add's two outputs)."""
+    def after_add(s: torch.Tensor, residual: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return norm(s, g), s
+    return after_add
+
+
+def _plain_norm_impl(step: Step, served: Callable[[Step], bool], fns: dict[str, Callable[..., None]],
+                     chain: Chain) -> Callable[..., torch.Tensor]:
+    """The plain norm ``step`` as the tuned variant would run it: tunekit's op where a table serves it."""
+    return _tuned_impl(step) if served(step) else _vendor_impl(step, fns, chain)
 
 
 def _output_slice(y: torch.Tensor, start: int, stop: int) -> Callable[..., torch.Tensor]:
@@ -516,7 +591,8 @@ def predicted_saving_us(chain: Chain, entry_for: Callable[[Step], dict[str, Any]
     (a fused entry's baseline is the unfused eager sequence it replaces)."""
     total = 0.0
     tuned = [step for step, kind in zip(chain.steps, chain.kinds[variant], strict=True) if kind == "tuned"]
-    for step in tuned + chain.fused.get(variant, []):  # bound because a table entry serves each
+    # bound because a table entry serves each (a retyped plain norm: its entry was required for the fusion)
+    for step in tuned + chain.fused.get(variant, []) + chain.retyped.get(variant, []):
         entry = entry_for(step)
         total += saving_us(entry)
     return total
@@ -582,20 +658,24 @@ def run(spec: ModelSpec, tables: Sequence[str], m_list: Sequence[int], tp: int =
         def entry_for(step: Step, m: int = m) -> dict[str, Any] | None:
             return ops.served_entry(step.op, dtype, m, step.n, step.k, str(device))
 
-        def fused_kernel(op: str, n: int, k: int, replaced: list[Step], m: int = m) -> Callable[..., None] | None:
+        def fused_kernel(op: str, n: int, k: int, replaced: list[Step], added: list[Step],
+                         m: int = m) -> Callable[..., None] | None:
             entry = ops.served_entry(op, dtype, m, n, k, str(device))
-            if entry is None:
-                return None
-            # Fuse only where it pays: the fused kernel must beat the tuned kernels of the steps it
-            # replaces (standalone times of the tables; a step no table serves counts 0 here, so the
-            # vendor part of the pair is the fused kernel's margin, never its excuse).
+            extra = [entry_for(step) for step in added]
+            if entry is None or None in extra:
+                return None  # a step the fusion adds (gemv_add's plain norm) must be tuned: its cost is known
+            # Fuse only where it pays: the fused kernel (and what it adds) must beat the tuned kernels
+            # of the steps it replaces (standalone times of the tables; a step no table serves counts 0
+            # here, so the vendor part of the pair is the fused kernel's margin, never its excuse).
+            fused_us = entry["time_us"] + sum(e["time_us"] for e in extra)
             tuned_us = sum(e["time_us"] for e in map(entry_for, replaced) if e is not None)
-            if tuned_us and entry["time_us"] >= tuned_us:
+            if tuned_us and fused_us >= tuned_us:
                 key = (m, op, n, k)
                 if key not in unpaid:
                     unpaid.add(key)
-                    log(f"M={m} {op} {n}x{k}: fused {entry['time_us']:.2f} us >= the tuned steps it replaces "
-                        f"{tuned_us:.2f} us ({'+'.join(s.name for s in replaced)}): left unfused")
+                    plus = "".join(f" + {s.op} {e['time_us']:.2f}" for s, e in zip(added, extra, strict=True))
+                    log(f"M={m} {op} {n}x{k}: fused {entry['time_us']:.2f} us{plus} >= the tuned steps it "
+                        f"replaces {tuned_us:.2f} us ({'+'.join(s.name for s in replaced)}): left unfused")
                 return None
             return _build_fused(entry, Problem(op, dtype, m, n, k), info)
 

@@ -79,7 +79,7 @@ _OPS_HELP = ("ops of the model to list / tune: gemv, rms_norm, fused_add_rms_nor
              "bias_gelu (norm families follow the model's weight convention); opt-in fused families (used by "
              "`tunekit chain`, not served yet): rms_norm_gemv (the norm in the prologue of the GEMV that reads "
              "it), silu_mul_gemv (SiLU-and-mul in the down projection's prologue), gemv_add (the residual add "
-             "in the epilogue of o_proj / out_proj / down_proj; searched, not yet used by the chain), "
+             "in the epilogue of o_proj / out_proj / down_proj), "
              "fused_gemv (all three)")
 _M_HELP = "batch sizes (tokens per step), e.g. 1,2,4,8; gemv takes 1..8, elementwise ops up to 65536"
 #: What `search --model/--config` tunes unless --m / --ops narrow it: M = the small decode
