@@ -12,9 +12,10 @@
 #                 (the kernel sources changed since, so no earlier table serves this commit);
 #  dispatch       per-call overhead (benchmarks/dispatch_overhead.py), the torch op and the patched
 #                 module, eager, with that table;
-#  search_fused   the fused families at M=1 (norm -> GEMV, SiLU-and-mul -> down_proj), Triton, seeded
-#                 with the GEMV winners of the main table (--seed-from);
-#  chain          tunekit chain, 64 layers, M=1: vendor / tuned_gemv / tuned / tuned_fused;
+#  search_fused   the fused families at M=1 (norm -> GEMV, SiLU-and-mul -> down_proj, the residual
+#                 epilogue gemv_add), Triton, seeded with the GEMV winners of the main table (--seed-from);
+#  chain          tunekit chain, 64 layers, M=1: vendor / tuned_gemv / tuned / tuned_fused (gemv_add
+#                 where it and the plain norm it leaves beat the GEMV and the fused add + norm);
 #  search_hf      the Hugging Face model's own shapes (separate q/k/v, gate/up; its norms in the
 #                 layout HF calls them), benchmarks/serving_check.py --print-shapes, seeded likewise;
 #  check_serving  tunekit check-serving, patched HF Qwen3.5 (27B sizes, 4 layers), eager and
