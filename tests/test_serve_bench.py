@@ -710,22 +710,29 @@ def test_endpoint_errors() -> None:
 # ---------------------------------------------------------------------------
 
 RECORDED = REPO / "benchmarks" / "results" / "h200-serve-qwen35-27b-2b88dba"
+TTFT3 = REPO / "benchmarks" / "results" / "h200-serve-ttft3-2fac948"
+
+
+def _rebuild(src: Path, out: Path, tables: list[str]) -> dict:
+    """A recorded serve-bench folder's raw files (runs, dispatch logs, settings) copied to ``out``, the
+    tables it served pointed at their copies in the repository, and the report rebuilt from them alone."""
+    import shutil
+
+    shutil.copytree(src / "runs", out / "runs")
+    if (src / "dispatch").is_dir():
+        shutil.copytree(src / "dispatch", out / "dispatch")
+    key = json.loads((src / "serve-settings.json").read_text())
+    key["tables"] = tables
+    (out / "serve-settings.json").write_text(json.dumps(key))
+    return bench.report_dir(out, log=lambda s: None)
 
 
 def test_the_recorded_h200_run_parses_to_its_own_report(tmp_path: Path) -> None:
     """The runner results, dispatch logs and settings vLLM 0.26.0 wrote on the H200 rebuild the recorded
     serve.json: TPOTs, speedups, prediction, coverage and agreement come from the raw files alone."""
-    import shutil
-
     out = tmp_path / "serve"
-    for name in ("runs", "dispatch", "serve-settings.json"):
-        src = RECORDED / name
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, out / name if src.is_dir() else out)
-    key = json.loads((out / "serve-settings.json").read_text())
     # the table the tuned arm served lay on the GPU machine; its copy is recorded beside the run
-    key["tables"] = [str(RECORDED / "table-remeasure" / "table.json")]
-    (out / "serve-settings.json").write_text(json.dumps(key))
-    rebuilt = bench.report_dir(out, log=lambda s: None)
+    rebuilt = _rebuild(RECORDED, out, [str(RECORDED / "table-remeasure" / "table.json")])
     recorded = json.loads((RECORDED / "serve.json").read_text())
     assert recorded["vllm"] == rebuilt["vllm"] == "0.26.0" and rebuilt["device"] == "NVIDIA H200"
     assert [b["batch"] for b in rebuilt["batches"]] == [1, 2, 4, 8]
@@ -757,16 +764,8 @@ def test_the_recorded_h200_run_parses_to_its_own_report(tmp_path: Path) -> None:
 def test_the_recorded_llama_run_names_its_unserved_norms(tmp_path: Path) -> None:
     """Llama-3.1-8B on the H200 (a831b66): every norm fell back (the kernels took no eps, Llama's is 1e-5);
     the rebuilt report names them as predicted but not served."""
-    import shutil
-
     src = REPO / "benchmarks" / "results" / "h200-serve-llama31-8b-a831b66"
-    out = tmp_path / "serve"
-    shutil.copytree(src / "tuned" / "runs", out / "runs")
-    shutil.copytree(src / "tuned" / "dispatch", out / "dispatch")
-    key = json.loads((src / "tuned" / "serve-settings.json").read_text())
-    key["tables"] = [str(src / "table" / "table.json")]
-    (out / "serve-settings.json").write_text(json.dumps(key))
-    rebuilt = bench.report_dir(out, log=lambda s: None)
+    rebuilt = _rebuild(src / "tuned", tmp_path / "serve", [str(src / "table" / "table.json")])
     b1 = rebuilt["batches"][0]
     recorded = json.loads((src / "tuned" / "serve.json").read_text())["batches"][0]
     assert b1["speedup"] == pytest.approx(recorded["speedup"], rel=1e-9)
@@ -778,16 +777,10 @@ def test_the_recorded_llama_run_names_its_unserved_norms(tmp_path: Path) -> None
 def test_the_recorded_llama_prefill_run_reports_the_later_first_token(tmp_path: Path) -> None:
     """Llama-3.1-8B above its M=1 table on the H200 (d993bdd): TPOT even at B=8, but the 1-token
     generate (prefill + one step) took longer with the table; the rebuilt report measures and names it."""
-    import shutil
-
     src = REPO / "benchmarks" / "results" / "h200-serve-prefill-d993bdd" / "llama-offline-d993bdd"
     out = tmp_path / "serve"
-    shutil.copytree(src / "runs", out / "runs")
-    shutil.copytree(src / "dispatch", out / "dispatch")
-    key = json.loads((src / "serve-settings.json").read_text())
-    key["tables"] = [str(REPO / "benchmarks" / "results" / "h200-serve-llama31-8b-a831b66" / "table" / "table.json")]
-    (out / "serve-settings.json").write_text(json.dumps(key))
-    rebuilt = bench.report_dir(out, log=lambda s: None)
+    table = REPO / "benchmarks" / "results" / "h200-serve-llama31-8b-a831b66" / "table" / "table.json"
+    rebuilt = _rebuild(src, out, [str(table)])
     recorded = json.loads((src / "serve.json").read_text())
     for mine, theirs in zip(rebuilt["batches"], recorded["batches"], strict=True):
         assert mine["speedup"] == pytest.approx(theirs["speedup"], rel=1e-9)
@@ -804,23 +797,6 @@ def test_the_recorded_llama_prefill_run_reports_the_later_first_token(tmp_path: 
     assert "beyond vanilla's own spread over its 2 processes" in note  # 1.86x against vanilla's 1.04x
     report = (out / "serve.md").read_text()
     assert "1-token generate ms" in report
-
-
-TTFT3 = REPO / "benchmarks" / "results" / "h200-serve-ttft3-2fac948"
-
-
-def _rebuild(src: Path, out: Path, tables: list[str]) -> dict:
-    """A recorded serve-bench folder's raw files (runs, dispatch logs, settings) copied to ``out``, the
-    tables it served pointed at their copies in the repository, and the report rebuilt from them alone."""
-    import shutil
-
-    shutil.copytree(src / "runs", out / "runs")
-    if (src / "dispatch").is_dir():
-        shutil.copytree(src / "dispatch", out / "dispatch")
-    key = json.loads((src / "serve-settings.json").read_text())
-    key["tables"] = tables
-    (out / "serve-settings.json").write_text(json.dumps(key))
-    return bench.report_dir(out, log=lambda s: None)
 
 
 def test_the_recorded_64_layer_first_token_is_at_par(tmp_path: Path) -> None:

@@ -298,7 +298,6 @@ class Chain:
                 adds.add(i)
                 kinds[i] = kinds[j] = "fused"
                 plain_at[j] = plain
-                retyped.append(plain)
                 used.append(Step(step.layer, f"{step.name}+{norm.name}", FUSED_ADD_OP, step.n, step.k))
                 continue
             if step.layer < 0:
@@ -343,9 +342,8 @@ class Chain:
                 with_residual = "fused_add" in norm.op
                 residual_out = torch.empty(m, step.n, dtype=dtype, device=device) if with_residual else None
                 impls[i] = _fused_norm(kernel, weight, y, residual_out)
-                if i in plain_at:  # the plain kernel in the fused add's place: the sum passes on as the residual
-                    impls[i] = _plain_after_add(impls[i])
-                    retyped.remove(plain_at[i])  # run inside the fused kernel now, not as a step of its own
+                if plain_at.pop(i, None) is not None:  # the plain kernel in the fused add's place, run inside
+                    impls[i] = _plain_after_add(impls[i])  # it: the sum passes on as the residual
                 start = 0
                 for j in consumers:
                     rows = self.steps[j].n
@@ -355,6 +353,7 @@ class Chain:
                 kinds[i] = "fused"
                 names = "+".join([step.name] + [self.steps[j].name for j in consumers])
                 used.append(Step(step.layer, names, op, n, step.n))
+        retyped.extend(plain_at.values())  # the plain norms left as steps of their own
 
     @staticmethod
     def _joined(weights: list[torch.Tensor]) -> torch.Tensor | None:
@@ -392,19 +391,16 @@ class Chain:
         residual: torch.Tensor | None = None
         normed = x
         for index, (step, w, impl) in enumerate(zip(self.steps, self.weights, impls, strict=True)):
-            if index in adds:
-                src = mixer[("out", step.k)] if step.name == "o_proj" else normed
-                x = impl(src, w, residual)
-            elif step.op == "gemv":
+            if step.op == "gemv":
                 if step.name in ("o_proj", "linear_attn.out_proj"):
                     src = mixer[("out", step.k)] if step.name == "o_proj" else normed
                 elif step.name.endswith("down_proj"):
                     src = normed
                 else:
                     src = x
-                y = impl(src, w)
-                if step.name.endswith(("down_proj", "o_proj", "out_proj")):
-                    x = y  # a layer's output: the next norm adds it to the residual
+                y = impl(src, w, residual) if index in adds else impl(src, w)
+                if step.name.endswith(_LAYER_OUTPUTS):
+                    x = y  # a layer's output: the next norm adds it to the residual (or, with adds, has it)
                 elif step.name == "lm_head":
                     return y
                 elif step.name.endswith("gate_up_proj"):

@@ -539,8 +539,7 @@ def _gemv_add_inputs(problem: Problem, device: torch.device, gen: torch.Generato
 
 def _gemv_add_reference(inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """fp64 of x W^T + residual on the same BF16 values, no intermediate rounding."""
-    x, w, residual = inputs
-    return x.double() @ w.double().T + residual.double()
+    return _gemv_reference(inputs[:2]) + inputs[2].double()
 
 
 def _gemv_add_bound(problem: Problem, inputs: tuple[torch.Tensor, ...], ref: torch.Tensor) -> torch.Tensor:
@@ -556,7 +555,7 @@ def _gemv_add_bound(problem: Problem, inputs: tuple[torch.Tensor, ...], ref: tor
     doubled or misplaced residual errs by O(|r|) ~ 1 in every element.
     """
     x, w, residual = inputs
-    dot = x.double() @ w.double().T
+    dot = ref - residual.double()  # x W^T, already in the reference
     abs_terms = x.double().abs() @ w.double().abs().T + residual.double().abs()
     u_out = _UNIT_ROUNDOFF[problem.dtype]
     return 2 * u_out * (ref.abs() + dot.abs()) + 1.01 * (problem.k + 1) * _FP32_U * abs_terms + _TINY
