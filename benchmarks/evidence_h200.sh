@@ -20,8 +20,8 @@
 #                 layout HF calls them), benchmarks/serving_check.py --print-shapes, seeded likewise;
 #  check_serving  tunekit check-serving, patched HF Qwen3.5 (27B sizes, 4 layers), eager and
 #                 graphed, with the main table and the HF tables.
-# PREV: an earlier call's results (its main/, hf-gemv/, hf-norms/ tables stand in for the searches
-# not run; the machine does not keep runs/ between calls). FUSED_M: the fused families' M (default 1).
+# PREV: an earlier call's results (its main/, fused/, hf-gemv/, hf-norms/ tables stand in for the
+# searches not run; the machine does not keep runs/ between calls). FUSED_M: the fused families' M (default 1).
 # SEED_FUSED / SEED_HF_GEMV / SEED_HF_NORMS: extra --seed-from files (an earlier call's trials.csv).
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -31,7 +31,7 @@ mkdir -p "$R" runs/main runs/fused runs/hf-gemv runs/hf-norms
 echo "${COMMIT:-unknown}" > "$R/commit.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$R/gpu.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$R/gpu.txt"
-for d in main hf-gemv hf-norms; do
+for d in main fused hf-gemv hf-norms; do
   if [ -n "${PREV:-}" ] && [ -f "$PREV/$d/table.json" ] && [ ! -f "runs/$d/table.json" ]; then
     cp "$PREV/$d/table.json" "runs/$d/table.json"
   fi
@@ -66,7 +66,7 @@ if wanted search_main; then cp benchmarks/results/h200-m1248-all-d75e409/optuna.
 step search_main 200 python3 -m tunekit search --model qwen3.5-27b --trials 3 --out runs/main --no-progress
 step dispatch 100 python3 benchmarks/dispatch_overhead.py --table runs/main/table.json --calls 500 --repeats 5 \
   --out "$R/dispatch.json"
-step search_fused 300 python3 -m tunekit search --model qwen3.5-27b --ops fused_gemv --m "${FUSED_M:-1}" --backend triton \
+step search_fused 380 python3 -m tunekit search --model qwen3.5-27b --ops fused_gemv --m "${FUSED_M:-1}" --backend triton \
   --trials 20 $(seeds runs/main/table.json "${SEED_FUSED:-}") --out runs/fused --no-progress
 step chain 200 python3 -m tunekit chain --model qwen3.5-27b --table runs/main/table.json \
   --table runs/fused/table.json --m "${FUSED_M:-1}" --out "$R/chain"
