@@ -31,7 +31,9 @@ mkdir -p "$R" runs/main runs/fused runs/hf-gemv runs/hf-norms
 echo "${COMMIT:-unknown}" > "$R/commit.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$R/gpu.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$R/gpu.txt"
+wanted() { case " ${STEPS:-} " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 for d in main fused hf-gemv hf-norms; do
+  if [ "$d" = fused ] && wanted search_fused; then continue; fi  # searched afresh in this call
   if [ -n "${PREV:-}" ] && [ -f "$PREV/$d/table.json" ] && [ ! -f "runs/$d/table.json" ]; then
     cp "$PREV/$d/table.json" "runs/$d/table.json"
   fi
@@ -45,7 +47,6 @@ pack() {
   done
   tar czf "$OUT/evidence.tgz" "$R"
 }
-wanted() { case " ${STEPS:-} " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
   wanted "$name" || return 0

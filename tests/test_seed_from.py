@@ -140,3 +140,27 @@ def test_a_fused_gemv_study_is_seeded_by_the_gemv_winners_after_its_own_records(
              if e["op"] == "gemma_rms_norm" and e["n"] == 5120]
     seeds = _seeds_from_files([recorded], "triton", norm, domains, {})
     assert seeds and all(s in gemma for s in seeds)
+
+
+def test_a_fused_studys_own_records_do_not_crowd_out_the_gemv_winners(tmp_path) -> None:
+    # an earlier search of the fused op holds more verified configs than a study takes seeds; the
+    # GEMV's winner for the shape (a tile config that search never reached) still comes in
+    from tunekit.backends import get
+    from tunekit.search.engine import SEEDS_FROM_FILES
+
+    recorded = REPO / "benchmarks" / "results" / "h200-decode-944f424" / "main" / "table.json"
+    fused = Problem("gemma_rms_norm_gemv", "bf16", 1, 14336, 5120)
+    space = get("triton").space(fused)
+    gemv = next(e for e in read_seed_records(recorded)
+                if (e["op"], e["backend"], e["m"], e["n"], e["k"]) == ("gemv", "triton", 1, 14336, 5120))
+    own = [space.default | {"BLOCK_N": n, "BLOCK_K": k} for n in (8, 16, 32) for k in (512, 1024, 2048, 4096)]
+    pd.DataFrame([{"op": fused.op, "backend": "triton", "m": 1, "n": 14336, "k": 5120, "params": json.dumps(p),
+                   "status": "ok", "time_us": 50.0 + i} for i, p in enumerate(own)]).to_csv(tmp_path / "t.csv",
+                                                                                           index=False)
+    assert len(own) > SEEDS_FROM_FILES
+    seeds = _seeds_from_files([tmp_path / "t.csv", recorded], "triton", fused, space.domains, space.default)
+    assert len(seeds) == SEEDS_FROM_FILES
+    assert seeds[0]["BLOCK_N"] == 8 and seeds[0]["BLOCK_K"] == 512  # the op's own best first
+    winner = [s for s in seeds if all(s[k] == v for k, v in gemv["params"].items() if k in space.domains)]
+    assert winner and seeds.index(winner[0]) == 1  # the GEMV's winner next, taken in turn
+    assert sum(s in own for s in seeds) >= SEEDS_FROM_FILES // 2  # the op's own records keep most slots

@@ -1171,8 +1171,9 @@ def _warm_start(storage, name: str, backend: str, problem: Problem, domains: dic
     return seeds
 
 
-#: Seeds one study takes from --seed-from files: the best few of the same
-#: problem first, then of the same M, then of any M (nearest shapes first).
+#: Seeds one study takes from --seed-from files: of the op itself, its siblings (same kernel) and,
+#: for a fused GEMV family, the GEMV, taken in turn; within each, the same problem first, then the
+#: same M, then any M (nearest shapes first).
 SEEDS_FROM_FILES = 8
 
 
@@ -1220,9 +1221,9 @@ def _seeds_from_files(paths: Sequence[Path], backend: str, problem: Problem, dom
     ``default`` fills tunables a record lacks; ``pinned`` overrides what a record says for them."""
     if not paths:
         return []
-    # Records of the op itself first; then of its siblings, the ops that read the same search-space
-    # file (one kernel: the weight convention or the residual differ); then, for a fused GEMV
-    # family, the GEMV's (its tile tunables have the same names, and (m, n, k) the same meaning).
+    # Records of the op itself, of its siblings (the ops that read the same search-space file: one
+    # kernel, the weight convention or the residual differ) and, for a fused GEMV family, of the GEMV
+    # (its tile tunables have the same names, and (m, n, k) the same meaning): ranks 0, 1, 2.
     from search_spaces import FILES
 
     stem = FILES.get(problem.op, problem.op)
@@ -1239,18 +1240,32 @@ def _seeds_from_files(paths: Sequence[Path], backend: str, problem: Problem, dom
                 abs(math.log(r["n"] * r["k"]) - math.log(problem.n * problem.k)), abs(r["m"] - problem.m),
                 r["time_us"])
 
+    # One queue per rank, nearest first, taken in turn: a fused op's many own records (an earlier
+    # search of it) must not crowd out the GEMV's winners, whose tile configs may be better ones
+    # the earlier search never reached.
+    queues: list[list[dict[str, Any]]] = []
+    for level in sorted(set(rank.values())):
+        queue = sorted((r for r in records if rank[r["op"]] == level), key=nearness)
+        if queue:
+            queues.append(queue)
     seeds: list[dict[str, Any]] = []
     keys = {_params_key({k: v for k, v in default.items() if k in domains})}
-    for record in sorted(records, key=nearness):
-        params = {k: v for k, v in (default | record["params"] | (pinned or {})).items() if k in domains}
-        if set(params) != set(domains) or any(params[k] not in domains[k] for k in domains):
-            continue  # recorded with a space that no longer holds it
-        key = _params_key(params)
-        if key not in keys:
-            keys.add(key)
-            seeds.append(params)
-        if len(seeds) == SEEDS_FROM_FILES:
-            break
+    while queues and len(seeds) < SEEDS_FROM_FILES:
+        for queue in list(queues):
+            while queue:
+                record = queue.pop(0)
+                params = {k: v for k, v in (default | record["params"] | (pinned or {})).items() if k in domains}
+                if set(params) != set(domains) or any(params[k] not in domains[k] for k in domains):
+                    continue  # recorded with a space that no longer holds it
+                key = _params_key(params)
+                if key not in keys:
+                    keys.add(key)
+                    seeds.append(params)
+                    break
+            if not queue:
+                queues.remove(queue)
+            if len(seeds) == SEEDS_FROM_FILES:
+                break
     return seeds
 
 
