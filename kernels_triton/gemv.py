@@ -1,5 +1,6 @@
 """Triton GEMV family: y[M, N] = x[M, K] @ W[N, K]^T for decode (M = 1..8),
-and ``gemv_add``: y = x @ W^T + r, the residual add in the epilogue.
+``gemv_add``: y = x @ W^T + r, the residual add in the epilogue, and
+``rms_gemv``: y = (x / rms(x)) @ W^T, an RMSNorm whose weight is folded into W.
 
 BF16 in and out, FP32 accumulation, each weight element read once per call.
 The caller passes an explicit ``GemvConfig`` (no ``@triton.autotune``: tuning
@@ -34,7 +35,15 @@ Design, for a memory-bound problem:
   o_proj / out_proj / down_proj output is only ever added to the residual
   stream (vLLM's fused_add_rms_norm does it next, in its own launch); done
   here, the next norm is a plain one and that launch is gone. The epilogue
-  reads M x N values against the N x K of W: nothing at decode sizes.
+  reads M x N values against the N x K of W: nothing at decode sizes;
+- ``rms_eps`` (op ``rms_gemv``, SPLIT_K = 1): the fp32 sum of squares of the x
+  tiles the loop loads anyway, per row of x, and the result times
+  rsqrt(mean + eps) once after the loop. rms is one scalar per row, so
+  W (x diag(1/rms)) = (W x) / rms: with the norm's weight g folded into the
+  consumer's W once (W' = W diag(g), or diag(1 + g) for Gemma's convention),
+  norm -> GEMV becomes this GEMV, which reads nothing the plain one does not
+  (the norm-prologue family, kernels_triton/rms_norm_gemv.py, also reads g
+  per program, which costs the one-row-per-program configs the GEMV wins with).
 """
 
 from __future__ import annotations
@@ -139,12 +148,12 @@ def invalid_reason(config: GemvConfig, m: int, n: int, k: int) -> str | None:
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, y_ptr, p_ptr, count_ptr, r_ptr,
-    M, N, K, K_PER_SPLIT,
+    M, N, K, K_PER_SPLIT, eps,
     stride_xm, stride_wn, stride_ym, stride_ps, stride_pm, stride_rm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, FUSED_REDUCE: tl.constexpr,
     EVEN_K: tl.constexpr, W_EVICT: tl.constexpr, USE_DOT: tl.constexpr, ROWS: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr, SWAP_AB: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr, SWAP_AB: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RMS_SCALE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -175,6 +184,7 @@ def _gemv_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # RMS_SCALE: x's sum of squares (else dead)
     for k0 in range(0, K_PER_SPLIT, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs, eviction_policy=W_EVICT)
@@ -183,6 +193,9 @@ def _gemv_kernel(
             k_mask = (offs_k + k0) < K
             w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy=W_EVICT)
             x = tl.load(x_ptrs, mask=m_mask & k_mask[None, :], other=0.0)
+        if RMS_SCALE:
+            xf = x.to(tl.float32)
+            sq += xf * xf
         if ROWS:
             # each row of x is a [1, BLOCK_K] load in W's own layout
             wf = w.to(tl.float32)
@@ -241,6 +254,9 @@ def _gemv_kernel(
         out = tl.sum(acc, axis=1)[None, :]
     else:
         out = tl.sum(acc, axis=2)
+    if RMS_SCALE:
+        # SPLIT_K == 1 (the wrapper's check): this program's loop saw all of K
+        out = out * tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
     y_mask = m_mask & (offs_n[None, :] < N)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     r_ptrs = r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :]
@@ -304,9 +320,11 @@ def gemv(
     config: GemvConfig = DEFAULT,
     out: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
+    rms_eps: float | None = None,
 ) -> torch.Tensor:
     """y = x @ w.T (+ residual) with an explicit config. x [M, K], w [N, K] (unit stride on K);
-    residual [M, N] (unit stride on N; ``out`` may be the residual itself: updated in place)."""
+    residual [M, N] (unit stride on N; ``out`` may be the residual itself: updated in place).
+    With ``rms_eps``: y = (x / sqrt(mean(x^2) + rms_eps)) @ w.T, per row of x (SPLIT_K = 1)."""
     m, k = x.shape
     n = w.shape[0]
     if w.shape[1] != k:
@@ -315,6 +333,8 @@ def gemv(
         raise ValueError("gemv needs unit stride along K for x and w")
     if residual is not None and (tuple(residual.shape) != (m, n) or residual.stride(1) != 1):
         raise ValueError(f"residual must be [{m}, {n}] with unit stride along N, got {list(residual.shape)}")
+    if rms_eps is not None and config.SPLIT_K != 1:
+        raise ValueError("the rms scale needs all of K in one program (SPLIT_K = 1)")
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     r = out if residual is None else residual  # unused by the kernels without a residual
@@ -335,13 +355,13 @@ def gemv(
         tickets = _tickets(x.device, blocks_n) if fused else partials
     _gemv_kernel[(blocks_n, split)](
         x, w, out, partials, tickets, r,
-        m, n, k, k_per_split,
+        m, n, k, k_per_split, 0.0 if rms_eps is None else rms_eps,
         x.stride(0), w.stride(0), out.stride(0), partials.stride(0) if split > 1 else 0,
         partials.stride(1) if split > 1 else 0, r.stride(0),
         BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
         SPLIT_K=split, FUSED_REDUCE=fused, EVEN_K=even_k, W_EVICT=config.W_EVICT, USE_DOT=use_dot, ROWS=rows,
         DOT_IN_FP32=_DOT_IN_FP32, SWAP_AB=config.M_MODE == "dot_w", HAS_RESIDUAL=residual is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        RMS_SCALE=rms_eps is not None, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split > 1 and not fused:
         block = 256
@@ -354,12 +374,17 @@ def gemv(
 
 def launch(op: str, inputs: tuple[torch.Tensor, ...], out: torch.Tensor, config: GemvConfig,
            eps: float = 1e-6) -> None:
-    """The backend's entry for ``gemv_add`` (``tunekit.opspec``'s protocol): inputs ``(x, W, residual)``
-    -> ``y = x @ W^T + residual`` (``eps`` unused). The plain GEMV is built on :func:`gemv` directly."""
-    if op != "gemv_add":
-        raise ValueError(f"kernels_triton.gemv.launch serves gemv_add, not {op!r}")
-    x, w, residual = inputs
-    gemv(x, w, config, out=out, residual=residual)
+    """The backend's entry for ``gemv_add`` and ``rms_gemv`` (``tunekit.opspec``'s protocol): inputs
+    ``(x, W, residual)`` -> ``y = x @ W^T + residual`` (``eps`` unused); ``(x, W)`` -> ``y = (x / rms(x))
+    @ W^T``. The plain GEMV is built on :func:`gemv` directly."""
+    if op == "gemv_add":
+        x, w, residual = inputs
+        gemv(x, w, config, out=out, residual=residual)
+    elif op == "rms_gemv":
+        x, w = inputs
+        gemv(x, w, config, out=out, rms_eps=eps)
+    else:
+        raise ValueError(f"kernels_triton.gemv.launch serves gemv_add and rms_gemv, not {op!r}")
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -277,6 +277,27 @@ def gemv_add_cases() -> list[Case]:
     return cases
 
 
+def rms_gemv_cases() -> list[Case]:
+    """The GEMV with the 1/rms scale of a folded norm (``rms_gemv``): the 2D tile, the per-row and
+    swapped-MMA layouts (split-K refuses the scale)."""
+    import torch
+
+    from kernels_triton import gemv as g
+
+    n, k = 40, 384
+    configs = [g.DEFAULT, g.GemvConfig(BLOCK_N=1, BLOCK_K=256, num_warps=1, num_stages=4, W_EVICT="evict_first"),
+               g.GemvConfig(BLOCK_N=64, BLOCK_K=64, M_MODE="dot_w"), g.GemvConfig(BLOCK_K=64, M_MODE="rows")]
+    cases: list[Case] = []
+    for m, config in itertools.product((1, 3), configs):
+        if g.invalid_reason(config, m, n, k) is not None:
+            continue
+        x, w = _bf16(m, k), _bf16(n, k)
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        cases.append((f"rms_gemv[M={m},N={n},K={k}] {_params(config)}",
+                      lambda x=x, w=w, config=config, out=out: g.gemv(x, w, config, out=out, rms_eps=1e-6)))
+    return cases
+
+
 def _search_configs(module, op: str, m: int, n: int, k: int) -> list:
     """DEFAULT and the first and last valid configs (domain order) of ``op``'s search space.
 
@@ -422,7 +443,7 @@ def stream_cases() -> list[Case]:
 
 def repo_cases() -> list[Case]:
     """Every Triton kernel of kernels_triton, through its wrapper."""
-    return (gemv_cases() + gemv_add_cases() + elementwise_cases() + norm_gemv_cases() + act_gemv_cases()
+    return (gemv_cases() + gemv_add_cases() + rms_gemv_cases() + elementwise_cases() + norm_gemv_cases() + act_gemv_cases()
             + stream_cases())
 
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tunekit.shapes import ACT_GEMV_OPS, DTYPE_BYTES, GEMV_ADD_OPS, NORM_GEMV_OPS, Problem
+from tunekit.shapes import ACT_GEMV_OPS, DTYPE_BYTES, GEMV_ADD_OPS, NORM_GEMV_OPS, RMS_GEMV_OPS, Problem
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -571,10 +571,61 @@ GEMV_ADD = OpSpec(
 )
 assert GEMV_ADD_OPS == (GEMV_ADD.name,)
 
+# ------------------------------------------------------------ rms-scaled gemv
+# An RMSNorm whose weight is folded into the consumer's W (kernels_triton/gemv.py, rms_eps=):
+# inputs (x[m,k], W'[n,k]) -> y[m,n] = (x / rms(x)) W'^T, rms per row of x over its k values.
+# W' = W diag(g) (diag(1 + g), Gemma) is made once, when the model's weights are prepared.
+
+
+def _rms_gemv_inputs(problem: Problem, device: torch.device, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    # rows of x at rms 2, 3, 4, ...: a missing or misplaced scale (the wrong row's, the square
+    # root left out) changes every output by a factor >= 1.5
+    x, w = _gemv_inputs(problem, device, gen)
+    scale = torch.arange(2, problem.m + 2, device=device, dtype=torch.float32)[:, None]
+    return (x.float() * scale).to(x.dtype), w
+
+
+def _rms_gemv_reference(inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """fp64 of (x / sqrt(mean(x^2) + EPS)) W^T on the same BF16 values."""
+    x, w = inputs
+    xd = x.double()
+    rstd = torch.rsqrt(xd.square().mean(dim=-1, keepdim=True) + EPS)
+    return (xd * rstd) @ w.double().T
+
+
+def _rms_gemv_bound(problem: Problem, inputs: tuple[torch.Tensor, ...], ref: torch.Tensor) -> torch.Tensor:
+    """The GEMV's bound on the scaled dot, the error of the fp32 scale, and the rounding of the
+    sequence it replaces.
+
+    The kernel sums x^2 in fp32 (relative error <= k u32, positive terms, any
+    order), takes rsqrt (hardware approximation: <= 4 u32 relative, with
+    the division by k) and multiplies the fp32 dot (error <= k u32 |x|.|W|,
+    the GEMV's) by it, then rounds once. The unfused sequence (the norm
+    writes BF16 a = x rstd, then the GEMV) errs by u rstd |x|.|W| more. Both
+    are held to |y - ref| <= 2u |ref| + 1.01 ((u + k u32) rstd |x|.|W| +
+    (k + 8) u32 |ref|) + tiny. A dropped or wrong scale errs by a factor of
+    the row's rms (2 and up, ``_rms_gemv_inputs``).
+    """
+    x, w = inputs
+    xd = x.double()
+    rstd = torch.rsqrt(xd.square().mean(dim=-1, keepdim=True) + EPS)
+    abs_dot = xd.abs() @ w.double().abs().T
+    u_out = _UNIT_ROUNDOFF[problem.dtype]
+    return (2 * u_out * ref.abs() + 1.01 * (u_out + problem.k * _FP32_U) * rstd * abs_dot
+            + 1.01 * (problem.k + 8) * _FP32_U * ref.abs() + _TINY)
+
+
+RMS_GEMV = OpSpec(
+    name="rms_gemv", make_inputs=_rms_gemv_inputs, make_output=_gemv_output, reference=_rms_gemv_reference,
+    error_bound=_rms_gemv_bound, bytes_moved=_gemv_bytes, rotated_input=1,
+)
+assert RMS_GEMV_OPS == (RMS_GEMV.name,)
+
 OPS: dict[str, OpSpec] = {
     spec.name: spec
     for spec in (GEMV, RMS_NORM, GEMMA_RMS_NORM, FUSED_ADD_RMS_NORM, GEMMA_FUSED_ADD_RMS_NORM, GATED_RMS_NORM,
-                 SILU_AND_MUL, BIAS_GELU, *(_norm_gemv(name) for name in NORM_GEMV_OPS), SILU_MUL_GEMV, GEMV_ADD)
+                 SILU_AND_MUL, BIAS_GELU, *(_norm_gemv(name) for name in NORM_GEMV_OPS), SILU_MUL_GEMV, GEMV_ADD,
+                 RMS_GEMV)
 }
 
 

@@ -40,9 +40,12 @@ ACT_GEMV_OPS = ("silu_mul_gemv",)
 #: The residual add in the GEMV epilogue (kernels_triton/gemv.py, ``residual=``): o_proj /
 #: out_proj / down_proj -> the residual stream; n, k are the GEMV's. Opt-in as the others.
 GEMV_ADD_OPS = ("gemv_add",)
+#: The GEMV of an RMSNorm whose weight is folded into W (kernels_triton/gemv.py, ``rms_eps=``):
+#: y = (x / rms(x)) @ W'^T for every consumer of a norm; n, k are the GEMV's. Opt-in as the others.
+RMS_GEMV_OPS = ("rms_gemv",)
 #: Every op that fuses an elementwise step into a GEMV, before or after it (the problem's n, k
 #: are the GEMV's).
-FUSED_GEMV_OPS = NORM_GEMV_OPS + ACT_GEMV_OPS + GEMV_ADD_OPS
+FUSED_GEMV_OPS = NORM_GEMV_OPS + ACT_GEMV_OPS + GEMV_ADD_OPS + RMS_GEMV_OPS
 #: ``--ops`` names -> the ops they select (a family selects both weight conventions;
 #: the model's norm style decides which one its problems use).
 OP_FAMILIES: dict[str, tuple[str, ...]] = {
@@ -58,6 +61,7 @@ OP_FAMILIES: dict[str, tuple[str, ...]] = {
     "rms_norm_gemv": NORM_GEMV_OPS,
     "silu_mul_gemv": ACT_GEMV_OPS,
     "gemv_add": GEMV_ADD_OPS,
+    "rms_gemv": RMS_GEMV_OPS,
     "fused_gemv": FUSED_GEMV_OPS,  # every fused family
 }
 
@@ -80,7 +84,8 @@ class Problem:
     * ``bias_gelu``: y[m, n] = gelu_tanh(x[m, n] + b[n]); k = n;
     * ``FUSED_GEMV_OPS``: the GEMV's n, k; the norm family normalises x[m, k],
       ``silu_mul_gemv`` reads gate_up[m, 2k] (gate, then up) -> silu(gate) * up,
-      ``gemv_add`` writes y[m, n] = x @ W^T + residual[m, n].
+      ``gemv_add`` writes y[m, n] = x @ W^T + residual[m, n], ``rms_gemv`` y[m, n] =
+      (x / rms(x)) @ W^T (rms per row of x).
 
     ``names`` lists the model layers that execute it (for reports).
     """

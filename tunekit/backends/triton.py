@@ -38,6 +38,7 @@ _OP_MODULES = {
     "gemma_fused_add_rms_norm_gemv": "kernels_triton.rms_norm_gemv",
     "silu_mul_gemv": "kernels_triton.silu_mul_gemv",
     "gemv_add": "kernels_triton.gemv",
+    "rms_gemv": "kernels_triton.gemv",
 }
 #: Modules the elementwise kernels import (part of the source hash).
 _HELPER_MODULES = ("kernels_triton.rounding", "kernels_triton.tiles")

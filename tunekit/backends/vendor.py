@@ -146,6 +146,17 @@ def addmm(inputs: Tensors, out: torch.Tensor) -> None:
 NORM_GEMV["gemv_add"] = addmm
 
 
+def rms_norm_then_mm(inputs: Tensors, out: torch.Tensor) -> None:
+    """The unfused sequence rms_gemv replaces, with the norm's weight already folded into W: the
+    unweighted norm (``F.rms_norm``, one launch) writes BF16, then mm."""
+    x, w = inputs
+    normed = F.rms_norm(x, (x.shape[-1],), eps=EPS)
+    torch.mm(normed, w.t(), out=out)
+
+
+NORM_GEMV["rms_gemv"] = rms_norm_then_mm
+
+
 class VendorBackend:
     name = "vendor"
     kind = "vendor"

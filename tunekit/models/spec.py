@@ -41,6 +41,7 @@ from tunekit.shapes import (
     GEMV_ADD_OPS,
     NORM_GEMV_OPS,
     OPS,
+    RMS_GEMV_OPS,
     Problem,
     elementwise_problems,
     gemv_problems,
@@ -399,6 +400,31 @@ class ModelSpec:
         return [(name, "gemv_add", n, k, count) for name, n, k, count in self.linears(tp)
                 if name in writes_residual]
 
+    def rms_gemvs(self, tp: int = 1) -> list[tuple[str, str, int, int, int]]:
+        """Every GEMV that reads a decoder norm's output, as ``rms_gemv`` (opt-in only: ``--ops
+        rms_gemv`` or ``fused_gemv``): the norm's weight folded into the GEMV's, its 1/rms
+        computed by the GEMV itself, so the norm's launch is gone once each of its consumers is one.
+
+        Entries as ``elementwise``'s: (names, op, n, k, count), n and k the GEMV's (k = hidden
+        size): input_layernorm -> qkv_proj (full attention) or in_proj_qkvz and in_proj_ba
+        (linear attention), each its own GEMV; post_attention_layernorm -> gate_up_proj. The
+        final norm -> lm_head is not listed (the sampler's gather is between them, and a tied
+        lm_head is the embedding too).
+        """
+        n_of = {name: n for name, n, _, _ in self.linears(tp)}
+        counts: dict[str, int] = {}
+        for layer_type in self.layer_types:
+            consumers = ["qkv_proj"] if layer_type == FULL_ATTENTION else ["linear_attn.in_proj_qkvz",
+                                                                           "linear_attn.in_proj_ba"]
+            for name in consumers:
+                counts[name] = counts.get(name, 0) + 1
+        out = [(f"input_layernorm+{name}", "rms_gemv", n_of[name], self.hidden_size, count)
+               for name, count in counts.items()]
+        gate_up = f"{self.mlp_prefix}gate_up_proj"
+        out.append((f"post_attention_layernorm+{gate_up}", "rms_gemv", n_of[gate_up], self.hidden_size,
+                    self.num_layers))
+        return out
+
     def problems(
         self,
         tp: int = 1,
@@ -426,6 +452,8 @@ class ModelSpec:
             wanted += [item for item in self.act_gemvs(tp) if item[1] in ops]
         if set(ops) & set(GEMV_ADD_OPS):
             wanted += self.residual_gemvs(tp)
+        if set(ops) & set(RMS_GEMV_OPS):
+            wanted += self.rms_gemvs(tp)
         return out + elementwise_problems(wanted, ms, dtype)
 
 
