@@ -27,13 +27,13 @@ def _spec() -> ModelSpec:
     return ModelSpec.from_config(TINY, name="tiny")
 
 
-def _default_kernel(m: int, skip: tuple[str, ...] = ()):
-    """fused(op, n, k, replaced, added) of Chain.build: every fused op but ``skip`` at its search space's
-    default config."""
+def _default_kernel(m: int, skip: tuple[str, ...] = (), fold: bool = False):
+    """fused(op, n, k, replaced, added) of Chain.build: every fused op but ``skip`` (and but the folded
+    norm's rms_gemv, unless ``fold``) at its search space's default config."""
     triton = backends.get("triton")
 
     def fused(op: str, n: int, k: int, replaced=None, added=()):
-        if op in skip:
+        if op in skip or (op == "rms_gemv" and not fold):
             return None
         problem = Problem(op, "bf16", m, n, k)
         return triton.build(problem, triton.space(problem).default, None)
@@ -291,3 +291,86 @@ def test_run_keeps_the_add_where_no_table_serves_the_plain_norm(tmp_path: Path) 
     table = make_table(tmp_path / "t.json", [_entry("gemv_add", 1, 64, 64, params=params)])
     report = chain_mod.run(spec, [str(table)], [1], log=lambda s: None)
     assert "tuned_fused" not in [r["variant"] for r in report["results"]]
+
+
+def _folding_chain(m: int) -> chain_mod.Chain:
+    # the residual epilogue and the folded norm only (no prologue family)
+    return _bound_chain(m, _default_kernel(m, skip=("silu_mul_gemv", *shapes.NORM_GEMV_OPS), fold=True))
+
+
+def test_folded_norms_leave_no_norm_but_the_final_one() -> None:
+    """gemv_add and rms_gemv served: every layer output adds the residual and the norm after it is folded
+    into its consumers (rms_gemv on W diag(1 + g)); layer 0's plain input norm is folded as well. Only the
+    final norm, which feeds lm_head, stays a (plain) norm."""
+    chain = _folding_chain(2)
+    kinds = chain.kinds["tuned_fused"]
+    names = _fused_names(chain)
+    assert names.count("rms_gemv linear_attn.in_proj_qkvz") == 3 and names.count("rms_gemv qkv_proj") == 1
+    assert names.count("rms_gemv mlp.gate_up_proj") == 4 and names.count("rms_gemv linear_attn.in_proj_ba") == 3
+    assert sum(n.startswith("gemv_add") for n in names) == 8
+    assert [s.name for s in chain.retyped["tuned_fused"]] == ["norm (final)"]
+    unfused = {s.name for s, kind in zip(chain.steps, kinds, strict=True) if kind != "fused"}
+    assert unfused == {"linear_attn.norm", "mlp.act_fn", "lm_head"}
+    # a folded norm passes its input on; each consumer normalises it with the folded weight
+    gen = torch.Generator().manual_seed(4)
+    i = next(j for j, s in enumerate(chain.steps) if s.layer == 3 and s.name == "input_layernorm")
+    s_in = torch.randn(2, 64, generator=gen).bfloat16()
+    passed, residual = chain._impls["tuned_fused"][i](s_in, torch.zeros_like(s_in), chain.weights[i])
+    assert passed is s_in and residual is s_in
+    # every folded consumer computes its GEMV of the weighted norm of its input
+    from kernels_triton.gemv import gemv
+
+    xd = s_in.double()
+    unit = xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + 1e-6)
+    norm = None
+    for j, (step, kind) in enumerate(zip(chain.steps, kinds, strict=True)):
+        if step.op.endswith("rms_norm"):
+            norm = chain.weights[j]
+        elif kind == "fused" and step.op == "gemv" and step.name.endswith(chain_mod._NORM_CONSUMERS):
+            expected = F.linear(unit * (1 + norm.double()), chain.weights[j].double())
+            y = chain._impls["tuned_fused"][j](s_in, chain.weights[j])
+            assert (y.double() - expected).abs().max() <= 2.0**-6 * expected.abs().max(), step
+            # the check can fail: a fold in the wrong convention (g for Gemma's 1 + g)
+            wrong = gemv(s_in, (chain.weights[j].float() * norm.float()).bfloat16(), rms_eps=1e-6)
+            assert (wrong.double() - expected).abs().max() > 0.5 * expected.abs().max()
+
+
+def test_folded_norms_keep_the_logits() -> None:
+    chain = _folding_chain(3)
+    results = {r.variant: r for r in chain_mod.compare_eager(chain, chain_mod.VARIANTS)}
+    fused = results["tuned_fused"]
+    assert fused.fused_kernels == 19
+    assert fused.rel_diff is not None and 0 < fused.rel_diff <= 0.05
+    assert fused.rms_err_fp32 <= 2 * results["vendor"].rms_err_fp32
+
+
+def test_run_folds_where_the_add_and_the_fold_pay_together(tmp_path: Path) -> None:
+    """Priced jointly: gemv_add with the plain norm it leaves loses (1.6 + 0.5 >= 2.0 us) and each rms_gemv
+    loses to its GEMV alone (1.05 > 1.0), but gemv_add + the consumers' rms_gemv beat the GEMV, the fused
+    add + norm and the consumers' GEMVs (1.6 + 1.05 < 3.0; 1.6 + 2.1 < 4.0): folded. After the last
+    down_proj (the final norm feeds lm_head) the add stays."""
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(TINY))
+    spec = load_model(str(config))
+
+    def row(op: str, n: int, k: int, time_us: float) -> dict:
+        params = backends.get("triton").space(Problem(op, "bf16", 1, n, k)).default
+        return dict(_entry(op, 1, n, k, params=params), time_us=time_us, speedup=2.0 / time_us)
+
+    table = make_table(tmp_path / "t.json", [
+        row("gemv", 192, 64, 1.0), row("gemv", 8, 64, 1.0), row("gemv", 64, 64, 1.0), row("gemv", 64, 96, 1.0),
+        row("gemma_fused_add_rms_norm", 64, 64, 1.0), row("gemma_rms_norm", 64, 64, 0.5),
+        row("gemv_add", 64, 64, 1.6), row("gemv_add", 64, 96, 1.6),
+        row("rms_gemv", 192, 64, 1.05), row("rms_gemv", 8, 64, 1.05),
+    ])
+    lines: list[str] = []
+    report = chain_mod.run(spec, [str(table)], [1], log=lines.append)
+    rows = {r["variant"]: r for r in report["results"]}
+    fused = rows["tuned_fused"]
+    # 7 gemv_add (4 mixer outputs, 3 down_proj) + 11 rms_gemv (2 + 2 + 2 + 1 input, 4 post-attention)
+    assert fused["fused_kernels"] == 18
+    # the 7 pairs, the 11 consumers and layer 0's folded input norm
+    assert fused["fused_steps"] == 14 + 11 + 1
+    assert any("gemv_add 64x96: fused 1.60 us + gemma_rms_norm 0.50 >= the tuned steps it replaces 2.00 us"
+               in line for line in lines), lines
+    assert fused["rms_err_fp32"] <= 2 * rows["vendor"]["rms_err_fp32"]

@@ -43,12 +43,18 @@ Variants (``VARIANTS``), on the same weights and inputs:
   ``gate_up_proj`` run as one ``rms_norm_gemv``-family kernel (the plain form
   where the add moved into the GEMV before); ``act_fn`` -> ``down_proj`` as one
   ``silu_mul_gemv`` kernel (``tunekit.shapes.FUSED_GEMV_OPS``; built straight
-  from the entry's backend, as ``tunekit.ops`` does not serve them). Each only
-  where the fused entry's standalone time (plus that of the plain norm it
-  leaves, for ``gemv_add``) beats the tuned entries of the steps it replaces
-  (otherwise the steps stay as ``tuned`` runs them: never slower by
-  construction). Measured only at an M where at least one pair is fused (it
-  equals ``tuned`` otherwise).
+  from the entry's backend, as ``tunekit.ops`` does not serve them). A plain
+  norm (layer 0's, or one whose add moved into ``gemv_add``) can instead be
+  folded into its consumers: each runs ``rms_gemv`` on its weight times the
+  norm's (W diag(g), Gemma diag(1 + g), made once as a loader would) and the
+  norm step passes its input on, so no norm kernel runs; tried first at a
+  layer output, priced as gemv_add + the consumers' rms_gemv against the GEMV,
+  the fused add + norm and the consumers' GEMVs. Each only where the fused
+  entries' standalone times (plus what they add: the plain norm, the folded
+  consumers) beat the tuned entries of the steps they replace (otherwise the
+  steps stay as ``tuned`` runs them: never slower by construction). Measured
+  only at an M where at least one pair is fused (it equals ``tuned``
+  otherwise).
 
 A step no table serves keeps the vendor implementation in every variant (the
 op's own fallback, eager PyTorch, would be slower than Inductor and charge the
@@ -100,9 +106,12 @@ _NORM_CONSUMERS = ("qkv_proj", "linear_attn.in_proj_qkvz", "linear_attn.in_proj_
 FUSED_ACT_OP = "silu_mul_gemv"
 #: The residual epilogue: a layer output's GEMV writes x W^T + residual.
 FUSED_ADD_OP = "gemv_add"
+#: A plain norm folded into its consumers: each GEMV reads x with W' = W diag(g) and scales by 1/rms.
+FOLDED_NORM_OP = "rms_gemv"
 FUSED_PAIRS = ("input_layernorm -> qkv_proj | in_proj_qkvz + in_proj_ba",
                "post_attention_layernorm -> gate_up_proj", "act_fn (silu_and_mul) -> down_proj",
-               "o_proj | out_proj | down_proj -> the fused add + norm after it")
+               "o_proj | out_proj | down_proj -> the fused add + norm after it",
+               "a plain norm -> every consumer GEMV, the norm's weight folded into theirs")
 #: The GEMVs whose output the next norm adds to the residual stream.
 _LAYER_OUTPUTS = ("o_proj", "out_proj", "down_proj")
 
@@ -124,7 +133,8 @@ class Step:
 
 
 #: ``Chain.build``'s ``fused(op, n, k, replaced, added)``: the kernel of a fused op that serves in place of the
-#: steps ``replaced`` (running ``added`` besides), or None.
+#: steps ``replaced`` (running ``added`` besides), or None. An empty ``replaced``: the kernel is one of the
+#: ``added`` steps of a fusion another call priced (built without a price of its own).
 FusedLookup = Callable[[str, int, int, list[Step], list[Step]], Callable[..., None] | None]
 
 
@@ -283,6 +293,7 @@ class Chain:
         norm before that norm is considered for fusion with its consumers."""
         m, dtype, device = self.m, self.dtype, self.device
         plain_at: dict[int, Step] = {}  # norm steps whose add moved into the GEMV before them
+        folded: set[int] = set()  # norm steps folded into their consumers with that add
         for i, step in enumerate(self.steps):
             if step.op == "gemv" and step.name.endswith(_LAYER_OUTPUTS) and kinds[i] != "fused":
                 j = i + 1  # the fused add + norm that reads this output (the next layer's, or the final)
@@ -290,6 +301,19 @@ class Chain:
                 if norm is None or "fused_add" not in norm.op:
                     continue
                 plain = Step(norm.layer, norm.name, norm.op.replace("fused_add_", ""), norm.n, norm.k)
+                consumers = self._norm_consumers(j)
+                folds = [Step(c.layer, c.name, FOLDED_NORM_OP, c.n, c.k) for c in consumers]
+                # the add in this GEMV and the plain norm it leaves folded into its consumers, priced
+                # together against this GEMV, the fused add + norm and the consumers' GEMVs
+                kernel = fused(FUSED_ADD_OP, step.n, step.k, [step, norm, *consumers], folds) if folds else None
+                if kernel is not None and self._fold(j, folds, fused, impls, kinds, used):
+                    impls[i] = _gemv_add(kernel, torch.empty(m, step.n, dtype=dtype, device=device))
+                    impls[j] = _plain_after_add(_unnormed)  # the sum is both outputs: consumers normalise it
+                    adds.add(i)
+                    kinds[i] = kinds[j] = "fused"
+                    folded.add(j)
+                    used.append(Step(step.layer, f"{step.name}+{norm.name}", FUSED_ADD_OP, step.n, step.k))
+                    continue
                 kernel = fused(FUSED_ADD_OP, step.n, step.k, [step, norm], [plain])
                 if kernel is None:
                     continue
@@ -320,16 +344,21 @@ class Chain:
                 impls[j] = down_fused
                 kinds[i] = kinds[j] = "fused"
                 used.append(Step(down.layer, f"{step.name}+{down.name}", FUSED_ACT_OP, down.n, down.k))
-            elif step.op.endswith("rms_norm") and step.op != "gated_rms_norm":
+            elif step.op.endswith("rms_norm") and step.op != "gated_rms_norm" and i not in folded:
                 norm = plain_at.get(i, step)
-                consumers = []
-                for j in range(i + 1, len(self.steps)):
-                    nxt = self.steps[j]
-                    if nxt.op != "gemv" or nxt.layer != step.layer or not _norm_consumer(nxt):
-                        break
-                    consumers.append(j)
-                if not consumers or any(self.steps[j].k != step.n for j in consumers):
+                consumers = [j for j in range(i + 1, i + 1 + len(self._norm_consumers(i)))]
+                if not consumers:
                     continue
+                if "fused_add" not in norm.op:
+                    # a plain norm folded into every consumer, priced against the norm and their GEMVs
+                    cs = [self.steps[j] for j in consumers]
+                    folds = [Step(c.layer, c.name, FOLDED_NORM_OP, c.n, c.k) for c in cs]
+                    first = fused(FOLDED_NORM_OP, folds[0].n, folds[0].k, [norm, *cs], folds[1:])
+                    if first is not None and self._fold(i, folds, fused, impls, kinds, used, first):
+                        after_add = plain_at.pop(i, None) is not None
+                        impls[i] = _plain_after_add(_unnormed) if after_add else _unnormed
+                        kinds[i] = "fused"
+                        continue
                 weight = self._joined([self.weights[j] for j in consumers])
                 if weight is None:
                     continue  # the consumers' weights are not one tensor: the pair stays unfused
@@ -354,6 +383,37 @@ class Chain:
                 names = "+".join([step.name] + [self.steps[j].name for j in consumers])
                 used.append(Step(step.layer, names, op, n, step.n))
         retyped.extend(plain_at.values())  # the plain norms left as steps of their own
+
+    def _norm_consumers(self, i: int) -> list[Step]:
+        """The GEMV steps right after norm step ``i`` that read its output (same layer, same width)."""
+        out: list[Step] = []
+        norm = self.steps[i]
+        for nxt in self.steps[i + 1:]:
+            if nxt.op != "gemv" or nxt.layer != norm.layer or not _norm_consumer(nxt) or nxt.k != norm.n:
+                break
+            out.append(nxt)
+        return out
+
+    def _fold(self, i: int, folds: list[Step], fused: FusedLookup, impls: list[Callable[..., Any]],
+              kinds: list[str], used: list[Step], first: Callable[..., None] | None = None) -> bool:
+        """Bind the consumers of norm step ``i`` as ``rms_gemv`` kernels on their weights with the norm's
+        folded in (W' = W diag(g), Gemma diag(1 + g), rounded to the chain's dtype once, as a model's
+        weights would be when loaded); ``first``: the first consumer's kernel, already built. False, with
+        nothing bound, if a kernel is missing."""
+        kernels = [first] if first is not None else []
+        kernels += [fused(FOLDED_NORM_OP, f.n, f.k, [], []) for f in folds[len(kernels):]]
+        if any(k is None for k in kernels):
+            return False
+        g = self.weights[i].float()
+        scale = 1.0 + g if "gemma" in self.steps[i].op else g
+        for offset, (fold, kernel) in enumerate(zip(folds, kernels, strict=True)):
+            j = i + 1 + offset
+            folded = (self.weights[j].float() * scale).to(self.dtype)
+            impls[j] = _folded_consumer(kernel, folded, torch.empty(self.m, fold.n, dtype=self.dtype,
+                                                                    device=self.device))
+            kinds[j] = "fused"
+            used.append(fold)
+        return True
 
     @staticmethod
     def _joined(weights: list[torch.Tensor]) -> torch.Tensor | None:
@@ -440,6 +500,19 @@ def _fused_norm(kernel: Callable[..., None], weight: torch.Tensor, y: torch.Tens
         kernel((x, residual, g, weight), (y, residual_out))
         return y, residual_out
     return with_residual
+
+
+def _unnormed(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """A norm folded into its consumers: it passes x on (each consumer computes 1/rms itself)."""
+    return x
+
+
+def _folded_consumer(kernel: Callable[..., None], folded: torch.Tensor, out: torch.Tensor) -> Callable[..., Any]:
+    """A consumer GEMV of a folded norm: ``rms_gemv`` on the un-normalised x and the folded weight."""
+    def consumer(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        kernel((x, folded), out)
+        return out
+    return consumer
 
 
 def _gemv_add(kernel: Callable[..., None], out: torch.Tensor) -> Callable[..., torch.Tensor]:
