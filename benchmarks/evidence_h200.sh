@@ -21,7 +21,8 @@
 #  check_serving  tunekit check-serving, patched HF Qwen3.5 (27B sizes, 4 layers), eager and
 #                 graphed, with the main table and the HF tables.
 # PREV: an earlier call's results (its main/, fused/, hf-gemv/, hf-norms/ tables stand in for the
-# searches not run; the machine does not keep runs/ between calls). FUSED_M: the fused families' M (default 1).
+# searches not run; the machine does not keep runs/ between calls). FUSED_M: the fused families' M (default 1);
+# FUSED_OPS: the --ops of search_fused (default fused_gemv, every family).
 # SEED_FUSED / SEED_HF_GEMV / SEED_HF_NORMS: extra --seed-from files (an earlier call's trials.csv).
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -67,7 +68,7 @@ if wanted search_main; then cp benchmarks/results/h200-m1248-all-d75e409/optuna.
 step search_main 200 python3 -m tunekit search --model qwen3.5-27b --trials 3 --out runs/main --no-progress
 step dispatch 100 python3 benchmarks/dispatch_overhead.py --table runs/main/table.json --calls 500 --repeats 5 \
   --out "$R/dispatch.json"
-step search_fused 380 python3 -m tunekit search --model qwen3.5-27b --ops fused_gemv --m "${FUSED_M:-1}" --backend triton \
+step search_fused 380 python3 -m tunekit search --model qwen3.5-27b --ops "${FUSED_OPS:-fused_gemv}" --m "${FUSED_M:-1}" --backend triton \
   --trials 20 $(seeds runs/main/table.json "${SEED_FUSED:-}") --out runs/fused --no-progress
 step chain 200 python3 -m tunekit chain --model qwen3.5-27b --table runs/main/table.json \
   --table runs/fused/table.json --m "${FUSED_M:-1}" --out "$R/chain"
