@@ -49,6 +49,12 @@ and count captures, not executions. ``TUNEKIT_DISPATCH_LOG=path`` writes the
 markers as JSON at interpreter exit (``{pid}`` in the path is replaced by the
 process id, for multi-process servers).
 
+Fused GEMVs (``tunekit.serving.fused_gemv``), the GEMV's rules; the fallback is the unfused
+vendor sequence (the norm's PyTorch math, the vendor GEMM; the vendor GEMM, the add)::
+
+    torch.ops.tunekit.rms_gemv(x, w, eps)                 # (x / rms(x)) @ w^T: a norm folded into w
+    torch.ops.tunekit.gemv_add(x, w, r)                   # x @ w^T + r: the residual add in the epilogue
+
 Elementwise ops (the fused decode ops of ``tunekit.opspec``), same rules::
 
     torch.ops.tunekit.rms_norm(x, w, eps)                 # w * x / rms(x); gemma_rms_norm: (1 + w)

@@ -8,7 +8,7 @@ registers the ops. This package holds its parts, one responsibility each:
 * ``decisions``: the decision cache (lookup, build, broken kernels);
 * ``markers``: dispatch markers and the dispatch log;
 * ``vendors``: the vendor paths integrations install;
-* ``gemv`` / ``elementwise``: the ops' run-time and fake impls, with their fallbacks;
+* ``gemv`` / ``fused_gemv`` / ``elementwise``: the ops' run-time and fake impls, with their fallbacks;
 * ``warmup``: ``prepare``, building kernels before CUDA-graph capture;
 * ``registry``: the ``torch.library`` definitions.
 

@@ -1,9 +1,9 @@
 """``torch.library`` registration of the ``tunekit`` namespace: schemas, run-time impls, fake impls.
 
 Call protocol: :func:`register` once per process (``import tunekit.ops``
-calls it); it defines ``tunekit::gemv`` and every op of
-``ELEMENTWISE_SCHEMAS`` with one Python impl for the CUDA and CPU keys and a
-fake impl, so ``torch.compile`` keeps each op as one opaque node. A second
+calls it); it defines ``tunekit::gemv``, every op of
+``ELEMENTWISE_SCHEMAS`` and of ``FUSED_GEMV_SCHEMAS`` (``rms_gemv``,
+``gemv_add``) with one Python impl for the CUDA and CPU keys and a fake impl, so ``torch.compile`` keeps each op as one opaque node. A second
 call (a reload of ``tunekit.ops``) finds the ops defined and does nothing.
 """
 
@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from tunekit.serving.elementwise import ELEMENTWISE_IMPLS
+from tunekit.serving.fused_gemv import FUSED_GEMV_IMPLS, FUSED_GEMV_SCHEMAS
 from tunekit.serving.gemv import gemv_fake, gemv_impl
 from tunekit.serving.state import ELEMENTWISE_SCHEMAS, NAMESPACE
 
@@ -35,6 +36,8 @@ def register() -> None:
     }
     for op, (impl, fake) in ELEMENTWISE_IMPLS.items():
         impls[op] = (ELEMENTWISE_SCHEMAS[op], impl, fake)
+    for op, (impl, fake) in FUSED_GEMV_IMPLS.items():
+        impls[op] = (FUSED_GEMV_SCHEMAS[op], impl, fake)
     for op, (schema, impl, fake) in impls.items():
         lib.define(schema)
         # One Python kernel for both device keys: the choice (tuned or vendor)

@@ -19,6 +19,11 @@ from tunekit.serving.tables import tables_for
 from tunekit.serving.vendors import has_vendor_kernel
 
 
+#: ops served like the GEMV (their fallback is the vendor GEMM), and the ops without an eps argument
+_GEMV_FAMILY = ("gemv", "rms_gemv", "gemv_add")
+_NO_EPS = ("gemv", "gemv_add", "silu_and_mul", "bias_gelu")
+
+
 def prepare(device: torch.device | str | None = None, ms: Iterable[int] | None = None) -> dict[str, Any]:
     """Build and run once every tabulated kernel for ``device``, so that no build happens under capture.
 
@@ -69,7 +74,8 @@ def prepare(device: torch.device | str | None = None, ms: Iterable[int] | None =
     for (op, dtype, n, k), tab_ms in sorted(by_shape.items()):
         top = max(tab_ms)
         if wanted is not None:
-            above = op != "gemv" and not has_vendor_kernel(op, device)
+            # the GEMV family's fallback is the vendor GEMM, never a default-config kernel
+            above = op not in _GEMV_FAMILY and not has_vendor_kernel(op, device)
             served = [m for m in wanted if m <= top or above]
         else:
             served = list(range(1, top + 1)) if top <= 64 else sorted(set(tab_ms))
@@ -77,7 +83,7 @@ def prepare(device: torch.device | str | None = None, ms: Iterable[int] | None =
             try:
                 inputs = opspec.get(op).make_inputs(Problem(op, dtype, m, n, k), device, gen)
                 fn = getattr(torch.ops.tunekit, op)
-                fn(*inputs) if op in ("gemv", "silu_and_mul", "bias_gelu") else fn(*inputs, DEFAULT_EPS)
+                fn(*inputs) if op in _NO_EPS else fn(*inputs, DEFAULT_EPS)
             except Exception as exc:
                 summary["errors"].append(f"{op} {dtype} m={m} n={n} k={k}: {type(exc).__name__}: {exc}")
                 continue

@@ -1,0 +1,171 @@
+"""``tunekit::rms_gemv`` and ``tunekit::gemv_add``: the GEMV-family fused ops served from the tables.
+
+* ``rms_gemv(x, weight, eps)``: y = (x / rms(x)) @ weight^T, rms per row of x
+  over its K values: the GEMV of an RMSNorm whose weight was folded into
+  ``weight`` (``tunekit.opspec.RMS_GEMV``);
+* ``gemv_add(x, weight, residual)``: y = x @ weight^T + residual, the residual
+  add in the GEMV's epilogue (``tunekit.opspec.GEMV_ADD``).
+
+Call protocol: as ``tunekit::gemv`` (``tunekit.serving.gemv``). Per (op, x
+shape, weight shape, dtype, device, eps) a :class:`_Route` resolves once: the
+checks shapes, dtypes and devices decide, the decision (``resolve``, the M
+rule of the tables), the marker rows' counters. Per call: the layout checks
+(unit stride along K for x and the weight, x viewable as [M, K]; the
+residual [.., N] viewable as [M, N] with unit stride), then the tuned kernel
+or the vendor path. The vendor path is what these ops replace, unfused: the
+norm's PyTorch math (fp32, rounded to the activation dtype, as vLLM's native
+norm) then the vendor GEMM (``F.linear``, or the GEMM ``set_vendor_gemm``
+installed); the vendor GEMM then the add. Never the default-config kernel
+the elementwise ops fall back to: a GEMV at a default config loses to the
+vendor BLAS. The kernels are launched through their built callable (no bound
+launcher yet: an eager call costs the Triton launch's Python; under a CUDA
+graph it runs at capture only). Never raises for tunekit's sake.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tunekit.serving.decisions import is_capturing, kernel_takes_eps, mark_broken, resolve
+from tunekit.serving.gemv import _gemv_vendor_name, _static_reason, _vendor_gemv
+from tunekit.serving.markers import count, counter
+from tunekit.serving.state import DEFAULT_EPS, STATE, dtype_name
+
+#: op -> torch.library schema (``tunekit.serving.registry`` defines them).
+FUSED_GEMV_SCHEMAS: dict[str, str] = {
+    "rms_gemv": "rms_gemv(Tensor x, Tensor weight, float eps) -> Tensor",
+    "gemv_add": "gemv_add(Tensor x, Tensor weight, Tensor residual) -> Tensor",
+}
+
+
+def _vendor_rms_gemv(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
+    return _vendor_gemv(normed, weight, None)
+
+
+def _vendor_gemv_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    return _vendor_gemv(x, weight, None).add_(residual)  # a fresh output: the add may run in place
+
+
+def _layout_reason(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> str | None:
+    """The checks strides decide (per call, after :func:`_static_reason` passed for the route)."""
+    n, k = weight.shape
+    ws0, ws1 = weight.stride()
+    if (k > 1 and (ws1 != 1 or x.stride(-1) != 1)) or ws0 < k:
+        return "strided"
+    if residual is not None and (residual.shape[-1] != n or residual.numel() != x.numel() // k * n
+                                 or (n > 1 and residual.stride(-1) != 1)):
+        return "bad_input" if residual.shape[-1] != n or residual.numel() != x.numel() // k * n else "strided"
+    return None
+
+
+class _Route:
+    """What serves one (op, x shape, weight shape, dtype, device, eps), resolved once."""
+
+    __slots__ = ("ckey", "choice", "static", "shape", "m", "n", "k", "dtype", "ticks", "run")
+
+    def __init__(self, op: str, x: torch.Tensor, weight: torch.Tensor, extra: torch.Tensor | None,
+                 eps: float | None, capturing: bool) -> None:
+        self.dtype = dtype_name(x.dtype)
+        wshape = weight.shape
+        self.shape = "x".join(map(str, wshape))
+        self.static = _static_reason(x, weight)
+        if self.static is None and extra is not None and (extra.dtype != x.dtype or extra.device != x.device):
+            self.static = "dtype" if extra.dtype != x.dtype else "device"
+        self.k = x.shape[-1] if x.dim() else 0
+        self.m = x.numel() // self.k if self.k else 0
+        self.n = wshape[0] if len(wshape) == 2 else 0
+        self.ckey = (op, self.dtype, self.m, self.n, self.k, str(x.device))
+        self.choice, self.run = None, None
+        impl = f"fallback:{self.static}"
+        if self.static is None:
+            self.choice = STATE.choices.get(self.ckey) or resolve(op, self.dtype, self.m, self.n, self.k,
+                                                                  x.device, capturing)
+            impl = self.choice.impl
+            kernel = self.choice.kernel
+            if kernel is not None:
+                if eps is None or eps == DEFAULT_EPS:
+                    self.run = kernel
+                elif kernel_takes_eps(kernel):
+                    self.run = lambda inputs, out, kernel=kernel, eps=eps: kernel(inputs, out, eps=eps)
+                else:  # a kernel built for the default epsilon only
+                    impl = "fallback:eps"
+        vendor = None if self.run is not None else _vendor_name(op, x)
+        # the marker rows of what this route serves (tuned, or its fallback's vendor path), per capturing
+        self.ticks = [counter(op, self.dtype, self.shape, self.m, False, impl, c, vendor).tick for c in (False, True)]
+
+    def valid(self) -> bool:
+        return self.static is not None or STATE.choices.get(self.ckey) is self.choice
+
+
+def _vendor_name(op: str, x: torch.Tensor) -> str:
+    gemm = _gemv_vendor_name(x)
+    return f"rms_norm+{gemm}" if op == "rms_gemv" else f"{gemm}+add"
+
+
+#: (op, x shape, weight shape, x dtype, weight dtype, devices, eps) -> _Route
+_ROUTES: dict[tuple, _Route] = {}
+
+
+def _serve(op: str, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, eps: float | None,
+           vendor: Callable[[], torch.Tensor]) -> torch.Tensor:
+    capturing = is_capturing(x)
+    key = (op, x.shape, weight.shape, x.dtype, weight.dtype, x.device, weight.device, eps,
+           None if residual is None else (residual.dtype, residual.device))
+    route = _ROUTES.get(key)  # lock-free read (atomic under the GIL), as for the decision cache
+    if route is None or not route.valid():
+        route = _Route(op, x, weight, residual, eps, capturing)
+        if route.valid():
+            _ROUTES[key] = route  # a choice met under capture is not cached, so neither is its route
+    if route.run is None:
+        route.ticks[capturing]()
+        out = vendor()
+        return out if out.is_contiguous() else out.contiguous()
+    reason = _layout_reason(x, weight, residual)
+    inputs: tuple[torch.Tensor, ...] = ()
+    if reason is None:
+        try:
+            inputs = (x.view(route.m, route.k), weight)
+            if residual is not None:
+                inputs += (residual.view(route.m, route.n),)
+        except RuntimeError:  # leading dims not flattenable without a copy
+            reason = "strided"
+    if reason is not None:
+        count(op, route.dtype, route.shape, route.m, False, f"fallback:{reason}", capturing, _vendor_name(op, x))
+        out = vendor()
+        return out if out.is_contiguous() else out.contiguous()
+    try:
+        out = x.new_empty((route.m, route.n))
+        route.run(inputs, out)
+    except Exception as exc:  # the serving path never raises for tunekit's sake
+        mark_broken(op, route.dtype, route.m, route.n, route.k, x.device, exc)
+        count(op, route.dtype, route.shape, route.m, False, "fallback:kernel_error", capturing, _vendor_name(op, x))
+        out = vendor()
+        return out if out.is_contiguous() else out.contiguous()
+    route.ticks[capturing]()
+    return out.view(*x.shape[:-1], route.n)
+
+
+def rms_gemv_impl(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The CUDA/HIP and CPU kernel of ``tunekit::rms_gemv``: tuned kernel or norm + vendor GEMM, counted."""
+    return _serve("rms_gemv", x, weight, None, eps, lambda: _vendor_rms_gemv(x, weight, eps))
+
+
+def gemv_add_impl(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """The CUDA/HIP and CPU kernel of ``tunekit::gemv_add``: tuned kernel or vendor GEMM + add, counted."""
+    return _serve("gemv_add", x, weight, residual, None, lambda: _vendor_gemv_add(x, weight, residual))
+
+
+def _fake_gemv_shaped(x: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+#: op -> (run-time impl for the CUDA and CPU keys, fake impl).
+FUSED_GEMV_IMPLS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+    "rms_gemv": (rms_gemv_impl, _fake_gemv_shaped),
+    "gemv_add": (gemv_add_impl, _fake_gemv_shaped),
+}
