@@ -238,3 +238,81 @@ def test_hugging_face_llama_norms_are_routed() -> None:
         assert tunekit.patch(model, only_covered=False) == {"linear": 8, "rms_norm": 3}
         assert torch.equal(model(ids).logits, ref)  # vendor paths (no table): the same math, same bits
     assert {r["impl"] for r in tunekit.dispatch_stats()} == {"fallback:no_table"}
+
+
+def _fold_table(tmp_path: Path, model: nn.Module, fold_us: float, norm_op: str) -> Path:
+    """M=1 entries for every folded-consumer shape (rms_gemv at ``fold_us``, the GEMV at 1.0 us) and the
+    norm (1.0 us): the fold pays where ``fold_us`` < 1.0 + the norm's share."""
+    from tunekit.backends import get
+    from tunekit.shapes import Problem
+
+    def row(op: str, n: int, k: int, time_us: float) -> dict:
+        params = get("triton").space(Problem(op, "bf16", 1, n, k)).default
+        return dict(_entry(op, 1, n, k, params=params), time_us=time_us, speedup=2.0 / time_us)
+
+    rows = [row(norm_op, HIDDEN, HIDDEN, 1.0)]
+    for n, k in torch_patch.fold_shapes(model):
+        rows += [row("rms_gemv", n, k, fold_us), row("gemv", n, k, 1.0)]
+    return make_table(tmp_path / f"fold-{fold_us}.json", rows)
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
+def test_hugging_face_qwen3_5_with_folded_norms_gives_the_same_logits_and_unpatch_restores(tmp_path: Path) -> None:
+    model = _tiny_qwen3_5()
+    with torch.no_grad():  # zero-centred norm weights are all zero at init: make (1 + g) count
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.3)
+    # layer 0 (Gated DeltaNet): in_proj_qkv / z / b / a; layer 1: q / k / v; both: gate / up
+    # (in_proj_qkv 96, in_proj_z 32, in_proj_b / a 2; q_proj 128 (with its gate), k / v 32; gate / up INTER)
+    assert torch_patch.fold_shapes(model) == sorted({(96, HIDDEN), (32, HIDDEN), (2, HIDDEN), (128, HIDDEN),
+                                                     (INTER, HIDDEN)})
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    ids = torch.tensor([[3, 17, 42, 5, 99]])
+    with torch.no_grad():
+        ref = model(ids).logits
+        ref_step = model(ids[:, -1:]).logits
+        counts = tunekit.patch(model, table=_fold_table(tmp_path, model, 0.9, "gemma_rms_norm"), fold_norms=True)
+        assert counts["gemma_rms_norm (folded)"] == 4 and counts["rms_gemv (folded norm)"] == 4 + 3 + 2 * 2
+        out = model(ids).logits
+        step = model(ids[:, -1:]).logits  # M=1: the tuned rms_gemv kernels
+    assert (out.float() - ref.float()).abs().max() < 0.05 and torch.equal(out.argmax(-1), ref.argmax(-1))
+    assert (step.float() - ref_step.float()).abs().max() < 0.05
+    rows = [r for r in tunekit.dispatch_stats() if r["op"] == "rms_gemv"]
+    assert {r["impl"] for r in rows if r["m"] == 1} == {"tuned:triton"}
+    assert {r["impl"] for r in rows if r["m"] == 5} == {"fallback:m_above_table"}  # prefill: norm + vendor GEMM
+    # of the hidden-width norms only the final one runs (once per forward): the 4 decoder norms are folded
+    (final,) = [r for r in tunekit.dispatch_stats() if r["op"] == "gemma_rms_norm" and r["shape"] == "64x64"
+                and r["m"] == 1]
+    assert final["calls"] == 1
+    tunekit.unpatch(model)
+    assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters())
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref)
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
+def test_a_fold_that_does_not_pay_is_left_alone(tmp_path: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=96, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    assert torch_patch.fold_shapes(model) == [(32, HIDDEN), (HIDDEN, HIDDEN), (INTER, HIDDEN)]
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        ref = model(ids).logits
+        # 1.5 us per folded GEMV against 1.0 + the norm's 1.0 shared: q/k/v 4.5 >= 4.0, gate/up 3.0 >= 3.0
+        counts = tunekit.patch(model, table=_fold_table(tmp_path, model, 1.5, "rms_norm"), fold_norms=True)
+        assert counts["rms_norm (fold not in the tables or not paying)"] == 2 and "rms_gemv (folded norm)" not in counts
+        assert counts["rms_norm"] == 3  # the two decoder norms routed as plain norms instead, and the final one
+        out = model(ids).logits
+    assert (out.float() - ref.float()).abs().max() < 0.05
+    tunekit.unpatch(model)
+    # and where it pays, Llama's plain-weight norms fold too (W diag(g))
+    with torch.no_grad():
+        counts = tunekit.patch(model, table=_fold_table(tmp_path, model, 0.9, "rms_norm"), fold_norms=True)
+        assert counts["rms_norm (folded)"] == 2 and counts["rms_gemv (folded norm)"] == 5
+        out = model(ids).logits
+    assert (out.float() - ref.float()).abs().max() < 0.05 and torch.equal(out.argmax(-1), ref.argmax(-1))

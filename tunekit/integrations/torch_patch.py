@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ELEMENTWISE_ROUTES", "linear_shapes", "patch", "unpatch"]
+__all__ = ["ELEMENTWISE_ROUTES", "FOLDABLE_LAYERS", "fold_shapes", "linear_shapes", "patch", "unpatch"]
 
 #: Attribute holding what ``patch`` replaced: ("instance", previous forward) or ("class", None).
 _SAVED = "_tunekit_saved_forward"
@@ -85,6 +85,26 @@ ELEMENTWISE_ROUTES: dict[str, str] = {
     "Qwen3NextRMSNormGated": "gated_rms_norm",
 }
 
+
+#: Decoder-layer class name -> (norm attribute, the linears that read its output), from the layer's
+#: forward in transformers' modeling code: ``patch(fold_norms=True)`` folds a norm only into all of
+#: them (a path a layer lacks, such as self_attn in a linear-attention layer, is skipped). HF adds
+#: the residual itself, so each of these norms is a plain one.
+_LLAMA_LIKE = (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+               ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")))
+FOLDABLE_LAYERS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    "LlamaDecoderLayer": _LLAMA_LIKE,
+    "MistralDecoderLayer": _LLAMA_LIKE,
+    "Qwen2DecoderLayer": _LLAMA_LIKE,
+    "Qwen3DecoderLayer": _LLAMA_LIKE,
+    # full attention (self_attn) or Gated DeltaNet (linear_attn: its four input projections)
+    "Qwen3_5DecoderLayer": (
+        ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "linear_attn.in_proj_qkv",
+                             "linear_attn.in_proj_z", "linear_attn.in_proj_b", "linear_attn.in_proj_a")),
+        ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"))),
+}
+#: Attribute holding a folded linear's original weight data (``unpatch`` puts it back).
+_FOLD_SAVED = "_tunekit_unfolded_weight"
 
 #: (is_compiling, is_tracing): a patched forward in eager mode runs when neither is true
 _TRACING = (torch.compiler.is_compiling, torch._C._is_tracing)
@@ -193,6 +213,110 @@ def _linear_forward(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]
     return forward
 
 
+def _folded_norm_forward(hidden_states: torch.Tensor) -> torch.Tensor:
+    """A norm folded into its consumers: x passes on; each consumer computes 1/rms itself."""
+    return hidden_states
+
+
+def _folded_linear_forward(module: nn.Linear, eps: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A consumer of a folded norm: ``rms_gemv`` on its input and its folded weight W diag(g')."""
+    from tunekit.serving.fused_gemv import rms_gemv_impl
+
+    traced = torch.ops.tunekit.rms_gemv
+    (is_compiling, is_tracing), plain, grad_enabled = _TRACING, torch.Tensor, torch.is_grad_enabled
+
+    def forward(input: torch.Tensor) -> torch.Tensor:
+        weight = module.weight
+        if grad_enabled() and _needs_autograd(input, weight):
+            xf = input.float()
+            return F.linear((xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(input.dtype), weight)
+        if type(input) is plain and not is_compiling() and not is_tracing():
+            return rms_gemv_impl(input, weight, eps)
+        return traced(input, weight, eps)
+
+    return forward
+
+
+def _fold_plan(model: nn.Module) -> list[tuple[nn.Module, str, list[nn.Linear]]]:
+    """(norm, its op, its consumers) for every norm of a ``FOLDABLE_LAYERS`` layer that can be folded:
+    a plain or zero-centred RMSNorm whose consumers are all bias-free linears of its dtype and width."""
+    plan = []
+    for layer in model.modules():
+        for norm_name, paths in FOLDABLE_LAYERS.get(type(layer).__name__, ()):
+            norm = getattr(layer, norm_name, None)
+            op = ELEMENTWISE_ROUTES.get(type(norm).__name__)
+            if op not in ("rms_norm", "gemma_rms_norm") or getattr(norm, _ROUTE, None):
+                continue
+            consumers = [layer.get_submodule(p) for p in paths if _has_submodule(layer, p)]
+            weight = norm.weight
+            if not consumers or any(
+                    not isinstance(c, nn.Linear) or c.bias is not None or getattr(c, _ROUTE, None)
+                    or c.weight.dtype != weight.dtype or c.weight.shape[1] != weight.shape[0]
+                    or c.weight.device != weight.device for c in consumers):
+                continue
+            plan.append((norm, op, consumers))
+    return plan
+
+
+def _has_submodule(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def _fold_pays(op: str, norm: nn.Module, consumers: list[nn.Linear]) -> bool:
+    """Whether the tables' M=1 entries say the folded consumers beat the tuned norm and GEMVs (a step
+    no table serves counts 0 us, so the vendor part is never the fold's excuse)."""
+    from tunekit import ops
+
+    dtype, device = ops.dtype_name(norm.weight.dtype), str(norm.weight.device)
+    width = norm.weight.shape[0]
+    fused, unfused = 0.0, 0.0
+    norm_entry = ops.served_entry(op, dtype, 1, width, width, device)
+    unfused += norm_entry["time_us"] if norm_entry else 0.0
+    for c in consumers:
+        n, k = c.weight.shape
+        entry = ops.served_entry("rms_gemv", dtype, 1, n, k, device)
+        if entry is None:
+            return False
+        fused += entry["time_us"]
+        gemv = ops.served_entry("gemv", dtype, 1, n, k, device)
+        unfused += gemv["time_us"] if gemv else 0.0
+    return fused < unfused
+
+
+def _fold(norm: nn.Module, op: str, consumers: list[nn.Linear]) -> None:
+    """Fold ``norm``'s weight into each consumer's (W diag(g), Gemma diag(1 + g), rounded once to the
+    weight's dtype) and route the norm to the identity and the consumers to ``rms_gemv``."""
+    g = norm.weight.detach().float()
+    scale = 1.0 + g if op == "gemma_rms_norm" else g
+    eps = _eps(norm)
+    for c in consumers:
+        weight = c.weight
+        object.__setattr__(c, _FOLD_SAVED, weight.data)
+        weight.data = (weight.data.float() * scale).to(weight.dtype)
+        _set_forward(c, "rms_gemv (folded norm)", _folded_linear_forward(c, eps))
+    _set_forward(norm, f"{op} (folded)", _folded_norm_forward)
+
+
+def _set_forward(module: nn.Module, route: str, forward: Callable[..., Any]) -> None:
+    # An instance attribute may already be there (accelerate hooks set one): keep it to restore,
+    # and restore "no attribute" otherwise.
+    previous = module.__dict__.get("forward")
+    saved = ("instance", previous) if previous is not None else ("class", None)
+    object.__setattr__(module, _SAVED, saved)
+    object.__setattr__(module, _ROUTE, route)
+    module.forward = forward
+
+
+def fold_shapes(model: nn.Module) -> list[tuple[int, int]]:
+    """The (N, K) of every linear ``patch(fold_norms=True)`` could serve with ``rms_gemv`` (what a
+    table needs ``--shape rms_gemv:NxK`` entries for), sorted and unique."""
+    return sorted({tuple(c.weight.shape) for _, _, consumers in _fold_plan(model) for c in consumers})
+
+
 def _op_defined(op: str) -> bool:
     try:
         getattr(torch.ops.tunekit, op)
@@ -233,7 +357,7 @@ def _covered(route: str, module: nn.Module) -> bool:
 
 
 def patch(model: nn.Module, table: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
-          only_covered: bool = True) -> dict[str, int]:
+          only_covered: bool = True, fold_norms: bool = False) -> dict[str, int]:
     """Route ``model``'s linears (and supported norms/activations) through the tunekit ops.
 
     ``table``: a path, a ``:``-separated string or a list of paths, loaded
@@ -245,6 +369,18 @@ def patch(model: nn.Module, table: str | os.PathLike | Sequence[str | os.PathLik
     patched, per route how many were kept because no table covers them
     (``"<route> (not in the tables)"``), and per module kind with no tunekit
     op yet how many were left as they are.
+
+    ``fold_norms``: first, each decoder norm of a ``FOLDABLE_LAYERS`` layer
+    whose consumers all have ``rms_gemv`` entries, and whose entries at M=1
+    beat the tuned norm and GEMVs they replace, is folded: its weight goes
+    into the consumers' weights (W diag(g), or diag(1 + g) for Qwen3.5's
+    zero-centred norm; the weights are changed in place, ``unpatch`` puts
+    them back), the norm passes its input on and each consumer runs
+    ``rms_gemv``, which computes 1/rms itself: no norm kernel runs. The
+    numerics move by one BF16 rounding of W diag(g') instead of one of the
+    normalised activation. Counted as ``"rms_gemv (folded norm)"`` and
+    ``"<norm op> (folded)"``; a token count the table lacks runs the norm's
+    math then the vendor GEMM per consumer.
     """
     from tunekit import ops
 
@@ -256,6 +392,15 @@ def patch(model: nn.Module, table: str | os.PathLike | Sequence[str | os.PathLik
 
             raise TableError(errors[0]["error"])
     counts: dict[str, int] = {}
+    if fold_norms:
+        for norm, op, consumers in _fold_plan(model):
+            if not _fold_pays(op, norm, consumers):
+                counts[f"{op} (fold not in the tables or not paying)"] = counts.get(
+                    f"{op} (fold not in the tables or not paying)", 0) + 1
+                continue
+            _fold(norm, op, consumers)
+            counts[f"{op} (folded)"] = counts.get(f"{op} (folded)", 0) + 1
+            counts["rms_gemv (folded norm)"] = counts.get("rms_gemv (folded norm)", 0) + len(consumers)
     for module in model.modules():
         if getattr(module, _ROUTE, None):
             continue
@@ -267,13 +412,7 @@ def patch(model: nn.Module, table: str | os.PathLike | Sequence[str | os.PathLik
         counts[name] = counts.get(name, 0) + 1
         if factory is None:
             continue
-        # An instance attribute may already be there (accelerate hooks set
-        # one): keep it to restore, and restore "no attribute" otherwise.
-        previous = module.__dict__.get("forward")
-        saved = ("instance", previous) if previous is not None else ("class", None)
-        object.__setattr__(module, _SAVED, saved)
-        object.__setattr__(module, _ROUTE, name)
-        module.forward = factory(module)
+        _set_forward(module, name, factory(module))
     return counts
 
 
@@ -289,6 +428,9 @@ def unpatch(model: nn.Module) -> int:
             module.forward = previous
         else:
             module.__dict__.pop("forward", None)
+        unfolded = module.__dict__.pop(_FOLD_SAVED, None)
+        if unfolded is not None:
+            module.weight.data = unfolded
         module.__dict__.pop(_SAVED, None)
         module.__dict__.pop(_ROUTE, None)
         restored += 1
