@@ -19,7 +19,10 @@
 #  search_hf      the Hugging Face model's own shapes (separate q/k/v, gate/up; its norms in the
 #                 layout HF calls them), benchmarks/serving_check.py --print-shapes, seeded likewise;
 #  check_serving  tunekit check-serving, patched HF Qwen3.5 (27B sizes, 4 layers), eager and
-#                 graphed, with the main table and the HF tables.
+#                 graphed, with the main table and the HF tables;
+#  search_hf_fold rms_gemv for every linear a folded HF decoder norm feeds (--print-shapes --only
+#                 rms_gemv), M=1, seeded with the HF GEMV table;
+#  check_serving_fold  check_serving with that table too and --fold-norms.
 # PREV: an earlier call's results (its main/, fused/, hf-gemv/, hf-norms/ tables stand in for the
 # searches not run; the machine does not keep runs/ between calls). FUSED_M: the fused families' M (default 1);
 # FUSED_OPS: the --ops of search_fused (default fused_gemv, every family).
@@ -28,19 +31,19 @@ set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 R=results
-mkdir -p "$R" runs/main runs/fused runs/hf-gemv runs/hf-norms
+mkdir -p "$R" runs/main runs/fused runs/hf-gemv runs/hf-norms runs/hf-fold
 echo "${COMMIT:-unknown}" > "$R/commit.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$R/gpu.txt" 2>&1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$R/gpu.txt"
 wanted() { case " ${STEPS:-} " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
-for d in main fused hf-gemv hf-norms; do
+for d in main fused hf-gemv hf-norms hf-fold; do
   if [ "$d" = fused ] && wanted search_fused; then continue; fi  # searched afresh in this call
   if [ -n "${PREV:-}" ] && [ -f "$PREV/$d/table.json" ] && [ ! -f "runs/$d/table.json" ]; then
     cp "$PREV/$d/table.json" "runs/$d/table.json"
   fi
 done
 pack() {
-  for d in main fused hf-gemv hf-norms; do
+  for d in main fused hf-gemv hf-norms hf-fold; do
     mkdir -p "$R/$d"
     for f in table.json final.csv run.json trials.csv; do
       [ -f "runs/$d/$f" ] && cp "runs/$d/$f" "$R/$d/"
@@ -76,5 +79,10 @@ step search_hf 300 bash -c "$search_hf"
 step check_serving 200 python3 -m tunekit check-serving --model qwen3.5-27b --table runs/main/table.json \
   --table runs/hf-gemv/table.json --table runs/hf-norms/table.json \
   --layers 4 --steps 16 --iters 20 --rounds 9 --skip-ops --out "$R/check"
+step search_hf_fold 200 bash -c "python3 -m tunekit search \$(python3 benchmarks/serving_check.py --print-shapes \
+  --only rms_gemv) --m 1 --backend triton --trials 8 --seed-from runs/hf-gemv/table.json --out runs/hf-fold --no-progress"
+step check_serving_fold 200 python3 -m tunekit check-serving --model qwen3.5-27b --table runs/main/table.json \
+  --table runs/hf-gemv/table.json --table runs/hf-norms/table.json --table runs/hf-fold/table.json --fold-norms \
+  --layers 4 --steps 16 --iters 20 --rounds 9 --skip-ops --out "$R/check-fold"
 tail -n 3 "$R"/*.log
 cat "$R/steps.txt"

@@ -198,6 +198,35 @@ def test_tiny_model_patched_agrees_with_unpatched_on_the_cpu(tmp_path: Path, mod
 
 
 @pytest.mark.usefixtures("clean_ops")
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
+def test_tiny_qwen3_5_with_folded_norms_agrees_with_unpatched_on_the_cpu(tmp_path: Path) -> None:
+    """--fold-norms: the decoder norms go into their consumers' weights where the table's M=1 entries say
+    it pays (rms_gemv 0.9 us against the GEMV's 1.0), and the patched model still agrees."""
+    from tunekit.evidence import hf_decode
+    from tunekit.integrations.torch_patch import fold_shapes
+
+    config = hf_decode.build_config("qwen3.5-27b", 2, tiny=True)
+    shapes = fold_shapes(hf_decode.meta_model("qwen3.5-27b", config))
+    params = {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1}
+    rows = []
+    for n, k in shapes:
+        rows += [dict(_entry("rms_gemv", 1, n, k, params=params), time_us=0.9),
+                 dict(_entry("gemv", 1, n, k, params=params), time_us=1.0)]
+    table = make_table(tmp_path / "t.json", rows)
+    settings = serving.Settings(model="qwen3.5-27b", tables=[str(table)], layers=2, steps=3, prompt_len=4,
+                                tiny=True, device="cpu", skip_ops=True, fold_norms=True, out=str(tmp_path / "out"))
+    lines: list[str] = []
+    results = serving.run_check(settings, log=lines.append, argv=["test"])
+    assert results["failures"] == 0, "\n".join(lines)
+    m = results["model"]
+    assert m["patch_counts"]["gemma_rms_norm folded"] == 4  # 2 layers x (input, post-attention)
+    assert m["comparison"]["eager_patched"]["ok"] and m["unpatch_bitwise_equal"]
+    decode = m["dispatch_decode"]["grouped"]
+    folded = [key for key in decode if key.startswith("rms_gemv ") and key.endswith(" m=1")]
+    assert len(folded) == len(shapes) and all(set(decode[key]) == {"tuned:triton"} for key in folded)
+
+
+@pytest.mark.usefixtures("clean_ops")
 def test_the_predicted_saving_prices_tuned_calls_from_their_serving_entries(tmp_path: Path) -> None:
     from tunekit import ops
 

@@ -273,7 +273,7 @@ def test_hugging_face_qwen3_5_with_folded_norms_gives_the_same_logits_and_unpatc
         ref = model(ids).logits
         ref_step = model(ids[:, -1:]).logits
         counts = tunekit.patch(model, table=_fold_table(tmp_path, model, 0.9, "gemma_rms_norm"), fold_norms=True)
-        assert counts["gemma_rms_norm (folded)"] == 4 and counts["rms_gemv (folded norm)"] == 4 + 3 + 2 * 2
+        assert counts["gemma_rms_norm folded"] == 4 and counts["rms_gemv"] == 4 + 3 + 2 * 2
         out = model(ids).logits
         step = model(ids[:, -1:]).logits  # M=1: the tuned rms_gemv kernels
     assert (out.float() - ref.float()).abs().max() < 0.05 and torch.equal(out.argmax(-1), ref.argmax(-1))
@@ -289,6 +289,14 @@ def test_hugging_face_qwen3_5_with_folded_norms_gives_the_same_logits_and_unpatc
     assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters())
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref)
+    # a twin over the same parameters (check-serving's unpatched model) keeps its weights while one is folded
+    from tunekit.evidence.hf_decode import shared_copy
+
+    twin = shared_copy(model)
+    with torch.no_grad():
+        assert tunekit.patch(twin, fold_norms=True)["gemma_rms_norm folded"] == 4  # the table is still loaded
+        assert torch.equal(model(ids).logits, ref)
+    tunekit.unpatch(twin)
 
 
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
@@ -305,7 +313,7 @@ def test_a_fold_that_does_not_pay_is_left_alone(tmp_path: Path) -> None:
         ref = model(ids).logits
         # 1.5 us per folded GEMV against 1.0 + the norm's 1.0 shared: q/k/v 4.5 >= 4.0, gate/up 3.0 >= 3.0
         counts = tunekit.patch(model, table=_fold_table(tmp_path, model, 1.5, "rms_norm"), fold_norms=True)
-        assert counts["rms_norm (fold not in the tables or not paying)"] == 2 and "rms_gemv (folded norm)" not in counts
+        assert counts["rms_norm (fold not in the tables or not paying)"] == 2 and "rms_gemv" not in counts
         assert counts["rms_norm"] == 3  # the two decoder norms routed as plain norms instead, and the final one
         out = model(ids).logits
     assert (out.float() - ref.float()).abs().max() < 0.05
@@ -313,6 +321,6 @@ def test_a_fold_that_does_not_pay_is_left_alone(tmp_path: Path) -> None:
     # and where it pays, Llama's plain-weight norms fold too (W diag(g))
     with torch.no_grad():
         counts = tunekit.patch(model, table=_fold_table(tmp_path, model, 0.9, "rms_norm"), fold_norms=True)
-        assert counts["rms_norm (folded)"] == 2 and counts["rms_gemv (folded norm)"] == 5
+        assert counts["rms_norm folded"] == 2 and counts["rms_gemv"] == 5
         out = model(ids).logits
     assert (out.float() - ref.float()).abs().max() < 0.05 and torch.equal(out.argmax(-1), ref.argmax(-1))

@@ -507,6 +507,9 @@ def check_serving(
     skip_ops: Annotated[bool, typer.Option(help="skip the per-entry op check")] = False,
     skip_model: Annotated[bool, typer.Option(help="skip the model check")] = False,
     skip_graphed: Annotated[bool, typer.Option(help="no graphed decode (eager variants only)")] = False,
+    fold_norms: Annotated[bool, typer.Option(
+        help="the patched model folds its decoder norms into their consumers (rms_gemv) where the tables' "
+             "entries say it pays")] = False,
     out: Annotated[Path | None, typer.Option(help="folder for serving_check.json")] = None,
 ) -> None:
     """Serving evidence: the tables' ops under compile / CUDA graphs; a patched HF model's tokens and step times.
@@ -519,7 +522,8 @@ def check_serving(
     settings = serving.Settings(
         model=model, tables=[str(p) for p in table], layers=layers, steps=steps, prompt_len=prompt_len, iters=iters,
         rounds=rounds, warmup=warmup, seed=seed, tol_factor=tol_factor, tiny=tiny, skip_ops=skip_ops,
-        skip_model=skip_model, skip_graphed=skip_graphed, out=str(out) if out is not None else None)
+        skip_model=skip_model, skip_graphed=skip_graphed, fold_norms=fold_norms,
+        out=str(out) if out is not None else None)
     serving.validate(settings)
     results = serving.run_check(settings, log=lambda s: console.print(s, markup=False, highlight=False),
                                 argv=["tunekit"] + sys.argv[1:])

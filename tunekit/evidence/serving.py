@@ -78,6 +78,7 @@ class Settings:
     skip_ops: bool = False
     skip_model: bool = False
     skip_graphed: bool = False
+    fold_norms: bool = False  # the patched model folds its decoder norms where the tables say it pays
     out: str | None = None
 
 
@@ -423,7 +424,7 @@ def check_model(report: Any, settings: Settings, device: Any) -> dict[str, Any]:
     tables = list(settings.tables)
     try:
         patched_model = hf.shared_copy(model)
-        counts = tunekit.patch(patched_model, table=tables or None)
+        counts = tunekit.patch(patched_model, table=tables or None, fold_norms=settings.fold_norms)
         result.update(patch_counts=counts, tables_served=ops.loaded_tables())
         report.add("PASS", "model patch", f"routed {counts}")
     except Exception as exc:

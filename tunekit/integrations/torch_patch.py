@@ -103,7 +103,7 @@ FOLDABLE_LAYERS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
                              "linear_attn.in_proj_z", "linear_attn.in_proj_b", "linear_attn.in_proj_a")),
         ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"))),
 }
-#: Attribute holding a folded linear's original weight data (``unpatch`` puts it back).
+#: Attribute holding a folded linear's original weight Parameter (``unpatch`` puts it back).
 _FOLD_SAVED = "_tunekit_unfolded_weight"
 
 #: (is_compiling, is_tracing): a patched forward in eager mode runs when neither is true
@@ -289,16 +289,20 @@ def _fold_pays(op: str, norm: nn.Module, consumers: list[nn.Linear]) -> bool:
 
 def _fold(norm: nn.Module, op: str, consumers: list[nn.Linear]) -> None:
     """Fold ``norm``'s weight into each consumer's (W diag(g), Gemma diag(1 + g), rounded once to the
-    weight's dtype) and route the norm to the identity and the consumers to ``rms_gemv``."""
+    weight's dtype) and route the norm to the identity and the consumers to ``rms_gemv``.
+
+    The folded weight is a new Parameter on the consumer (the original one is kept for ``unpatch``, so
+    a module tree sharing the original parameters, as ``tunekit check-serving``'s unpatched twin, is
+    untouched): the consumers' weights take twice their memory while patched."""
     g = norm.weight.detach().float()
     scale = 1.0 + g if op == "gemma_rms_norm" else g
     eps = _eps(norm)
     for c in consumers:
-        weight = c.weight
-        object.__setattr__(c, _FOLD_SAVED, weight.data)
-        weight.data = (weight.data.float() * scale).to(weight.dtype)
-        _set_forward(c, "rms_gemv (folded norm)", _folded_linear_forward(c, eps))
-    _set_forward(norm, f"{op} (folded)", _folded_norm_forward)
+        original = c.weight
+        object.__setattr__(c, _FOLD_SAVED, original)
+        c.weight = nn.Parameter((original.detach().float() * scale).to(original.dtype), requires_grad=False)
+        _set_forward(c, "rms_gemv", _folded_linear_forward(c, eps))
+    _set_forward(norm, f"{op} folded", _folded_norm_forward)
 
 
 def _set_forward(module: nn.Module, route: str, forward: Callable[..., Any]) -> None:
@@ -374,12 +378,12 @@ def patch(model: nn.Module, table: str | os.PathLike | Sequence[str | os.PathLik
     whose consumers all have ``rms_gemv`` entries, and whose entries at M=1
     beat the tuned norm and GEMVs they replace, is folded: its weight goes
     into the consumers' weights (W diag(g), or diag(1 + g) for Qwen3.5's
-    zero-centred norm; the weights are changed in place, ``unpatch`` puts
-    them back), the norm passes its input on and each consumer runs
+    zero-centred norm; new weight tensors, the originals kept for ``unpatch``),
+    the norm passes its input on and each consumer runs
     ``rms_gemv``, which computes 1/rms itself: no norm kernel runs. The
     numerics move by one BF16 rounding of W diag(g') instead of one of the
-    normalised activation. Counted as ``"rms_gemv (folded norm)"`` and
-    ``"<norm op> (folded)"``; a token count the table lacks runs the norm's
+    normalised activation. Counted as ``"rms_gemv"`` and
+    ``"<norm op> folded"``; a token count the table lacks runs the norm's
     math then the vendor GEMM per consumer.
     """
     from tunekit import ops
@@ -399,8 +403,8 @@ def patch(model: nn.Module, table: str | os.PathLike | Sequence[str | os.PathLik
                     f"{op} (fold not in the tables or not paying)", 0) + 1
                 continue
             _fold(norm, op, consumers)
-            counts[f"{op} (folded)"] = counts.get(f"{op} (folded)", 0) + 1
-            counts["rms_gemv (folded norm)"] = counts.get("rms_gemv (folded norm)", 0) + len(consumers)
+            counts[f"{op} folded"] = counts.get(f"{op} folded", 0) + 1
+            counts["rms_gemv"] = counts.get("rms_gemv", 0) + len(consumers)
     for module in model.modules():
         if getattr(module, _ROUTE, None):
             continue
@@ -430,7 +434,7 @@ def unpatch(model: nn.Module) -> int:
             module.__dict__.pop("forward", None)
         unfolded = module.__dict__.pop(_FOLD_SAVED, None)
         if unfolded is not None:
-            module.weight.data = unfolded
+            module.weight = unfolded
         module.__dict__.pop(_SAVED, None)
         module.__dict__.pop(_ROUTE, None)
         restored += 1
