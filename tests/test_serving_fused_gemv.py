@@ -106,3 +106,25 @@ def test_opaque_under_torch_compile_and_built_by_prepare(tmp_path: Path) -> None
     w = (torch.randn(N, K, generator=gen) / K**0.5).bfloat16()
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
     assert torch.equal(compiled(x, w), f(x, w))
+
+
+def test_an_eager_tuned_call_binds_once_at_the_callers_epsilon(tmp_path: Path, monkeypatch) -> None:
+    """As the GEMV's: the first eager call binds the kernel's launches (a stand-in binder here: the
+    interpreter has no launcher to record), later calls replay them, at the epsilon the caller passed."""
+    from test_dispatch_overhead import _stand_in_binding
+
+    from tunekit.device import detect
+
+    binds, replays = _stand_in_binding(monkeypatch)
+    _table(tmp_path, "rms_gemv")
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(1, K, generator=gen).bfloat16()
+    w = (torch.randn(N, K, generator=gen) / K**0.5).bfloat16()
+    problem = Problem("rms_gemv", "bf16", 1, N, K)
+    kernel = get("triton").build(problem, get("triton").space(problem).default, detect())
+    at_half = torch.empty(1, N, dtype=torch.bfloat16)
+    kernel((x, w), at_half, eps=0.5)  # an epsilon that changes the scale: a replay at another would differ
+    for _ in range(3):
+        assert torch.equal(torch.ops.tunekit.rms_gemv(x, w, 0.5), at_half)
+    assert len(binds) == 1 and len(replays) == 2
+    assert [(r["impl"], r["calls"]) for r in ops.dispatch_stats()] == [("tuned:triton", 3)]

@@ -12,14 +12,14 @@ checks shapes, dtypes and devices decide, the decision (``resolve``, the M
 rule of the tables), the marker rows' counters. Per call: the layout checks
 (unit stride along K for x and the weight, x viewable as [M, K]; the
 residual [.., N] viewable as [M, N] with unit stride), then the tuned kernel
-or the vendor path. The vendor path is what these ops replace, unfused: the
+or the vendor path; a Triton kernel's eager launches go through its bound
+launcher from the second eager call on (``tunekit.serving.launch``, as the
+GEMV's). The vendor path is what these ops replace, unfused: the
 norm's PyTorch math (fp32, rounded to the activation dtype, as vLLM's native
 norm) then the vendor GEMM (``F.linear``, or the GEMM ``set_vendor_gemm``
 installed); the vendor GEMM then the add. Never the default-config kernel
 the elementwise ops fall back to: a GEMV at a default config loses to the
-vendor BLAS. The kernels are launched through their built callable (no bound
-launcher yet: an eager call costs the Triton launch's Python; under a CUDA
-graph it runs at capture only). Never raises for tunekit's sake.
+vendor BLAS. Never raises for tunekit's sake.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from tunekit.serving import launch
 from tunekit.serving.decisions import is_capturing, kernel_takes_eps, mark_broken, resolve
 from tunekit.serving.gemv import _gemv_vendor_name, _static_reason, _vendor_gemv
 from tunekit.serving.markers import count, counter
@@ -66,7 +67,7 @@ def _layout_reason(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
 class _Route:
     """What serves one (op, x shape, weight shape, dtype, device, eps), resolved once."""
 
-    __slots__ = ("ckey", "choice", "static", "shape", "m", "n", "k", "dtype", "ticks", "run")
+    __slots__ = ("ckey", "choice", "static", "shape", "m", "n", "k", "dtype", "ticks", "run", "launcher", "bind")
 
     def __init__(self, op: str, x: torch.Tensor, weight: torch.Tensor, extra: torch.Tensor | None,
                  eps: float | None, capturing: bool) -> None:
@@ -80,7 +81,7 @@ class _Route:
         self.m = x.numel() // self.k if self.k else 0
         self.n = wshape[0] if len(wshape) == 2 else 0
         self.ckey = (op, self.dtype, self.m, self.n, self.k, str(x.device))
-        self.choice, self.run = None, None
+        self.choice, self.run, self.launcher, self.bind = None, None, None, False
         impl = f"fallback:{self.static}"
         if self.static is None:
             self.choice = STATE.choices.get(self.ckey) or resolve(op, self.dtype, self.m, self.n, self.k,
@@ -94,6 +95,9 @@ class _Route:
                     self.run = lambda inputs, out, kernel=kernel, eps=eps: kernel(inputs, out, eps=eps)
                 else:  # a kernel built for the default epsilon only
                     impl = "fallback:eps"
+            if self.run is not None and impl == "tuned:triton":
+                tried, self.launcher = launch.bound(self.run)
+                self.bind = not tried
         vendor = None if self.run is not None else _vendor_name(op, x)
         # the marker rows of what this route serves (tuned, or its fallback's vendor path), per capturing
         self.ticks = [counter(op, self.dtype, self.shape, self.m, False, impl, c, vendor).tick for c in (False, True)]
@@ -140,7 +144,13 @@ def _serve(op: str, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
         return out if out.is_contiguous() else out.contiguous()
     try:
         out = x.new_empty((route.m, route.n))
-        route.run(inputs, out)
+        launcher = route.launcher
+        if launcher is None or not launcher(inputs, out, None, True):
+            if route.bind and not capturing:
+                # the first eager launch binds the kernel (at the route's epsilon: route.run carries it)
+                route.launcher, route.bind = launch.bind(route.run, inputs, out), False
+            else:
+                route.run(inputs, out)
     except Exception as exc:  # the serving path never raises for tunekit's sake
         mark_broken(op, route.dtype, route.m, route.n, route.k, x.device, exc)
         count(op, route.dtype, route.shape, route.m, False, "fallback:kernel_error", capturing, _vendor_name(op, x))
