@@ -443,8 +443,8 @@ def stream_cases() -> list[Case]:
 
 def repo_cases() -> list[Case]:
     """Every Triton kernel of kernels_triton, through its wrapper."""
-    return (gemv_cases() + gemv_add_cases() + rms_gemv_cases() + elementwise_cases() + norm_gemv_cases() + act_gemv_cases()
-            + stream_cases())
+    return (gemv_cases() + gemv_add_cases() + rms_gemv_cases() + elementwise_cases() + norm_gemv_cases()
+            + act_gemv_cases() + stream_cases())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -77,10 +77,11 @@ _SHAPE_HELP = ("ad-hoc problem (repeatable): NxK is a GEMV; OP:SIZE an elementwi
                "gemma_rms_norm:5120, silu_and_mul:17408, gated_rms_norm:48x128 (groups x size)")
 _OPS_HELP = ("ops of the model to list / tune: gemv, rms_norm, fused_add_rms_norm, gated_rms_norm, silu_and_mul, "
              "bias_gelu (norm families follow the model's weight convention); opt-in fused families (used by "
-             "`tunekit chain`, not served yet): rms_norm_gemv (the norm in the prologue of the GEMV that reads "
-             "it), silu_mul_gemv (SiLU-and-mul in the down projection's prologue), gemv_add (the residual add "
-             "in the epilogue of o_proj / out_proj / down_proj), rms_gemv (the GEMV of a norm folded into its "
-             "consumers' weights: every GEMV that reads a decoder norm), fused_gemv (all four)")
+             "`tunekit chain`; rms_gemv also by tunekit.patch(fold_norms=True)): rms_norm_gemv (the norm in "
+             "the prologue of the GEMV that reads it), silu_mul_gemv (SiLU-and-mul in the down projection's "
+             "prologue), gemv_add (the residual add in the epilogue of o_proj / out_proj / down_proj), "
+             "rms_gemv (the GEMV of a norm folded into its consumers' weights: every GEMV that reads a "
+             "decoder norm), fused_gemv (all four)")
 _M_HELP = "batch sizes (tokens per step), e.g. 1,2,4,8; gemv takes 1..8, elementwise ops up to 65536"
 #: What `search --model/--config` tunes unless --m / --ops narrow it: M = the small decode
 #: batch sizes vLLM captures as CUDA graphs (GEMV takes 1..8), every op the model runs.

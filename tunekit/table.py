@@ -247,7 +247,7 @@ def _entry_problem(entry: dict[str, Any]) -> str | None:
         return f"count={count!r} (must be an integer > 0)"
     if not isinstance(entry.get("timing_kind", ""), str):
         return f"timing_kind={entry['timing_kind']!r} (must be a string)"
-    known = OPS + FUSED_GEMV_OPS  # the fused families: tabulated and used by `tunekit chain`, not served yet
+    known = OPS + FUSED_GEMV_OPS  # the fused families: tabulated, chain-used (rms_gemv, gemv_add also served)
     if entry["op"] not in known:
         return f"unknown op {entry['op']!r} (known: {', '.join(known)})"
     if entry["dtype"] not in DTYPE_BYTES:

@@ -3,7 +3,8 @@
 Call protocol: :func:`register` once per process (``import tunekit.ops``
 calls it); it defines ``tunekit::gemv``, every op of
 ``ELEMENTWISE_SCHEMAS`` and of ``FUSED_GEMV_SCHEMAS`` (``rms_gemv``,
-``gemv_add``) with one Python impl for the CUDA and CPU keys and a fake impl, so ``torch.compile`` keeps each op as one opaque node. A second
+``gemv_add``) with one Python impl for the CUDA and CPU keys and a fake
+impl, so ``torch.compile`` keeps each op as one opaque node. A second
 call (a reload of ``tunekit.ops``) finds the ops defined and does nothing.
 """
 

@@ -18,7 +18,6 @@ from tunekit.serving.state import DEFAULT_EPS, STATE
 from tunekit.serving.tables import tables_for
 from tunekit.serving.vendors import has_vendor_kernel
 
-
 #: ops served like the GEMV (their fallback is the vendor GEMM), and the ops without an eps argument
 _GEMV_FAMILY = ("gemv", "rms_gemv", "gemv_add")
 _NO_EPS = ("gemv", "gemv_add", "silu_and_mul", "bias_gelu")
