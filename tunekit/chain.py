@@ -84,7 +84,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -300,9 +300,9 @@ class Chain:
                 norm = self.steps[j] if j < len(self.steps) else None
                 if norm is None or "fused_add" not in norm.op:
                     continue
-                plain = Step(norm.layer, norm.name, norm.op.replace("fused_add_", ""), norm.n, norm.k)
+                plain = replace(norm, op=norm.op.replace("fused_add_", ""))
                 consumers = self._norm_consumers(j)
-                folds = [Step(c.layer, c.name, FOLDED_NORM_OP, c.n, c.k) for c in consumers]
+                folds = _folded(consumers)
                 # the add in this GEMV and the plain norm it leaves folded into its consumers, priced
                 # together against this GEMV, the fused add + norm and the consumers' GEMVs
                 kernel = fused(FUSED_ADD_OP, step.n, step.k, [step, norm, *consumers], folds) if folds else None
@@ -346,14 +346,14 @@ class Chain:
                 used.append(Step(down.layer, f"{step.name}+{down.name}", FUSED_ACT_OP, down.n, down.k))
             elif step.op.endswith("rms_norm") and step.op != "gated_rms_norm" and i not in folded:
                 norm = plain_at.get(i, step)
-                consumers = [j for j in range(i + 1, i + 1 + len(self._norm_consumers(i)))]
+                consumer_steps = self._norm_consumers(i)
+                consumers = list(range(i + 1, i + 1 + len(consumer_steps)))  # their step indices
                 if not consumers:
                     continue
                 if "fused_add" not in norm.op:
                     # a plain norm folded into every consumer, priced against the norm and their GEMVs
-                    cs = [self.steps[j] for j in consumers]
-                    folds = [Step(c.layer, c.name, FOLDED_NORM_OP, c.n, c.k) for c in cs]
-                    first = fused(FOLDED_NORM_OP, folds[0].n, folds[0].k, [norm, *cs], folds[1:])
+                    folds = _folded(consumer_steps)
+                    first = fused(FOLDED_NORM_OP, folds[0].n, folds[0].k, [norm, *consumer_steps], folds[1:])
                     if first is not None and self._fold(i, folds, fused, impls, kinds, used, first):
                         after_add = plain_at.pop(i, None) is not None
                         impls[i] = _plain_after_add(_unnormed) if after_add else _unnormed
@@ -364,7 +364,7 @@ class Chain:
                     continue  # the consumers' weights are not one tensor: the pair stays unfused
                 op = f"{norm.op}_gemv"
                 n = weight.shape[0]
-                kernel = fused(op, n, step.n, [norm] + [self.steps[j] for j in consumers], [])
+                kernel = fused(op, n, step.n, [norm, *consumer_steps], [])
                 if kernel is None:
                     continue
                 y = torch.empty(m, n, dtype=dtype, device=device)
@@ -380,7 +380,7 @@ class Chain:
                     start += rows
                     kinds[j] = "fused"
                 kinds[i] = "fused"
-                names = "+".join([step.name] + [self.steps[j].name for j in consumers])
+                names = "+".join([step.name] + [c.name for c in consumer_steps])
                 used.append(Step(step.layer, names, op, n, step.n))
         retyped.extend(plain_at.values())  # the plain norms left as steps of their own
 
@@ -500,6 +500,11 @@ def _fused_norm(kernel: Callable[..., None], weight: torch.Tensor, y: torch.Tens
         kernel((x, residual, g, weight), (y, residual_out))
         return y, residual_out
     return with_residual
+
+
+def _folded(consumers: list[Step]) -> list[Step]:
+    """The ``rms_gemv`` steps that a folded norm's consumer GEMVs become."""
+    return [replace(c, op=FOLDED_NORM_OP) for c in consumers]
 
 
 def _unnormed(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
