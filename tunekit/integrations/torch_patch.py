@@ -220,7 +220,7 @@ def _folded_norm_forward(hidden_states: torch.Tensor) -> torch.Tensor:
 
 def _folded_linear_forward(module: nn.Linear, eps: float) -> Callable[[torch.Tensor], torch.Tensor]:
     """A consumer of a folded norm: ``rms_gemv`` on its input and its folded weight W diag(g')."""
-    from tunekit.serving.fused_gemv import rms_gemv_impl
+    from tunekit.serving.fused_gemv import rms_gemv_impl, unweighted_rms_norm
 
     traced = torch.ops.tunekit.rms_gemv
     (is_compiling, is_tracing), plain, grad_enabled = _TRACING, torch.Tensor, torch.is_grad_enabled
@@ -228,8 +228,7 @@ def _folded_linear_forward(module: nn.Linear, eps: float) -> Callable[[torch.Ten
     def forward(input: torch.Tensor) -> torch.Tensor:
         weight = module.weight
         if grad_enabled() and _needs_autograd(input, weight):
-            xf = input.float()
-            return F.linear((xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(input.dtype), weight)
+            return F.linear(unweighted_rms_norm(input, eps), weight)
         if type(input) is plain and not is_compiling() and not is_tracing():
             return rms_gemv_impl(input, weight, eps)
         return traced(input, weight, eps)

@@ -32,6 +32,7 @@ import torch
 from tunekit.serving import launch
 from tunekit.serving.decisions import is_capturing, kernel_takes_eps, mark_broken, resolve
 from tunekit.serving.gemv import _gemv_vendor_name, _static_reason, _vendor_gemv
+from tunekit.serving.gemv import _layout_reason as gemv_layout_reason
 from tunekit.serving.markers import count, counter
 from tunekit.serving.state import DEFAULT_EPS, STATE, dtype_name
 
@@ -42,10 +43,15 @@ FUSED_GEMV_SCHEMAS: dict[str, str] = {
 }
 
 
-def _vendor_rms_gemv(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) in fp32, rounded to x's dtype: the norm a folded weight (W diag(g)) still needs.
+    Plain torch ops, so autograd flows through it too."""
     xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
-    return _vendor_gemv(normed, weight, None)
+    return (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _vendor_rms_gemv(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _vendor_gemv(unweighted_rms_norm(x, eps), weight, None)
 
 
 def _vendor_gemv_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -54,13 +60,14 @@ def _vendor_gemv_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tens
 
 def _layout_reason(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> str | None:
     """The checks strides decide (per call, after :func:`_static_reason` passed for the route)."""
+    reason = gemv_layout_reason(x, weight, None)
+    if reason is not None or residual is None:
+        return reason
     n, k = weight.shape
-    ws0, ws1 = weight.stride()
-    if (k > 1 and (ws1 != 1 or x.stride(-1) != 1)) or ws0 < k:
+    if residual.shape[-1] != n or residual.numel() != x.numel() // k * n:
+        return "bad_input"
+    if n > 1 and residual.stride(-1) != 1:
         return "strided"
-    if residual is not None and (residual.shape[-1] != n or residual.numel() != x.numel() // k * n
-                                 or (n > 1 and residual.stride(-1) != 1)):
-        return "bad_input" if residual.shape[-1] != n or residual.numel() != x.numel() // k * n else "strided"
     return None
 
 
