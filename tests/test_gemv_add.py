@@ -1,10 +1,12 @@
-"""The residual add in the GEMV epilogue (``gemv_add``): interpreter correctness at odd sizes, every store
-site of the kernel, the problems a model has, and the search's plumbing (backend, space, vendor baseline)."""
+"""The residual add in the GEMV epilogue (``gemv_add``): interpreter correctness (odd sizes and every M
+layout: test_gemv_epilogues.py), every store site of the kernel, the problems a model has, and the
+search's plumbing (backend, space, vendor baseline)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from gemv_epilogues import check
 
 import search_spaces
 from kernels_triton.gemv import DEFAULT, GemvConfig, gemv, reference
@@ -18,40 +20,16 @@ from tunekit.shapes import Problem
 CPU = torch.device("cpu")
 
 
-def _check(m: int, n: int, k: int, config: GemvConfig, seed: int = 0) -> float:
-    problem = Problem("gemv_add", "bf16", m, n, k)
-
-    def kernel(inputs, out):
-        x, w, residual = inputs
-        gemv(x, w, config, out=out, residual=residual)
-
-    result = verify.verify(kernel, opspec.GEMV_ADD, problem, CPU, seed=seed)
-    assert result.ok, result.reason
-    return result.err_ratio
-
-
-@pytest.mark.parametrize("m", [1, 2, 5, 8])
-def test_every_m_with_both_tails(m: int) -> None:
-    # N=37 not a multiple of BLOCK_N=8, K=200 not a multiple of BLOCK_K=64
-    assert 0 < _check(m, 37, 200, GemvConfig(BLOCK_N=8, BLOCK_K=64, num_warps=1), seed=m) <= 1
-
-
-@pytest.mark.parametrize("mode", ["rows", "dot", "dot_w"])
-def test_the_other_m_layouts(mode: str) -> None:
-    block_n = 4 if mode == "rows" else 16
-    _check(3, 37, 200, GemvConfig(BLOCK_N=block_n, BLOCK_K=64, num_warps=1, M_MODE=mode))
-
-
 @pytest.mark.parametrize("split_reduce", ["kernel", "fused"])
 def test_split_k_adds_the_residual_once(split_reduce: str) -> None:
     """With SPLIT_K > 1 the residual is added where the partials are summed (the reduce kernel, or the last
     split): once, whichever split finishes last."""
-    _check(3, 29, 330, GemvConfig(BLOCK_N=4, BLOCK_K=16, num_warps=1, SPLIT_K=3, SPLIT_REDUCE=split_reduce))
+    check("gemv_add", 3, 29, 330, GemvConfig(BLOCK_N=4, BLOCK_K=16, num_warps=1, SPLIT_K=3, SPLIT_REDUCE=split_reduce))
 
 
 def test_n1_and_the_default_config() -> None:
-    _check(1, 1, 96, DEFAULT)
-    _check(2, 5, 4100, DEFAULT)
+    check("gemv_add", 1, 1, 96, DEFAULT)
+    check("gemv_add", 2, 5, 4100, DEFAULT)
 
 
 def test_in_place_on_the_residual_gives_the_same_bits() -> None:

@@ -1,11 +1,13 @@
-"""The GEMV of a folded RMSNorm (``rms_gemv``: y = (x / rms(x)) @ W'^T): interpreter correctness at odd
-sizes and in every M layout, a bound that catches a missing or misplaced scale, the weight folding it
-serves, the problems a model has, and the search's plumbing (backend, space, seeds, vendor baseline)."""
+"""The GEMV of a folded RMSNorm (``rms_gemv``: y = (x / rms(x)) @ W'^T): interpreter correctness at N=1
+and K past a block (odd sizes and every M layout: test_gemv_epilogues.py), a bound that catches a missing
+or misplaced scale, the weight folding it serves, the problems a model has, and the search's plumbing
+(backend, space, seeds, vendor baseline)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from gemv_epilogues import check
 
 from kernels_triton.gemv import DEFAULT, GemvConfig, gemv
 from tunekit import opspec, shapes, verify
@@ -18,33 +20,10 @@ from tunekit.shapes import Problem
 CPU = torch.device("cpu")
 
 
-def _check(m: int, n: int, k: int, config: GemvConfig, seed: int = 0) -> float:
-    problem = Problem("rms_gemv", "bf16", m, n, k)
-
-    def kernel(inputs, out):
-        gemv(inputs[0], inputs[1], config, out=out, rms_eps=opspec.EPS)
-
-    result = verify.verify(kernel, opspec.RMS_GEMV, problem, CPU, seed=seed)
-    assert result.ok, result.reason
-    return result.err_ratio
-
-
-@pytest.mark.parametrize("m", [1, 2, 5, 8])
-def test_every_m_with_both_tails(m: int) -> None:
-    # N=37 not a multiple of BLOCK_N=8, K=200 not a multiple of BLOCK_K=64: the masked x loads add no squares
-    assert 0 < _check(m, 37, 200, GemvConfig(BLOCK_N=8, BLOCK_K=64, num_warps=1), seed=m) <= 1
-
-
-@pytest.mark.parametrize("mode", ["rows", "dot", "dot_w"])
-def test_the_other_m_layouts(mode: str) -> None:
-    block_n = 4 if mode == "rows" else 16
-    _check(3, 37, 200, GemvConfig(BLOCK_N=block_n, BLOCK_K=64, num_warps=1, M_MODE=mode))
-
-
 def test_n1_the_default_and_the_one_row_per_program_config() -> None:
-    _check(1, 1, 96, DEFAULT)
-    _check(2, 5, 4100, DEFAULT)
-    _check(1, 19, 5120, GemvConfig(BLOCK_N=1, BLOCK_K=256, num_warps=1, num_stages=4, W_EVICT="evict_first"))
+    check("rms_gemv", 1, 1, 96, DEFAULT)
+    check("rms_gemv", 2, 5, 4100, DEFAULT)
+    check("rms_gemv", 1, 19, 5120, GemvConfig(BLOCK_N=1, BLOCK_K=256, num_warps=1, num_stages=4, W_EVICT="evict_first"))
 
 
 def test_the_bound_catches_a_missing_or_misplaced_scale() -> None:
