@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_chain import TINY  # the sibling test module's tiny Qwen3.5 config (tests/ is on sys.path)
-from test_ops import _entry, make_table
+from test_ops import _entry, make_table, timed_entry
 
 from tunekit import backends, shapes
 from tunekit import chain as chain_mod
@@ -233,13 +233,9 @@ def test_a_fused_entry_slower_than_the_tuned_steps_it_replaces_is_left_unfused(t
     config.write_text(json.dumps(TINY))
     spec = load_model(str(config))
 
-    def default(op: str, m: int, n: int, k: int, time_us: float) -> dict:
-        params = backends.get("triton").space(Problem(op, "bf16", m, n, k)).default
-        return dict(_entry(op, m, n, k, params=params), time_us=time_us, speedup=2.0 / time_us)
-
     table = make_table(tmp_path / "t.json", [
-        default("gemv", 1, 64, 96, 1.0),  # down_proj, tuned: 1.0 us
-        default("silu_mul_gemv", 1, 64, 96, 1.2),  # beats the eager pair (2 us), loses to the tuned down_proj
+        timed_entry("gemv", 64, 96, 1.0),  # down_proj, tuned: 1.0 us
+        timed_entry("silu_mul_gemv", 64, 96, 1.2),  # beats the eager pair (2 us), loses to the tuned down_proj
     ])
     lines: list[str] = []
     report = chain_mod.run(spec, [str(table)], [1], log=lines.append)
@@ -257,14 +253,10 @@ def test_run_moves_the_residual_add_only_where_the_plain_norm_pays(tmp_path: Pat
     config.write_text(json.dumps(TINY))
     spec = load_model(str(config))
 
-    def row(op: str, n: int, k: int, time_us: float) -> dict:
-        params = backends.get("triton").space(Problem(op, "bf16", 1, n, k)).default
-        return dict(_entry(op, 1, n, k, params=params), time_us=time_us, speedup=2.0 / time_us)
-
     table = make_table(tmp_path / "t.json", [
-        row("gemv", 64, 64, 1.0), row("gemv", 64, 96, 1.0),  # o_proj / out_proj, down_proj
-        row("gemma_fused_add_rms_norm", 64, 64, 1.0), row("gemma_rms_norm", 64, 64, 0.5),
-        row("gemv_add", 64, 64, 1.1), row("gemv_add", 64, 96, 1.6),
+        timed_entry("gemv", 64, 64, 1.0), timed_entry("gemv", 64, 96, 1.0),  # o_proj / out_proj, down_proj
+        timed_entry("gemma_fused_add_rms_norm", 64, 64, 1.0), timed_entry("gemma_rms_norm", 64, 64, 0.5),
+        timed_entry("gemv_add", 64, 64, 1.1), timed_entry("gemv_add", 64, 96, 1.6),
     ])
     lines: list[str] = []
     report = chain_mod.run(spec, [str(table)], [1], log=lines.append)
@@ -353,15 +345,12 @@ def test_run_folds_where_the_add_and_the_fold_pay_together(tmp_path: Path) -> No
     config.write_text(json.dumps(TINY))
     spec = load_model(str(config))
 
-    def row(op: str, n: int, k: int, time_us: float) -> dict:
-        params = backends.get("triton").space(Problem(op, "bf16", 1, n, k)).default
-        return dict(_entry(op, 1, n, k, params=params), time_us=time_us, speedup=2.0 / time_us)
-
     table = make_table(tmp_path / "t.json", [
-        row("gemv", 192, 64, 1.0), row("gemv", 8, 64, 1.0), row("gemv", 64, 64, 1.0), row("gemv", 64, 96, 1.0),
-        row("gemma_fused_add_rms_norm", 64, 64, 1.0), row("gemma_rms_norm", 64, 64, 0.5),
-        row("gemv_add", 64, 64, 1.6), row("gemv_add", 64, 96, 1.6),
-        row("rms_gemv", 192, 64, 1.05), row("rms_gemv", 8, 64, 1.05),
+        timed_entry("gemv", 192, 64, 1.0), timed_entry("gemv", 8, 64, 1.0),
+        timed_entry("gemv", 64, 64, 1.0), timed_entry("gemv", 64, 96, 1.0),
+        timed_entry("gemma_fused_add_rms_norm", 64, 64, 1.0), timed_entry("gemma_rms_norm", 64, 64, 0.5),
+        timed_entry("gemv_add", 64, 64, 1.6), timed_entry("gemv_add", 64, 96, 1.6),
+        timed_entry("rms_gemv", 192, 64, 1.05), timed_entry("rms_gemv", 8, 64, 1.05),
     ])
     lines: list[str] = []
     report = chain_mod.run(spec, [str(table)], [1], log=lines.append)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from test_ops import _entry, make_table  # the sibling test module's table helpers (tests/ is on sys.path)
+from test_ops import _entry, make_table, timed_entry  # the sibling test module's table helpers (tests/ is on sys.path)
 from torch import nn
 
 import tunekit
@@ -243,16 +243,9 @@ def test_hugging_face_llama_norms_are_routed() -> None:
 def _fold_table(tmp_path: Path, model: nn.Module, fold_us: float, norm_op: str) -> Path:
     """M=1 entries for every folded-consumer shape (rms_gemv at ``fold_us``, the GEMV at 1.0 us) and the
     norm (1.0 us): the fold pays where ``fold_us`` < 1.0 + the norm's share."""
-    from tunekit.backends import get
-    from tunekit.shapes import Problem
-
-    def row(op: str, n: int, k: int, time_us: float) -> dict:
-        params = get("triton").space(Problem(op, "bf16", 1, n, k)).default
-        return dict(_entry(op, 1, n, k, params=params), time_us=time_us, speedup=2.0 / time_us)
-
-    rows = [row(norm_op, HIDDEN, HIDDEN, 1.0)]
+    rows = [timed_entry(norm_op, HIDDEN, HIDDEN, 1.0)]
     for n, k in torch_patch.fold_shapes(model):
-        rows += [row("rms_gemv", n, k, fold_us), row("gemv", n, k, 1.0)]
+        rows += [timed_entry("rms_gemv", n, k, fold_us), timed_entry("gemv", n, k, 1.0)]
     return make_table(tmp_path / f"fold-{fold_us}.json", rows)
 
 
