@@ -154,6 +154,7 @@ def _gemv_kernel(
     SPLIT_K: tl.constexpr, FUSED_REDUCE: tl.constexpr,
     EVEN_K: tl.constexpr, W_EVICT: tl.constexpr, USE_DOT: tl.constexpr, ROWS: tl.constexpr,
     DOT_IN_FP32: tl.constexpr, SWAP_AB: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RMS_SCALE: tl.constexpr,
+    GLU: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -257,6 +258,13 @@ def _gemv_kernel(
     if RMS_SCALE:
         # SPLIT_K == 1 (the wrapper's check): this program's loop saw all of K
         out = out * tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
+    if GLU:
+        # W's rows are (gate, up) pairs: the program's BLOCK_N rows give BLOCK_N / 2 outputs
+        # silu(gate) * up, from the fp32 dots (SPLIT_K == 1, the wrapper's check)
+        gate, up = tl.split(tl.reshape(out, [BLOCK_M, BLOCK_N // 2, 2]))
+        out = gate / (1.0 + tl.exp(-gate)) * up
+        offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        N = N // 2
     y_mask = m_mask & (offs_n[None, :] < N)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     r_ptrs = r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :]
@@ -321,12 +329,17 @@ def gemv(
     out: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     rms_eps: float | None = None,
+    glu: bool = False,
 ) -> torch.Tensor:
     """y = x @ w.T (+ residual) with an explicit config. x [M, K], w [N, K] (unit stride on K);
     residual [M, N] (unit stride on N; ``out`` may be the residual itself: updated in place).
-    With ``rms_eps``: y = (x / sqrt(mean(x^2) + rms_eps)) @ w.T, per row of x (SPLIT_K = 1)."""
+    With ``rms_eps``: y = (x / sqrt(mean(x^2) + rms_eps)) @ w.T, per row of x (SPLIT_K = 1).
+    With ``glu``: w's rows are (gate, up) pairs (``tunekit.opspec.interleave_gate_up``) and y[M, N / 2] =
+    silu(gate) * up of the fp32 dots (SPLIT_K = 1, even BLOCK_N, no residual)."""
     m, k = x.shape
     n = w.shape[0]
+    if glu and (config.SPLIT_K != 1 or config.BLOCK_N < 2 or n % 2 or residual is not None):
+        raise ValueError("glu needs SPLIT_K = 1, BLOCK_N >= 2, an even N and no residual")
     if w.shape[1] != k:
         raise ValueError(f"x is [{m}, {k}] but w is {list(w.shape)}")
     if x.stride(1) != 1 or w.stride(1) != 1:
@@ -336,7 +349,7 @@ def gemv(
     if rms_eps is not None and config.SPLIT_K != 1:
         raise ValueError("the rms scale needs all of K in one program (SPLIT_K = 1)")
     if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        out = torch.empty((m, n // 2 if glu else n), dtype=x.dtype, device=x.device)
     r = out if residual is None else residual  # unused by the kernels without a residual
     use_dot = config.M_MODE in ("dot", "dot_w")
     rows = config.M_MODE == "rows" and m > 1
@@ -361,7 +374,7 @@ def gemv(
         BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
         SPLIT_K=split, FUSED_REDUCE=fused, EVEN_K=even_k, W_EVICT=config.W_EVICT, USE_DOT=use_dot, ROWS=rows,
         DOT_IN_FP32=_DOT_IN_FP32, SWAP_AB=config.M_MODE == "dot_w", HAS_RESIDUAL=residual is not None,
-        RMS_SCALE=rms_eps is not None, num_warps=config.num_warps, num_stages=config.num_stages,
+        RMS_SCALE=rms_eps is not None, GLU=glu, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split > 1 and not fused:
         block = 256
@@ -372,19 +385,24 @@ def gemv(
     return out
 
 
+#: the fused GEMV ops :func:`launch` serves
+FUSED_OPS = ("gemv_add", "rms_gemv", "gemv_silu_mul", "rms_gemv_silu_mul")
+
+
 def launch(op: str, inputs: tuple[torch.Tensor, ...], out: torch.Tensor, config: GemvConfig,
            eps: float = 1e-6) -> None:
-    """The backend's entry for ``gemv_add`` and ``rms_gemv`` (``tunekit.opspec``'s protocol): inputs
-    ``(x, W, residual)`` -> ``y = x @ W^T + residual`` (``eps`` unused); ``(x, W)`` -> ``y = (x / rms(x))
-    @ W^T``. The plain GEMV is built on :func:`gemv` directly."""
+    """The backend's entry for ``FUSED_OPS`` (``tunekit.opspec``'s protocol): inputs ``(x, W,
+    residual)`` -> ``y = x @ W^T + residual`` (``eps`` unused); ``(x, W)`` -> ``y = (x / rms(x)) @
+    W^T``; ``(x, W)`` with W's rows (gate, up) pairs -> ``y = silu(x W_gate^T) * (x W_up^T)``
+    (``rms_`` form: of x / rms(x)). The plain GEMV is built on :func:`gemv` directly."""
     if op == "gemv_add":
         x, w, residual = inputs
         gemv(x, w, config, out=out, residual=residual)
-    elif op == "rms_gemv":
+    elif op in FUSED_OPS:
         x, w = inputs
-        gemv(x, w, config, out=out, rms_eps=eps)
+        gemv(x, w, config, out=out, rms_eps=eps if op.startswith("rms_") else None, glu=op.endswith("silu_mul"))
     else:
-        raise ValueError(f"kernels_triton.gemv.launch serves gemv_add and rms_gemv, not {op!r}")
+        raise ValueError(f"kernels_triton.gemv.launch serves {', '.join(FUSED_OPS)}, not {op!r}")
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -25,6 +25,8 @@ FILES: dict[str, str] = {
     "gemma_fused_add_rms_norm_gemv": "rms_norm_gemv",
     # the residual add in the GEMV epilogue: the GEMV's kernel and tunables
     "gemv_add": "gemv",
+    # SiLU-and-mul in gate_up's epilogue, with or without the folded norm's scale: one space
+    "rms_gemv_silu_mul": "gemv_silu_mul",
 }
 
 

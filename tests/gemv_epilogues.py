@@ -1,5 +1,6 @@
-"""Shared check of the GEMV kernel's fused variants (``gemv_add``, ``rms_gemv``): one problem, verified
-by the op's own spec and bound on the CPU under the Triton interpreter."""
+"""Shared check of the GEMV kernel's fused variants (``gemv_add``, ``rms_gemv``, the SiLU-and-mul
+epilogue with and without the rms scale): one problem, verified by the op's own spec and bound on the
+CPU under the Triton interpreter."""
 
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ VARIANTS: dict[str, tuple[opspec.OpSpec, Callable[..., None]]] = {
                  lambda inputs, config, out: gemv(inputs[0], inputs[1], config, out=out, residual=inputs[2])),
     "rms_gemv": (opspec.RMS_GEMV,
                  lambda inputs, config, out: gemv(inputs[0], inputs[1], config, out=out, rms_eps=opspec.EPS)),
+    "gemv_silu_mul": (opspec.GLU_GEMVS["gemv_silu_mul"],
+                      lambda inputs, config, out: gemv(inputs[0], inputs[1], config, out=out, glu=True)),
+    "rms_gemv_silu_mul": (opspec.GLU_GEMVS["rms_gemv_silu_mul"],
+                          lambda inputs, config, out: gemv(inputs[0], inputs[1], config, out=out,
+                                                           rms_eps=opspec.EPS, glu=True)),
 }
 
 

@@ -179,7 +179,7 @@ def test_models_list_down_proj_only_when_asked() -> None:
 
     assert OP not in shapes.OPS and shapes.parse_ops("silu_mul_gemv") == (OP,)
     assert set(shapes.parse_ops("fused_gemv")) == (set(shapes.NORM_GEMV_OPS) | {OP} | set(shapes.GEMV_ADD_OPS)
-                                                   | set(shapes.RMS_GEMV_OPS))
+                                                   | set(shapes.RMS_GEMV_OPS) | set(shapes.GLU_GEMV_OPS))
     qwen = load_model("qwen3.5-27b")
     assert not [p for p in qwen.problems(tp=1, m_list=(1,), ops=shapes.OPS) if p.op == OP]
     for spec in list_models():
@@ -193,5 +193,5 @@ def test_models_list_down_proj_only_when_asked() -> None:
             # the fused op's input is gate_up_proj's output
             assert linears[f"{spec.mlp_prefix}gate_up_proj"][0] == 2 * k
     listed = {(p.op, p.n, p.k): p.count for p in qwen.problems(tp=1, m_list=(1,), ops=shapes.parse_ops("fused_gemv"))}
-    # + 4 norm -> GEMV, 2 gemv_add and 4 rms_gemv problems
-    assert listed[(OP, 5120, 17408)] == 64 and len(listed) == 11
+    # + 4 norm -> GEMV, 2 gemv_add, 4 rms_gemv and 2 gate_up + SiLU-and-mul problems
+    assert listed[(OP, 5120, 17408)] == 64 and len(listed) == 13

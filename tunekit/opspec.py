@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tunekit.shapes import ACT_GEMV_OPS, DTYPE_BYTES, GEMV_ADD_OPS, NORM_GEMV_OPS, RMS_GEMV_OPS, Problem
+from tunekit.shapes import ACT_GEMV_OPS, DTYPE_BYTES, GEMV_ADD_OPS, GLU_GEMV_OPS, NORM_GEMV_OPS, RMS_GEMV_OPS, Problem
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -621,11 +621,99 @@ RMS_GEMV = OpSpec(
 )
 assert RMS_GEMV_OPS == (RMS_GEMV.name,)
 
+# ------------------------------------------------------- gemv + silu-and-mul
+# SiLU-and-mul in gate_up_proj's epilogue (kernels_triton/gemv.py, glu=): inputs (x[m,k],
+# W[n,k]) with W's rows (gate_i, up_i) pairs (kernels_triton.gemv.interleave_gate_up, made once
+# when the weights are prepared) -> y[m, n/2] = silu(g) * u, (g, u) the pairs' dots. The rms_
+# form is the same of x / rms(x) (a folded norm before gate_up_proj, as rms_gemv).
+def interleave_gate_up(w: torch.Tensor) -> torch.Tensor:
+    """A merged gate_up weight [gate; up] ([2I, K], vLLM's layout) with its rows reordered into (gate_i,
+    up_i) pairs: the weight the gemv_silu_mul ops read, made once when the weights are prepared."""
+    n, k = w.shape
+    if n % 2:
+        raise ValueError(f"a gate_up weight has an even number of rows, got {n}")
+    return w.view(2, n // 2, k).transpose(0, 1).reshape(n, k)
+
+
+_SILU_SLOPE = 1.0999  # max |silu'(t)| over all t (1.09984 at t ~ 2.3994): silu is 1.1-Lipschitz
+
+
+def _glu_dots(inputs: tuple[torch.Tensor, ...], rms: bool, u_out: float) -> tuple[torch.Tensor, ...]:
+    """fp64 (g, u, bound on the unfused sequence's error in g, in u) of the pairs of rows; ``rms``: of
+    x / rms(x); ``u_out``: the unit roundoff of the GEMV's output type."""
+    x, w = inputs
+    k = x.shape[-1]
+    xd, wd = x.double(), w.double()
+    abs_dot = xd.abs() @ wd.abs().T
+    if rms:
+        rstd = torch.rsqrt(xd.square().mean(dim=-1, keepdim=True) + EPS)
+        dots = (xd * rstd) @ wd.T
+        # rms_gemv's bound (the norm's BF16 output in the unfused sequence included), then the GEMV's
+        # BF16 output before silu-and-mul
+        err = 1.01 * (u_out + k * _FP32_U) * rstd * abs_dot + (1.01 * (k + 8) * _FP32_U + u_out) * dots.abs()
+    else:
+        dots = xd @ wd.T
+        err = 1.01 * k * _FP32_U * abs_dot + u_out * dots.abs()
+    return dots[:, 0::2], dots[:, 1::2], err[:, 0::2], err[:, 1::2]
+
+
+def _glu_inputs(problem: Problem, device: torch.device, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    if problem.n % 2:
+        raise ValueError(f"{problem.op}: N = {problem.n} is a gate_up width, it must be even")
+    # the rms_ form: rows of x at rms 2, 3, ... as rms_gemv's (a missing scale errs by >= 1.5x)
+    make = _rms_gemv_inputs if problem.op.startswith("rms_") else _gemv_inputs
+    return make(problem, device, gen)
+
+
+def _glu_output(problem: Problem, device: torch.device) -> torch.Tensor:
+    return torch.empty((problem.m, problem.n // 2), dtype=TORCH_DTYPES[problem.dtype], device=device)
+
+
+def _glu_reference(rms: bool) -> Callable[[tuple[torch.Tensor, ...]], torch.Tensor]:
+    def reference(inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """fp64 silu(g) * u of the pairs' dots on the same BF16 values (no rounding: u_out unused)."""
+        g, u, _, _ = _glu_dots(inputs, rms, 0.0)
+        return torch.nn.functional.silu(g) * u
+    return reference
+
+
+def _glu_bound(problem: Problem, inputs: tuple[torch.Tensor, ...], ref: torch.Tensor) -> torch.Tensor:
+    """The dots' bound (the GEMV's, or rms_gemv's), carried through silu(g) * u, plus the roundings of
+    the unfused sequence it replaces.
+
+    With |g' - g| <= Eg and |u' - u| <= Eu (the unfused sequence: the GEMV
+    rounds g and u to BF16 on top of its fp32 error; the fused kernel keeps
+    them in fp32), |silu(g') u' - silu(g) u| <= 1.1 Eg (|u| + Eu) + |silu(g)|
+    Eu, silu being 1.1-Lipschitz. The fp32 silu and product add a few u32
+    relative; the output rounding (twice in vLLM's BF16 silu, then mul) 2u.
+    Held to 2u |ref| + 1.01 (1.1 Eg (|u| + Eu) + |silu(g)| Eu) + 16 u32 |ref| +
+    tiny. Pairing the wrong rows (gate with gate, the [gate; up] order), a
+    missing SiLU or scale, or gate and up swapped errs by O(|ref|) ~ 1.
+    """
+    u_out = _UNIT_ROUNDOFF[problem.dtype]
+    g, u, err_g, err_u = _glu_dots(inputs, problem.op.startswith("rms_"), u_out)
+    carried = _SILU_SLOPE * err_g * (u.abs() + err_u) + torch.nn.functional.silu(g).abs() * err_u
+    return 2 * u_out * ref.abs() + 1.01 * carried + 16 * _FP32_U * ref.abs() + _TINY
+
+
+def _glu_bytes(problem: Problem) -> int:
+    size = DTYPE_BYTES[problem.dtype]
+    return problem.n * problem.k * size + problem.m * (problem.k + problem.n // 2) * size
+
+
+def _glu_gemv(op: str) -> OpSpec:
+    return OpSpec(name=op, make_inputs=_glu_inputs, make_output=_glu_output,
+                  reference=_glu_reference(op.startswith("rms_")), error_bound=_glu_bound, bytes_moved=_glu_bytes,
+                  rotated_input=1)
+
+
+GLU_GEMVS = {op: _glu_gemv(op) for op in GLU_GEMV_OPS}
+
 OPS: dict[str, OpSpec] = {
     spec.name: spec
     for spec in (GEMV, RMS_NORM, GEMMA_RMS_NORM, FUSED_ADD_RMS_NORM, GEMMA_FUSED_ADD_RMS_NORM, GATED_RMS_NORM,
                  SILU_AND_MUL, BIAS_GELU, *(_norm_gemv(name) for name in NORM_GEMV_OPS), SILU_MUL_GEMV, GEMV_ADD,
-                 RMS_GEMV)
+                 RMS_GEMV, *GLU_GEMVS.values())
 }
 
 

@@ -43,9 +43,13 @@ GEMV_ADD_OPS = ("gemv_add",)
 #: The GEMV of an RMSNorm whose weight is folded into W (kernels_triton/gemv.py, ``rms_eps=``):
 #: y = (x / rms(x)) @ W'^T for every consumer of a norm; n, k are the GEMV's. Opt-in as the others.
 RMS_GEMV_OPS = ("rms_gemv",)
+#: SiLU-and-mul in gate_up_proj's epilogue (kernels_triton/gemv.py, ``glu=``): W's rows are
+#: (gate, up) pairs, y[m, n / 2] = silu(x W_gate^T) * (x W_up^T); the ``rms_`` form also
+#: scales by 1/rms (a folded norm before it). n, k are gate_up's. Opt-in as the others.
+GLU_GEMV_OPS = ("gemv_silu_mul", "rms_gemv_silu_mul")
 #: Every op that fuses an elementwise step into a GEMV, before or after it (the problem's n, k
 #: are the GEMV's).
-FUSED_GEMV_OPS = NORM_GEMV_OPS + ACT_GEMV_OPS + GEMV_ADD_OPS + RMS_GEMV_OPS
+FUSED_GEMV_OPS = NORM_GEMV_OPS + ACT_GEMV_OPS + GEMV_ADD_OPS + RMS_GEMV_OPS + GLU_GEMV_OPS
 #: ``--ops`` names -> the ops they select (a family selects both weight conventions;
 #: the model's norm style decides which one its problems use).
 OP_FAMILIES: dict[str, tuple[str, ...]] = {
@@ -62,6 +66,7 @@ OP_FAMILIES: dict[str, tuple[str, ...]] = {
     "silu_mul_gemv": ACT_GEMV_OPS,
     "gemv_add": GEMV_ADD_OPS,
     "rms_gemv": RMS_GEMV_OPS,
+    "gemv_silu_mul": GLU_GEMV_OPS,
     "fused_gemv": FUSED_GEMV_OPS,  # every fused family
 }
 
@@ -85,7 +90,8 @@ class Problem:
     * ``FUSED_GEMV_OPS``: the GEMV's n, k; the norm family normalises x[m, k],
       ``silu_mul_gemv`` reads gate_up[m, 2k] (gate, then up) -> silu(gate) * up,
       ``gemv_add`` writes y[m, n] = x @ W^T + residual[m, n], ``rms_gemv`` y[m, n] =
-      (x / rms(x)) @ W^T (rms per row of x).
+      (x / rms(x)) @ W^T (rms per row of x), ``gemv_silu_mul`` y[m, n / 2] = silu(gate) *
+      up of x @ W^T with W's rows (gate, up) pairs (``rms_gemv_silu_mul``: of x / rms(x)).
 
     ``names`` lists the model layers that execute it (for reports).
     """

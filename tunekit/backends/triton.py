@@ -39,6 +39,8 @@ _OP_MODULES = {
     "silu_mul_gemv": "kernels_triton.silu_mul_gemv",
     "gemv_add": "kernels_triton.gemv",
     "rms_gemv": "kernels_triton.gemv",
+    "gemv_silu_mul": "kernels_triton.gemv",
+    "rms_gemv_silu_mul": "kernels_triton.gemv",
 }
 #: Modules the elementwise kernels import (part of the source hash).
 _HELPER_MODULES = ("kernels_triton.rounding", "kernels_triton.tiles")

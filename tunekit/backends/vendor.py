@@ -157,6 +157,26 @@ def rms_norm_then_mm(inputs: Tensors, out: torch.Tensor) -> None:
 NORM_GEMV["rms_gemv"] = rms_norm_then_mm
 
 
+def _mm_then_silu_and_mul(rms: bool) -> Callable[..., None]:
+    """The unfused sequence a gemv_silu_mul op replaces (rms_: with the folded norm before it): (the
+    unweighted norm, then) mm writes BF16 gate_up, then vLLM's SiLU-and-mul (forward_native). W's rows
+    are (gate, up) pairs, so gate and up are the even and odd columns; the mm costs what it costs on
+    the [gate; up] layout."""
+    def kernel(inputs: Tensors, out: torch.Tensor) -> None:
+        x, w = inputs
+        if rms:
+            x = F.rms_norm(x, (x.shape[-1],), eps=EPS)
+        gate_up = torch.mm(x, w.t())
+        torch.mul(F.silu(gate_up[:, 0::2]), gate_up[:, 1::2], out=out)
+
+    kernel.__name__ = f"{'rms_norm_then_' if rms else ''}mm_then_silu_and_mul"
+    return kernel
+
+
+NORM_GEMV["gemv_silu_mul"] = _mm_then_silu_and_mul(rms=False)
+NORM_GEMV["rms_gemv_silu_mul"] = _mm_then_silu_and_mul(rms=True)
+
+
 class VendorBackend:
     name = "vendor"
     kind = "vendor"

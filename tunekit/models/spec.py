@@ -39,6 +39,7 @@ from tunekit.shapes import (
     DTYPE_BYTES,
     FUSED_GEMV_OPS,
     GEMV_ADD_OPS,
+    GLU_GEMV_OPS,
     NORM_GEMV_OPS,
     OPS,
     RMS_GEMV_OPS,
@@ -425,6 +426,20 @@ class ModelSpec:
                     self.num_layers))
         return out
 
+    def glu_gemvs(self, tp: int = 1) -> list[tuple[str, str, int, int, int]]:
+        """gate_up_proj -> act_fn as one GEMV with SiLU-and-mul in its epilogue (opt-in only:
+        ``--ops gemv_silu_mul`` or ``fused_gemv``); SiLU MLPs only. Both forms: ``gemv_silu_mul``,
+        and ``rms_gemv_silu_mul`` where post_attention_layernorm is folded into gate_up_proj
+        (``rms_gemvs``). Entries as ``elementwise``'s: (names, op, n, k, count), n and k gate_up's.
+        """
+        if str(self.config.get("hidden_act", "silu")) not in ("silu", "swish"):
+            return []
+        gate_up = f"{self.mlp_prefix}gate_up_proj"
+        n, k = next((n, k) for name, n, k, _ in self.linears(tp) if name == gate_up)
+        act = f"{self.mlp_prefix}act_fn"
+        return [(f"{gate_up}+{act}", "gemv_silu_mul", n, k, self.num_layers),
+                (f"post_attention_layernorm+{gate_up}+{act}", "rms_gemv_silu_mul", n, k, self.num_layers)]
+
     def problems(
         self,
         tp: int = 1,
@@ -454,6 +469,8 @@ class ModelSpec:
             wanted += self.residual_gemvs(tp)
         if set(ops) & set(RMS_GEMV_OPS):
             wanted += self.rms_gemvs(tp)
+        if set(ops) & set(GLU_GEMV_OPS):
+            wanted += [item for item in self.glu_gemvs(tp) if item[1] in ops]
         return out + elementwise_problems(wanted, ms, dtype)
 
 
