@@ -68,6 +68,10 @@ def test_every_pair_is_fused_and_its_problem_is_the_listed_one() -> None:
     assert used == listed
 
 
+#: every fused family but the residual epilogue (and the fold, which ``_default_kernel`` leaves out)
+_ALL_BUT_ADD = ("silu_mul_gemv", *shapes.NORM_GEMV_OPS, *shapes.GLU_GEMV_OPS)
+
+
 def _fused_names(chain: chain_mod.Chain) -> list[str]:
     return [f"{s.op} {s.name}" for s in chain.fused["tuned_fused"]]
 
@@ -90,7 +94,7 @@ def test_the_residual_epilogue_turns_the_next_norm_plain() -> None:
     adds = chain.adds["tuned_fused"]
     assert {chain.steps[i].name for i in adds} == {"o_proj", "linear_attn.out_proj"}
 
-    only = _bound_chain(2, _default_kernel(2, skip=("silu_mul_gemv", *shapes.NORM_GEMV_OPS)))
+    only = _bound_chain(2, _default_kernel(2, skip=_ALL_BUT_ADD))
     assert {only.steps[i].name for i in only.adds["tuned_fused"]} == {"o_proj", "linear_attn.out_proj",
                                                                         "mlp.down_proj"}
     retyped = only.retyped["tuned_fused"]
@@ -116,7 +120,7 @@ def test_the_residual_epilogue_turns_the_next_norm_plain() -> None:
         assert not torch.equal(normed, vendor[i + 1](total, residual, only.weights[i + 1])[0])  # no second add
 
 
-@pytest.mark.parametrize("skip", [(), ("silu_mul_gemv", *shapes.NORM_GEMV_OPS)], ids=["all", "gemv_add only"])
+@pytest.mark.parametrize("skip", [(), _ALL_BUT_ADD], ids=["all", "gemv_add only"])
 def test_the_residual_epilogue_keeps_the_logits(skip: tuple[str, ...]) -> None:
     chain = _bound_chain(3, _default_kernel(3, skip=skip))
     results = {r.variant: r for r in chain_mod.compare_eager(chain, chain_mod.VARIANTS)}
@@ -285,9 +289,11 @@ def test_run_keeps_the_add_where_no_table_serves_the_plain_norm(tmp_path: Path) 
     assert "tuned_fused" not in [r["variant"] for r in report["results"]]
 
 
-def _folding_chain(m: int) -> chain_mod.Chain:
-    # the residual epilogue and the folded norm only (no prologue family)
-    return _bound_chain(m, _default_kernel(m, skip=("silu_mul_gemv", *shapes.NORM_GEMV_OPS), fold=True))
+def _folding_chain(m: int, glu: bool = False) -> chain_mod.Chain:
+    # the residual epilogue and the folded norm only (no prologue family); ``glu``: and SiLU-and-mul in
+    # gate_up's epilogue
+    skip = ("silu_mul_gemv", *shapes.NORM_GEMV_OPS, *(() if glu else shapes.GLU_GEMV_OPS))
+    return _bound_chain(m, _default_kernel(m, skip=skip, fold=True))
 
 
 def test_folded_norms_leave_no_norm_but_the_final_one() -> None:
@@ -336,11 +342,28 @@ def test_folded_norms_keep_the_logits() -> None:
     assert fused.rms_err_fp32 <= 2 * results["vendor"].rms_err_fp32
 
 
-def test_run_folds_where_the_add_and_the_fold_pay_together(tmp_path: Path) -> None:
+def test_a_folded_gate_up_takes_the_activation_and_keeps_the_logits() -> None:
+    """With the GLU epilogue too, every folded gate_up_proj runs rms_gemv_silu_mul on its folded weight
+    with the rows paired, and act_fn is gone: no elementwise step but the gated norm is left."""
+    chain = _folding_chain(3, glu=True)
+    names = _fused_names(chain)
+    assert names.count("rms_gemv_silu_mul mlp.gate_up_proj") == 4 and "rms_gemv mlp.gate_up_proj" not in names
+    unfused = {s.name for s, kind in zip(chain.steps, chain.kinds["tuned_fused"], strict=True) if kind != "fused"}
+    assert unfused == {"linear_attn.norm", "lm_head"}
+    results = {r.variant: r for r in chain_mod.compare_eager(chain, chain_mod.VARIANTS)}
+    fused = results["tuned_fused"]
+    assert fused.fused_kernels == 19
+    assert fused.rel_diff is not None and 0 < fused.rel_diff <= 0.05
+    assert fused.rms_err_fp32 <= 2 * results["vendor"].rms_err_fp32
+
+
+@pytest.mark.parametrize("glu", [False, True])
+def test_run_folds_where_the_add_and_the_fold_pay_together(tmp_path: Path, glu: bool) -> None:
     """Priced jointly: gemv_add with the plain norm it leaves loses (1.6 + 0.5 >= 2.0 us) and each rms_gemv
     loses to its GEMV alone (1.05 > 1.0), but gemv_add + the consumers' rms_gemv beat the GEMV, the fused
     add + norm and the consumers' GEMVs (1.6 + 1.05 < 3.0; 1.6 + 2.1 < 4.0): folded. After the last
-    down_proj (the final norm feeds lm_head) the add stays."""
+    down_proj (the final norm feeds lm_head) the add stays. ``glu``: a folded gate_up_proj then takes the
+    SiLU-and-mul after it into its epilogue (rms_gemv_silu_mul, 1.0 < its rms_gemv's 1.05 us)."""
     config = tmp_path / "tiny.json"
     config.write_text(json.dumps(TINY))
     spec = load_model(str(config))
@@ -351,15 +374,42 @@ def test_run_folds_where_the_add_and_the_fold_pay_together(tmp_path: Path) -> No
         timed_entry("gemma_fused_add_rms_norm", 64, 64, 1.0), timed_entry("gemma_rms_norm", 64, 64, 0.5),
         timed_entry("gemv_add", 64, 64, 1.6), timed_entry("gemv_add", 64, 96, 1.6),
         timed_entry("rms_gemv", 192, 64, 1.05), timed_entry("rms_gemv", 8, 64, 1.05),
-    ])
+    ] + ([timed_entry("rms_gemv_silu_mul", 192, 64, 1.0)] if glu else []))
     lines: list[str] = []
     report = chain_mod.run(spec, [str(table)], [1], log=lines.append)
     rows = {r["variant"]: r for r in report["results"]}
     fused = rows["tuned_fused"]
-    # 7 gemv_add (4 mixer outputs, 3 down_proj) + 11 rms_gemv (2 + 2 + 2 + 1 input, 4 post-attention)
+    # 7 gemv_add (4 mixer outputs, 3 down_proj) + 11 rms_gemv (2 + 2 + 2 + 1 input, 4 post-attention; with
+    # glu those 4 run as rms_gemv_silu_mul)
     assert fused["fused_kernels"] == 18
-    # the 7 pairs, the 11 consumers and layer 0's folded input norm
-    assert fused["fused_steps"] == 14 + 11 + 1
+    # the 7 pairs, the 11 consumers and layer 0's folded input norm (glu: and the 4 act_fn steps)
+    assert fused["fused_steps"] == 14 + 11 + 1 + (4 if glu else 0)
     assert any("gemv_add 64x96: fused 1.60 us + gemma_rms_norm 0.50 >= the tuned steps it replaces 2.00 us"
                in line for line in lines), lines
+    assert fused["rms_err_fp32"] <= 2 * rows["vendor"]["rms_err_fp32"]
+
+
+@pytest.mark.parametrize(("glu_us", "kernels"), [(1.2, 4), (1.6, 0)])
+def test_run_takes_silu_and_mul_into_gate_up_where_it_pays(tmp_path: Path, glu_us: float, kernels: int) -> None:
+    """gate_up_proj (1.0 us) + act_fn (0.5 us) -> gemv_silu_mul on gate_up's weight with its rows paired:
+    taken at 1.2 us in all 4 layers, with the logits of the unfused chain; left unfused at 1.6 us."""
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(TINY))
+    spec = load_model(str(config))
+    table = make_table(tmp_path / "t.json", [
+        timed_entry("gemv", 192, 64, 1.0), timed_entry("silu_and_mul", 96, 192, 0.5),
+        timed_entry("gemv_silu_mul", 192, 64, glu_us),
+    ])
+    lines: list[str] = []
+    report = chain_mod.run(spec, [str(table)], [1], log=lines.append)
+    rows = {r["variant"]: r for r in report["results"]}
+    if not kernels:
+        assert "tuned_fused" not in rows
+        assert any("gemv_silu_mul 192x64: fused 1.60 us >= the tuned steps it replaces 1.50 us" in line
+                   for line in lines), lines
+        return
+    fused = rows["tuned_fused"]
+    assert fused["fused_kernels"] == kernels and fused["fused_steps"] == 2 * kernels
+    assert fused["tuned_steps"] == rows["tuned"]["tuned_steps"] - 2 * kernels
+    assert fused["rel_diff"] is not None and 0 < fused["rel_diff"] <= 0.05
     assert fused["rms_err_fp32"] <= 2 * rows["vendor"]["rms_err_fp32"]

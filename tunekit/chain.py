@@ -49,7 +49,10 @@ Variants (``VARIANTS``), on the same weights and inputs:
   norm's (W diag(g), Gemma diag(1 + g), made once as a loader would) and the
   norm step passes its input on, so no norm kernel runs; tried first at a
   layer output, priced as gemv_add + the consumers' rms_gemv against the GEMV,
-  the fused add + norm and the consumers' GEMVs. Each only where the fused
+  the fused add + norm and the consumers' GEMVs. ``gate_up_proj`` -> ``act_fn``
+  can run as one GEMV with SiLU-and-mul in its epilogue (``GLU_OPS``: on the
+  weight with its rows in (gate, up) pairs; the ``rms_`` form where gate_up
+  is a folded consumer), tried before down_proj's prologue. Each only where the fused
   entries' standalone times (plus what they add: the plain norm, the folded
   consumers) beat the tuned entries of the steps they replace (otherwise the
   steps stay as ``tuned`` runs them: never slower by construction). Measured
@@ -93,7 +96,7 @@ import torch.nn.functional as F
 
 from tunekit.errors import UserError
 from tunekit.models.spec import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
-from tunekit.opspec import EPS
+from tunekit.opspec import EPS, interleave_gate_up
 from tunekit.shapes import FUSED_GEMV_OPS, Problem
 from tunekit.table import saving_us
 
@@ -108,10 +111,14 @@ FUSED_ACT_OP = "silu_mul_gemv"
 FUSED_ADD_OP = "gemv_add"
 #: A plain norm folded into its consumers: each GEMV reads x with W' = W diag(g) and scales by 1/rms.
 FOLDED_NORM_OP = "rms_gemv"
+#: gate_up_proj -> act_fn (SiLU-and-mul) as one GEMV with the activation in its epilogue, on W's rows
+#: reordered into (gate, up) pairs; the second form when gate_up_proj is a folded norm's consumer.
+GLU_OPS = {"gemv": "gemv_silu_mul", FOLDED_NORM_OP: "rms_gemv_silu_mul"}
 FUSED_PAIRS = ("input_layernorm -> qkv_proj | in_proj_qkvz + in_proj_ba",
                "post_attention_layernorm -> gate_up_proj", "act_fn (silu_and_mul) -> down_proj",
                "o_proj | out_proj | down_proj -> the fused add + norm after it",
-               "a plain norm -> every consumer GEMV, the norm's weight folded into theirs")
+               "a plain norm -> every consumer GEMV, the norm's weight folded into theirs",
+               "gate_up_proj (plain or a folded norm's consumer) -> act_fn (silu_and_mul)")
 #: The GEMVs whose output the next norm adds to the residual stream.
 _LAYER_OUTPUTS = ("o_proj", "out_proj", "down_proj")
 
@@ -294,6 +301,7 @@ class Chain:
         m, dtype, device = self.m, self.dtype, self.device
         plain_at: dict[int, Step] = {}  # norm steps whose add moved into the GEMV before them
         folded: set[int] = set()  # norm steps folded into their consumers with that add
+        folded_weights: dict[int, torch.Tensor] = {}  # consumer step -> its weight with the norm's folded in
         for i, step in enumerate(self.steps):
             if step.op == "gemv" and step.name.endswith(_LAYER_OUTPUTS) and kinds[i] != "fused":
                 j = i + 1  # the fused add + norm that reads this output (the next layer's, or the final)
@@ -306,7 +314,7 @@ class Chain:
                 # the add in this GEMV and the plain norm it leaves folded into its consumers, priced
                 # together against this GEMV, the fused add + norm and the consumers' GEMVs
                 kernel = fused(FUSED_ADD_OP, step.n, step.k, [step, norm, *consumers], folds) if folds else None
-                if kernel is not None and self._fold(j, folds, fused, impls, kinds, used):
+                if kernel is not None and self._fold(j, folds, fused, impls, kinds, used, folded_weights):
                     impls[i] = _gemv_add(kernel, torch.empty(m, step.n, dtype=dtype, device=device))
                     impls[j] = _plain_after_add(_unnormed)  # the sum is both outputs: consumers normalise it
                     adds.add(i)
@@ -327,6 +335,8 @@ class Chain:
             if step.layer < 0:
                 continue  # the final norm -> lm_head: not fused (module docstring)
             if step.op == "silu_and_mul":
+                if self._glu(i, fused, impls, kinds, used, folded_weights):
+                    continue
                 j = i + 1
                 down = self.steps[j] if j < len(self.steps) else None
                 if down is None or down.op != "gemv" or not down.name.endswith("down_proj"):
@@ -354,7 +364,8 @@ class Chain:
                     # a plain norm folded into every consumer, priced against the norm and their GEMVs
                     folds = _folded(consumer_steps)
                     first = fused(FOLDED_NORM_OP, folds[0].n, folds[0].k, [norm, *consumer_steps], folds[1:])
-                    if first is not None and self._fold(i, folds, fused, impls, kinds, used, first):
+                    if first is not None and self._fold(i, folds, fused, impls, kinds, used, folded_weights,
+                                                        first):
                         after_add = plain_at.pop(i, None) is not None
                         impls[i] = _plain_after_add(_unnormed) if after_add else _unnormed
                         kinds[i] = "fused"
@@ -395,11 +406,12 @@ class Chain:
         return out
 
     def _fold(self, i: int, folds: list[Step], fused: FusedLookup, impls: list[Callable[..., Any]],
-              kinds: list[str], used: list[Step], first: Callable[..., None] | None = None) -> bool:
+              kinds: list[str], used: list[Step], folded_weights: dict[int, torch.Tensor],
+              first: Callable[..., None] | None = None) -> bool:
         """Bind the consumers of norm step ``i`` as ``rms_gemv`` kernels on their weights with the norm's
         folded in (W' = W diag(g), Gemma diag(1 + g), rounded to the chain's dtype once, as a model's
-        weights would be when loaded); ``first``: the first consumer's kernel, already built. False, with
-        nothing bound, if a kernel is missing."""
+        weights would be when loaded; recorded in ``folded_weights``); ``first``: the first consumer's
+        kernel, already built. False, with nothing bound, if a kernel is missing."""
         kernels = [first] if first is not None else []
         kernels += [fused(FOLDED_NORM_OP, f.n, f.k, [], []) for f in folds[len(kernels):]]
         if any(k is None for k in kernels):
@@ -409,10 +421,40 @@ class Chain:
         for offset, (fold, kernel) in enumerate(zip(folds, kernels, strict=True)):
             j = i + 1 + offset
             folded = (self.weights[j].float() * scale).to(self.dtype)
-            impls[j] = _folded_consumer(kernel, folded, torch.empty(self.m, fold.n, dtype=self.dtype,
+            folded_weights[j] = folded
+            impls[j] = _on_prepared_weight(kernel, folded, torch.empty(self.m, fold.n, dtype=self.dtype,
                                                                     device=self.device))
             kinds[j] = "fused"
             used.append(fold)
+        return True
+
+    def _glu(self, i: int, fused: FusedLookup, impls: list[Callable[..., Any]], kinds: list[str],
+             used: list[Step], folded_weights: dict[int, torch.Tensor]) -> bool:
+        """Bind gate_up_proj (step ``i - 1``) and act_fn (SiLU-and-mul, step ``i``) as one GEMV with the
+        activation in its epilogue (``GLU_OPS``), on gate_up's weight (the folded one where the norm
+        before it is folded) with its rows reordered into (gate, up) pairs once, as a loader would.
+        Priced against what runs there now: gate_up's GEMV or rms_gemv, and the SiLU-and-mul. False,
+        with nothing bound, where no entry serves it or it does not pay."""
+        j = i - 1
+        gate_up = self.steps[j] if j >= 0 else None
+        if gate_up is None or gate_up.op != "gemv" or not gate_up.name.endswith("gate_up_proj"):
+            return False
+        weight = folded_weights.get(j)
+        if kinds[j] == "fused" and weight is None:
+            return False  # gate_up is a slice of a norm-prologue kernel's output
+        current = gate_up if weight is None else replace(gate_up, op=FOLDED_NORM_OP)
+        glu = replace(gate_up, op=GLU_OPS[current.op])
+        kernel = fused(glu.op, glu.n, glu.k, [current, self.steps[i]], [])
+        if kernel is None:
+            return False
+        paired = interleave_gate_up(self.weights[j] if weight is None else weight)
+        impls[j] = _on_prepared_weight(kernel, paired, torch.empty(self.m, glu.n // 2, dtype=self.dtype,
+                                                                device=self.device))
+        impls[i] = _identity  # act_fn: gate_up's kernel applied it
+        kinds[j] = kinds[i] = "fused"
+        if weight is not None:
+            used.remove(current)  # the fold's rms_gemv of this step, replaced by its GLU form
+        used.append(glu)
         return True
 
     @staticmethod
@@ -512,8 +554,9 @@ def _unnormed(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _folded_consumer(kernel: Callable[..., None], folded: torch.Tensor, out: torch.Tensor) -> Callable[..., Any]:
-    """A consumer GEMV of a folded norm: ``rms_gemv`` on the un-normalised x and the folded weight."""
+def _on_prepared_weight(kernel: Callable[..., None], folded: torch.Tensor, out: torch.Tensor) -> Callable[..., Any]:
+    """A GEMV-family kernel on a weight prepared once (a folded norm's consumer: ``rms_gemv`` on the
+    un-normalised x; gate_up with its rows paired: the ``GLU_OPS``)."""
     def consumer(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         kernel((x, folded), out)
         return out
