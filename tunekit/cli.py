@@ -81,7 +81,8 @@ _OPS_HELP = ("ops of the model to list / tune: gemv, rms_norm, fused_add_rms_nor
              "the prologue of the GEMV that reads it), silu_mul_gemv (SiLU-and-mul in the down projection's "
              "prologue), gemv_add (the residual add in the epilogue of o_proj / out_proj / down_proj), "
              "rms_gemv (the GEMV of a norm folded into its consumers' weights: every GEMV that reads a "
-             "decoder norm), fused_gemv (all four)")
+             "decoder norm), gemv_silu_mul (SiLU-and-mul in gate_up_proj's epilogue, plain and after a folded "
+             "norm), fused_gemv (all five)")
 _M_HELP = "batch sizes (tokens per step), e.g. 1,2,4,8; gemv takes 1..8, elementwise ops up to 65536"
 #: What `search --model/--config` tunes unless --m / --ops narrow it: M = the small decode
 #: batch sizes vLLM captures as CUDA graphs (GEMV takes 1..8), every op the model runs.
