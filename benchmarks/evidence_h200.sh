@@ -13,7 +13,8 @@
 #  dispatch       per-call overhead (benchmarks/dispatch_overhead.py), the torch op and the patched
 #                 module, eager, with that table;
 #  search_fused   the fused families at M=1 (norm -> GEMV, SiLU-and-mul -> down_proj, the residual
-#                 epilogue gemv_add), Triton, seeded with the GEMV winners of the main table (--seed-from);
+#                 epilogue gemv_add, the folded norm rms_gemv, SiLU-and-mul in gate_up's epilogue), Triton,
+#                 seeded with the GEMV winners of the main table (--seed-from);
 #  chain          tunekit chain, 64 layers, M=1: vendor / tuned_gemv / tuned / tuned_fused (gemv_add
 #                 where it and the plain norm it leaves beat the GEMV and the fused add + norm);
 #  search_hf      the Hugging Face model's own shapes (separate q/k/v, gate/up; its norms in the
@@ -25,7 +26,7 @@
 #  check_serving_fold  check_serving with that table too and --fold-norms.
 # PREV: an earlier call's results (its main/, fused/, hf-gemv/, hf-norms/ tables stand in for the
 # searches not run; the machine does not keep runs/ between calls). FUSED_M: the fused families' M (default 1);
-# FUSED_OPS: the --ops of search_fused (default fused_gemv, every family).
+# FUSED_OPS: the --ops of search_fused (default fused_gemv, every family); FUSED_TRIALS its trials (20).
 # SEED_FUSED / SEED_HF_GEMV / SEED_HF_NORMS: extra --seed-from files (an earlier call's trials.csv).
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -72,7 +73,7 @@ step search_main 200 python3 -m tunekit search --model qwen3.5-27b --trials 3 --
 step dispatch 100 python3 benchmarks/dispatch_overhead.py --table runs/main/table.json --calls 500 --repeats 5 \
   --out "$R/dispatch.json"
 step search_fused 380 python3 -m tunekit search --model qwen3.5-27b --ops "${FUSED_OPS:-fused_gemv}" --m "${FUSED_M:-1}" --backend triton \
-  --trials 20 $(seeds runs/main/table.json "${SEED_FUSED:-}") --out runs/fused --no-progress
+  --trials "${FUSED_TRIALS:-20}" $(seeds runs/main/table.json "${SEED_FUSED:-}") --out runs/fused --no-progress
 step chain 200 python3 -m tunekit chain --model qwen3.5-27b --table runs/main/table.json \
   --table runs/fused/table.json --m "${FUSED_M:-1}" --out "$R/chain"
 step search_hf 300 bash -c "$search_hf"
