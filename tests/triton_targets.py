@@ -298,6 +298,28 @@ def rms_gemv_cases() -> list[Case]:
     return cases
 
 
+def glu_gemv_cases() -> list[Case]:
+    """gate_up with SiLU-and-mul in its epilogue (``_gemv_glu_kernel``), with and without the 1/rms scale:
+    one pair and several per program, M = 1 (2D tile) and 3 (3D tile), K a multiple of BLOCK_K or not."""
+    import torch
+
+    from kernels_triton import gemv as g
+
+    n = 40
+    configs = [g.DEFAULT, g.GemvConfig(BLOCK_N=1, BLOCK_K=256, num_warps=1, num_stages=4, W_EVICT="evict_first")]
+    cases: list[Case] = []
+    for m, k, config, rms_eps in itertools.product((1, 3), (384, 200), configs, (None, 1e-6)):
+        if g.invalid_reason(config, m, n, k) is not None:
+            continue
+        x, w = _bf16(m, k), _bf16(n, k)
+        out = torch.empty(m, n // 2, dtype=torch.bfloat16)
+        op = "rms_gemv_silu_mul" if rms_eps else "gemv_silu_mul"
+        cases.append((f"{op}[M={m},N={n},K={k}] {_params(config)}",
+                      lambda x=x, w=w, config=config, out=out, rms_eps=rms_eps: g.gemv(x, w, config, out=out,
+                                                                                        rms_eps=rms_eps, glu=True)))
+    return cases
+
+
 def _search_configs(module, op: str, m: int, n: int, k: int) -> list:
     """DEFAULT and the first and last valid configs (domain order) of ``op``'s search space.
 
@@ -443,8 +465,8 @@ def stream_cases() -> list[Case]:
 
 def repo_cases() -> list[Case]:
     """Every Triton kernel of kernels_triton, through its wrapper."""
-    return (gemv_cases() + gemv_add_cases() + rms_gemv_cases() + elementwise_cases() + norm_gemv_cases()
-            + act_gemv_cases() + stream_cases())
+    return (gemv_cases() + gemv_add_cases() + rms_gemv_cases() + glu_gemv_cases() + elementwise_cases()
+            + norm_gemv_cases() + act_gemv_cases() + stream_cases())
 
 
 # ---------------------------------------------------------------------------------------------
