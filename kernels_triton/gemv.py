@@ -292,7 +292,6 @@ def _gemv_kernel(
                 tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
-@triton.jit
 def _gemv_glu(x: torch.Tensor, w: torch.Tensor, config: GemvConfig, out: torch.Tensor | None,
               rms_eps: float | None) -> torch.Tensor:
     m, k = x.shape
