@@ -27,6 +27,7 @@
 # PREV: an earlier call's results (its main/, fused/, hf-gemv/, hf-norms/ tables stand in for the
 # searches not run; the machine does not keep runs/ between calls). FUSED_M: the fused families' M (default 1);
 # FUSED_OPS: the --ops of search_fused (default fused_gemv, every family); FUSED_TRIALS its trials (20).
+# MAIN_M: the Ms of search_main (default 1,2,4,8).
 # SEED_FUSED / SEED_HF_GEMV / SEED_HF_NORMS: extra --seed-from files (an earlier call's trials.csv).
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -69,7 +70,8 @@ search_hf="python3 -m tunekit search \$(python3 benchmarks/serving_check.py --pr
     --out runs/hf-norms --no-progress"
 
 if wanted search_main; then cp benchmarks/results/h200-m1248-all-d75e409/optuna.db runs/main/; fi
-step search_main 200 python3 -m tunekit search --model qwen3.5-27b --trials 3 --out runs/main --no-progress
+step search_main 200 python3 -m tunekit search --model qwen3.5-27b --m "${MAIN_M:-1,2,4,8}" --trials 3 --out runs/main \
+  --no-progress
 step dispatch 100 python3 benchmarks/dispatch_overhead.py --table runs/main/table.json --calls 500 --repeats 5 \
   --out "$R/dispatch.json"
 step search_fused 380 python3 -m tunekit search --model qwen3.5-27b --ops "${FUSED_OPS:-fused_gemv}" --m "${FUSED_M:-1}" --backend triton \

@@ -48,11 +48,11 @@ Design, for a memory-bound problem:
 - ``glu`` (ops ``gemv_silu_mul``, ``rms_gemv_silu_mul``; ``_gemv_glu_kernel``):
   W is gate_up's [gate; up] with its rows reordered once into (gate_i, up_i)
   pairs, so each pair is one 2K-long run of memory. A program owns BLOCK_N
-  pairs, streams the gate rows then the up rows with the "tile" loop (one
-  pair per program streams like the one-row GEMV) and writes silu(g) * u of
-  the fp32 dots (scaled by 1/rms first in the rms_ form): vLLM's SiLU-and-mul
-  launch is gone and the output is half as wide. (Pairs split across the
-  rows of a BLOCK_N-row tile, read as two streams K apart, ran 5-8% slower.)
+  pairs and streams each pair's gate row, then its up row, in one "tile" loop
+  (one pair per program streams one 2K-long run, as the one-row GEMV streams
+  a row) and writes silu(g) * u of the fp32 dots (scaled by 1/rms first in
+  the rms_ form): vLLM's SiLU-and-mul launch is gone and the output is half
+  as wide.
 """
 
 from __future__ import annotations
@@ -299,7 +299,7 @@ def _gemv_glu(x: torch.Tensor, w: torch.Tensor, config: GemvConfig, out: torch.T
     if out is None:
         out = torch.empty((m, pairs), dtype=x.dtype, device=x.device)
     _gemv_glu_kernel[(triton.cdiv(pairs, config.BLOCK_N),)](
-        x, w, out, m, pairs, k, 0.0 if rms_eps is None else rms_eps,
+        x, w, out, m, pairs, k, triton.cdiv(k, config.BLOCK_K) * config.BLOCK_K, 0.0 if rms_eps is None else rms_eps,
         x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=next_pow2(m), BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, EVEN_K=k % config.BLOCK_K == 0,
         W_EVICT=config.W_EVICT, RMS_SCALE=rms_eps is not None, num_warps=config.num_warps,
@@ -309,63 +309,60 @@ def _gemv_glu(x: torch.Tensor, w: torch.Tensor, config: GemvConfig, out: torch.T
 
 
 @triton.jit
-def _row_dots(x_ptrs, w_ptrs, m_mask, offs_k, K,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-              W_EVICT: tl.constexpr, SQUARES: tl.constexpr):
-    """fp32 dots [BLOCK_M, BLOCK_N] of x's rows with BLOCK_N K-long rows of W streamed along K (the
-    "tile" loop of ``_gemv_kernel``), and x's sums of squares [BLOCK_M] (``SQUARES``, else zeros)."""
-    if BLOCK_M == 1:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs, eviction_policy=W_EVICT)
-            x = tl.load(x_ptrs, mask=m_mask, other=0.0)
-        else:
-            k_mask = (offs_k + k0) < K
-            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy=W_EVICT)
-            x = tl.load(x_ptrs, mask=m_mask & k_mask[None, :], other=0.0)
-        xf = x.to(tl.float32)
-        if SQUARES:
-            sq += xf * xf
-        if BLOCK_M == 1:
-            acc += w.to(tl.float32) * xf
-        else:
-            acc += w.to(tl.float32)[None, :, :] * xf[:, None, :]
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    if BLOCK_M == 1:
-        out = tl.sum(acc, axis=1)[None, :]
-    else:
-        out = tl.sum(acc, axis=2)
-    return out, tl.sum(sq, axis=1)
-
-
-@triton.jit
 def _gemv_glu_kernel(
-    x_ptr, w_ptr, y_ptr, M, PAIRS, K, eps, stride_xm, stride_wn, stride_ym,
+    x_ptr, w_ptr, y_ptr, M, PAIRS, K, K_PAD, eps, stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     W_EVICT: tl.constexpr, RMS_SCALE: tl.constexpr,
 ):
-    # W's rows are (gate_p, up_p) pairs: this program owns BLOCK_N pairs and streams each gate row, then
-    # its up row (adjacent in memory: one 2K-long stream per pair, as the one-row-per-program GEMV
-    # streams one K-long row), then writes silu(gate) * up of the fp32 dots.
+    # W's rows are (gate_p, up_p) pairs: this program owns BLOCK_N pairs and streams each pair's gate row
+    # then its up row in one loop over 2 K_PAD (K rounded up to BLOCK_K): adjacent in memory, one
+    # 2K-long stream per pair, with no pipeline restart between the halves. At the end of the gate half
+    # its dots are kept and the accumulator restarts; then silu(gate) * up of the fp32 dots.
     pid = tl.program_id(0)
     offs_p = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     pairs = tl.minimum(offs_p, PAIRS - 1)  # clamped as _gemv_kernel's rows: only the store is masked
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m[:, None] < M
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-    gate_ptrs = w_ptr + (2 * pairs)[:, None] * stride_wn + offs_k[None, :]
-    gate, sq = _row_dots(x_ptrs, gate_ptrs, m_mask, offs_k, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, W_EVICT,
-                         RMS_SCALE)
-    up, _ = _row_dots(x_ptrs, gate_ptrs + stride_wn, m_mask, offs_k, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
-                      W_EVICT, False)
+    x_base = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    w_base = w_ptr + (2 * pairs)[:, None] * stride_wn + offs_k[None, :]
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # RMS_SCALE: x's squares, summed twice (both halves)
+    for k0 in range(0, 2 * K_PAD, BLOCK_K):
+        half = k0 // K_PAD  # 0: the gate row, 1: the up row after it
+        kk = k0 - half * K_PAD
+        w_ptrs = w_base + half * stride_wn + kk
+        x_ptrs = x_base + kk
+        if EVEN_K:
+            w = tl.load(w_ptrs, eviction_policy=W_EVICT)
+            x = tl.load(x_ptrs, mask=m_mask, other=0.0)
+        else:
+            k_mask = (offs_k + kk) < K
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy=W_EVICT)
+            x = tl.load(x_ptrs, mask=m_mask & k_mask[None, :], other=0.0)
+        xf = x.to(tl.float32)
+        if RMS_SCALE:
+            sq += xf * xf
+        if BLOCK_M == 1:
+            acc += w.to(tl.float32) * xf
+        else:
+            acc += w.to(tl.float32)[None, :, :] * xf[:, None, :]
+        if k0 + BLOCK_K == K_PAD:  # the gate half is done
+            if BLOCK_M == 1:
+                gate = tl.sum(acc, axis=1)[None, :]
+            else:
+                gate = tl.sum(acc, axis=2)
+            acc = tl.zeros_like(acc)
+    if BLOCK_M == 1:
+        up = tl.sum(acc, axis=1)[None, :]
+    else:
+        up = tl.sum(acc, axis=2)
     if RMS_SCALE:
-        rstd = tl.rsqrt(sq / K + eps)[:, None]
+        rstd = tl.rsqrt(tl.sum(sq, axis=1) / (2 * K) + eps)[:, None]
         gate = gate * rstd
         up = up * rstd
     y = gate / (1.0 + tl.exp(-gate)) * up
