@@ -1,7 +1,6 @@
 """Triton GEMV family: y[M, N] = x[M, K] @ W[N, K]^T for decode (M = 1..8),
-``gemv_add``: y = x @ W^T + r, the residual add in the epilogue,
-``rms_gemv``: y = (x / rms(x)) @ W^T, an RMSNorm whose weight is folded into W, and
-``gemv_silu_mul`` / ``rms_gemv_silu_mul``: gate_up_proj with SiLU-and-mul in its epilogue.
+``gemv_add``: y = x @ W^T + r, the residual add in the epilogue, and
+``rms_gemv``: y = (x / rms(x)) @ W^T, an RMSNorm whose weight is folded into W.
 
 BF16 in and out, FP32 accumulation, each weight element read once per call.
 The caller passes an explicit ``GemvConfig`` (no ``@triton.autotune``: tuning
@@ -45,14 +44,18 @@ Design, for a memory-bound problem:
   norm -> GEMV becomes this GEMV, which reads nothing the plain one does not
   (the norm-prologue family, kernels_triton/rms_norm_gemv.py, also reads g
   per program, which costs the one-row-per-program configs the GEMV wins with);
-- ``glu`` (ops ``gemv_silu_mul``, ``rms_gemv_silu_mul``; ``_gemv_glu_kernel``):
-  W is gate_up's [gate; up] with its rows reordered once into (gate_i, up_i)
-  pairs, so each pair is one 2K-long run of memory. A program owns BLOCK_N
-  pairs and streams each pair's gate row, then its up row, in one "tile" loop
-  (one pair per program streams one 2K-long run, as the one-row GEMV streams
-  a row) and writes silu(g) * u of the fp32 dots (scaled by 1/rms first in
-  the rms_ form): vLLM's SiLU-and-mul launch is gone and the output is half
-  as wide.
+- ``glu`` (ops ``gemv_silu_mul``, ``rms_gemv_silu_mul``; SPLIT_K = 1): W is
+  gate_up's [gate; up] with its rows reordered once into (gate_i, up_i)
+  pairs, so a program's BLOCK_N rows (even) hold BLOCK_N / 2 whole pairs; the
+  epilogue splits the fp32 dots into gate and up and writes silu(g) * u
+  (scaled by 1/rms first in the rms_ form): vLLM's SiLU-and-mul launch is
+  gone and the output is half as wide. On the H200 (Qwen3.5-27B gate_up,
+  34816 x 5120) it runs at 81.9 / 82.8 us against the GEMV's 79.4 and
+  rms_gemv's 80.8, so with SiLU-and-mul's 1.3 us the pair is 0.4-0.7 us
+  short of paying. Streaming each pair as one 2K-long run instead (one pair
+  per program, as the one-row GEMV) was slower: 83.4 / 85.0 us with two
+  loops, 90.9 / 91.6 us with one loop that switches accumulators
+  (benchmarks/results/h200-glu).
 """
 
 from __future__ import annotations
@@ -163,6 +166,7 @@ def _gemv_kernel(
     SPLIT_K: tl.constexpr, FUSED_REDUCE: tl.constexpr,
     EVEN_K: tl.constexpr, W_EVICT: tl.constexpr, USE_DOT: tl.constexpr, ROWS: tl.constexpr,
     DOT_IN_FP32: tl.constexpr, SWAP_AB: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RMS_SCALE: tl.constexpr,
+    GLU: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -266,6 +270,13 @@ def _gemv_kernel(
     if RMS_SCALE:
         # SPLIT_K == 1 (the wrapper's check): this program's loop saw all of K
         out = out * tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
+    if GLU:
+        # W's rows are (gate, up) pairs: the program's BLOCK_N rows give BLOCK_N / 2 outputs
+        # silu(gate) * up, from the fp32 dots (SPLIT_K == 1, the wrapper's check)
+        gate, up = tl.split(tl.reshape(out, [BLOCK_M, BLOCK_N // 2, 2]))
+        out = gate / (1.0 + tl.exp(-gate)) * up
+        offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        N = N // 2
     y_mask = m_mask & (offs_n[None, :] < N)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     r_ptrs = r_ptr + offs_m[:, None] * stride_rm + offs_n[None, :]
@@ -290,84 +301,6 @@ def _gemv_kernel(
                     total += tl.load(r_ptrs, mask=y_mask, other=0.0).to(tl.float32)
                 tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
                 tl.atomic_xchg(count_ptr + pid_n, 0)
-
-
-def _gemv_glu(x: torch.Tensor, w: torch.Tensor, config: GemvConfig, out: torch.Tensor | None,
-              rms_eps: float | None) -> torch.Tensor:
-    m, k = x.shape
-    pairs = w.shape[0] // 2
-    if out is None:
-        out = torch.empty((m, pairs), dtype=x.dtype, device=x.device)
-    _gemv_glu_kernel[(triton.cdiv(pairs, config.BLOCK_N),)](
-        x, w, out, m, pairs, k, triton.cdiv(k, config.BLOCK_K) * config.BLOCK_K, 0.0 if rms_eps is None else rms_eps,
-        x.stride(0), w.stride(0), out.stride(0),
-        BLOCK_M=next_pow2(m), BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K, EVEN_K=k % config.BLOCK_K == 0,
-        W_EVICT=config.W_EVICT, RMS_SCALE=rms_eps is not None, num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
-    return out
-
-
-@triton.jit
-def _gemv_glu_kernel(
-    x_ptr, w_ptr, y_ptr, M, PAIRS, K, K_PAD, eps, stride_xm, stride_wn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    W_EVICT: tl.constexpr, RMS_SCALE: tl.constexpr,
-):
-    # W's rows are (gate_p, up_p) pairs: this program owns BLOCK_N pairs and streams each pair's gate row
-    # then its up row in one loop over 2 K_PAD (K rounded up to BLOCK_K): adjacent in memory, one
-    # 2K-long stream per pair, with no pipeline restart between the halves. At the end of the gate half
-    # its dots are kept and the accumulator restarts; then silu(gate) * up of the fp32 dots.
-    pid = tl.program_id(0)
-    offs_p = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    pairs = tl.minimum(offs_p, PAIRS - 1)  # clamped as _gemv_kernel's rows: only the store is masked
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m[:, None] < M
-    x_base = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-    w_base = w_ptr + (2 * pairs)[:, None] * stride_wn + offs_k[None, :]
-    if BLOCK_M == 1:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # RMS_SCALE: x's squares, summed twice (both halves)
-    for k0 in range(0, 2 * K_PAD, BLOCK_K):
-        half = k0 // K_PAD  # 0: the gate row, 1: the up row after it
-        kk = k0 - half * K_PAD
-        w_ptrs = w_base + half * stride_wn + kk
-        x_ptrs = x_base + kk
-        if EVEN_K:
-            w = tl.load(w_ptrs, eviction_policy=W_EVICT)
-            x = tl.load(x_ptrs, mask=m_mask, other=0.0)
-        else:
-            k_mask = (offs_k + kk) < K
-            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy=W_EVICT)
-            x = tl.load(x_ptrs, mask=m_mask & k_mask[None, :], other=0.0)
-        xf = x.to(tl.float32)
-        if RMS_SCALE:
-            sq += xf * xf
-        if BLOCK_M == 1:
-            acc += w.to(tl.float32) * xf
-        else:
-            acc += w.to(tl.float32)[None, :, :] * xf[:, None, :]
-        if k0 + BLOCK_K == K_PAD:  # the gate half is done
-            if BLOCK_M == 1:
-                gate = tl.sum(acc, axis=1)[None, :]
-            else:
-                gate = tl.sum(acc, axis=2)
-            acc = tl.zeros_like(acc)
-    if BLOCK_M == 1:
-        up = tl.sum(acc, axis=1)[None, :]
-    else:
-        up = tl.sum(acc, axis=2)
-    if RMS_SCALE:
-        rstd = tl.rsqrt(tl.sum(sq, axis=1) / (2 * K) + eps)[:, None]
-        gate = gate * rstd
-        up = up * rstd
-    y = gate / (1.0 + tl.exp(-gate)) * up
-    y_mask = m_mask & (offs_p[None, :] < PAIRS)
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_p[None, :], y.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 @triton.jit
@@ -414,10 +347,11 @@ def gemv(
     residual [M, N] (unit stride on N; ``out`` may be the residual itself: updated in place).
     With ``rms_eps``: y = (x / sqrt(mean(x^2) + rms_eps)) @ w.T, per row of x (SPLIT_K = 1).
     With ``glu``: w's rows are (gate, up) pairs (``tunekit.opspec.interleave_gate_up``) and y[M, N / 2] =
-    silu(gate) * up of the fp32 dots, BLOCK_N pairs per program (SPLIT_K = 1, M_MODE "tile", no
-    residual)."""
+    silu(gate) * up of the fp32 dots (SPLIT_K = 1, even BLOCK_N, no residual)."""
     m, k = x.shape
     n = w.shape[0]
+    if glu and (config.SPLIT_K != 1 or config.BLOCK_N < 2 or n % 2 or residual is not None):
+        raise ValueError("glu needs SPLIT_K = 1, BLOCK_N >= 2, an even N and no residual")
     if w.shape[1] != k:
         raise ValueError(f"x is [{m}, {k}] but w is {list(w.shape)}")
     if x.stride(1) != 1 or w.stride(1) != 1:
@@ -426,12 +360,8 @@ def gemv(
         raise ValueError(f"residual must be [{m}, {n}] with unit stride along N, got {list(residual.shape)}")
     if rms_eps is not None and config.SPLIT_K != 1:
         raise ValueError("the rms scale needs all of K in one program (SPLIT_K = 1)")
-    if glu:
-        if config.SPLIT_K != 1 or config.M_MODE != "tile" or n % 2 or residual is not None:
-            raise ValueError('glu needs SPLIT_K = 1, M_MODE = "tile", an even N and no residual')
-        return _gemv_glu(x, w, config, out, rms_eps)
     if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        out = torch.empty((m, n // 2 if glu else n), dtype=x.dtype, device=x.device)
     r = out if residual is None else residual  # unused by the kernels without a residual
     use_dot = config.M_MODE in ("dot", "dot_w")
     rows = config.M_MODE == "rows" and m > 1
@@ -456,7 +386,7 @@ def gemv(
         BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
         SPLIT_K=split, FUSED_REDUCE=fused, EVEN_K=even_k, W_EVICT=config.W_EVICT, USE_DOT=use_dot, ROWS=rows,
         DOT_IN_FP32=_DOT_IN_FP32, SWAP_AB=config.M_MODE == "dot_w", HAS_RESIDUAL=residual is not None,
-        RMS_SCALE=rms_eps is not None, num_warps=config.num_warps, num_stages=config.num_stages,
+        RMS_SCALE=rms_eps is not None, GLU=glu, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split > 1 and not fused:
         block = 256

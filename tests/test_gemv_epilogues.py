@@ -13,12 +13,12 @@ from kernels_triton.gemv import GemvConfig
 @pytest.mark.parametrize("op", sorted(VARIANTS))
 @pytest.mark.parametrize("m", [1, 2, 5, 8])
 def test_every_m_with_both_tails(op: str, m: int) -> None:
-    # N=37 (38: 19 (gate, up) pairs) not a multiple of BLOCK_N=8, K=200 not a multiple of BLOCK_K=64
-    # (rms_: the masked x loads add no squares)
+    # N=37 (38 pairs of rows: gate_up is even) not a multiple of BLOCK_N=8, K=200 not a multiple of
+    # BLOCK_K=64 (rms_: the masked x loads add no squares)
     assert 0 < check(op, m, _n(op), 200, GemvConfig(BLOCK_N=8, BLOCK_K=64, num_warps=1), seed=m) <= 1
 
 
-@pytest.mark.parametrize("op", ["gemv_add", "rms_gemv"])  # the SiLU-and-mul epilogue has the tile mode only
+@pytest.mark.parametrize("op", sorted(VARIANTS))
 @pytest.mark.parametrize("mode", ["rows", "dot", "dot_w"])
 def test_the_other_m_layouts(op: str, mode: str) -> None:
     block_n = 4 if mode == "rows" else 16

@@ -299,14 +299,15 @@ def rms_gemv_cases() -> list[Case]:
 
 
 def glu_gemv_cases() -> list[Case]:
-    """gate_up with SiLU-and-mul in its epilogue (``_gemv_glu_kernel``), with and without the 1/rms scale:
-    one pair and several per program, M = 1 (2D tile) and 3 (3D tile), K a multiple of BLOCK_K or not."""
+    """gate_up with SiLU-and-mul in its epilogue (``glu=``), with and without the 1/rms scale: one pair
+    and several per program, the 2D and 3D tiles and the swapped MMA, K a multiple of BLOCK_K or not."""
     import torch
 
     from kernels_triton import gemv as g
 
     n = 40
-    configs = [g.DEFAULT, g.GemvConfig(BLOCK_N=1, BLOCK_K=256, num_warps=1, num_stages=4, W_EVICT="evict_first")]
+    configs = [g.DEFAULT, g.GemvConfig(BLOCK_N=2, BLOCK_K=256, num_warps=1, num_stages=4, W_EVICT="evict_first"),
+               g.GemvConfig(BLOCK_N=64, BLOCK_K=64, M_MODE="dot_w"), g.GemvConfig(BLOCK_K=64, M_MODE="rows")]
     cases: list[Case] = []
     for m, k, config, rms_eps in itertools.product((1, 3), (384, 200), configs, (None, 1e-6)):
         if g.invalid_reason(config, m, n, k) is not None:
