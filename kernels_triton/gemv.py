@@ -50,11 +50,12 @@ Design, for a memory-bound problem:
   epilogue splits the fp32 dots into gate and up and writes silu(g) * u
   (scaled by 1/rms first in the rms_ form): vLLM's SiLU-and-mul launch is
   gone and the output is half as wide. On the H200 (Qwen3.5-27B gate_up,
-  34816 x 5120) it runs at 81.9 / 82.8 us against the GEMV's 79.4 and
-  rms_gemv's 80.8, so with SiLU-and-mul's 1.3 us the pair is 0.4-0.7 us
-  short of paying. Streaming each pair as one 2K-long run instead (one pair
-  per program, as the one-row GEMV) was slower: 83.4 / 85.0 us with two
-  loops, 90.9 / 91.6 us with one loop that switches accumulators
+  34816 x 5120, same calls) the plain / rms_ forms take 81.8-81.9 / 82.8-82.9
+  us against the GEMV's 80.6-81.0 and rms_gemv's 80.8-81.2, plus 1.3 us of
+  SiLU-and-mul: the plain form pays by about 0.5 us, the rms_ form loses by
+  about 0.5. Streaming each pair as one 2K-long run instead (one pair per
+  program, as the one-row GEMV) was slower: 83.4 / 85.0 us with two loops,
+  90.9 / 91.6 us with one loop that switches accumulators
   (benchmarks/results/h200-glu).
 """
 
