@@ -623,8 +623,8 @@ assert RMS_GEMV_OPS == (RMS_GEMV.name,)
 
 # ------------------------------------------------------- gemv + silu-and-mul
 # SiLU-and-mul in gate_up_proj's epilogue (kernels_triton/gemv.py, glu=): inputs (x[m,k],
-# W[n,k]) with W's rows (gate_i, up_i) pairs (kernels_triton.gemv.interleave_gate_up, made once
-# when the weights are prepared) -> y[m, n/2] = silu(g) * u, (g, u) the pairs' dots. The rms_
+# W[n,k]) with W's rows (gate_i, up_i) pairs (``interleave_gate_up``, made once when the weights
+# are prepared) -> y[m, n/2] = silu(g) * u, (g, u) the pairs' dots. The rms_
 # form is the same of x / rms(x) (a folded norm before gate_up_proj, as rms_gemv).
 def interleave_gate_up(w: torch.Tensor) -> torch.Tensor:
     """A merged gate_up weight [gate; up] ([2I, K], vLLM's layout) with its rows reordered into (gate_i,
