@@ -240,6 +240,15 @@ def test_the_predicted_saving_prices_tuned_calls_from_their_serving_entries(tmp_
     ]
     got = serving.predicted_saving(rows, 6, "cpu")
     assert got == {"saving_us_per_step": (30 + 12) / 6, "priced_calls": 42, "unpriced_calls": 6, "steps": 6}
+    # a folded consumer: priced against the plain GEMV's vendor time (2.0 - 1.5), not its own eager
+    # norm + mm baseline (3.0); without a gemv entry of its shape, unpriced
+    ops.load_tables(str(make_table(tmp_path / "fold.json", [
+        _entry("gemv", 1, 64, 128), dict(_entry("rms_gemv", 1, 64, 128), time_us=1.5, baseline_us=3.0, speedup=2.0),
+        _entry("rms_gemv", 1, 32, 128)])))
+    folded = [{"op": "rms_gemv", "dtype": "bf16", "shape": "64x128", "m": 1, "impl": "tuned:triton", "calls": 8},
+              {"op": "rms_gemv", "dtype": "bf16", "shape": "32x128", "m": 1, "impl": "tuned:triton", "calls": 4}]
+    assert serving.predicted_saving(folded, 2, "cpu") == {"saving_us_per_step": 8 * 0.5 / 2, "priced_calls": 8,
+                                                          "unpriced_calls": 4, "steps": 2}
     summary = {"variants": {"graphed_unpatched": {"median_ms": 0.107}},
                "ratios": {"patched_speedup_graphed": {"median": 1.05}}}
 

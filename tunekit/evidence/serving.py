@@ -280,10 +280,16 @@ def report_dispatch(report: Any, phase: str, rows: list[dict[str, Any]]) -> dict
 
 
 def predicted_saving(rows: list[dict[str, Any]], steps: int, device: str) -> dict[str, Any]:
-    """The tables' own prediction for a decode step (Amdahl over their standalone timings): per
-    tuned call in the dispatch ``rows`` of ``steps`` decode steps, its serving entry's saving
+    """The tables' own prediction for a graphed decode step (Amdahl over their standalone timings):
+    per tuned call in the dispatch ``rows`` of ``steps`` decode steps, its serving entry's saving
     (``tunekit.table.saving_us``). Calls whose entry is not found under the row's key (one served
-    from another layout, as HF's gated norm can be) are counted as unpriced, never guessed."""
+    from another layout, as HF's gated norm can be) are counted as unpriced, never guessed.
+
+    A folded norm's consumer (``rms_gemv``) is priced against the plain GEMV of its shape (the
+    ``gemv`` entry's vendor time), not against its own baseline (an eager norm + mm): in the graphed
+    unpatched model Inductor runs that norm inside the residual add before it, so what the fold
+    removes there is the GEMV's excess, not a norm launch. Without a ``gemv`` entry of the shape the
+    call is unpriced."""
     from tunekit.serving.tables import served_entry
     from tunekit.table import saving_us
 
@@ -293,6 +299,9 @@ def predicted_saving(rows: list[dict[str, Any]], steps: int, device: str) -> dic
             continue
         n, k = (int(v) for v in str(row["shape"]).split("x"))
         entry = served_entry(row["op"], row["dtype"], row["m"], n, k, device)
+        if entry is not None and row["op"] == "rms_gemv":
+            plain = served_entry("gemv", row["dtype"], row["m"], n, k, device)
+            entry = None if plain is None else {**entry, "baseline_us": plain["baseline_us"]}
         if entry is None:
             unpriced += row["calls"]
             continue
