@@ -422,8 +422,8 @@ class Chain:
             j = i + 1 + offset
             folded = (self.weights[j].float() * scale).to(self.dtype)
             folded_weights[j] = folded
-            impls[j] = _on_prepared_weight(kernel, folded, torch.empty(self.m, fold.n, dtype=self.dtype,
-                                                                    device=self.device))
+            out = torch.empty(self.m, fold.n, dtype=self.dtype, device=self.device)
+            impls[j] = _on_prepared_weight(kernel, folded, out)
             kinds[j] = "fused"
             used.append(fold)
         return True
@@ -448,8 +448,8 @@ class Chain:
         if kernel is None:
             return False
         paired = interleave_gate_up(self.weights[j] if weight is None else weight)
-        impls[j] = _on_prepared_weight(kernel, paired, torch.empty(self.m, glu.n // 2, dtype=self.dtype,
-                                                                device=self.device))
+        out = torch.empty(self.m, glu.n // 2, dtype=self.dtype, device=self.device)
+        impls[j] = _on_prepared_weight(kernel, paired, out)
         impls[i] = _identity  # act_fn: gate_up's kernel applied it
         kinds[j] = kinds[i] = "fused"
         if weight is not None:
@@ -554,13 +554,13 @@ def _unnormed(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _on_prepared_weight(kernel: Callable[..., None], folded: torch.Tensor, out: torch.Tensor) -> Callable[..., Any]:
+def _on_prepared_weight(kernel: Callable[..., None], weight: torch.Tensor, out: torch.Tensor) -> Callable[..., Any]:
     """A GEMV-family kernel on a weight prepared once (a folded norm's consumer: ``rms_gemv`` on the
-    un-normalised x; gate_up with its rows paired: the ``GLU_OPS``)."""
-    def consumer(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        kernel((x, folded), out)
+    un-normalised x; gate_up with its rows paired: the ``GLU_OPS``); the step's own weight is unused."""
+    def prepared(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        kernel((x, weight), out)
         return out
-    return consumer
+    return prepared
 
 
 def _gemv_add(kernel: Callable[..., None], out: torch.Tensor) -> Callable[..., torch.Tensor]:
