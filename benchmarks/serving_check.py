@@ -4,7 +4,7 @@ A thin wrapper: the checks are ``tunekit.evidence`` (``tunekit check-serving`` r
 adds the two helpers that print what to tune for the Hugging Face model of the check.
 
     python benchmarks/serving_check.py --print-shapes [--model qwen3.5-27b] [--layers 4] [--tiny] \
-        [--only gemv|norms|rms_gemv]
+        [--only gemv|norms|rms_gemv|merged]
     python benchmarks/serving_check.py --print-m [--model qwen3.5-27b] [--layers 4] [--tiny]
     python benchmarks/serving_check.py --table RUN/table.json [--table ...] [--model ...] [--layers 4] [--out DIR]
 
@@ -16,7 +16,9 @@ because HF reshapes the gated norm's input to [tokens * heads, head_dim], so ``t
 (m = tokens * heads, n = k = head_dim) first. Those norms run at decode with M > 1 (k_norm: M = kv heads,
 gated norm: M = value heads), and a GEMV search takes M 1..8 only, so they need their own search at the M
 that ``--print-m`` prints. ``--only rms_gemv`` prints ``--shape rms_gemv:NxK`` for every linear a folded
-decoder norm feeds (``--fold-norms``: ``tunekit.patch(fold_norms=True)``). Typical GPU use:
+decoder norm feeds (``--fold-norms``: ``tunekit.patch(fold_norms=True)``); ``--only merged`` the GEMV of
+every group of sibling linears (``--merge-siblings``: ``tunekit.patch(merge_siblings=True)``), which are
+vLLM's merged shapes, so the table of ``tunekit search --model`` covers them. Typical GPU use:
 
     python -m tunekit search $(python benchmarks/serving_check.py --print-shapes --only gemv) --m 1 \\
         --out runs/serving-gemv
@@ -51,8 +53,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="print the --shape arguments of tunekit search covering the HF model, and exit")
     parser.add_argument("--print-m", action="store_true",
                         help="print the comma list of M at which the HF model calls its tunable norms, and exit")
-    parser.add_argument("--only", choices=("all", "gemv", "norms", "rms_gemv"), default="all",
-                        help="with --print-shapes: the linears, the norms, both, or the folded norms' consumers")
+    parser.add_argument("--only", choices=("all", "gemv", "norms", "rms_gemv", "merged"), default="all",
+                        help="with --print-shapes: the linears, the norms, both, the folded norms' consumers, or "
+                             "the merged siblings (--merge-siblings)")
     parser.add_argument("--model", default=defaults.model, help=f"one of {', '.join(hf_decode.MODELS)}")
     parser.add_argument("--table", action="append", default=[],
                         help="dispatch table (repeatable; first wins a duplicate key); default: TUNEKIT_TABLE")
@@ -76,6 +79,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-graphed", action="store_true")
     parser.add_argument("--fold-norms", action="store_true",
                         help="the patched model folds its decoder norms into their consumers where it pays")
+    parser.add_argument("--merge-siblings", action="store_true",
+                        help="the patched model runs q/k/v, gate/up (...) as one GEMV of vLLM's merged shape")
     parser.add_argument("--out", type=Path, default=Path("runs") / "serving-check")
     return parser.parse_args(argv)
 
@@ -97,7 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             prompt_len=args.prompt_len, iters=args.iters, rounds=args.rounds, warmup=args.warmup, seed=args.seed,
             tol_factor=args.tol_factor, rel_tol=args.rel_tol, tiny=args.tiny, device=args.device,
             compile_backend=args.compile_backend, skip_ops=args.skip_ops, skip_model=args.skip_model,
-            skip_graphed=args.skip_graphed, fold_norms=args.fold_norms, out=str(args.out))
+            skip_graphed=args.skip_graphed, fold_norms=args.fold_norms, merge_siblings=args.merge_siblings,
+            out=str(args.out))
         serving.validate(settings)
     except UserError as exc:
         sys.stderr.write(f"error: {exc}\n")

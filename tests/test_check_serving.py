@@ -227,6 +227,34 @@ def test_tiny_qwen3_5_with_folded_norms_agrees_with_unpatched_on_the_cpu(tmp_pat
 
 
 @pytest.mark.usefixtures("clean_ops")
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
+def test_tiny_qwen3_5_with_merged_siblings_agrees_with_unpatched_on_the_cpu(tmp_path: Path) -> None:
+    """--merge-siblings: a table of vLLM's merged shapes only (what ``tunekit search --model`` tunes) serves
+    HF's separate q/k/v, gate/up, qkv/z and b/a, one tuned GEMV per group and decode step."""
+    from tunekit.evidence import hf_decode
+    from tunekit.integrations.torch_patch import merged_shapes
+
+    config = hf_decode.build_config("qwen3.5-27b", 2, tiny=True)
+    shapes = merged_shapes(hf_decode.meta_model("qwen3.5-27b", config))
+    assert len(shapes) == 4  # qkv+z, b+a, q+k+v, gate+up
+    params = {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1}
+    table = make_table(tmp_path / "t.json", [_entry("gemv", 1, n, k, params=params) for n, k in shapes])
+    settings = serving.Settings(model="qwen3.5-27b", tables=[str(table)], layers=2, steps=3, prompt_len=4,
+                                tiny=True, device="cpu", skip_ops=True, merge_siblings=True,
+                                out=str(tmp_path / "out"))
+    lines: list[str] = []
+    results = serving.run_check(settings, log=lines.append, argv=["test"])
+    assert results["failures"] == 0, "\n".join(lines)
+    m = results["model"]
+    assert m["patch_counts"]["linear merged"] == 4 + 3 + 2 * 2
+    assert m["comparison"]["eager_patched"]["ok"] and m["unpatch_bitwise_equal"]
+    decode = m["dispatch_decode"]["grouped"]
+    for n, k in shapes:  # 2 decode forwards; the MLP group runs in both layers, the others in one
+        calls = decode[f"gemv {n}x{k} m=1"]
+        assert set(calls) == {"tuned:triton"} and calls["tuned:triton"] == (4 if n == 2 * 256 else 2)
+
+
+@pytest.mark.usefixtures("clean_ops")
 def test_the_predicted_saving_prices_tuned_calls_from_their_serving_entries(tmp_path: Path) -> None:
     from tunekit import ops
 

@@ -177,12 +177,12 @@ def test_linear_shapes_lists_what_to_tune() -> None:
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
 
-def _tiny_qwen3_5():
+def _tiny_qwen3_5(vocab: int = 128, intermediate: int = INTER):
     from transformers import Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5ForCausalLM
 
     config = Qwen3_5TextConfig(
-        vocab_size=128, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=2,
+        vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=intermediate, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, head_dim=32,
         linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
         layer_types=["linear_attention", "full_attention"], full_attention_interval=2,
@@ -317,3 +317,152 @@ def test_a_fold_that_does_not_pay_is_left_alone(tmp_path: Path) -> None:
         assert counts["rms_norm folded"] == 2 and counts["rms_gemv"] == 5
         out = model(ids).logits
     assert (out.float() - ref.float()).abs().max() < 0.05 and torch.equal(out.argmax(-1), ref.argmax(-1))
+
+
+# ----------------------------------------------------------------------------- merged sibling linears
+
+MERGE_INTER = 80
+
+
+def _qwen3_5_with_norms() -> nn.Module:
+    # every merged shape distinct from each other and from the unmerged ones (lm_head 120, MLP 2 x 80)
+    model = _tiny_qwen3_5(vocab=120, intermediate=MERGE_INTER)
+    with torch.no_grad():  # zero-centred norm weights are all zero at init: make them count
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.3)
+    return model
+
+
+def _merged_table(tmp_path: Path, model: nn.Module, merged_us: float = 1.0, apart_us: float | None = None) -> Path:
+    """M=1 entries for every merged shape (at ``merged_us``) and, with ``apart_us``, for each sibling's own shape,
+    each against a 10 us baseline (so that the table keeps them)."""
+    def entry(n: int, k: int, time_us: float) -> dict:
+        return dict(timed_entry("gemv", n, k, time_us), baseline_us=10.0, speedup=10.0 / time_us)
+
+    rows = [entry(n, k, merged_us) for n, k in torch_patch.merged_shapes(model)]
+    if apart_us is not None:
+        apart = {tuple(c.weight.shape) for _, linears in torch_patch._merge_plan(model) for c in linears}
+        rows += [entry(n, k, apart_us) for n, k in sorted(apart)]
+    return make_table(tmp_path / f"merged-{merged_us}-{apart_us}.json", rows)
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
+def test_hugging_face_qwen3_5_merged_siblings_run_vllms_shapes_once_per_group(tmp_path: Path) -> None:
+    model = _qwen3_5_with_norms()
+    # layer 0 (Gated DeltaNet): qkv 96 + z 32 -> 128, b 2 + a 2 -> 4; layer 1: q 128 + k 32 + v 32 -> 192;
+    # both MLPs: gate + up -> 2 * MERGE_INTER
+    merged = torch_patch.merged_shapes(model)
+    assert merged == sorted({(128, HIDDEN), (4, HIDDEN), (192, HIDDEN), (2 * MERGE_INTER, HIDDEN)})
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    ids = torch.tensor([[3, 17, 42, 5, 99]])
+    with torch.no_grad():
+        ref = model(ids).logits
+        ref_step = model(ids[:, -1:]).logits
+        counts = tunekit.patch(model, table=_merged_table(tmp_path, model), merge_siblings=True)
+        assert counts["linear merged"] == 4 + 3 + 2 * 2  # every sibling of the five groups
+        tunekit.dispatch_stats(reset=True)
+        out = model(ids).logits
+        step = model(ids[:, -1:]).logits  # M=1: the tuned kernels of the merged shapes
+    assert (out.float() - ref.float()).abs().max() < 0.05 and torch.equal(out.argmax(-1), ref.argmax(-1))
+    assert (step.float() - ref_step.float()).abs().max() < 0.05
+    rows = {(r["shape"], r["m"]): r for r in tunekit.dispatch_stats() if r["op"] == "gemv"}
+    for n, k in merged:
+        calls = 2 if n == 2 * MERGE_INTER else 1  # the MLP group runs in both layers; one GEMV per group and forward
+        assert rows[(f"{n}x{k}", 1)]["impl"] == "tuned:triton" and rows[(f"{n}x{k}", 1)]["calls"] == calls
+        assert rows[(f"{n}x{k}", 5)]["calls"] == calls
+    # no sibling ran a GEMV of its own shape
+    assert not {(96, HIDDEN), (32, HIDDEN), (2, HIDDEN), (MERGE_INTER, HIDDEN)} & {
+        tuple(int(v) for v in shape.split("x")) for shape, _ in rows}
+    # each group dropped its output once every sibling had taken its slice
+    groups = {id(g): g for g in (getattr(c, torch_patch._MERGED, None) for c in model.modules()) if g is not None}
+    assert len(groups) == 5 and all(g.input is None and g.output is None for g in groups.values())
+    assert "linear" not in counts  # the table holds only the merged shapes: nothing else is routed
+    assert tunekit.unpatch(model) == 4 + 3 + 2 * 2
+    # the siblings' weights are views of the stacked tensor now: the same values, and the stock forwards
+    assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters())
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref)
+
+
+def _llama(layers: int = 1) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=100, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=layers,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(torch.bfloat16).eval()
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
+def test_a_merged_sibling_called_alone_out_of_order_or_on_a_changed_input_gets_its_own_rows(tmp_path: Path) -> None:
+    model = _llama()
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():
+        tunekit.patch(model, only_covered=False, merge_siblings=True)
+        x = torch.randn(1, 3, HIDDEN).bfloat16()
+        expect = {p: F.linear(x, getattr(attn, p).weight) for p in ("q_proj", "k_proj", "v_proj")}
+        assert torch.equal(attn.v_proj(x), expect["v_proj"])  # out of order: v first
+        assert torch.equal(attn.q_proj(x), expect["q_proj"])
+        y = torch.randn(1, 3, HIDDEN).bfloat16()
+        assert torch.equal(attn.k_proj(y), F.linear(y, attn.k_proj.weight))  # another input while x's is kept
+        assert torch.equal(attn.k_proj(x), expect["k_proj"])
+        x.mul_(2.0)  # changed in place: the kept output is stale and must not be served
+        assert torch.equal(attn.q_proj(x), F.linear(x, attn.q_proj.weight))
+        assert torch.equal(attn.k_proj(x), F.linear(x, attn.k_proj.weight))
+    # a group whose siblings differ (one with a bias) is not merged
+    model = _llama()
+    mlp = model.model.layers[0].mlp
+    mlp.up_proj.bias = nn.Parameter(torch.zeros(INTER, dtype=torch.bfloat16))
+    assert [label for label, _ in torch_patch._merge_plan(model)] == ["model.layers.0.self_attn.q_proj+k_proj+v_proj"]
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
+def test_merging_that_does_not_pay_or_is_not_covered_is_left_alone(tmp_path: Path) -> None:
+    model = _llama()
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        ref = model(ids).logits
+        # 3.5 us merged against 1.0 us per sibling: q/k/v 3.5 > 3.0 stays apart, gate/up 3.5 > 2.0 too
+        counts = tunekit.patch(model, table=_merged_table(tmp_path, model, 3.5, 1.0), merge_siblings=True)
+        assert counts["linear (merge not in the tables or not paying)"] == 2 and "linear merged" not in counts
+        assert counts["linear"] == 6  # the five siblings on their own entries, and o_proj (q_proj's shape)
+        tunekit.unpatch(model)
+        # 2.5 us: q/k/v pays (2.5 <= 3.0), gate/up does not (2.5 > 2.0)
+        counts = tunekit.patch(model, table=_merged_table(tmp_path, model, 2.5, 1.0), merge_siblings=True)
+        assert counts["linear merged"] == 3 and counts["linear (merge not in the tables or not paying)"] == 1
+        out = model(ids).logits
+        tunekit.unpatch(model)
+        # no entry for the merged shapes: nothing is merged, unless every module is routed anyway
+        counts = tunekit.patch(model, table=make_table(tmp_path / "none.json", [timed_entry("gemv", 96, HIDDEN)]),
+                               merge_siblings=True)
+        assert counts["linear (merge not in the tables or not paying)"] == 2
+        tunekit.unpatch(model)
+        assert tunekit.patch(model, only_covered=False, merge_siblings=True)["linear merged"] == 5
+    assert (out.float() - ref.float()).abs().max() < 0.05 and torch.equal(out.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
+def test_merged_siblings_compile_to_one_gemv_per_group_without_recompiling(tmp_path: Path) -> None:
+    model = _llama(layers=2)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        ref = model(ids).logits
+        tunekit.patch(model, only_covered=False, merge_siblings=True)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    with torch.no_grad():
+        first = compiled(ids).logits
+        again = compiled(torch.tensor([[4, 5, 6]])).logits
+    assert torch.equal(first, ref) and not torch.equal(again, ref)
+    assert len(graphs) == 1  # the groups' bookkeeping leaves nothing to guard on between calls
+    gemvs = [n for gm in graphs for n in gm.graph.nodes if n.op == "call_function" and "tunekit.gemv" in str(n.target)]
+    # per layer: qkv, o_proj, gate_up, down_proj; and the lm_head
+    assert len(gemvs) == 2 * 4 + 1
+    torch._dynamo.reset()

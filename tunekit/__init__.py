@@ -21,13 +21,15 @@ __version__ = "0.1.0"
 __all__ = ["__version__", "dispatch_stats", "patch", "unpatch"]
 
 
-def patch(model: Any, table: Any = None, only_covered: bool = True, fold_norms: bool = False) -> dict[str, int]:
+def patch(model: Any, table: Any = None, only_covered: bool = True, fold_norms: bool = False,
+          merge_siblings: bool = False) -> dict[str, int]:
     """Route ``model``'s modules that a table covers through the tunekit ops (``fold_norms``: fold the
-    decoder norms into their consumers where the tables say it pays); see
+    decoder norms into their consumers where the tables say it pays; ``merge_siblings``: run the linears
+    a module calls on one input, q/k/v or gate/up, as one GEMV of vLLM's merged shape); see
     ``tunekit.integrations.torch_patch.patch``."""
     from tunekit.integrations.torch_patch import patch as _patch
 
-    return _patch(model, table, only_covered=only_covered, fold_norms=fold_norms)
+    return _patch(model, table, only_covered=only_covered, fold_norms=fold_norms, merge_siblings=merge_siblings)
 
 
 def unpatch(model: Any) -> int:

@@ -512,6 +512,9 @@ def check_serving(
     fold_norms: Annotated[bool, typer.Option(
         help="the patched model folds its decoder norms into their consumers (rms_gemv) where the tables' "
              "entries say it pays")] = False,
+    merge_siblings: Annotated[bool, typer.Option(
+        help="the patched model runs the linears a module calls on one input (q/k/v, gate/up, Gated "
+             "DeltaNet's qkv/z and b/a) as one GEMV of vLLM's merged shape where a table covers it")] = False,
     out: Annotated[Path | None, typer.Option(help="folder for serving_check.json")] = None,
 ) -> None:
     """Serving evidence: the tables' ops under compile / CUDA graphs; a patched HF model's tokens and step times.
@@ -524,7 +527,7 @@ def check_serving(
     settings = serving.Settings(
         model=model, tables=[str(p) for p in table], layers=layers, steps=steps, prompt_len=prompt_len, iters=iters,
         rounds=rounds, warmup=warmup, seed=seed, tol_factor=tol_factor, tiny=tiny, skip_ops=skip_ops,
-        skip_model=skip_model, skip_graphed=skip_graphed, fold_norms=fold_norms,
+        skip_model=skip_model, skip_graphed=skip_graphed, fold_norms=fold_norms, merge_siblings=merge_siblings,
         out=str(out) if out is not None else None)
     serving.validate(settings)
     results = serving.run_check(settings, log=lambda s: console.print(s, markup=False, highlight=False),

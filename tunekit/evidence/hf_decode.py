@@ -204,12 +204,15 @@ def _norm_shape_arg(module: torch.nn.Module, op: str) -> str:
 
 def shape_args(model: str, config: Any, only: str = "all") -> list[str]:
     """``--shape`` values covering the HF model: its linears (NxK) and its routed norms (OP:SIZE); with
-    ``only="rms_gemv"``, the linears a folded norm feeds (``rms_gemv:NxK``, ``patch(fold_norms=True)``)."""
-    from tunekit.integrations.torch_patch import ELEMENTWISE_ROUTES, fold_shapes, linear_shapes
+    ``only="rms_gemv"``, the linears a folded norm feeds (``rms_gemv:NxK``, ``patch(fold_norms=True)``);
+    with ``only="merged"``, the merged siblings' GEMVs (``patch(merge_siblings=True)``: vLLM's shapes)."""
+    from tunekit.integrations.torch_patch import ELEMENTWISE_ROUTES, fold_shapes, linear_shapes, merged_shapes
 
     meta = meta_model(model, config)
     if only == "rms_gemv":
         return [f"rms_gemv:{n}x{k}" for n, k in fold_shapes(meta)]
+    if only == "merged":
+        return [f"{n}x{k}" for n, k in merged_shapes(meta)]
     out: list[str] = []
     if only in ("all", "gemv"):
         out += [f"{row['n']}x{row['k']}" for row in linear_shapes(meta)]

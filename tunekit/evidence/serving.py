@@ -79,6 +79,7 @@ class Settings:
     skip_model: bool = False
     skip_graphed: bool = False
     fold_norms: bool = False  # the patched model folds its decoder norms where the tables say it pays
+    merge_siblings: bool = False  # ... and runs q/k/v, gate/up (...) as one GEMV of vLLM's merged shape
     out: str | None = None
 
 
@@ -433,7 +434,8 @@ def check_model(report: Any, settings: Settings, device: Any) -> dict[str, Any]:
     tables = list(settings.tables)
     try:
         patched_model = hf.shared_copy(model)
-        counts = tunekit.patch(patched_model, table=tables or None, fold_norms=settings.fold_norms)
+        counts = tunekit.patch(patched_model, table=tables or None, fold_norms=settings.fold_norms,
+                               merge_siblings=settings.merge_siblings)
         result.update(patch_counts=counts, tables_served=ops.loaded_tables())
         report.add("PASS", "model patch", f"routed {counts}")
     except Exception as exc:

@@ -57,7 +57,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ELEMENTWISE_ROUTES", "FOLDABLE_LAYERS", "fold_shapes", "linear_shapes", "patch", "unpatch"]
+__all__ = ["ELEMENTWISE_ROUTES", "FOLDABLE_LAYERS", "SIBLING_LINEARS", "fold_shapes", "linear_shapes", "merged_shapes",
+           "patch", "unpatch"]
 
 #: Attribute holding what ``patch`` replaced: ("instance", previous forward) or ("class", None).
 _SAVED = "_tunekit_saved_forward"
@@ -105,6 +106,23 @@ FOLDABLE_LAYERS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
 }
 #: Attribute holding a folded linear's original weight Parameter (``unpatch`` puts it back).
 _FOLD_SAVED = "_tunekit_unfolded_weight"
+#: Attribute holding a merged sibling's shared :class:`_MergedGemv` (``unpatch`` drops it).
+_MERGED = "_tunekit_merged_gemv"
+
+#: Module class name -> the groups of its linears that its forward calls on one input tensor, each in
+#: call order (transformers' modeling code). ``patch(merge_siblings=True)`` serves each group with one
+#: GEMV over the stacked weights: vLLM's merged projections (q/k/v -> qkv_proj, gate/up -> gate_up_proj,
+#: Gated DeltaNet's qkv/z -> in_proj_qkvz and b/a -> in_proj_ba), so a table tuned with
+#: ``tunekit search --model`` covers them, and a decode step launches one GEMV where HF launches two to
+#: three (the small ones, k/v and b/a, run far from the read limit on their own).
+_QKV = (("q_proj", "k_proj", "v_proj"),)
+_GATE_UP = (("gate_proj", "up_proj"),)
+SIBLING_LINEARS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "LlamaAttention": _QKV, "MistralAttention": _QKV, "Qwen2Attention": _QKV, "Qwen3Attention": _QKV,
+    "Qwen3_5Attention": _QKV,
+    "LlamaMLP": _GATE_UP, "MistralMLP": _GATE_UP, "Qwen2MLP": _GATE_UP, "Qwen3MLP": _GATE_UP, "Qwen3_5MLP": _GATE_UP,
+    "Qwen3_5GatedDeltaNet": (("in_proj_qkv", "in_proj_z"), ("in_proj_b", "in_proj_a")),
+}
 
 #: (is_compiling, is_tracing): a patched forward in eager mode runs when neither is true
 _TRACING = (torch.compiler.is_compiling, torch._C._is_tracing)
@@ -314,6 +332,119 @@ def _set_forward(module: nn.Module, route: str, forward: Callable[..., Any]) -> 
     module.forward = forward
 
 
+class _MergedGemv:
+    """The one GEMV a group of sibling linears shares: the first sibling called on an input runs it over
+    the stacked weights and keeps the output; the others return their slices of it.
+
+    A kept output is reused only for the very tensor it was computed from (``is``), and, in eager mode,
+    only while that tensor is unmodified (its version counter); it is dropped once every other sibling
+    has taken its slice. So a sibling called alone, out of order, or on another input still gets its
+    right rows (at the cost of the whole GEMV). Under ``torch.compile`` the bookkeeping is traced away:
+    the graph holds one ``tunekit.gemv`` per group and the slices."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, members: int) -> None:
+        from tunekit.serving.gemv import EagerLinear
+
+        self.weight, self.bias, self.members = weight, bias, members
+        self.eager = EagerLinear()
+        self.input: torch.Tensor | None = None
+        self.version = -1
+        self.output: torch.Tensor | None = None
+        self.pending = 0  # siblings still to take their slice of ``output``
+
+    def __call__(self, input: torch.Tensor, eager: bool) -> torch.Tensor:
+        if self.input is input and self.pending > 0 and (not eager or self.version == input._version):
+            output = self.output
+            self.pending -= 1
+            if self.pending == 0:
+                self.input = self.output = None
+            return output
+        output = (self.eager(input, self.weight, self.bias) if eager
+                  else torch.ops.tunekit.gemv(input, self.weight, self.bias))
+        self.input, self.output, self.pending = input, output, self.members - 1
+        if eager:
+            self.version = input._version
+        return output
+
+
+def _sibling_forward(module: nn.Linear, merged: _MergedGemv, rows: slice) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A merged sibling's forward: its rows of the group's GEMV (a view: the group's output, last dim
+    sliced)."""
+    (is_compiling, is_tracing), plain, grad_enabled = _TRACING, torch.Tensor, torch.is_grad_enabled
+
+    def forward(input: torch.Tensor) -> torch.Tensor:
+        if grad_enabled() and _needs_autograd(input, module.weight, module.bias):
+            return F.linear(input, module.weight, module.bias)
+        eager = type(input) is plain and not is_compiling() and not is_tracing()
+        return merged(input, eager)[..., rows]
+
+    return forward
+
+
+def _merge_plan(model: nn.Module) -> list[tuple[str, list[nn.Linear]]]:
+    """(group label, its linears) for every ``SIBLING_LINEARS`` group that can be merged: unrouted linears of
+    one dtype, device and input width, all with a bias or none."""
+    plan = []
+    for name, owner in model.named_modules():
+        for paths in SIBLING_LINEARS.get(type(owner).__name__, ()):
+            linears = [getattr(owner, p, None) for p in paths]
+            if not all(isinstance(c, nn.Linear) and not getattr(c, _ROUTE, None) for c in linears):
+                continue
+            first = linears[0].weight
+            if any(c.weight.dtype != first.dtype or c.weight.device != first.device
+                   or c.weight.shape[1] != first.shape[1] or (c.bias is None) != (linears[0].bias is None)
+                   for c in linears):
+                continue
+            plan.append((f"{name}.{'+'.join(paths)}" if name else "+".join(paths), linears))
+    return plan
+
+
+def _merged_shape(linears: Sequence[nn.Linear]) -> tuple[int, int]:
+    return sum(c.weight.shape[0] for c in linears), linears[0].weight.shape[1]
+
+
+def _merge_pays(linears: Sequence[nn.Linear], only_covered: bool) -> bool:
+    """Whether a table serves the merged shape (any M) and, where every sibling has an M=1 entry of its
+    own, the merged entry at M=1 is no slower than theirs together."""
+    from tunekit import ops
+
+    weight = linears[0].weight
+    dtype, device = ops.dtype_name(weight.dtype), str(weight.device)
+    n, k = _merged_shape(linears)
+    if not ops.covers("gemv", dtype, n, k, device):
+        return not only_covered
+    merged = ops.served_entry("gemv", dtype, 1, n, k, device)
+    apart = [ops.served_entry("gemv", dtype, 1, c.weight.shape[0], k, device) for c in linears]
+    if merged is None or any(e is None for e in apart):
+        return True
+    return merged["time_us"] <= sum(e["time_us"] for e in apart)
+
+
+def _merge(linears: Sequence[nn.Linear]) -> None:
+    """Stack the siblings' weights (and biases) into one tensor, make each sibling's parameters views of its
+    rows (the values stay the same, so ``unpatch`` needs only the forwards back, and the model's memory does
+    not grow) and route each sibling to its slice of the shared GEMV."""
+    with torch.no_grad():
+        weight = torch.cat([c.weight.detach() for c in linears])
+        bias = None if linears[0].bias is None else torch.cat([c.bias.detach() for c in linears])
+    merged = _MergedGemv(weight, bias, len(linears))
+    row = 0
+    for c in linears:
+        rows = slice(row, row + c.weight.shape[0])
+        c.weight = nn.Parameter(weight[rows], requires_grad=c.weight.requires_grad)
+        if bias is not None:
+            c.bias = nn.Parameter(bias[rows], requires_grad=c.bias.requires_grad)
+        object.__setattr__(c, _MERGED, merged)
+        _set_forward(c, "linear merged", _sibling_forward(c, merged, rows))
+        row = rows.stop
+
+
+def merged_shapes(model: nn.Module) -> list[tuple[int, int]]:
+    """The (N, K) of every merged GEMV ``patch(merge_siblings=True)`` could run (vLLM's merged shapes,
+    what a table needs ``--shape NxK`` entries for), sorted and unique."""
+    return sorted({_merged_shape(linears) for _, linears in _merge_plan(model)})
+
+
 def fold_shapes(model: nn.Module) -> list[tuple[int, int]]:
     """The (N, K) of every linear ``patch(fold_norms=True)`` could serve with ``rms_gemv`` (what a
     table needs ``--shape rms_gemv:NxK`` entries for), sorted and unique."""
@@ -360,7 +491,7 @@ def _covered(route: str, module: nn.Module) -> bool:
 
 
 def patch(model: nn.Module, table: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
-          only_covered: bool = True, fold_norms: bool = False) -> dict[str, int]:
+          only_covered: bool = True, fold_norms: bool = False, merge_siblings: bool = False) -> dict[str, int]:
     """Route ``model``'s linears (and supported norms/activations) through the tunekit ops.
 
     ``table``: a path, a ``:``-separated string or a list of paths, loaded
@@ -384,6 +515,16 @@ def patch(model: nn.Module, table: str | os.PathLike | Sequence[str | os.PathLik
     normalised activation. Counted as ``"rms_gemv"`` and
     ``"<norm op> folded"``; a token count the table lacks runs the norm's
     math then the vendor GEMM per consumer.
+
+    ``merge_siblings``: then, each group of ``SIBLING_LINEARS`` (the linears
+    a module calls on one input: q/k/v, gate/up, Gated DeltaNet's qkv/z and
+    b/a) whose stacked shape a table covers runs as one GEMV of that shape,
+    vLLM's merged projection; where every sibling has an M=1 entry too, only
+    if the merged one is no slower than theirs together. Each sibling returns
+    its rows of that output (a view). The siblings' weights become views of
+    the stacked tensor (same values; a folded sibling is not merged).
+    Counted as ``"linear merged"`` per sibling and
+    ``"linear (merge not in the tables or not paying)"`` per group left apart.
     """
     from tunekit import ops
 
@@ -404,6 +545,14 @@ def patch(model: nn.Module, table: str | os.PathLike | Sequence[str | os.PathLik
             _fold(norm, op, consumers)
             counts[f"{op} folded"] = counts.get(f"{op} folded", 0) + 1
             counts["rms_gemv"] = counts.get("rms_gemv", 0) + len(consumers)
+    if merge_siblings:
+        for _, linears in _merge_plan(model):
+            if not _merge_pays(linears, only_covered):
+                key = "linear (merge not in the tables or not paying)"
+                counts[key] = counts.get(key, 0) + 1
+                continue
+            _merge(linears)
+            counts["linear merged"] = counts.get("linear merged", 0) + len(linears)
     for module in model.modules():
         if getattr(module, _ROUTE, None):
             continue
@@ -434,6 +583,7 @@ def unpatch(model: nn.Module) -> int:
         unfolded = module.__dict__.pop(_FOLD_SAVED, None)
         if unfolded is not None:
             module.weight = unfolded
+        module.__dict__.pop(_MERGED, None)
         module.__dict__.pop(_SAVED, None)
         module.__dict__.pop(_ROUTE, None)
         restored += 1
