@@ -23,7 +23,10 @@
 #                 graphed, with the main table and the HF tables;
 #  search_hf_fold rms_gemv for every linear a folded HF decoder norm feeds (--print-shapes --only
 #                 rms_gemv), M=1, seeded with the HF GEMV table;
-#  check_serving_fold  check_serving with that table too and --fold-norms.
+#  check_serving_fold  check_serving with that table too and --fold-norms;
+#  search_hf_norms the norms part of search_hf only (what --merge-siblings needs beyond the main table);
+#  check_serving_merge check_serving with --merge-siblings: HF's q/k/v, gate/up, qkv/z and b/a run as
+#                 vLLM's merged GEMVs, served by the main table (and the HF norms' table).
 # PREV: an earlier call's results (its main/, fused/, hf-gemv/, hf-norms/ tables stand in for the
 # searches not run; the machine does not keep runs/ between calls). FUSED_M: the fused families' M (default 1);
 # FUSED_OPS: the --ops of search_fused (default fused_gemv, every family); FUSED_TRIALS its trials (20).
@@ -63,11 +66,12 @@ step() {  # step NAME SECONDS COMMAND...
 }
 # the Hugging Face shapes (the --shape arguments are meant to split)
 seeds() { for f in "$@"; do [ -n "$f" ] && printf -- '--seed-from %s ' "$f"; done; }
-search_hf="python3 -m tunekit search \$(python3 benchmarks/serving_check.py --print-shapes --only gemv) --m 1 \
-    --backend triton --trials 8 $(seeds runs/main/table.json "${SEED_HF_GEMV:-}") --out runs/hf-gemv --no-progress &&
-  python3 -m tunekit search \$(python3 benchmarks/serving_check.py --print-shapes --only norms) \
+search_hf_norms="python3 -m tunekit search \$(python3 benchmarks/serving_check.py --print-shapes --only norms) \
     --m \$(python3 benchmarks/serving_check.py --print-m) --backend triton --trials 6 $(seeds "${SEED_HF_NORMS:-}") \
     --out runs/hf-norms --no-progress"
+search_hf="python3 -m tunekit search \$(python3 benchmarks/serving_check.py --print-shapes --only gemv) --m 1 \
+    --backend triton --trials 8 $(seeds runs/main/table.json "${SEED_HF_GEMV:-}") --out runs/hf-gemv --no-progress &&
+  $search_hf_norms"
 
 if wanted search_main; then cp benchmarks/results/h200-m1248-all-d75e409/optuna.db runs/main/; fi
 step search_main 200 python3 -m tunekit search --model qwen3.5-27b --m "${MAIN_M:-1,2,4,8}" --trials 3 --out runs/main \
@@ -87,5 +91,9 @@ step search_hf_fold 200 bash -c "python3 -m tunekit search \$(python3 benchmarks
 step check_serving_fold 200 python3 -m tunekit check-serving --model qwen3.5-27b --table runs/main/table.json \
   --table runs/hf-gemv/table.json --table runs/hf-norms/table.json --table runs/hf-fold/table.json --fold-norms \
   --layers 4 --steps 16 --iters 20 --rounds 9 --skip-ops --out "$R/check-fold"
+step search_hf_norms 150 bash -c "$search_hf_norms"
+step check_serving_merge 200 python3 -m tunekit check-serving --model qwen3.5-27b --table runs/main/table.json \
+  --table runs/hf-norms/table.json --merge-siblings \
+  --layers 4 --steps 16 --iters 20 --rounds 9 --skip-ops --out "$R/check-merge"
 tail -n 3 "$R"/*.log
 cat "$R/steps.txt"
