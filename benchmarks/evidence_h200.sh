@@ -26,7 +26,8 @@
 #  check_serving_fold  check_serving with that table too and --fold-norms;
 #  search_hf_norms the norms part of search_hf only (what --merge-siblings needs beyond the main table);
 #  check_serving_merge check_serving with --merge-siblings: HF's q/k/v, gate/up, qkv/z and b/a run as
-#                 vLLM's merged GEMVs, served by the main table (and the HF norms' table).
+#                 vLLM's merged GEMVs, served by the main table (and the HF norms' table);
+#  check_serving_main  the same tables without --merge-siblings (what the merge adds, in the same call).
 # PREV: an earlier call's results (its main/, fused/, hf-gemv/, hf-norms/ tables stand in for the
 # searches not run; the machine does not keep runs/ between calls). FUSED_M: the fused families' M (default 1);
 # FUSED_OPS: the --ops of search_fused (default fused_gemv, every family); FUSED_TRIALS its trials (20).
@@ -95,5 +96,7 @@ step search_hf_norms 150 bash -c "$search_hf_norms"
 step check_serving_merge 200 python3 -m tunekit check-serving --model qwen3.5-27b --table runs/main/table.json \
   --table runs/hf-norms/table.json --merge-siblings \
   --layers 4 --steps 16 --iters 20 --rounds 9 --skip-ops --out "$R/check-merge"
+step check_serving_main 200 python3 -m tunekit check-serving --model qwen3.5-27b --table runs/main/table.json \
+  --table runs/hf-norms/table.json --layers 4 --steps 16 --iters 20 --rounds 9 --skip-ops --out "$R/check-main"
 tail -n 3 "$R"/*.log
 cat "$R/steps.txt"
