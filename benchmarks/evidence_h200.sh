@@ -31,7 +31,10 @@
 # PREV: an earlier call's results (its main/, fused/, hf-gemv/, hf-norms/ tables stand in for the
 # searches not run; the machine does not keep runs/ between calls). FUSED_M: the fused families' M (default 1);
 # FUSED_OPS: the --ops of search_fused (default fused_gemv, every family); FUSED_TRIALS its trials (20).
-# MAIN_M: the Ms of search_main (default 1,2,4,8).
+# MAIN_M: the Ms of search_main (default 1,2,4,8); MAIN_TRIALS its trials (3, on top of the resumed ones);
+# MAIN_BACKEND: its one backend (default: all).
+# MODEL: the model of search_main and of the check_serving steps (default qwen3.5-27b; the fused families,
+# the chain and the HF shape searches are Qwen3.5-27B's). Only Qwen3.5-27B's search resumes earlier trials.
 # SEED_FUSED / SEED_HF_GEMV / SEED_HF_NORMS: extra --seed-from files (an earlier call's trials.csv).
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -74,9 +77,12 @@ search_hf="python3 -m tunekit search \$(python3 benchmarks/serving_check.py --pr
     --backend triton --trials 8 $(seeds runs/main/table.json "${SEED_HF_GEMV:-}") --out runs/hf-gemv --no-progress &&
   $search_hf_norms"
 
-if wanted search_main; then cp benchmarks/results/h200-m1248-all-d75e409/optuna.db runs/main/; fi
-step search_main 200 python3 -m tunekit search --model qwen3.5-27b --m "${MAIN_M:-1,2,4,8}" --trials 3 --out runs/main \
-  --no-progress
+MODEL=${MODEL:-qwen3.5-27b}
+if wanted search_main && [ "$MODEL" = qwen3.5-27b ]; then
+  cp benchmarks/results/h200-m1248-all-d75e409/optuna.db runs/main/
+fi
+step search_main 200 python3 -m tunekit search --model "$MODEL" --m "${MAIN_M:-1,2,4,8}" --trials "${MAIN_TRIALS:-3}" \
+  ${MAIN_BACKEND:+--backend "$MAIN_BACKEND"} --out runs/main --no-progress
 step dispatch 100 python3 benchmarks/dispatch_overhead.py --table runs/main/table.json --calls 500 --repeats 5 \
   --out "$R/dispatch.json"
 step search_fused 380 python3 -m tunekit search --model qwen3.5-27b --ops "${FUSED_OPS:-fused_gemv}" --m "${FUSED_M:-1}" --backend triton \
@@ -93,10 +99,11 @@ step check_serving_fold 200 python3 -m tunekit check-serving --model qwen3.5-27b
   --table runs/hf-gemv/table.json --table runs/hf-norms/table.json --table runs/hf-fold/table.json --fold-norms \
   --layers 4 --steps 16 --iters 20 --rounds 9 --skip-ops --out "$R/check-fold"
 step search_hf_norms 150 bash -c "$search_hf_norms"
-step check_serving_merge 200 python3 -m tunekit check-serving --model qwen3.5-27b --table runs/main/table.json \
-  --table runs/hf-norms/table.json --merge-siblings \
+hf_norms=$([ -f runs/hf-norms/table.json ] && echo "--table runs/hf-norms/table.json")  # Llama's norm: in main
+step check_serving_merge 200 python3 -m tunekit check-serving --model "$MODEL" --table runs/main/table.json \
+  $hf_norms --merge-siblings \
   --layers 4 --steps 16 --iters 20 --rounds 9 --skip-ops --out "$R/check-merge"
-step check_serving_main 200 python3 -m tunekit check-serving --model qwen3.5-27b --table runs/main/table.json \
-  --table runs/hf-norms/table.json --layers 4 --steps 16 --iters 20 --rounds 9 --skip-ops --out "$R/check-main"
+step check_serving_main 200 python3 -m tunekit check-serving --model "$MODEL" --table runs/main/table.json \
+  $hf_norms --layers 4 --steps 16 --iters 20 --rounds 9 --skip-ops --out "$R/check-main"
 tail -n 3 "$R"/*.log
 cat "$R/steps.txt"
