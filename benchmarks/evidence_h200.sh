@@ -29,7 +29,7 @@
 #                 vLLM's merged GEMVs, served by the main table (and the HF norms' table);
 #  check_serving_main  the same tables without --merge-siblings (what the merge adds, in the same call).
 # PREV: an earlier call's results (its main/, fused/, hf-gemv/, hf-norms/ tables stand in for the
-# searches not run; the machine does not keep runs/ between calls). FUSED_M: the fused families' M (default 1);
+# searches not run; runs/ is emptied first, as a machine still warm from an earlier call keeps it). FUSED_M: the fused families' M (default 1);
 # FUSED_OPS: the --ops of search_fused (default fused_gemv, every family); FUSED_TRIALS its trials (20).
 # MAIN_M: the Ms of search_main (default 1,2,4,8); MAIN_TRIALS its trials (3, on top of the resumed ones);
 # MAIN_BACKEND: its one backend (default: all).
@@ -40,6 +40,9 @@ set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 R=results
+# A machine still warm from an earlier call keeps its working tree's ignored files: start from nothing
+# (a resumed search refuses a trials.csv that another storage wrote; a table left there would serve).
+rm -rf "$R" runs/main runs/fused runs/hf-gemv runs/hf-norms runs/hf-fold
 mkdir -p "$R" runs/main runs/fused runs/hf-gemv runs/hf-norms runs/hf-fold
 echo "${COMMIT:-unknown}" > "$R/commit.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$R/gpu.txt" 2>&1
