@@ -38,8 +38,10 @@ Routed modules:
 Shapes: Hugging Face keeps q/k/v and gate/up as separate linears, where vLLM
 merges them (``qkv_proj``, ``gate_up_proj``), so a table tuned on vLLM's
 shapes (``tunekit search --model``) covers only the unmerged ones (o_proj,
-down_proj, lm_head ...). :func:`linear_shapes` lists the (N, K) a patched
-model runs, to tune those with ``--shape NxK``. HF reshapes the gated
+down_proj, lm_head ...), unless ``patch(merge_siblings=True)`` runs each such
+group (:data:`SIBLING_LINEARS`) as one GEMV of the merged shape
+(:func:`merged_shapes`). :func:`linear_shapes` lists the (N, K) an unmerged
+patched model runs, to tune those with ``--shape NxK``. HF reshapes the gated
 norm's input to [tokens * heads, head_dim] (vLLM: [tokens, heads,
 head_dim]), so its calls have M = tokens * heads and N = head_dim; the op
 serves them from an entry of either layout (the norm is per head, so the
