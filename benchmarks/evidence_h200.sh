@@ -20,7 +20,7 @@
 #  search_hf      the Hugging Face model's own shapes (separate q/k/v, gate/up; its norms in the
 #                 layout HF calls them), benchmarks/serving_check.py --print-shapes, seeded likewise;
 #  check_serving  tunekit check-serving, patched HF Qwen3.5 (27B sizes, 4 layers), eager and
-#                 graphed, with the main table and the HF tables;
+#                 graphed, with the main table and the HF tables, siblings not merged;
 #  search_hf_fold rms_gemv for every linear a folded HF decoder norm feeds (--print-shapes --only
 #                 rms_gemv), M=1, seeded with the HF GEMV table;
 #  check_serving_fold  check_serving with that table too and --fold-norms;
@@ -94,12 +94,13 @@ step chain 200 python3 -m tunekit chain --model qwen3.5-27b --table runs/main/ta
   --table runs/fused/table.json --m "${FUSED_M:-1}" --out "$R/chain"
 step search_hf 300 bash -c "$search_hf"
 step check_serving 200 python3 -m tunekit check-serving --model qwen3.5-27b --table runs/main/table.json \
-  --table runs/hf-gemv/table.json --table runs/hf-norms/table.json \
+  --table runs/hf-gemv/table.json --table runs/hf-norms/table.json --no-merge-siblings \
   --layers 4 --steps 16 --iters 20 --rounds 9 --skip-ops --out "$R/check"
 step search_hf_fold 200 bash -c "python3 -m tunekit search \$(python3 benchmarks/serving_check.py --print-shapes \
   --only rms_gemv) --m 1 --backend triton --trials 8 --seed-from runs/hf-gemv/table.json --out runs/hf-fold --no-progress"
 step check_serving_fold 200 python3 -m tunekit check-serving --model qwen3.5-27b --table runs/main/table.json \
   --table runs/hf-gemv/table.json --table runs/hf-norms/table.json --table runs/hf-fold/table.json --fold-norms \
+  --no-merge-siblings \
   --layers 4 --steps 16 --iters 20 --rounds 9 --skip-ops --out "$R/check-fold"
 step search_hf_norms 150 bash -c "$search_hf_norms"
 hf_norms=$([ -f runs/hf-norms/table.json ] && echo "--table runs/hf-norms/table.json")  # Llama's norm: in main
@@ -107,6 +108,6 @@ step check_serving_merge 200 python3 -m tunekit check-serving --model "$MODEL" -
   $hf_norms --merge-siblings \
   --layers 4 --steps 16 --iters 20 --rounds 9 --skip-ops --out "$R/check-merge"
 step check_serving_main 200 python3 -m tunekit check-serving --model "$MODEL" --table runs/main/table.json \
-  $hf_norms --layers 4 --steps 16 --iters 20 --rounds 9 --skip-ops --out "$R/check-main"
+  $hf_norms --no-merge-siblings --layers 4 --steps 16 --iters 20 --rounds 9 --skip-ops --out "$R/check-main"
 tail -n 3 "$R"/*.log
 cat "$R/steps.txt"

@@ -17,8 +17,9 @@ because HF reshapes the gated norm's input to [tokens * heads, head_dim], so ``t
 gated norm: M = value heads), and a GEMV search takes M 1..8 only, so they need their own search at the M
 that ``--print-m`` prints. ``--only rms_gemv`` prints ``--shape rms_gemv:NxK`` for every linear a folded
 decoder norm feeds (``--fold-norms``: ``tunekit.patch(fold_norms=True)``); ``--only merged`` the GEMV of
-every group of sibling linears (``--merge-siblings``: ``tunekit.patch(merge_siblings=True)``), which are
-vLLM's merged shapes, so the table of ``tunekit search --model`` covers them. Typical GPU use:
+every group of sibling linears (``tunekit.patch(merge_siblings=True)``, the default; ``--no-merge-siblings``
+patches without it), which are vLLM's merged shapes, so the table of ``tunekit search --model`` covers
+them. Typical GPU use:
 
     python -m tunekit search $(python benchmarks/serving_check.py --print-shapes --only gemv) --m 1 \\
         --out runs/serving-gemv
@@ -55,7 +56,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="print the comma list of M at which the HF model calls its tunable norms, and exit")
     parser.add_argument("--only", choices=("all", "gemv", "norms", "rms_gemv", "merged"), default="all",
                         help="with --print-shapes: the linears, the norms, both, the folded norms' consumers, or "
-                             "the merged siblings (--merge-siblings)")
+                             "the merged siblings' GEMVs")
     parser.add_argument("--model", default=defaults.model, help=f"one of {', '.join(hf_decode.MODELS)}")
     parser.add_argument("--table", action="append", default=[],
                         help="dispatch table (repeatable; first wins a duplicate key); default: TUNEKIT_TABLE")
@@ -79,8 +80,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-graphed", action="store_true")
     parser.add_argument("--fold-norms", action="store_true",
                         help="the patched model folds its decoder norms into their consumers where it pays")
-    parser.add_argument("--merge-siblings", action="store_true",
-                        help="the patched model runs q/k/v, gate/up (...) as one GEMV of vLLM's merged shape")
+    parser.add_argument("--merge-siblings", action=argparse.BooleanOptionalAction, default=defaults.merge_siblings,
+                        help="the patched model runs q/k/v, gate/up (...) as one GEMV of vLLM's merged shape "
+                             "where a table covers it (tunekit.patch's default)")
     parser.add_argument("--out", type=Path, default=Path("runs") / "serving-check")
     return parser.parse_args(argv)
 

@@ -229,8 +229,8 @@ def test_tiny_qwen3_5_with_folded_norms_agrees_with_unpatched_on_the_cpu(tmp_pat
 @pytest.mark.usefixtures("clean_ops")
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
 def test_tiny_qwen3_5_with_merged_siblings_agrees_with_unpatched_on_the_cpu(tmp_path: Path) -> None:
-    """--merge-siblings: a table of vLLM's merged shapes only (what ``tunekit search --model`` tunes) serves
-    HF's separate q/k/v, gate/up, qkv/z and b/a, one tuned GEMV per group and decode step."""
+    """Siblings merged (the default): a table of vLLM's merged shapes only (what ``tunekit search --model``
+    tunes) serves HF's separate q/k/v, gate/up, qkv/z and b/a, one tuned GEMV per group and decode step."""
     from tunekit.evidence import hf_decode
     from tunekit.integrations.torch_patch import merged_shapes
 
@@ -240,8 +240,7 @@ def test_tiny_qwen3_5_with_merged_siblings_agrees_with_unpatched_on_the_cpu(tmp_
     params = {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1}
     table = make_table(tmp_path / "t.json", [_entry("gemv", 1, n, k, params=params) for n, k in shapes])
     settings = serving.Settings(model="qwen3.5-27b", tables=[str(table)], layers=2, steps=3, prompt_len=4,
-                                tiny=True, device="cpu", skip_ops=True, merge_siblings=True,
-                                out=str(tmp_path / "out"))
+                                tiny=True, device="cpu", skip_ops=True, out=str(tmp_path / "out"))
     lines: list[str] = []
     results = serving.run_check(settings, log=lines.append, argv=["test"])
     assert results["failures"] == 0, "\n".join(lines)

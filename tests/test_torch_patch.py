@@ -206,7 +206,7 @@ def test_hugging_face_qwen3_5_patched_gives_the_same_logits_and_tokens(tmp_path:
     ids = torch.tensor([[3, 17, 42, 5, 99]])
     with torch.no_grad():
         ref = model(ids).logits
-        counts = tunekit.patch(model, table=path, only_covered=False)
+        counts = tunekit.patch(model, table=path, only_covered=False, merge_siblings=False)  # every linear apart
         assert counts["linear"] == len([m for m in model.modules() if isinstance(m, nn.Linear)])
         assert counts["gemma_rms_norm"] >= 5 and counts["gated_rms_norm"] == 1
         out = model(ids).logits
@@ -235,7 +235,7 @@ def test_hugging_face_llama_norms_are_routed() -> None:
     ids = torch.tensor([[1, 2, 3]])
     with torch.no_grad():
         ref = model(ids).logits
-        assert tunekit.patch(model, only_covered=False) == {"linear": 8, "rms_norm": 3}
+        assert tunekit.patch(model, only_covered=False, merge_siblings=False) == {"linear": 8, "rms_norm": 3}
         assert torch.equal(model(ids).logits, ref)  # vendor paths (no table): the same math, same bits
     assert {r["impl"] for r in tunekit.dispatch_stats()} == {"fallback:no_table"}
 
@@ -359,7 +359,7 @@ def test_hugging_face_qwen3_5_merged_siblings_run_vllms_shapes_once_per_group(tm
     with torch.no_grad():
         ref = model(ids).logits
         ref_step = model(ids[:, -1:]).logits
-        counts = tunekit.patch(model, table=_merged_table(tmp_path, model), merge_siblings=True)
+        counts = tunekit.patch(model, table=_merged_table(tmp_path, model))  # merge_siblings: the default
         assert counts["linear merged"] == 4 + 3 + 2 * 2  # every sibling of the five groups
         tunekit.dispatch_stats(reset=True)
         out = model(ids).logits
@@ -378,9 +378,12 @@ def test_hugging_face_qwen3_5_merged_siblings_run_vllms_shapes_once_per_group(tm
     groups = {id(g): g for g in (getattr(c, torch_patch._MERGED, None) for c in model.modules()) if g is not None}
     assert len(groups) == 5 and all(g.input is None and g.output is None for g in groups.values())
     assert "linear" not in counts  # the table holds only the merged shapes: nothing else is routed
+    stacked = {p.untyped_storage().data_ptr() for p in model.parameters()}
     assert tunekit.unpatch(model) == 4 + 3 + 2 * 2
-    # the siblings' weights are views of the stacked tensor now: the same values, and the stock forwards
+    # the same values in storage of their own again (nothing shared between linears), and the stock forwards
     assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters())
+    storages = [p.untyped_storage().data_ptr() for p in model.parameters()]
+    assert len(set(storages)) == len(storages) and len(stacked) < len(storages)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref)
 

@@ -513,8 +513,10 @@ def check_serving(
         help="the patched model folds its decoder norms into their consumers (rms_gemv) where the tables' "
              "entries say it pays")] = False,
     merge_siblings: Annotated[bool, typer.Option(
+        "--merge-siblings/--no-merge-siblings",
         help="the patched model runs the linears a module calls on one input (q/k/v, gate/up, Gated "
-             "DeltaNet's qkv/z and b/a) as one GEMV of vLLM's merged shape where a table covers it")] = False,
+             "DeltaNet's qkv/z and b/a) as one GEMV of vLLM's merged shape where a table covers it "
+             "(tunekit.patch's default)")] = True,
     out: Annotated[Path | None, typer.Option(help="folder for serving_check.json")] = None,
 ) -> None:
     """Serving evidence: the tables' ops under compile / CUDA graphs; a patched HF model's tokens and step times.

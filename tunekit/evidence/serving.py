@@ -79,7 +79,7 @@ class Settings:
     skip_model: bool = False
     skip_graphed: bool = False
     fold_norms: bool = False  # the patched model folds its decoder norms where the tables say it pays
-    merge_siblings: bool = False  # ... and runs q/k/v, gate/up (...) as one GEMV of vLLM's merged shape
+    merge_siblings: bool = True  # ... and runs q/k/v, gate/up (...) as one GEMV of vLLM's merged shape
     out: str | None = None
 
 

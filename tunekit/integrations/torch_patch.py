@@ -38,10 +38,11 @@ Routed modules:
 Shapes: Hugging Face keeps q/k/v and gate/up as separate linears, where vLLM
 merges them (``qkv_proj``, ``gate_up_proj``), so a table tuned on vLLM's
 shapes (``tunekit search --model``) covers only the unmerged ones (o_proj,
-down_proj, lm_head ...), unless ``patch(merge_siblings=True)`` runs each such
-group (:data:`SIBLING_LINEARS`) as one GEMV of the merged shape
-(:func:`merged_shapes`). :func:`linear_shapes` lists the (N, K) an unmerged
-patched model runs, to tune those with ``--shape NxK``. HF reshapes the gated
+down_proj, lm_head ...), unless ``patch`` runs each such group
+(:data:`SIBLING_LINEARS`) as one GEMV of the merged shape (:func:`merged_shapes`),
+which it does by default where a table covers that shape (``merge_siblings``).
+:func:`linear_shapes` lists the (N, K) an unmerged patched model runs, to tune
+those with ``--shape NxK``. HF reshapes the gated
 norm's input to [tokens * heads, head_dim] (vLLM: [tokens, heads,
 head_dim]), so its calls have M = tokens * heads and N = head_dim; the op
 serves them from an entry of either layout (the norm is per head, so the
@@ -424,8 +425,8 @@ def _merge_pays(linears: Sequence[nn.Linear], only_covered: bool) -> bool:
 
 def _merge(linears: Sequence[nn.Linear]) -> None:
     """Stack the siblings' weights (and biases) into one tensor, make each sibling's parameters views of its
-    rows (the values stay the same, so ``unpatch`` needs only the forwards back, and the model's memory does
-    not grow) and route each sibling to its slice of the shared GEMV."""
+    rows (the values stay the same and the model's memory does not grow; ``unpatch`` copies them out again)
+    and route each sibling to its slice of the shared GEMV."""
     with torch.no_grad():
         weight = torch.cat([c.weight.detach() for c in linears])
         bias = None if linears[0].bias is None else torch.cat([c.bias.detach() for c in linears])
@@ -439,6 +440,16 @@ def _merge(linears: Sequence[nn.Linear]) -> None:
         object.__setattr__(c, _MERGED, merged)
         _set_forward(c, "linear merged", _sibling_forward(c, merged, rows))
         row = rows.stop
+
+
+def _own_storage(module: nn.Linear) -> None:
+    """A merged sibling's parameters back in tensors of their own (copies of its rows: the same values), so
+    that the unpatched model shares no storage between linears (safetensors refuses to save that) and the
+    stacked tensor is freed with the last sibling."""
+    with torch.no_grad():
+        module.weight = nn.Parameter(module.weight.detach().clone(), requires_grad=module.weight.requires_grad)
+        if module.bias is not None:
+            module.bias = nn.Parameter(module.bias.detach().clone(), requires_grad=module.bias.requires_grad)
 
 
 def merged_shapes(model: nn.Module) -> list[tuple[int, int]]:
@@ -493,7 +504,7 @@ def _covered(route: str, module: nn.Module) -> bool:
 
 
 def patch(model: nn.Module, table: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
-          only_covered: bool = True, fold_norms: bool = False, merge_siblings: bool = False) -> dict[str, int]:
+          only_covered: bool = True, fold_norms: bool = False, merge_siblings: bool = True) -> dict[str, int]:
     """Route ``model``'s linears (and supported norms/activations) through the tunekit ops.
 
     ``table``: a path, a ``:``-separated string or a list of paths, loaded
@@ -518,13 +529,14 @@ def patch(model: nn.Module, table: str | os.PathLike | Sequence[str | os.PathLik
     ``"<norm op> folded"``; a token count the table lacks runs the norm's
     math then the vendor GEMM per consumer.
 
-    ``merge_siblings``: then, each group of ``SIBLING_LINEARS`` (the linears
+    ``merge_siblings`` (on by default): then, each group of ``SIBLING_LINEARS`` (the linears
     a module calls on one input: q/k/v, gate/up, Gated DeltaNet's qkv/z and
     b/a) whose stacked shape a table covers runs as one GEMV of that shape,
     vLLM's merged projection; where every sibling has an M=1 entry too, only
     if the merged one is no slower than theirs together. Each sibling returns
     its rows of that output (a view). The siblings' weights become views of
-    the stacked tensor (same values; a folded sibling is not merged).
+    the stacked tensor (same values; ``unpatch`` gives them their own storage
+    again; a folded sibling is not merged).
     Counted as ``"linear merged"`` per sibling and
     ``"linear (merge not in the tables or not paying)"`` per group left apart.
     """
@@ -585,7 +597,8 @@ def unpatch(model: nn.Module) -> int:
         unfolded = module.__dict__.pop(_FOLD_SAVED, None)
         if unfolded is not None:
             module.weight = unfolded
-        module.__dict__.pop(_MERGED, None)
+        if module.__dict__.pop(_MERGED, None) is not None:
+            _own_storage(module)
         module.__dict__.pop(_SAVED, None)
         module.__dict__.pop(_ROUTE, None)
         restored += 1
