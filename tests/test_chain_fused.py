@@ -413,3 +413,52 @@ def test_run_takes_silu_and_mul_into_gate_up_where_it_pays(tmp_path: Path, glu_u
     assert fused["tuned_steps"] == rows["tuned"]["tuned_steps"] - 2 * kernels
     assert fused["rel_diff"] is not None and 0 < fused["rel_diff"] <= 0.05
     assert fused["rms_err_fp32"] <= 2 * rows["vendor"]["rms_err_fp32"]
+
+
+# ----------------------------------------------------------------------------- the measured fusion check
+
+
+def _ratios(table: dict[frozenset, float]):
+    """A fake same-run timing: tuned_fused / tuned per set of families left out; records what was asked."""
+    asked: list[frozenset] = []
+
+    def ratio(excluded: frozenset) -> float:
+        asked.append(excluded)
+        return table[frozenset(excluded)]
+
+    return ratio, asked
+
+
+def test_the_fusion_check_drops_a_family_that_measures_slower_and_keeps_the_rest() -> None:
+    f = frozenset
+    # gemv_add pays, rms_gemv costs 0.6% in the chain although its standalone price said it pays
+    ratio, asked = _ratios({f(): 0.995, f({"gemv_add"}): 1.003, f({"rms_gemv"}): 0.989,
+                            f({"rms_gemv", "gemv_add"}): 1.0})
+    excluded, trace = chain_mod.select_fusions(["gemv_add", "rms_gemv"], ratio)
+    assert excluded == {"rms_gemv"}
+    assert asked == [f(), f({"gemv_add"}), f({"rms_gemv"}), f({"rms_gemv", "gemv_add"})]
+    assert trace[0] == {"excluded": [], "ratio": 0.995} and len(trace) == 4
+
+
+def test_the_fusion_check_keeps_everything_within_the_margin_and_drops_all_when_none_is_faster() -> None:
+    f = frozenset
+    # leaving gemv_add out gains 0.1%: within the margin, nothing is dropped
+    ratio, _ = _ratios({f(): 0.990, f({"gemv_add"}): 0.989, f({"gemv_silu_mul"}): 0.999})
+    assert chain_mod.select_fusions(["gemv_add", "gemv_silu_mul"], ratio)[0] == f()
+    # every subset is slower than tuned: no family is fused
+    ratio, _ = _ratios({f(): 1.004, f({"a"}): 1.002, f({"b"}): 1.003, f({"a", "b"}): 1.0})
+    assert chain_mod.select_fusions(["a", "b"], ratio)[0] == {"a", "b"}
+
+
+def test_a_family_left_out_is_bound_as_the_chain_would_without_its_entries() -> None:
+    m = 2
+    full = _bound_chain(m, _default_kernel(m, fold=True))
+    glu = tuple(shapes.GLU_GEMV_OPS)
+    assert {s.op for s in full.fused["tuned_fused"]} & set(glu)  # SiLU-and-mul goes into gate_up's epilogue
+    chain = chain_mod.Chain(chain_mod.chain_steps(_spec()), m, CPU)
+    fns = chain_mod._vendor_elementwise(CPU)
+    chain.build("tuned_fused", fns, lambda step: False,
+                chain_mod.excluding(_default_kernel(m, fold=True), frozenset(glu)))
+    without = _bound_chain(m, _default_kernel(m, skip=glu, fold=True))  # no GLU entry in the tables at all
+    assert _fused_names(chain) == _fused_names(without) and not {s.op for s in chain.fused["tuned_fused"]} & set(glu)
+    assert chain.kinds["tuned_fused"] == without.kinds["tuned_fused"] != full.kinds["tuned_fused"]

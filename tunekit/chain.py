@@ -55,9 +55,14 @@ Variants (``VARIANTS``), on the same weights and inputs:
   is a folded consumer), tried before down_proj's prologue. Each only where the fused
   entries' standalone times (plus what they add: the plain norm, the folded
   consumers) beat the tuned entries of the steps they replace (otherwise the
-  steps stay as ``tuned`` runs them: never slower by construction). Measured
-  only at an M where at least one pair is fused (it equals ``tuned``
-  otherwise).
+  steps stay as ``tuned`` runs them). Standalone times can mislead in a
+  chain (at M=2 on the H200 they chose fusions that lost 60 us a step), so on
+  a GPU the choice is then checked as a whole (:func:`select_fusions`): each
+  fused family is left out in turn, the chain timed against ``tuned`` in the
+  same run, and a family dropped while leaving it out is measurably faster;
+  if nothing fused is faster than ``tuned``, nothing is fused. Measured only
+  at an M where at least one pair is fused (it equals ``tuned`` otherwise),
+  in a timing of its own after the check.
 
 A step no table serves keeps the vendor implementation in every variant (the
 op's own fallback, eager PyTorch, would be slower than Inductor and charge the
@@ -723,6 +728,43 @@ def compare_eager(chain: Chain, variants: Sequence[str]) -> list[VariantResult]:
     return [_result(v, [], chain.kinds[v], logits[v], base, ref, len(chain.fused.get(v, ()))) for v in variants]
 
 
+#: Selection timings of the fused-family check: short (the chain's replays spread ~0.1%), and the
+#: margin by which leaving a family out must beat keeping it (a fraction of the step time).
+SELECT_ITERS, SELECT_REPEATS, SELECT_MARGIN = 10, 5, 0.002
+
+
+def select_fusions(families: Sequence[str], ratio: Callable[[frozenset[str]], float],
+                   margin: float = SELECT_MARGIN) -> tuple[frozenset[str], list[dict[str, Any]]]:
+    """The fused families to leave out, chosen by measurement, and the trace of what was measured.
+
+    ``ratio(excluded)`` times the chain's ``tuned_fused`` with the ``excluded`` families unfused against
+    ``tuned`` in the same run (time over time). Backward elimination from what the standalone prices chose:
+    each round leaves out each remaining family in turn and drops the one whose absence is fastest, if
+    that beats the current ratio by more than ``margin``. If the final ratio is not below 1 (fusing is not
+    faster than ``tuned``), every family is left out."""
+    excluded: frozenset[str] = frozenset()
+    current = ratio(excluded)
+    trace = [{"excluded": [], "ratio": current}]
+    while len(excluded) < len(families):
+        trials = {f: ratio(excluded | {f}) for f in families if f not in excluded}
+        trace += [{"excluded": sorted(excluded | {f}), "ratio": r} for f, r in trials.items()]
+        best = min(trials, key=lambda f: trials[f])
+        if trials[best] >= current - margin:
+            break
+        excluded, current = excluded | {best}, trials[best]
+    if current >= 1.0:
+        excluded = frozenset(families)
+    return excluded, trace
+
+
+def excluding(fused: FusedLookup, excluded: frozenset[str]) -> FusedLookup:
+    """``fused`` with the ``excluded`` fused ops unserved (the chain binds those steps as ``tuned`` does)."""
+    def lookup(op: str, n: int, k: int, replaced: list[Step], added: list[Step]) -> Callable[..., None] | None:
+        return None if op in excluded else fused(op, n, k, replaced, added)
+
+    return lookup
+
+
 def _vendor_elementwise(device: torch.device) -> dict[str, Callable[..., None]]:
     """The vendor compositions, compiled by Inductor on a GPU (the searches' faster baseline), eager on the CPU."""
     from tunekit.backends.vendor import ELEMENTWISE
@@ -797,16 +839,28 @@ def run(spec: ModelSpec, tables: Sequence[str], m_list: Sequence[int], tp: int =
             return _build_fused(entry, Problem(op, dtype, m, n, k), info)
 
         fns = _vendor_elementwise(device)
+
+        def served(step: Step) -> bool:
+            return entry_for(step) is not None
+
         for variant in VARIANTS:
-            chain.build(variant, fns, lambda step: entry_for(step) is not None, fused_kernel)
-        # tuned_fused equals tuned where no fused entry serves this M: not measured twice
+            chain.build(variant, fns, served, fused_kernel)
+        families = sorted({step.op for step in chain.fused["tuned_fused"]})
+        excluded: frozenset[str] = frozenset()
+        if families and device.type == "cuda":
+            excluded = _check_fusions(chain, families, fns, served, fused_kernel, m, report, log)
+            chain.build("tuned_fused", fns, served, excluding(fused_kernel, excluded))
+        # tuned_fused equals tuned where nothing is fused at this M: not measured twice
         variants = [v for v in VARIANTS if v != "tuned_fused" or chain.fused[v]]
         if len(variants) < len(VARIANTS):
-            log(f"M={m} tuned_fused: no fused entry serves this M (same as tuned), not measured")
+            log(f"M={m} tuned_fused: " + ("the fusion check left every family out" if families else
+                                          "no fused entry serves this M") + " (same as tuned), not measured")
         results = measure(chain, variants, iters, repeats) if device.type == "cuda" else compare_eager(chain, variants)
         vendor_us = results[0].step_us
         for r in results:
             row = asdict(r) | {"m": m, "predicted_saving_us": predicted_saving_us(chain, entry_for, r.variant)}
+            if r.variant == "tuned_fused":
+                row["left_out"] = sorted(excluded)  # fused families the check left unfused
             if device.type == "cuda":
                 row["measured_saving_us"] = vendor_us - r.step_us
                 row["speedup"] = vendor_us / r.step_us
@@ -816,6 +870,29 @@ def run(spec: ModelSpec, tables: Sequence[str], m_list: Sequence[int], tp: int =
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return report
+
+
+def _check_fusions(chain: Chain, families: list[str], fns: dict[str, Callable[..., None]],
+                   served: Callable[[Step], bool], fused: FusedLookup, m: int, report: dict[str, Any],
+                   log: Callable[[str], None]) -> frozenset[str]:
+    """:func:`select_fusions` on the GPU: each candidate bound as ``tuned_fused`` and timed against ``tuned``
+    (short timings); the trace goes into ``report["fusion_check"]``. Returns the families to leave out."""
+    def ratio(excluded: frozenset[str]) -> float:
+        chain.build("tuned_fused", fns, served, excluding(fused, excluded))
+        if not chain.fused["tuned_fused"]:
+            return 1.0  # nothing left to fuse: tuned_fused is tuned
+        tuned, candidate = measure(chain, ["tuned", "tuned_fused"], SELECT_ITERS, SELECT_REPEATS)
+        value = candidate.step_us / tuned.step_us
+        log(f"M={m} fusion check: {', '.join(sorted(excluded)) or 'nothing'} left out: tuned_fused / tuned "
+            f"{value:.4f}")
+        return value
+
+    excluded, trace = select_fusions(families, ratio)
+    report.setdefault("fusion_check", []).append({"m": m, "families": families, "excluded": sorted(excluded),
+                                                  "trace": trace})
+    log(f"M={m} fusion check: fused families {', '.join(f for f in families if f not in excluded) or 'none'}"
+        + (f"; left out {', '.join(sorted(excluded))}" if excluded else ""))
+    return excluded
 
 
 def _build_fused(entry: dict[str, Any], problem: Problem, device: Any) -> Callable[..., None]:
