@@ -413,6 +413,15 @@ def test_a_merged_sibling_called_alone_out_of_order_or_on_a_changed_input_gets_i
         x.mul_(2.0)  # changed in place: the kept output is stale and must not be served
         assert torch.equal(attn.q_proj(x), F.linear(x, attn.q_proj.weight))
         assert torch.equal(attn.k_proj(x), F.linear(x, attn.k_proj.weight))
+    # under inference mode (no version counters): the group's one GEMV still serves all three
+    names = ("q_proj", "k_proj", "v_proj")
+    with torch.inference_mode():
+        tunekit.dispatch_stats(reset=True)
+        z = torch.randn(1, 3, HIDDEN).bfloat16()
+        got = [getattr(attn, p)(z) for p in names]
+        stats = tunekit.dispatch_stats()
+        assert all(torch.equal(g, F.linear(z, getattr(attn, p).weight)) for g, p in zip(got, names, strict=True))
+    assert [(r["shape"], r["calls"]) for r in stats] == [(f"{2 * HIDDEN}x{HIDDEN}", 1)]
     # a group whose siblings differ (one with a bias) is not merged
     model = _llama()
     mlp = model.model.layers[0].mlp

@@ -340,8 +340,9 @@ class _MergedGemv:
     the stacked weights and keeps the output; the others return their slices of it.
 
     A kept output is reused only for the very tensor it was computed from (``is``), and, in eager mode,
-    only while that tensor is unmodified (its version counter); it is dropped once every other sibling
-    has taken its slice. So a sibling called alone, out of order, or on another input still gets its
+    only while that tensor is unmodified (its version counter; an inference-mode tensor has none, so
+    there identity alone decides, as in traced code); it is dropped once every other sibling has taken
+    its slice. So a sibling called alone, out of order, or on another input still gets its
     right rows (at the cost of the whole GEMV). Under ``torch.compile`` the bookkeeping is traced away:
     the graph holds one ``tunekit.gemv`` per group and the slices."""
 
@@ -356,7 +357,7 @@ class _MergedGemv:
         self.pending = 0  # siblings still to take their slice of ``output``
 
     def __call__(self, input: torch.Tensor, eager: bool) -> torch.Tensor:
-        if self.input is input and self.pending > 0 and (not eager or self.version == input._version):
+        if self.input is input and self.pending > 0 and (not eager or self.version == _version(input)):
             output = self.output
             self.pending -= 1
             if self.pending == 0:
@@ -366,8 +367,13 @@ class _MergedGemv:
                   else torch.ops.tunekit.gemv(input, self.weight, self.bias))
         self.input, self.output, self.pending = input, output, self.members - 1
         if eager:
-            self.version = input._version
+            self.version = _version(input)
         return output
+
+
+def _version(t: torch.Tensor) -> int:
+    """``t``'s version counter (bumped by every in-place change), -1 for an inference-mode tensor (none)."""
+    return -1 if t.is_inference() else t._version
 
 
 def _sibling_forward(module: nn.Linear, merged: _MergedGemv, rows: slice) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -408,7 +414,8 @@ def _merged_shape(linears: Sequence[nn.Linear]) -> tuple[int, int]:
 
 def _merge_pays(linears: Sequence[nn.Linear], only_covered: bool) -> bool:
     """Whether a table serves the merged shape (any M) and, where every sibling has an M=1 entry of its
-    own, the merged entry at M=1 is no slower than theirs together."""
+    own, the merged entry at M=1 is no slower than theirs together. Without ``only_covered`` (every
+    module routed anyway) an uncovered merged shape is merged too."""
     from tunekit import ops
 
     weight = linears[0].weight
