@@ -354,7 +354,8 @@ def test_a_forked_worker_writes_its_own_dispatch_log(gemv_table: Path, tmp_path:
 # ----------------------------------------------------------------------------- torch.compile
 
 
-def _graphs_of(fn, *args):
+def compile_capturing(fn):
+    """``fn`` compiled whole (fresh Dynamo), and the list its FX graphs are appended to as they are traced."""
     graphs = []
 
     def backend(gm, example_inputs):
@@ -362,7 +363,11 @@ def _graphs_of(fn, *args):
         return gm.forward
 
     torch._dynamo.reset()
-    compiled = torch.compile(fn, backend=backend, fullgraph=True)
+    return torch.compile(fn, backend=backend, fullgraph=True), graphs
+
+
+def _graphs_of(fn, *args):
+    compiled, graphs = compile_capturing(fn)
     return compiled(*args), graphs
 
 

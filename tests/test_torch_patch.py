@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from test_ops import _entry, make_table, timed_entry  # the sibling test module's table helpers (tests/ is on sys.path)
+from test_ops import _entry, compile_capturing, make_table, timed_entry  # tests/ is on sys.path
 from torch import nn
 
 import tunekit
@@ -149,14 +149,7 @@ def test_patch_with_an_unreadable_table_raises_at_set_up(tmp_path: Path) -> None
 def test_patched_model_compiles_to_opaque_tunekit_nodes(table: Path) -> None:
     model = _model()
     tunekit.patch(model, table=table, only_covered=False)
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    compiled, graphs = compile_capturing(model)
     x = torch.randn(1, 4, HIDDEN).bfloat16()
     with torch.no_grad():
         assert torch.equal(compiled(x), model(x))
@@ -461,14 +454,7 @@ def test_merged_siblings_compile_to_one_gemv_per_group_without_recompiling(tmp_p
     with torch.no_grad():
         ref = model(ids).logits
         tunekit.patch(model, only_covered=False, merge_siblings=True)
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    compiled, graphs = compile_capturing(model)
     with torch.no_grad():
         first = compiled(ids).logits
         again = compiled(torch.tensor([[4, 5, 6]])).logits
