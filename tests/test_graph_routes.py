@@ -165,3 +165,95 @@ def test_the_gemma_and_gated_norms_compile_to_their_stock_math_bit_for_bit() -> 
     want = _compiled(_stock_gemma_block, None, _gemma_inputs, (3, 10))
     for m in (3, 10):
         assert all(torch.equal(a, b) for a, b in zip(got[m], want[m], strict=True)), m
+
+
+class _FusePass(CustomGraphPass):
+    """fuse_residual_adds then unroute, as vLLM's range pass runs them; records the graph it left."""
+
+    def __init__(self, keep_fused, keep=lambda *key: True) -> None:
+        self.keep_fused, self.keep, self.fused, self.targets = keep_fused, keep, 0, []
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.fused = graph_routes.fuse_residual_adds(graph, self.keep_fused)
+        graph_routes.unroute(graph, self.keep)
+        self.targets = [str(n.target) for n in graph.nodes if n.op == "call_function"]
+
+    def uuid(self) -> str:
+        return f"test-fuse-{id(self)}"
+
+
+def _folded_layers(a, r, wo, wq, wd):
+    """A layer's output projection, the folded norm's residual add, the next consumer (rms_gemv),
+    and a second output projection whose result is used twice (never fused)."""
+    s = torch.ops.tunekit.gemv(a, wo, None) + r
+    q = torch.ops.tunekit.rms_gemv(s, wq, 1e-6)
+    d = torch.ops.tunekit.gemv(q, wd, None)
+    return s, d + d
+
+
+def _stock_folded_layers(a, r, wo, wq, wd):
+    s = F.linear(a, wo) + r
+    d = F.linear(F.linear(graph_routes.fused_gemv.unweighted_rms_norm(s, 1e-6), wq), wd)
+    return s, d + d
+
+
+def _folded_inputs(m: int):
+    g = torch.Generator().manual_seed(m)
+    a, r = torch.randn(m, 48, generator=g).bfloat16(), torch.randn(m, 64, generator=g).bfloat16()
+    wo = torch.randn(64, 48, generator=g).bfloat16() * 0.1
+    wq, wd = torch.randn(80, 64, generator=g).bfloat16() * 0.1, torch.randn(64, 80, generator=g).bfloat16() * 0.1
+    torch._dynamo.mark_dynamic(a, 0)
+    torch._dynamo.mark_dynamic(r, 0)
+    return a, r, wo, wq, wd
+
+
+def test_a_gemv_feeding_a_residual_add_becomes_gemv_add_where_the_tables_serve_it() -> None:
+    seen = []
+
+    def keep_fused(op, dtype, n, k, device):
+        seen.append((op, dtype, n, k, device))
+        return True
+
+    fuse = _FusePass(keep_fused)
+    got = _compiled(_folded_layers, fuse, inputs=_folded_inputs)
+    assert fuse.fused == 1 and seen == [("gemv_add", "bf16", 64, 48, "cpu")], seen
+    ops = [t for t in fuse.targets if t.startswith("tunekit.")]
+    # the add went into the first GEMV; the second GEMV's output has two uses and stays
+    assert ops == ["tunekit.gemv_add.default", "tunekit.rms_gemv.default", "tunekit.gemv.default"], ops
+    want = _compiled(_folded_layers, inputs=_folded_inputs)  # no pass: the ops' own (vendor) paths, the same math
+    for m in (5, 9):
+        assert all(torch.equal(x, y) for x, y in zip(got[m], want[m], strict=True)), m
+
+
+def test_no_gemv_add_where_the_tables_lack_it_and_above_them_the_stock_math() -> None:
+    none = _FusePass(lambda *key: False)
+    _compiled(_folded_layers, none, inputs=_folded_inputs)
+    assert none.fused == 0 and "tunekit.gemv_add.default" not in none.targets
+    assert none.targets.count("aten.add.Tensor") == 2, none.targets
+    # a range above the tables: nothing fused, and rms_gemv back to the unweighted norm and F.linear
+    above = _FusePass(lambda *key: False, keep=lambda *key: False)
+    got = _compiled(_folded_layers, above, inputs=_folded_inputs)
+    assert not [t for t in above.targets if t.startswith("tunekit.")], above.targets
+    # the stock math's values (eager: Inductor's own compile of it may turn mm + add into addmm, one
+    # rounding fewer; the pass runs after that pattern and leaves the spliced add apart)
+    for m in (5, 9):
+        want = _stock_folded_layers(*_folded_inputs(m))
+        assert all(torch.equal(x, y) for x, y in zip(got[m], want, strict=True)), m
+
+
+@pytest.mark.parametrize("case", ["bias", "broadcast", "alpha", "promoted"])
+def test_adds_the_epilogue_cannot_take_stay(case) -> None:
+    def fn(a, r, wo, wq, wd):
+        bias = wq[:64, 0] if case == "bias" else None
+        y = torch.ops.tunekit.gemv(a, wo, bias)
+        if case == "broadcast":
+            return y + r[0]  # [N] against [M, N]
+        if case == "alpha":
+            return torch.add(y, r, alpha=2)
+        if case == "promoted":
+            return y + r.float()
+        return y + r
+
+    fuse = _FusePass(lambda *key: True)
+    _compiled(fn, fuse, inputs=_folded_inputs)
+    assert fuse.fused == 0 and "tunekit.gemv_add.default" not in fuse.targets, fuse.targets

@@ -949,3 +949,34 @@ def test_host_events_count_triton_compiles_through_the_hook_set_before() -> None
     with runner.HostEvents() as events:
         pass
     assert events.record()["jit_compiles"] == 0  # counted, and none happened
+
+
+def test_the_folded_arm_serves_the_tables_with_the_fold_on(fake: Path, tmp_path: Path) -> None:
+    """--arms vanilla,tuned,folded: the folded arm is the tuned arm plus TUNEKIT_FOLD_NORMS=1 (never set in the
+    others, even when the caller's environment has it), reported over vanilla and over tuned, same run."""
+    settings = bench.build_settings("qwen3.5-27b", None, [TABLE], [1])
+    probe = {"entry_points": {"vllm.general_plugins": ["tunekit"]}, "flashinfer": True}
+    base = {"TUNEKIT_FOLD_NORMS": "1"}
+    envs = {arm: bench.arm_env(arm, 0, base, settings, probe, tmp_path) for arm in ("vanilla", "tuned", "folded")}
+    assert envs["folded"]["TUNEKIT_FOLD_NORMS"] == "1" and envs["folded"]["TUNEKIT_TABLE"] == str(TABLE.resolve())
+    assert "TUNEKIT_FOLD_NORMS" not in envs["tuned"] and "TUNEKIT_FOLD_NORMS" not in envs["vanilla"]
+    assert bench.build_settings("qwen3.5-27b", None, [TABLE]).arms == ("vanilla", "passthrough", "tuned")
+    with pytest.raises(UserError, match="--table"):
+        bench.build_settings("qwen3.5-27b", None, [], arms=["vanilla", "folded"])
+
+    out = tmp_path / "serve"
+    lines: list[str] = []
+    serve = bench.run_offline(_settings(arms=["folded", "tuned", "vanilla"]), out, lines.append)
+    record = [ln.split() for ln in fake.read_text().splitlines()]
+    assert [(a, int(i)) for a, i, _, _ in record] == bench.schedule(("vanilla", "tuned", "folded"), 2)
+    assert all(arm == seen for arm, _, _, seen in record)
+    for row in serve["batches"]:
+        assert row["folded_tpot_ms"] == pytest.approx(1.5, rel=0.25)
+        assert row["folded_speedup"] == pytest.approx(row["vanilla_tpot_ms"] / row["folded_tpot_ms"])
+        assert row["folded_over_tuned"] == pytest.approx(row["tuned_tpot_ms"] / row["folded_tpot_ms"])
+        assert row["folded_speedup_min"] <= row["folded_speedup"] <= row["folded_speedup_max"]
+        assert row["coverage"]["folded"]["by_op"]["gemv"] == row["coverage"]["tuned"]["by_op"]["gemv"]
+        assert row["agreement"]["folded_vs_vanilla"]["ok"] and row["agreement"]["verdict"] == "pass"
+    md = (out / "serve.md").read_text()
+    assert "folded speedup" in md and "folded vs vanilla" in md and "TUNEKIT_FOLD_NORMS=1" in md
+    assert any(ln.startswith("B=1") and "folded x" in ln for ln in lines)

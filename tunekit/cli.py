@@ -443,7 +443,9 @@ def serve_bench(
         help="ARM=URL of a running OpenAI-compatible server (vanilla=, tuned=, optional passthrough=; "
              "repeatable): A/B against servers instead of offline engines")] = [],  # noqa: B006
     concurrency: Annotated[str, typer.Option(help="--endpoint: concurrent requests, e.g. 1,4,8")] = "1,4,8",
-    arms: Annotated[str, typer.Option(help="vanilla plus any of passthrough, tuned")] = "vanilla,passthrough,tuned",
+    arms: Annotated[str, typer.Option(
+        help="vanilla plus any of passthrough, tuned, folded (tuned with the decoder norms folded: "
+             "TUNEKIT_FOLD_NORMS=1)")] = "vanilla,passthrough,tuned",
     gpu_memory_utilization: Annotated[float, typer.Option(help="vLLM's share of GPU memory")] = 0.85,
     python: Annotated[Path | None, typer.Option(
         help="Python with vLLM that runs the engines (default: this one)")] = None,

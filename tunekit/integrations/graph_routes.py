@@ -19,10 +19,17 @@ fuses it as it does in a graph traced without tunekit. Nodes the range can
 use stay. ``tunekit.integrations.vllm_plugin`` adds the range endpoint (the
 tables' largest M) and installs the pass.
 
+:func:`fuse_residual_adds` is the other rewrite, for graphs the tables do
+serve: a GEMV whose one use is a residual add becomes ``gemv_add`` (the add
+in the GEMV's epilogue), where a table holds that fused op. Folded norms
+(``tunekit.integrations.vllm_fold``) leave exactly that add between a
+layer's output projection and the next layer's consumers.
+
 Call protocol::
 
     counts = unroute(graph, keep)  # keep(op, dtype, n, k, device) -> bool; {op: nodes replaced}
     unroute(graph, lambda *key: within_table(*key, start=9))  # vLLM's pass for the range [9, ...]
+    fused = fuse_residual_adds(graph, keep)  # gemv -> add pairs rewritten to gemv_add where keep says
 
 Pure FX over torch: no vLLM import, so the main test tier checks it.
 """
@@ -39,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from tunekit.serving import elementwise
+from tunekit.serving import elementwise, fused_gemv
 from tunekit.serving.state import DTYPE_NAMES, NAMESPACE
 
 
@@ -66,6 +73,14 @@ def _silu_nk(args: tuple) -> tuple[int | None, int | None]:
     return (shape[-1] // 2, shape[-1]) if shape else (None, None)
 
 
+def _rms_gemv_composition(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.linear(fused_gemv.unweighted_rms_norm(x, eps), weight)
+
+
+def _gemv_add_composition(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight) + residual  # functional: the spliced trace must not mutate
+
+
 #: op -> (stock composition: the op's own vendor path, as its fallback computes it; its table key's
 #: (N, K) from the node's argument values). The keys are those the vLLM plugin's routes check
 #: (``_covered``): the gated norm by row width alone (N None).
@@ -77,6 +92,8 @@ COMPOSITIONS: dict[str, tuple[Callable[..., Any], Callable[[tuple], tuple[int | 
     "gemma_fused_add_rms_norm": (partial(elementwise._vendor_fused_add, gemma=True), _norm_nk),
     "gated_rms_norm": (elementwise._vendor_gated, _gated_nk),
     "silu_and_mul": (elementwise._vendor_silu_and_mul, _silu_nk),
+    "rms_gemv": (_rms_gemv_composition, _gemv_nk),
+    "gemv_add": (_gemv_add_composition, _gemv_nk),
 }
 
 
@@ -180,3 +197,55 @@ def _inline(graph: fx.Graph, node: fx.Node, composition: Callable[..., Any], val
     graph.erase_node(node)
     return True
 
+
+
+def _same_sizes(a: tuple, b: tuple) -> bool:
+    """Equal shapes, symbolic token counts included, without adding a guard (none can be added here)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return all(statically_known_true(x == y) for x, y in zip(a, b, strict=True))
+
+
+def fuse_residual_adds(graph: fx.Graph, keep: Callable[[str, str, int | None, int, str], bool]) -> int:
+    """Rewrite ``tunekit::gemv(x, W)`` whose only use is ``aten.add(that, r)`` into ``tunekit::gemv_add(x, W, r)``.
+
+    The residual add of a layer's output projection moves into that GEMV's
+    epilogue (one launch, where the folded norm that follows would otherwise
+    run the add on its own: ``tunekit.integrations.vllm_fold``). Only where
+    ``keep("gemv_add", dtype, N, K, device)`` says the tables serve the fused
+    op in this graph's token counts; a GEMV with a bias, other uses of its
+    output, an add with ``alpha`` or a residual of another shape or dtype
+    (a broadcast, a promotion) stays as it is. The op checks the residual's
+    layout per call and takes its vendor path (GEMM, then the add) where it
+    cannot serve it. Returns the number of rewrites.
+    """
+    add_targets = (torch.ops.aten.add.Tensor,)
+    fused = 0
+    for node in list(graph.nodes):
+        if tunekit_op(node) != "gemv" or node.kwargs or len(node.users) != 1:
+            continue
+        x, weight, *rest = node.args
+        if rest and rest[0] is not None:  # bias
+            continue
+        add = next(iter(node.users))
+        if add.op != "call_function" or add.target not in add_targets or add.kwargs or len(add.args) != 2:
+            continue
+        residual = add.args[1] if add.args[0] is node else add.args[0]
+        y, r, w = _meta(node), _meta(residual), _meta(weight)
+        if residual is node or not all(isinstance(t, torch.Tensor) for t in (y, r, w)) \
+                or r.dtype != y.dtype or r.dim() != y.dim() or not _same_sizes(r.shape, y.shape):
+            continue
+        dtype = DTYPE_NAMES.get(y.dtype)
+        n, k = w.shape
+        if dtype is None or not isinstance(k, int) or not keep("gemv_add", dtype, n, k, str(y.device)):
+            continue
+        with graph.inserting_before(add):
+            new = graph.call_function(torch.ops.tunekit.gemv_add.default, (x, weight, residual))
+        new.meta.update(add.meta)
+        add.replace_all_uses_with(new)
+        graph.erase_node(add)
+        graph.erase_node(node)
+        fused += 1
+    if fused:
+        graph.lint()
+    return fused

@@ -124,6 +124,8 @@ from typing import Any
 
 import torch
 
+from tunekit.integrations.vllm_fold import FOLD_EPS, FOLDED, folded_norm_forward
+
 __all__ = ["installed", "register", "skipped"]
 
 # A child of vLLM's logger: vLLM configures "vllm" (its handler, VLLM_LOGGING_LEVEL) in every
@@ -172,7 +174,7 @@ def _table_paths() -> list[str]:
 
 
 def _hook_names() -> list[str]:
-    return ["linear", *_OOT_SPECS, "compile_cache_key", "compile_ranges"]
+    return ["linear", *_OOT_SPECS, "compile_cache_key", "compile_ranges", "fold_norms"]
 
 
 def _install_nothing() -> None:
@@ -202,7 +204,8 @@ def _install() -> tuple[dict[str, str], dict[str, str]]:
     installed: dict[str, str] = {}
     skipped: dict[str, str] = {}
     hooks = (("linear", _install_linear), *[(n, _oot_installer(n)) for n in _OOT_SPECS],
-             ("compile_cache_key", _install_compile_factor), ("compile_ranges", _install_compile_ranges))
+             ("compile_cache_key", _install_compile_factor), ("compile_ranges", _install_compile_ranges),
+             ("fold_norms", _install_fold))
     for name, hook in hooks:
         try:
             done, why = hook()
@@ -222,8 +225,9 @@ COMPILE_FACTOR = "TUNEKIT_TABLE_DIGEST"
 
 
 def _tables_digest() -> str:
-    """sha256 over the named tables' paths and bytes (an unreadable one: its path and the error)."""
-    h = hashlib.sha256()
+    """sha256 over the named tables' paths and bytes (an unreadable one: its path and the error) and
+    the fold switch (a folded model traces another graph)."""
+    h = hashlib.sha256(f"fold={_fold_requested()}".encode())
     for path in _table_paths():
         h.update(os.path.abspath(path).encode() + b"\0")
         try:
@@ -259,6 +263,8 @@ def _install_compile_factor() -> tuple[bool, str]:
 
 #: Per compile range (vLLM's ``Range``, as text): tunekit op -> graph nodes handed back to vLLM's path.
 RANGE_ROUTES: dict[str, dict[str, int]] = {}
+#: Per compile range: GEMV -> residual add pairs rewritten to ``gemv_add`` (``graph_routes.fuse_residual_adds``).
+RANGE_FUSIONS: dict[str, int] = {}
 
 
 def _tables_largest_m() -> int | None:
@@ -333,6 +339,9 @@ def _range_pass(base: type, get_pass_context: Callable[[], Any]) -> Any:
         def __call__(self, graph: Any) -> None:
             compile_range = get_pass_context().compile_range
             start = compile_range.start
+            fused = graph_routes.fuse_residual_adds(graph, lambda *key: graph_routes.within_table(*key, start=start))
+            if fused:
+                RANGE_FUSIONS[str(compile_range)] = RANGE_FUSIONS.get(str(compile_range), 0) + fused
             replaced = graph_routes.unroute(graph, lambda *key: graph_routes.within_table(*key, start=start))
             if replaced:
                 seen = RANGE_ROUTES.setdefault(str(compile_range), {})
@@ -359,6 +368,56 @@ def _range_pass(base: type, get_pass_context: Callable[[], Any]) -> Any:
             return self._uuid
 
     return TunekitRangeRoutes()
+
+
+# ---------------------------------------------------------------------------
+# fold_norms: decoder norms folded into their consumers at load time
+# ---------------------------------------------------------------------------
+
+#: Set to 1 to fold decoder norms into the linears that read them (``tunekit.integrations.vllm_fold``).
+FOLD_ENV = "TUNEKIT_FOLD_NORMS"
+#: What the last model load folded: {"gemma_rms_norm folded": 128, ...} (the dispatch log's evidence).
+FOLDS: dict[str, int] = {}
+
+
+def _fold_requested() -> bool:
+    return os.environ.get(FOLD_ENV, "").strip().lower() in ("1", "true")
+
+
+def _module_honours_fold(module: torch.nn.Module) -> bool:
+    """A norm of the plugin's subclasses (its forward reads the fold mark) or a linear whose GEMM is
+    tunekit's route (which reads the fold's eps)."""
+    if hasattr(module, "quant_method"):
+        return _gemm_honours_fold(module)
+    return bool(getattr(type(module), _MARK, False))
+
+
+def _install_fold() -> tuple[bool, str]:
+    # After vLLM's loader has loaded and post-processed the weights (BaseModelLoader.load_model: the
+    # default and dummy loaders both end there), rescale each foldable norm's consumers in place.
+    if not _fold_requested():
+        return False, f"{FOLD_ENV} is not 1: decoder norms run as separate layers"
+    try:
+        base_loader = importlib.import_module("vllm.model_executor.model_loader.base_loader")
+        load_model = base_loader.BaseModelLoader.load_model
+    except (ImportError, AttributeError) as exc:
+        return False, f"this vLLM has no BaseModelLoader.load_model ({exc}): nothing folded"
+    if not getattr(load_model, _MARK, False):
+        @functools.wraps(load_model)
+        def load_model_and_fold(self: Any, *args: Any, **kwargs: Any) -> Any:
+            from tunekit.integrations import vllm_fold
+
+            model = load_model(self, *args, **kwargs)
+            counts = vllm_fold.fold_model(model, _module_honours_fold)
+            FOLDS.clear()
+            FOLDS.update(counts)
+            logger.info("tunekit vLLM plugin: folded norms: %s", counts or "none (no foldable decoder layer)")
+            return model
+
+        setattr(load_model_and_fold, _MARK, True)
+        base_loader.BaseModelLoader.load_model = load_model_and_fold
+    return True, ("after loading, decoder norms the tables' rms_gemv entries pay for are folded into their "
+                  "consumers' weights; the residual add goes into the previous GEMV where gemv_add is tabulated")
 
 
 # ---------------------------------------------------------------------------
@@ -452,6 +511,9 @@ def _wrap_gemm(impl: Callable[..., Any], plain: tuple[Callable[..., Any], ...]) 
         # op decides per call. A linear no loaded table covers runs vLLM's own
         # GEMM, untouched: an opaque op there would only cost (no tuned kernel
         # to gain, and vLLM's compiler passes lose sight of the matmul).
+        fold_eps = getattr(layer, FOLD_EPS, None)
+        if fold_eps is not None:  # its weight holds a folded norm's: the norm must be applied here
+            return _folded_gemm(impl, layer, x, weight, bias, fold_eps)
         if weight.dim() == 2 and weight.dtype == x.dtype and _covered("gemv", x, weight.shape[0], weight.shape[1]) \
                 and not _eager_above_tables("gemv", x, weight.shape[0], weight.shape[1]):
             return torch.ops.tunekit.gemv(x, weight, bias)
@@ -460,6 +522,30 @@ def _wrap_gemm(impl: Callable[..., Any], plain: tuple[Callable[..., Any], ...]) 
     setattr(tunekit_unquantized_gemm, _MARK, True)
     tunekit_unquantized_gemm.__wrapped__ = impl  # type: ignore[attr-defined]
     return tunekit_unquantized_gemm
+
+
+def _folded_gemm(impl: Callable[..., Any], layer: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """A consumer of a folded norm (``tunekit.integrations.vllm_fold``): ``rms_gemv`` where the tables
+    cover it, else the unweighted norm then vLLM's own GEMM; the same math either way."""
+    n, k = weight.shape
+    if _covered("rms_gemv", x, n, k) and not _eager_above_tables("rms_gemv", x, n, k):
+        y = torch.ops.tunekit.rms_gemv(x, weight, eps)
+        return y if bias is None else y + bias
+    from tunekit.serving.fused_gemv import unweighted_rms_norm
+
+    return impl(layer, unweighted_rms_norm(x, eps), weight, bias)
+
+
+def _gemm_honours_fold(layer: torch.nn.Module) -> bool:
+    """Whether ``layer``'s GEMM is tunekit's route (which reads the fold's eps): vLLM 0.33 binds the
+    GEMM at construction (``quant_method._gemm_impl``), older vLLM looks it up per call."""
+    impl = getattr(getattr(layer, "quant_method", None), "_gemm_impl", None)
+    if impl is None:
+        linear = importlib.import_module("vllm.model_executor.layers.linear")
+        dispatch = getattr(linear, "dispatch_unquantized_gemm", None)
+        impl = dispatch() if dispatch is not None and getattr(dispatch, _MARK, False) else None
+    return bool(getattr(impl, _MARK, False))
 
 
 # ---------------------------------------------------------------------------
@@ -709,6 +795,8 @@ def _make_oot_subclass(base: type, route: Callable[..., Any], ops_served: tuple[
         return self._tunekit_forward
 
     def _tunekit_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self, FOLDED, False):  # its weight lives in its consumers' now: never the stock forward
+            return folded_norm_forward(*args, **kwargs)
         if self._tunekit_routes:
             out = route(self, *args, **kwargs)
             if out is not None:

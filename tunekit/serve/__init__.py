@@ -1,4 +1,4 @@
-"""``tunekit serve-bench``: the tables' end-to-end effect on vLLM decode, vanilla vs passthrough vs tuned.
+"""``tunekit serve-bench``: the tables' end-to-end effect on vLLM decode, vanilla vs passthrough vs tuned (vs folded).
 
 The layer of evidence after ``tunekit chain``: the whole served model, in
 vLLM, with its attention, recurrence, sampling and scheduler, one engine per
@@ -21,5 +21,10 @@ Modules:
 
 from __future__ import annotations
 
-#: The arms, in the order every round runs them.
-ARMS: tuple[str, ...] = ("vanilla", "passthrough", "tuned")
+#: The arms, in the order every round runs them. ``folded``: tuned with ``TUNEKIT_FOLD_NORMS=1`` (decoder
+#: norms folded into their consumers, ``tunekit.integrations.vllm_fold``); opt-in, as the fold is.
+ARMS: tuple[str, ...] = ("vanilla", "passthrough", "tuned", "folded")
+#: The arms a run takes unless told.
+DEFAULT_ARMS: tuple[str, ...] = ("vanilla", "passthrough", "tuned")
+#: The arms that serve the tables (their speedups over vanilla are reported, their dispatch logs read).
+TABLE_ARMS: tuple[str, ...] = ("tuned", "folded")

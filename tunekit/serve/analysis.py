@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from tunekit.errors import UserError
-from tunekit.serve import ARMS
+from tunekit.serve import ARMS, TABLE_ARMS
 from tunekit.serve.profile import arm_profile, compare
 from tunekit.serve.runner import FORMAT as RUN_FORMAT
 
@@ -377,11 +377,11 @@ def agreement(arms: dict[str, list[dict[str, Any]]], batch: int, tol: float) -> 
     if first and "agreement" in first:
         out["steps"] = first["agreement"]["steps"]
     out["vanilla_vs_vanilla"] = compare_arms(vanilla, vanilla, batch, tol, same_arm=True)
-    for arm in ("tuned", "passthrough"):
+    for arm in (*TABLE_ARMS, "passthrough"):
         if arm in arms:
             out[f"{arm}_vs_vanilla"] = compare_arms(arms[arm], vanilla, batch, tol)
-    tuned = out.get("tuned_vs_vanilla")
-    out["verdict"] = "n/a" if tuned is None else ("pass" if tuned["ok"] else "fail")
+    served = [out[f"{arm}_vs_vanilla"] for arm in TABLE_ARMS if f"{arm}_vs_vanilla" in out]
+    out["verdict"] = "n/a" if not served else ("pass" if all(c["ok"] for c in served) else "fail")
     return out
 
 
@@ -432,6 +432,12 @@ def summarize(settings: dict[str, Any], results: dict[str, list[dict[str, Any]]]
         row["passthrough_ratio"] = v["median_ms"] / p["median_ms"] if v and p else None
         row["passthrough_ratio_min"] = min(pratios) if pratios else None
         row["passthrough_ratio_max"] = max(pratios) if pratios else None
+        f = tpot.get("folded")  # the fold's gain: over vanilla, and over tuned in the same run
+        fratios = pair_ratios(v, f)
+        row["folded_speedup"] = v["median_ms"] / f["median_ms"] if v and f else None
+        row["folded_speedup_min"] = min(fratios) if fratios else None
+        row["folded_speedup_max"] = max(fratios) if fratios else None
+        row["folded_over_tuned"] = t["median_ms"] / f["median_ms"] if t and f else None
         pred = predicted_saving_us(spec, serving, batch) if spec is not None and tables else None
         row["predicted_saving_ms"] = pred["saving_us"] / 1000.0 if pred else None
         row["predicted_served_calls"] = pred["served_calls"] if pred else None
@@ -455,7 +461,7 @@ def summarize(settings: dict[str, Any], results: dict[str, list[dict[str, Any]]]
             notes.append(f"B={batch}: the first token (a 1-token generate) takes {row['first_token_ratio']:.2f}x "
                          f"vanilla's time with the table ({tf['median_ms']:.1f} vs {vf['median_ms']:.1f} ms); "
                          + first_token_spread(vf, row["first_token_ratio"]))
-        row["coverage"] = {arm: coverage_at(coverage.get(arm), batch) for arm in ("tuned", "passthrough")
+        row["coverage"] = {arm: coverage_at(coverage.get(arm), batch) for arm in (*TABLE_ARMS, "passthrough")
                            if arm in results}
         gaps = unserved_predictions(pred, row["coverage"].get("tuned"))
         row["predicted_unserved_us"] = gaps

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from tunekit.errors import Interrupted, UserError
-from tunekit.serve import ARMS
+from tunekit.serve import ARMS, DEFAULT_ARMS, TABLE_ARMS
 from tunekit.serve.analysis import DEFAULT_TOL, dispatch_logs, load_json, load_runs, merge_dispatch, summarize
 from tunekit.serve.runner import PROBE_FORMAT, PROGRESS
 
@@ -88,7 +88,7 @@ class Settings:
     prompt_len: int = 64
     repeats: int = 5
     processes: int = 3
-    arms: tuple[str, ...] = ARMS
+    arms: tuple[str, ...] = DEFAULT_ARMS
     layers: int | None = None
     gpu_memory_utilization: float = 0.85
     enforce_eager: bool = False
@@ -188,15 +188,15 @@ def build_settings(model: str | None, config: Path | None, tables: Sequence[Path
     """Check everything that can be checked before a process starts; UserError (one line) otherwise."""
     from tunekit import table as table_mod
 
-    arms = tuple(options.pop("arms", ARMS))
+    arms = tuple(options.pop("arms", DEFAULT_ARMS))
     unknown = [a for a in arms if a not in ARMS]
     if unknown or "vanilla" not in arms or len(set(arms)) != len(arms):
-        raise UserError(f"--arms takes vanilla plus any of passthrough, tuned (got {','.join(arms)})")
+        raise UserError(f"--arms takes vanilla plus any of passthrough, tuned, folded (got {','.join(arms)})")
     arms = tuple(a for a in ARMS if a in arms)  # the round order is fixed
     # Without a tuned arm (vanilla against passthrough: the plugin's own cost) a table is optional;
     # given, it still feeds the predicted-saving column.
-    if not tables and "tuned" in arms:
-        raise UserError("give at least one --table (the tuned arm serves it)")
+    if not tables and set(TABLE_ARMS) & set(arms):
+        raise UserError("give at least one --table (the tuned and folded arms serve it)")
     paths = []
     for t in tables:
         table_mod.load(t)  # missing or corrupt: one error line, before anything starts
@@ -275,8 +275,11 @@ def arm_env(arm: str, index: int, base: dict[str, str], settings: Settings, prob
     without, with_plugin = plugin_allow_lists(probe.get("entry_points", {}), base.get("VLLM_PLUGINS"))
     env["VLLM_PLUGINS"] = without if arm == "vanilla" else with_plugin
     env.pop("TUNEKIT_TABLE", None)
-    if arm == "tuned":
+    env.pop("TUNEKIT_FOLD_NORMS", None)
+    if arm in TABLE_ARMS:
         env["TUNEKIT_TABLE"] = os.pathsep.join(settings.tables)
+    if arm == "folded":
+        env["TUNEKIT_FOLD_NORMS"] = "1"
     env["TUNEKIT_DISPATCH_LOG"] = str(Path(out_dir).resolve() / "dispatch" / f"{arm}-{index}-{{pid}}.json")
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if not probe.get("flashinfer"):
@@ -508,7 +511,7 @@ def report_dir(out_dir: Path, tol: float = DEFAULT_TOL, log: Callable[[str], Non
     results = {arm: docs for arm, docs in load_runs(out_dir / "runs").items() if arm in key["arms"]}
     if not results:
         raise UserError(f"{out_dir}/runs holds no finished runner result")
-    coverage = {arm: merge_dispatch(logs) for arm in ("tuned", "passthrough") if arm in results
+    coverage = {arm: merge_dispatch(logs) for arm in (*TABLE_ARMS, "passthrough") if arm in results
                 for logs in [dispatch_logs(out_dir / "dispatch", arm, results[arm])] if logs}
     config = key["model_config"]
     spec = ModelSpec.from_config(config, name=key["model"], origin=str(out_dir / "model" / "config.json"))
@@ -551,6 +554,9 @@ def _line(row: dict[str, Any]) -> str:
     if row["speedup"] is not None:
         parts.append(f"speedup x{row['speedup']:.4f} ({_fmt(row['speedup_min'], '.4f')}-"
                      f"{_fmt(row['speedup_max'], '.4f')})")
+    if row.get("folded_speedup") is not None:
+        parts.append(f"folded x{row['folded_speedup']:.4f} ({_fmt(row['folded_speedup_min'], '.4f')}-"
+                     f"{_fmt(row['folded_speedup_max'], '.4f')})")
     if row.get("passthrough_ratio") is not None:  # vanilla / passthrough TPOT: the plugin's cost alone
         parts.append(f"passthrough x{row['passthrough_ratio']:.4f}")
     if row["predicted_speedup"] is not None:

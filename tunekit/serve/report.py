@@ -31,7 +31,10 @@ def _arm_text(arm: str, serve: dict[str, Any]) -> str:
         return "vanilla = tunekit's plugin excluded by VLLM_PLUGINS"
     if arm == "passthrough":
         return "passthrough = plugin loaded, no table (its cost alone)"
-    return "tuned = plugin with TUNEKIT_TABLE = " + ", ".join(f"`{t}`" for t in serve.get("tables", []))
+    tables = ", ".join(f"`{t}`" for t in serve.get("tables", []))
+    if arm == "folded":
+        return f"folded = plugin with TUNEKIT_TABLE = {tables} and TUNEKIT_FOLD_NORMS=1 (decoder norms folded)"
+    return "tuned = plugin with TUNEKIT_TABLE = " + tables
 
 
 def _arms(serve: dict[str, Any]) -> list[str]:
@@ -42,8 +45,10 @@ def _arms(serve: dict[str, Any]) -> list[str]:
 def tpot_table(serve: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     arms = _arms(serve)
     unit = "C" if serve.get("mode") == "endpoint" else "B"
-    head = [unit] + [f"{a} TPOT ms (min-max)" for a in arms] + ["tuned speedup (min-max)", "passthrough ratio",
-                                                               "tokens/s " + " / ".join(arms)]
+    folded = "folded" in arms
+    head = ([unit] + [f"{a} TPOT ms (min-max)" for a in arms] + ["tuned speedup (min-max)"]
+            + (["folded speedup (min-max)", "folded / tuned"] if folded else [])
+            + ["passthrough ratio", "tokens/s " + " / ".join(arms)])
     rows = []
     for row in serve["batches"]:
         cells = [str(row["batch"])]
@@ -51,6 +56,10 @@ def tpot_table(serve: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
             tp = row["tpot"].get(a)
             cells.append(f"{tp['median_ms']:.3f} ({tp['min_ms']:.3f}-{tp['max_ms']:.3f})" if tp else "-")
         cells.append(f"{_f(row['speedup'], '.4f')} ({_f(row['speedup_min'], '.4f')}-{_f(row['speedup_max'], '.4f')})")
+        if folded:
+            cells.append(f"{_f(row.get('folded_speedup'), '.4f')} ({_f(row.get('folded_speedup_min'), '.4f')}-"
+                         f"{_f(row.get('folded_speedup_max'), '.4f')})")
+            cells.append(_f(row.get("folded_over_tuned"), ".4f"))
         cells.append(_f(row.get("passthrough_ratio"), ".4f"))
         cells.append(" / ".join(_f(row["tokens_per_s"].get(a), ".1f") for a in arms))
         rows.append(cells)
@@ -119,7 +128,7 @@ def agreement_table(serve: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     rows = []
     for row in serve["batches"]:
         ag = row.get("agreement") or {}
-        for pair in ("tuned_vs_vanilla", "passthrough_vs_vanilla", "vanilla_vs_vanilla"):
+        for pair in ("tuned_vs_vanilla", "folded_vs_vanilla", "passthrough_vs_vanilla", "vanilla_vs_vanilla"):
             a = ag.get(pair)
             if not a:
                 continue

@@ -2,7 +2,8 @@
 ``vllm`` and ``torch`` modules (no GPU, no vLLM, no torch import: fast).
 
 The stub engine sleeps ``tokens x TPOT`` per generate, TPOT by arm as told by the environment the parent
-set (vanilla 2.0 ms, passthrough 2.4 ms, tuned 1.6 ms), emulates vLLM's VLLM_PLUGINS allow-list when it
+set (vanilla 2.0 ms, passthrough 2.4 ms, tuned 1.6 ms; folded 1.5 ms, otherwise served as tuned), emulates
+vLLM's VLLM_PLUGINS allow-list when it
 "loads" the tunekit plugin (a stub plugin module and a stub ``tunekit.ops`` whose dispatch log is written
 to TUNEKIT_DISPATCH_LOG), and returns deterministic greedy tokens and logprobs (tuned: 1e-3 nats off;
 at B=2 request 1 flips to a near tie at step 5). Every call appends "arm index pid" to FAKE_RECORD.
@@ -25,13 +26,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
 
-TPOT_MS = {"vanilla": 2.0, "passthrough": 2.4, "tuned": 1.6}
+TPOT_MS = {"vanilla": 2.0, "passthrough": 2.4, "tuned": 1.6, "folded": 1.5}
 #: the stub engine's kernels per decode token, by arm: {category: (us, kernels)} (a prefill adds a fixed 50 us
 #: and 10 kernels per category). tuned: the GEMMs moved to tunekit's GEMV, Inductor's norm kernels to tunekit's.
 KERNELS = {"vanilla": {"vendor_gemm": (1500.0, 300), "inductor": (200.0, 120), "other": (100.0, 50)},
            "tuned": {"tunekit_gemv": (1150.0, 300), "tunekit_elementwise": (150.0, 120), "inductor": (20.0, 10),
                      "other": (100.0, 50)}}
-KERNELS["passthrough"] = KERNELS["vanilla"]
+KERNELS["passthrough"], KERNELS["folded"] = KERNELS["vanilla"], KERNELS["tuned"]
 
 
 def _module(name: str, **attrs: object) -> types.ModuleType:
@@ -52,7 +53,9 @@ def _plugins_allowed(name: str) -> bool:
 def _arm() -> str:
     if not _plugins_allowed("tunekit"):
         return "vanilla"
-    return "tuned" if os.environ.get("TUNEKIT_TABLE") else "passthrough"
+    if not os.environ.get("TUNEKIT_TABLE"):
+        return "passthrough"
+    return "folded" if os.environ.get("TUNEKIT_FOLD_NORMS") == "1" else "tuned"
 
 
 class Logprob:
@@ -99,7 +102,7 @@ class LLM:
         self.batches_seen.add(len(prompts))
         LLM.last = (self.arm, params.max_tokens)  # what a profile of this call would see
         time.sleep((1.0 + params.max_tokens * TPOT_MS[self.arm]) / 1000.0)
-        if self.arm == "tuned":
+        if self.arm in ("tuned", "folded"):
             for _ in range(10):  # Python work per routed call, as a tuned prefill's ops do (cProfile sees it)
                 _routed_call()
         outs = []
@@ -110,13 +113,13 @@ class LLM:
                 tid = 100 + (sum(ids) + 31 * s + 7 * r) % 900
                 alt = tid + 1
                 lp = -12.42 + 0.001 * ((s + r) % 5)
-                if self.arm == "tuned":
+                if self.arm in ("tuned", "folded"):
                     lp += 0.001
                     if len(prompts) == 2 and r == 1 and s == 5:  # a near tie flips
                         tid, alt = alt, tid
                 tokens.append(tid)
                 lps.append({tid: Logprob(lp, 1), alt: Logprob(lp - 0.002, 2), tid + 2: Logprob(lp - 0.5, 3)})
-                if self.arm == "tuned" and len(prompts) == 2 and r == 1 and s >= 5:
+                if self.arm in ("tuned", "folded") and len(prompts) == 2 and r == 1 and s >= 5:
                     break  # a different token: the rest of the sequence is another text
             while len(tokens) < params.max_tokens:
                 tokens.append(999)
@@ -209,8 +212,9 @@ def main() -> int:
     def host_profile(run) -> dict:  # the stub engine's host ops: tuned spends 2 ms more in its ops
         run()
         arm, _ = LLM.last
+        served = arm in ("tuned", "folded")
         return {"aten::mm": {"us": 500.0, "calls": 10},
-                "tunekit::gemv": {"us": 2000.0 if arm == "tuned" else 0.0, "calls": 10 if arm == "tuned" else 0}}
+                "tunekit::gemv": {"us": 2000.0 if served else 0.0, "calls": 10 if served else 0}}
 
     from tunekit.serve import profile
     profile.profile_totals = profile_totals
