@@ -1,0 +1,234 @@
+"""Folded decoder norms in real vLLM 0.33 on the CPU (run in the vLLM virtualenv).
+
+A two-layer model of vLLM's own layers (RMSNorm, ReplicatedLinear, SiluAndMul),
+decoder layers named as vLLM's Qwen3 one, compiled by vLLM's Inductor path
+with the plugin's compile ranges. What is checked: the load hook folds the
+four decoder norms whose consumers the tables' ``rms_gemv`` entries cover, and
+none without them; the range the tables serve runs ``rms_gemv`` for every
+consumer and, where a ``gemv_add`` entry is there, the graph pass puts each
+residual add into the output projection before it (rewrite), else leaves the
+add (no rewrite); the range above the tables holds no tunekit op; the folded
+model's output stays as close to the fp32 model as the unfolded one's.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import test_vllm_plugin as base
+import torch
+from test_vllm_plugin import _entry, _impls, _table
+from torch import nn
+
+# the plugin tests' fixtures: the plugin loaded once per process, the ops' tables and markers reset per test
+plugin, _fresh_ops = base.plugin, base._fresh_ops
+
+H, INTER, Q = 64, 48, 80  # hidden, intermediate (gate_up: 2 * INTER), the attention stand-in's projection width
+
+
+def _model_class() -> type:
+    from vllm.compilation.decorators import support_torch_compile
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+
+    def linear(k: int, n: int) -> nn.Module:
+        return ReplicatedLinear(k, n, bias=False, params_dtype=torch.bfloat16)
+
+    class Attention(nn.Module):  # attention's projections around a stand-in for its core
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv_proj, self.o_proj = linear(H, Q), linear(Q, H)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return self.o_proj(torch.tanh(self.qkv_proj(h)[0]))[0]
+
+    class MLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_up_proj, self.down_proj, self.act = linear(H, 2 * INTER), linear(INTER, H), SiluAndMul()
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return self.down_proj(self.act(self.gate_up_proj(h)[0]))[0]
+
+    class Qwen3DecoderLayer(nn.Module):  # vLLM's Qwen3 layer, as its forward calls its norms
+        def __init__(self) -> None:
+            super().__init__()
+            self.input_layernorm = RMSNorm(H, eps=1e-6, dtype=torch.bfloat16)
+            self.post_attention_layernorm = RMSNorm(H, eps=1e-6, dtype=torch.bfloat16)
+            self.self_attn, self.mlp = Attention(), MLP()
+
+        def forward(self, h: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+            if residual is None:
+                residual, h = h, self.input_layernorm(h)
+            else:
+                h, residual = self.input_layernorm(h, residual)
+            h, residual = self.post_attention_layernorm(self.self_attn(h), residual)
+            return self.mlp(h), residual
+
+    @support_torch_compile(dynamic_arg_dims={"x": 0})
+    class Model(nn.Module):
+        def __init__(self, *, vllm_config, prefix: str = "") -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([Qwen3DecoderLayer(), Qwen3DecoderLayer()])
+            self.norm = RMSNorm(H, eps=1e-6, dtype=torch.bfloat16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h, residual = x, None
+            for layer in self.layers:
+                h, residual = layer(h, residual)
+            return self.norm(h, residual)[0]
+
+    return Model
+
+
+def _entries(gemv_add: bool) -> list[dict]:
+    from tunekit.backends import get
+    from tunekit.opspec import Problem
+
+    def tuned(op: str, n: int, k: int) -> dict:
+        return _entry(op, 4, n, k, params=get("triton").space(Problem(op, "bf16", 4, n, k)).default)
+
+    ew = [_entry(op, 4, n, k, backend="serving_backend:BACKEND", params={})
+          for op, n, k in (("rms_norm", H, H), ("fused_add_rms_norm", H, H), ("silu_and_mul", INTER, 2 * INTER))]
+    gemvs = [tuned("gemv", n, k) for n, k in ((Q, H), (H, Q), (2 * INTER, H), (H, INTER))]
+    folds = [tuned("rms_gemv", n, k) for n, k in ((Q, H), (2 * INTER, H))]
+    adds = [tuned("gemv_add", n, k) for n, k in ((H, Q), (H, INTER))] if gemv_add else []
+    return ew + gemvs + folds + adds
+
+
+@pytest.fixture
+def compile_ranges(plugin, vllm_config, monkeypatch, tmp_path: Path):
+    """vLLM's Inductor compile with the plugin's ranges and passes: install(entries) -> its VllmConfig."""
+    from vllm.compilation.passes import pass_manager
+    from vllm.config import CompilationConfig, CompilationMode, DeviceConfig, VllmConfig
+
+    monkeypatch.setattr(VllmConfig, "_set_compile_ranges", VllmConfig._set_compile_ranges)
+    monkeypatch.setattr(pass_manager.PostGradPassManager, "configure", pass_manager.PostGradPassManager.configure)
+    # vLLM's last post-grad pass names its _C ops, which a CPU wheel lacks; this graph holds none of them
+    monkeypatch.setattr(pass_manager.FixFunctionalizationPass, "__call__", lambda self, graph: None)
+    # every test compiles afresh: the plugin's cache factor is the tables' digest at its registration,
+    # once per process as in vLLM, and these tests change tables and the fold inside one process
+    monkeypatch.setenv("VLLM_DISABLE_COMPILE_CACHE", "1")
+
+    def install(entries: list[dict]) -> VllmConfig:
+        from tunekit import ops
+
+        path = _table(tmp_path / "fold.json", entries)
+        monkeypatch.setenv("TUNEKIT_TABLE", str(path))
+        done, why = plugin._install_compile_ranges()
+        assert done, why
+        ops.load_tables(str(path))
+        plugin.RANGE_ROUTES.clear()
+        plugin.RANGE_FUSIONS.clear()
+        # made after the hook went in: its compile ranges end at the tables' largest M
+        return VllmConfig(device_config=DeviceConfig(device="cpu"), compilation_config=CompilationConfig(
+            mode=CompilationMode.VLLM_COMPILE, backend="inductor", cudagraph_mode="NONE", compile_sizes=[],
+            custom_ops=["none"], pass_config=vllm_config.compilation_config.pass_config))
+
+    return install
+
+
+def _load_folded(plugin, monkeypatch, model: nn.Module) -> nn.Module:
+    """The plugin's load hook around a loader whose load_model returns ``model`` (as vLLM's loaders end)."""
+    from vllm.model_executor.model_loader import base_loader
+
+    monkeypatch.setattr(base_loader.BaseModelLoader, "load_model", lambda self, *args, **kwargs: model)
+    monkeypatch.setenv("TUNEKIT_FOLD_NORMS", "1")
+    done, why = plugin._install_fold()
+    assert done, why
+    return base_loader.BaseModelLoader.load_model(None, vllm_config=None, model_config=None)
+
+
+def _reference(model: nn.Module, state: dict, x: torch.Tensor) -> torch.Tensor:
+    """The unfolded model in fp32 (eager, plain torch math): the yardstick of both bf16 runs."""
+    with torch.no_grad():
+        h, residual = x.float(), None
+        for i in range(2):
+            w = {k.removeprefix(f"layers.{i}."): v.float() for k, v in state.items() if k.startswith(f"layers.{i}.")}
+
+            def norm(v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+                return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6) * g
+
+            residual = h if residual is None else h + residual
+            a = norm(residual, w["input_layernorm.weight"]) @ w["self_attn.qkv_proj.weight"].T
+            residual = torch.tanh(a) @ w["self_attn.o_proj.weight"].T + residual
+            gu = norm(residual, w["post_attention_layernorm.weight"]) @ w["mlp.gate_up_proj.weight"].T
+            h = (torch.nn.functional.silu(gu[:, :INTER]) * gu[:, INTER:]) @ w["mlp.down_proj.weight"].T
+        residual = h + residual
+        return residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + 1e-6) * state["norm.weight"].float()
+
+
+@pytest.mark.parametrize("gemv_add", [True, False], ids=["gemv_add tabulated", "no gemv_add entry"])
+def test_folded_norms_serve_rms_gemv_and_the_pass_moves_each_residual_add_into_its_gemv(
+        plugin, compile_ranges, monkeypatch, gemv_add: bool) -> None:
+    from vllm.config import set_current_vllm_config
+
+    from tunekit import ops
+
+    config = compile_ranges(_entries(gemv_add))
+    ranges = config.compilation_config.get_compile_ranges()
+    assert [(r.start, r.end) for r in ranges][0] == (1, 4), ranges
+    Model = _model_class()
+    xs = {m: torch.randn(m, H, generator=torch.Generator().manual_seed(m)).bfloat16() for m in (3, 7)}
+    with set_current_vllm_config(config):
+        torch.manual_seed(0)
+        model = Model(vllm_config=config)
+        for name, p in model.named_parameters():
+            p.data.normal_(1.0 if name.endswith("layernorm.weight") or name == "norm.weight" else 0.0, 0.15)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        assert _load_folded(plugin, monkeypatch, model) is model
+        assert plugin.FOLDS == {"rms_norm folded": 4}, plugin.FOLDS
+        got = {m: model(x) for m, x in xs.items()}
+        impls = {(op, m): impl for op, _, m, impl in _impls()}
+        fusions, routes = dict(plugin.RANGE_FUSIONS), dict(plugin.RANGE_ROUTES)
+        # the same model unfolded, with no table: vLLM's own compile of it
+        monkeypatch.delenv("TUNEKIT_FOLD_NORMS")
+        ops.load_tables([])
+        plain = Model(vllm_config=config)
+        plain.load_state_dict(state)
+        want = {m: plain(x) for m, x in xs.items()}
+
+    # every consumer's weight holds its norm's: W diag(g), rounded once
+    for i in range(2):
+        g = state[f"layers.{i}.input_layernorm.weight"].float()
+        w = state[f"layers.{i}.self_attn.qkv_proj.weight"].float()
+        assert torch.equal(model.layers[i].self_attn.qkv_proj.weight, (w * g).bfloat16())
+    # inside the tables' range: rms_gemv for each consumer, gemv_add for the three residual adds a fold leaves
+    # (o_proj -> post_attention_layernorm twice, layer 0's down_proj -> layer 1's input_layernorm)
+    assert impls[("rms_gemv", 3)] == "tuned:triton" and ("rms_norm", 3) not in impls
+    assert fusions == ({str(ranges[0]): 3} if gemv_add else {}), fusions
+    assert (impls.get(("gemv_add", 3)) == "tuned:triton") == gemv_add
+    assert impls[("fused_add_rms_norm", 3)].startswith("tuned:")  # the final norm: not a decoder layer's
+    # above the tables: no tunekit op at all
+    assert not [c for c in impls if c[1] == 7]
+    assert set(routes[str(ranges[1])]) >= {"rms_gemv", "gemv", "fused_add_rms_norm", "silu_and_mul"}, routes
+    for m, x in xs.items():
+        ref = _reference(model, state, x.float())
+        folded_err = (got[m].float() - ref).abs().max().item()
+        plain_err = (want[m].float() - ref).abs().max().item()
+        # the fold rounds W diag(g) once where the unfolded model rounds the normalised activation: the
+        # same order of error (measured 1.3-1.45x the unfolded model's here; an unapplied g would be ~10x)
+        assert folded_err <= 2 * plain_err, (m, folded_err, plain_err)
+
+
+def test_nothing_folds_without_rms_gemv_entries_or_the_switch(plugin, compile_ranges, monkeypatch) -> None:
+    from vllm.config import set_current_vllm_config
+
+    config = compile_ranges([e for e in _entries(True) if e["op"] != "rms_gemv"])
+    with set_current_vllm_config(config):
+        model = _model_class()(vllm_config=config)
+    for p in model.parameters():
+        p.data.normal_(1.0, 0.15)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    _load_folded(plugin, monkeypatch, model)
+    assert plugin.FOLDS == {"rms_norm (fold not in the tables or not paying)": 4}, plugin.FOLDS
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert not any(getattr(m, "_tunekit_folded", False) for m in model.modules())
+    # without TUNEKIT_FOLD_NORMS the hook is not installed at all
+    monkeypatch.delenv("TUNEKIT_FOLD_NORMS")
+    done, why = plugin._install_fold()
+    assert not done and "TUNEKIT_FOLD_NORMS" in why
+    assert os.environ.get("TUNEKIT_FOLD_NORMS") is None
