@@ -210,7 +210,7 @@ def test_folded_norms_serve_rms_gemv_and_the_pass_moves_each_residual_add_into_i
         folded_err = (got[m].float() - ref).abs().max().item()
         plain_err = (want[m].float() - ref).abs().max().item()
         # the fold rounds W diag(g) once where the unfolded model rounds the normalised activation: the
-        # same order of error (measured 1.3-1.45x the unfolded model's here; an unapplied g would be ~10x)
+        # same order of error (measured 1.3-1.45x the unfolded model's here)
         assert folded_err <= 2 * plain_err, (m, folded_err, plain_err)
 
 
