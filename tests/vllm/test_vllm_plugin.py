@@ -111,7 +111,8 @@ def test_entry_point_loads_once_and_installs_every_hook(plugin) -> None:
     assert set(plugin.installed()) == {"linear", "RMSNorm", "GemmaRMSNorm", "RMSNormGated", "SiluAndMul",
                                        "compile_cache_key"}
     # the session's table is empty: no M to end a compile range at (test_token_counts_above_the_tables_...)
-    assert plugin.skipped() == {"compile_ranges": "the named tables hold no entry"}
+    assert plugin.skipped() == {"compile_ranges": "the named tables hold no entry",
+                                "fold_norms": "TUNEKIT_FOLD_NORMS is not 1: decoder norms run as separate layers"}
     # the tables join vLLM's compile-cache key: a graph traced under another table is not reused
     import vllm.envs as envs
 
@@ -155,7 +156,7 @@ def test_without_a_table_nothing_is_installed(plugin, monkeypatch) -> None:
         plugin.register()
         assert plugin.installed() == {}
         assert set(plugin.skipped()) == {"linear", "RMSNorm", "GemmaRMSNorm", "RMSNormGated", "SiluAndMul",
-                                         "compile_cache_key", "compile_ranges"}
+                                         "compile_cache_key", "compile_ranges", "fold_norms"}
         assert all("TUNEKIT_TABLE is not set" in why for why in plugin.skipped().values())
     assert calls == []  # no hook was attempted
     assert dict(op_registry_oot) == registry_before and linear.dispatch_unquantized_gemm is gemm_before
