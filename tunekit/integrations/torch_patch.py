@@ -289,22 +289,9 @@ def _has_submodule(module: nn.Module, path: str) -> bool:
 def _fold_pays(op: str, norm: nn.Module, consumers: list[nn.Linear]) -> bool:
     """Whether the tables' M=1 entries say the folded consumers beat the tuned norm and GEMVs (a step
     no table serves counts 0 us, so the vendor part is never the fold's excuse)."""
-    from tunekit import ops
+    from tunekit.serving.fused_gemv import fold_pays
 
-    dtype, device = ops.dtype_name(norm.weight.dtype), str(norm.weight.device)
-    width = norm.weight.shape[0]
-    fused, unfused = 0.0, 0.0
-    norm_entry = ops.served_entry(op, dtype, 1, width, width, device)
-    unfused += norm_entry["time_us"] if norm_entry else 0.0
-    for c in consumers:
-        n, k = c.weight.shape
-        entry = ops.served_entry("rms_gemv", dtype, 1, n, k, device)
-        if entry is None:
-            return False
-        fused += entry["time_us"]
-        gemv = ops.served_entry("gemv", dtype, 1, n, k, device)
-        unfused += gemv["time_us"] if gemv else 0.0
-    return fused < unfused
+    return fold_pays((op,), norm.weight, [tuple(c.weight.shape) for c in consumers])
 
 
 def _fold(norm: nn.Module, op: str, consumers: list[nn.Linear]) -> None:

@@ -142,24 +142,10 @@ def _fold_pays(op: str, norm: nn.Module, consumers: list[nn.Module]) -> bool:
     vendor part is never the fold's excuse. The residual add the fold leaves is priced 0 here: it
     goes into the previous GEMV's epilogue where a table holds ``gemv_add``.
     """
-    from tunekit import ops
+    from tunekit.serving.fused_gemv import fold_pays
 
-    weight = norm.weight
-    dtype, device, width = ops.dtype_name(weight.dtype), str(weight.device), weight.shape[0]
-    fused_op = "gemma_fused_add_rms_norm" if op == "gemma_rms_norm" else "fused_add_rms_norm"
-    norm_entry = (ops.served_entry(fused_op, dtype, 1, width, width, device)
-                  or ops.served_entry(op, dtype, 1, width, width, device))
-    unfused = norm_entry["time_us"] if norm_entry else 0.0
-    fused = 0.0
-    for c in consumers:
-        n, k = c.weight.shape
-        entry = ops.served_entry("rms_gemv", dtype, 1, n, k, device)
-        if entry is None:
-            return False
-        fused += entry["time_us"]
-        gemv = ops.served_entry("gemv", dtype, 1, n, k, device)
-        unfused += gemv["time_us"] if gemv else 0.0
-    return fused < unfused
+    fused_add = "gemma_fused_add_rms_norm" if op == "gemma_rms_norm" else "fused_add_rms_norm"
+    return fold_pays((fused_add, op), norm.weight, [tuple(c.weight.shape) for c in consumers])
 
 
 @torch.no_grad()

@@ -50,6 +50,27 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
 
 
+def fold_pays(norm_ops: tuple[str, ...], norm_weight: torch.Tensor, consumer_shapes: list[tuple[int, int]]) -> bool:
+    """Whether the tables' M=1 entries say folding a norm into its consumers pays: ``rms_gemv`` on each
+    consumer (N, K) against the norm (the first of ``norm_ops`` the tables hold) plus the consumers'
+    GEMVs. A consumer without an ``rms_gemv`` entry: False. A step no table serves counts 0 us, so the
+    vendor part is never the fold's excuse."""
+    from tunekit.serving.tables import served_entry
+
+    dtype, device, width = dtype_name(norm_weight.dtype), str(norm_weight.device), norm_weight.shape[0]
+    norm_entry = next((e for op in norm_ops if (e := served_entry(op, dtype, 1, width, width, device))), None)
+    unfused = norm_entry["time_us"] if norm_entry else 0.0
+    fused = 0.0
+    for n, k in consumer_shapes:
+        entry = served_entry("rms_gemv", dtype, 1, n, k, device)
+        if entry is None:
+            return False
+        fused += entry["time_us"]
+        gemv = served_entry("gemv", dtype, 1, n, k, device)
+        unfused += gemv["time_us"] if gemv else 0.0
+    return fused < unfused
+
+
 def _vendor_rms_gemv(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _vendor_gemv(unweighted_rms_norm(x, eps), weight, None)
 
