@@ -701,6 +701,8 @@ def test_endpoint_errors() -> None:
         endpoint.parse_endpoints(["vanilla=http://h:1"])
     with pytest.raises(UserError, match="ARM=http"):
         endpoint.parse_endpoints(["fast=http://h:1", "vanilla=http://h:2"])
+    with pytest.raises(UserError, match="one of vanilla, passthrough, tuned"):  # a folded server is given as tuned
+        endpoint.parse_endpoints(["folded=http://h:1", "vanilla=http://h:2"])
     with pytest.raises(UserError, match="no model listed"):
         endpoint.served_model("http://127.0.0.1:1", timeout=2)
 
@@ -759,6 +761,22 @@ def test_the_recorded_h200_run_parses_to_its_own_report(tmp_path: Path) -> None:
     assert b1["predicted_unserved_us"]["gated_rms_norm"] == pytest.approx(53.1, abs=0.1)
     assert any(n.startswith("B=1: the prediction counts ops that ran no tuned call") and "gated_rms_norm" in n
                for n in rebuilt["notes"])
+
+
+def test_the_recorded_fold_run_parses_to_its_own_report(tmp_path: Path) -> None:
+    """vanilla / tuned / folded on the H200 (8031457): the folded arm's speedup, its coverage by rms_gemv and
+    gemv_add inside the decode graph and its agreement come back from the raw files alone."""
+    src = REPO / "benchmarks" / "results" / "h200-serve-fold-8031457"
+    rebuilt = _rebuild(src, tmp_path / "serve", [str(src / "table" / t / "table.json") for t in ("main", "fused")])
+    b1, recorded = rebuilt["batches"][0], json.loads((src / "serve.json").read_text())["batches"][0]
+    for field in ("vanilla_tpot_ms", "tuned_tpot_ms", "folded_tpot_ms", "speedup", "folded_speedup",
+                  "folded_speedup_min", "folded_speedup_max", "folded_over_tuned"):
+        assert b1[field] == pytest.approx(recorded[field], rel=1e-9), field
+    assert 1.117 < b1["folded_speedup_min"] and b1["folded_speedup"] == pytest.approx(1.1224, abs=1e-4)
+    folded = analysis.coverage_at(rebuilt["coverage"]["folded"], 1)
+    assert folded["fallback_calls"] == 0
+    assert {"rms_gemv", "gemv_add"} <= set(folded["by_op"]) and "rms_gemv" not in rebuilt["coverage"]["tuned"]["by_op"]
+    assert b1["agreement"]["folded_vs_vanilla"]["ok"] and b1["agreement"]["verdict"] == "pass"
 
 
 def test_the_recorded_llama_run_names_its_unserved_norms(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tunekit.errors import UserError
-from tunekit.serve import ARMS
+from tunekit.serve import ARMS, DEFAULT_ARMS
 from tunekit.serve.analysis import (
     FORMAT,
     coverage_at,
@@ -41,6 +41,9 @@ from tunekit.serve.analysis import (
 )
 from tunekit.serve.runner import make_prompts
 
+#: The arms an endpoint run takes.
+ENDPOINT_ARMS: tuple[str, ...] = DEFAULT_ARMS
+
 
 def parse_endpoints(items: Sequence[str]) -> dict[str, str]:
     """``ARM=URL`` options -> {arm: base URL without a trailing ``/v1``}; vanilla and tuned required."""
@@ -48,15 +51,18 @@ def parse_endpoints(items: Sequence[str]) -> dict[str, str]:
     for item in items:
         arm, sep, url = item.partition("=")
         arm, url = arm.strip(), url.strip().rstrip("/")
-        if not sep or arm not in ARMS or not url.startswith(("http://", "https://")):
-            raise UserError(f"--endpoint {item!r}: expected ARM=http://HOST:PORT with ARM one of {', '.join(ARMS)}")
+        # the endpoint report compares vanilla, passthrough and tuned servers (a folded server is a tuned
+        # one started with TUNEKIT_FOLD_NORMS=1: give it as tuned)
+        if not sep or arm not in ENDPOINT_ARMS or not url.startswith(("http://", "https://")):
+            raise UserError(f"--endpoint {item!r}: expected ARM=http://HOST:PORT with ARM one of "
+                            f"{', '.join(ENDPOINT_ARMS)}")
         if arm in out:
             raise UserError(f"--endpoint {arm} given twice")
         out[arm] = url[: -len("/v1")] if url.endswith("/v1") else url
     missing = [a for a in ("vanilla", "tuned") if a not in out]
     if missing:
         raise UserError(f"--endpoint needs vanilla=URL and tuned=URL (missing: {', '.join(missing)})")
-    return {a: out[a] for a in ARMS if a in out}
+    return {a: out[a] for a in ENDPOINT_ARMS if a in out}
 
 
 def served_model(base: str, timeout: float = 30.0) -> str:
