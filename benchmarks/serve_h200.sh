@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The served A/B on the lent H200 (no network; vLLM 0.26.0 carried as a bundle built by
-# shared/device/vllm/build-carry.sh, PART_SIZE=30m: six parts, one per call, each with the 32 MiB
-# working tree within a call's 64 MiB; the last part travels with SHA256SUMS, .whl and the real command.
+# shared/device/vllm/build-carry.sh in parts small enough to travel one per call with the working tree
+# within a call's 64 MiB: PART_SIZE=20m (nine parts) for the 42 MiB tree of 8031457, 30m (six) when it
+# was 32 MiB; the last part travels with SHA256SUMS, .whl and the real command.
 # A carry call takes seconds on a warm machine; the next must start within 30 s of it).
 # Run from the repository root there; /var/tmp persists between calls while the machine stays warm,
 # and has outlived a session: give every run a fresh --out / OUT (serve-bench resumes a folder).
