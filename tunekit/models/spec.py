@@ -408,17 +408,22 @@ class ModelSpec:
 
         Entries as ``elementwise``'s: (names, op, n, k, count), n and k the GEMV's (k = hidden
         size): input_layernorm -> qkv_proj (full attention) or in_proj_qkvz and in_proj_ba
-        (linear attention), each its own GEMV; post_attention_layernorm -> gate_up_proj. The
-        final norm -> lm_head is not listed (the sampler's gather is between them, and a tied
-        lm_head is the embedding too).
+        (linear attention); post_attention_layernorm -> gate_up_proj. The two linear-attention
+        siblings read the same x and are listed as one GEMV of their concatenated rows
+        (``linear_attn.in_proj_qkvz+in_proj_ba``, N = 16480 for Qwen3.5-27B): tunekit serves a
+        folded norm's sibling consumers as one launch on weights laid out as one tensor
+        (``tunekit.integrations.vllm_merge``, the chain's ``tuned_fused``). The final norm ->
+        lm_head is not listed (the sampler's gather is between them, and a tied lm_head is the
+        embedding too).
         """
         n_of = {name: n for name, n, _, _ in self.linears(tp)}
+        siblings = "linear_attn.in_proj_qkvz+in_proj_ba"
+        if "linear_attn.in_proj_qkvz" in n_of:
+            n_of[siblings] = n_of["linear_attn.in_proj_qkvz"] + n_of["linear_attn.in_proj_ba"]
         counts: dict[str, int] = {}
         for layer_type in self.layer_types:
-            consumers = ["qkv_proj"] if layer_type == FULL_ATTENTION else ["linear_attn.in_proj_qkvz",
-                                                                           "linear_attn.in_proj_ba"]
-            for name in consumers:
-                counts[name] = counts.get(name, 0) + 1
+            name = "qkv_proj" if layer_type == FULL_ATTENTION else siblings
+            counts[name] = counts.get(name, 0) + 1
         out = [(f"input_layernorm+{name}", "rms_gemv", n_of[name], self.hidden_size, count)
                for name, count in counts.items()]
         gate_up = f"{self.mlp_prefix}gate_up_proj"
