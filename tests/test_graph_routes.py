@@ -257,3 +257,99 @@ def test_adds_the_epilogue_cannot_take_stay(case) -> None:
     fuse = _FusePass(lambda *key: True)
     _compiled(fn, fuse, inputs=_folded_inputs)
     assert fuse.fused == 0 and "tunekit.gemv_add.default" not in fuse.targets, fuse.targets
+
+
+class _MergePass(CustomGraphPass):
+    """merge_siblings as vLLM's range pass runs it; records the graph it left."""
+
+    def __init__(self, keep, joined) -> None:
+        self.keep, self.joined, self.merged, self.targets, self.seen = keep, joined, 0, [], []
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        def keep(*key):
+            self.seen.append(key)
+            return self.keep(*key)
+
+        self.merged = graph_routes.merge_siblings(graph, keep, self.joined)
+        self.targets = [str(n.target) for n in graph.nodes if n.op == "call_function"]
+
+    def uuid(self) -> str:
+        return f"test-merge-{id(self)}"
+
+
+def _siblings(x, wa, wb, wc):
+    """Two folded consumers of one x (a Gated DeltaNet's in_proj_qkvz and in_proj_ba), their outputs
+    split and reshaped as vLLM's layer does, and a GEMV of another input (never merged)."""
+    h = torch.ops.tunekit.rms_gemv(x, wa, 1e-6)
+    g = torch.ops.tunekit.rms_gemv(x, wb, 1e-6)
+    q, z = h.split([40, 40], dim=-1)
+    return q * 2, z.reshape(z.shape[0], -1, 8), g + 1, torch.ops.tunekit.gemv(h, wc, None)
+
+
+def _sibling_inputs(m: int, joined: bool = True):
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 64, generator=g).bfloat16()
+    both = torch.randn(88, 64, generator=g).bfloat16() * 0.1
+    wa, wb = (both[:80], both[80:]) if joined else (both[:80].clone(), both[80:].clone())
+    wc = torch.randn(16, 80, generator=g).bfloat16() * 0.1
+    torch._dynamo.mark_dynamic(x, 0)
+    return x, wa, wb, wc
+
+
+def _stock_siblings(x, wa, wb, wc):
+    normed = graph_routes.fused_gemv.unweighted_rms_norm(x.float(), 1e-6)
+    h, g = normed @ wa.float().T, normed @ wb.float().T
+    return h[:, :40] * 2, h[:, 40:].reshape(x.shape[0], -1, 8), g + 1, h @ wc.float().T
+
+
+def test_sibling_gemvs_on_joined_weights_become_one_launch() -> None:
+    from tunekit.serving.markers import dispatch_stats
+
+    merge = _MergePass(lambda *key: True, {((80, 8), 64)})
+    dispatch_stats(reset=True)
+    got = _compiled(_siblings, merge, inputs=_sibling_inputs)
+    assert merge.merged == 1 and merge.seen == [("rms_gemv", "bf16", 88, 64, "cpu")], merge.seen
+    ops = [t for t in merge.targets if t.startswith("tunekit.")]
+    assert ops == ["tunekit.sibling_gemv.default", "tunekit.gemv.default"], ops
+    # one rms_gemv call per forward, at the joined shape; nothing ran per sibling
+    rows = {(r["op"], r["shape"], r["impl"]) for r in dispatch_stats()}
+    assert ("rms_gemv", "88x64", "fallback:no_table") in rows and not {r for r in rows if r[0] == "sibling_gemv"}
+    assert not {r for r in rows if r[0] == "rms_gemv" and r[1] != "88x64"}, rows
+    for m in (5, 9):
+        want = _stock_siblings(*_sibling_inputs(m))
+        for a, b in zip(got[m], want, strict=True):
+            torch.testing.assert_close(a.float(), b, atol=0.02, rtol=0.02)
+
+
+def test_merged_siblings_whose_weights_are_apart_run_one_gemv_each() -> None:
+    from tunekit.serving.markers import dispatch_stats
+
+    merge = _MergePass(lambda *key: True, {((80, 8), 64)})
+    dispatch_stats(reset=True)
+    got = _compiled(_siblings, merge, inputs=lambda m: _sibling_inputs(m, joined=False))
+    assert merge.merged == 1
+    rows = {(r["op"], r["shape"], r["impl"]) for r in dispatch_stats()}
+    assert ("sibling_gemv", "80x64+8x64", "fallback:not_joined") in rows, rows
+    assert {("rms_gemv", "80x64"), ("rms_gemv", "8x64")} <= {(op, shape) for op, shape, _ in rows}, rows
+    for m in (5, 9):
+        want = _stock_siblings(*_sibling_inputs(m))
+        for a, b in zip(got[m], want, strict=True):
+            torch.testing.assert_close(a.float(), b, atol=0.02, rtol=0.02)
+
+
+@pytest.mark.parametrize("case", ["not joined", "not in the tables", "other order", "other eps", "bias"])
+def test_siblings_stay_apart(case) -> None:
+    def fn(x, wa, wb, wc):
+        if case == "other eps":
+            return torch.ops.tunekit.rms_gemv(x, wa, 1e-6), torch.ops.tunekit.rms_gemv(x, wb, 1e-5)
+        if case == "bias":
+            return torch.ops.tunekit.gemv(x, wa, None), torch.ops.tunekit.gemv(x, wb, wa[:8, 0])
+        if case == "other order":
+            return torch.ops.tunekit.gemv(x, wb, None), torch.ops.tunekit.gemv(x, wa, None)
+        return torch.ops.tunekit.gemv(x, wa, None), torch.ops.tunekit.gemv(x, wb, None)
+
+    joined = set() if case == "not joined" else {((80, 8), 64)}
+    merge = _MergePass(lambda *key: case != "not in the tables", joined)
+    _compiled(fn, merge, inputs=_sibling_inputs)
+    assert merge.merged == 0 and "tunekit.sibling_gemv.default" not in merge.targets, merge.targets
+    assert (merge.seen != []) == (case == "not in the tables"), merge.seen

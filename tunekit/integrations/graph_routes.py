@@ -24,12 +24,16 @@ serve: a GEMV whose one use is a residual add becomes ``gemv_add`` (the add
 in the GEMV's epilogue), where a table holds that fused op. Folded norms
 (``tunekit.integrations.vllm_fold``) leave exactly that add between a
 layer's output projection and the next layer's consumers.
+:func:`merge_siblings` makes the GEMVs of one x whose weights the load step
+laid out as one tensor (``tunekit.integrations.vllm_merge``) one
+``sibling_gemv``, where a table holds the joined shape.
 
 Call protocol::
 
     counts = unroute(graph, keep)  # keep(op, dtype, n, k, device) -> bool; {op: nodes replaced}
     unroute(graph, lambda *key: within_table(*key, start=9))  # vLLM's pass for the range [9, ...]
     fused = fuse_residual_adds(graph, keep)  # gemv -> add pairs rewritten to gemv_add where keep says
+    merged = merge_siblings(graph, keep, {((16384, 96), 5120)})  # GEMVs of one x on joined weights: one launch
 
 Pure FX over torch: no vLLM import, so the main test tier checks it.
 """
@@ -198,7 +202,6 @@ def _inline(graph: fx.Graph, node: fx.Node, composition: Callable[..., Any], val
     return True
 
 
-
 def _same_sizes(a: tuple, b: tuple) -> bool:
     """Equal shapes, symbolic token counts included, without adding a guard (none can be added here)."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -249,3 +252,68 @@ def fuse_residual_adds(graph: fx.Graph, keep: Callable[[str, str, int | None, in
     if fused:
         graph.lint()
     return fused
+
+
+def _fake_value(target: Any, *args: Any) -> Any:
+    """``target`` run on the graph's fake values (a new node's ``meta["val"]``, as tracing leaves it)."""
+    from torch._guards import detect_fake_mode
+
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    tensors += [t for a in args if isinstance(a, list) for t in a]
+    fake_mode = detect_fake_mode(tensors)
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        return target(*args)
+
+
+def merge_siblings(graph: fx.Graph, keep: Callable[[str, str, int | None, int, str], bool],
+                   joined: set[tuple[tuple[int, ...], int]]) -> int:
+    """Rewrite the ``tunekit::gemv`` (no bias) or ``rms_gemv`` nodes that read one x into one
+    ``tunekit::sibling_gemv`` whose output columns their users read as slices.
+
+    Only groups whose weights' row counts, in graph order, and K are in ``joined`` (what the load
+    step laid out as consecutive row blocks of one tensor: ``vllm_merge.JOINED``), with the same
+    eps, and where ``keep(op, dtype, sum N, K, device)`` says the tables serve the joined shape in
+    this graph's token counts. The op checks at run time that the weights still are one tensor's
+    row blocks (else one GEMV per weight). Returns the number of groups rewritten.
+    """
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    groups: dict[tuple[Any, str, Any], list[fx.Node]] = {}
+    for node in graph.nodes:
+        op = tunekit_op(node)
+        if op not in ("gemv", "rms_gemv") or node.kwargs:
+            continue
+        x, _weight, *rest = node.args
+        if op == "gemv" and rest and rest[0] is not None:  # bias
+            continue
+        groups.setdefault((x, op, rest[0] if op == "rms_gemv" else None), []).append(node)
+    merged = 0
+    for (x, op, eps), nodes in groups.items():
+        weights = [node.args[1] for node in nodes]
+        values = [_meta(w) for w in weights]
+        if len(nodes) < 2 or not all(isinstance(v, torch.Tensor) and v.dim() == 2 for v in values):
+            continue
+        rows = tuple(v.shape[0] for v in values)
+        k = values[0].shape[1]
+        dtype = DTYPE_NAMES.get(values[0].dtype)
+        first = nodes[0]
+        if (rows, k) not in joined or dtype is None or any(v.dtype != values[0].dtype for v in values) \
+                or not keep(op, dtype, sum(rows), k, str(values[0].device)) \
+                or any(isinstance(w, fx.Node) and order[w] > order[first] for w in weights):
+            continue
+        target = torch.ops.tunekit.sibling_gemv.default
+        with graph.inserting_before(first):
+            new = graph.call_function(target, (x, weights, eps))
+            new.meta["val"] = _fake_value(target, _meta(x), values, eps)
+            start = 0
+            for node, width in zip(nodes, rows, strict=True):
+                dim = new.meta["val"].dim() - 1
+                part = graph.call_function(torch.ops.aten.slice.Tensor, (new, dim, start, start + width))
+                part.meta["val"] = _fake_value(torch.ops.aten.slice.Tensor, new.meta["val"], dim, start, start + width)
+                node.replace_all_uses_with(part)
+                start += width
+        for node in nodes:
+            graph.erase_node(node)
+        merged += 1
+    if merged:
+        graph.lint()
+    return merged

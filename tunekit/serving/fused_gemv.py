@@ -4,7 +4,13 @@
   over its K values: the GEMV of an RMSNorm whose weight was folded into
   ``weight`` (``tunekit.opspec.RMS_GEMV``);
 * ``gemv_add(x, weight, residual)``: y = x @ weight^T + residual, the residual
-  add in the GEMV's epilogue (``tunekit.opspec.GEMV_ADD``).
+  add in the GEMV's epilogue (``tunekit.opspec.GEMV_ADD``);
+* ``sibling_gemv(x, weights, eps)``: the GEMVs of linears that read the same
+  x (``in_proj_qkvz`` and ``in_proj_ba``), as one: y = x @ [W_1; W_2; ...]^T,
+  their outputs side by side, ``rms_gemv``'s x / rms(x) where eps is given.
+  One launch of the ``gemv`` / ``rms_gemv`` route on the joined weight when
+  the weights are consecutive row blocks of one tensor (the load-time layout
+  of ``tunekit.integrations.vllm_merge``), else one call per weight.
 
 Call protocol: as ``tunekit::gemv`` (``tunekit.serving.gemv``). Per (op, x
 shape, weight shape, dtype, device, eps) a :class:`_Route` resolves once: the
@@ -31,7 +37,7 @@ import torch
 
 from tunekit.serving import launch
 from tunekit.serving.decisions import is_capturing, kernel_takes_eps, mark_broken, resolve
-from tunekit.serving.gemv import _gemv_vendor_name, _static_reason, _vendor_gemv
+from tunekit.serving.gemv import _gemv_vendor_name, _static_reason, _vendor_gemv, gemv_impl
 from tunekit.serving.gemv import _layout_reason as gemv_layout_reason
 from tunekit.serving.markers import count, counter
 from tunekit.serving.state import DEFAULT_EPS, STATE, dtype_name
@@ -40,6 +46,7 @@ from tunekit.serving.state import DEFAULT_EPS, STATE, dtype_name
 FUSED_GEMV_SCHEMAS: dict[str, str] = {
     "rms_gemv": "rms_gemv(Tensor x, Tensor weight, float eps) -> Tensor",
     "gemv_add": "gemv_add(Tensor x, Tensor weight, Tensor residual) -> Tensor",
+    "sibling_gemv": "sibling_gemv(Tensor x, Tensor[] weights, float? eps) -> Tensor",
 }
 
 
@@ -50,24 +57,28 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def fold_pays(norm_ops: tuple[str, ...], norm_weight: torch.Tensor, consumer_shapes: list[tuple[int, int]]) -> bool:
+def fold_pays(norm_ops: tuple[str, ...], norm_weight: torch.Tensor, consumer_shapes: list[tuple[int, int]],
+              joined: bool = False) -> bool:
     """Whether the tables' M=1 entries say folding a norm into its consumers pays: ``rms_gemv`` on each
-    consumer (N, K) against the norm (the first of ``norm_ops`` the tables hold) plus the consumers'
-    GEMVs. A consumer without an ``rms_gemv`` entry: False. A step no table serves counts 0 us, so the
-    vendor part is never the fold's excuse."""
+    consumer (N, K), or once on their joined rows (``joined``: sibling linears laid out as one weight,
+    ``tunekit.integrations.vllm_merge``), against the norm (the first of ``norm_ops`` the tables hold)
+    plus the consumers' GEMVs. An ``rms_gemv`` entry missing: False. A step no table serves counts
+    0 us, so the vendor part is never the fold's excuse."""
     from tunekit.serving.tables import served_entry
 
     dtype, device, width = dtype_name(norm_weight.dtype), str(norm_weight.device), norm_weight.shape[0]
     norm_entry = next((e for op in norm_ops if (e := served_entry(op, dtype, 1, width, width, device))), None)
     unfused = norm_entry["time_us"] if norm_entry else 0.0
-    fused = 0.0
     for n, k in consumer_shapes:
+        gemv = served_entry("gemv", dtype, 1, n, k, device)
+        unfused += gemv["time_us"] if gemv else 0.0
+    fused_shapes = [(sum(n for n, _ in consumer_shapes), consumer_shapes[0][1])] if joined else consumer_shapes
+    fused = 0.0
+    for n, k in fused_shapes:
         entry = served_entry("rms_gemv", dtype, 1, n, k, device)
         if entry is None:
             return False
         fused += entry["time_us"]
-        gemv = served_entry("gemv", dtype, 1, n, k, device)
-        unfused += gemv["time_us"] if gemv else 0.0
     return fused < unfused
 
 
@@ -198,12 +209,51 @@ def gemv_add_impl(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor)
     return _serve("gemv_add", x, weight, residual, None, lambda: _vendor_gemv_add(x, weight, residual))
 
 
+def joined_rows(weights: list[torch.Tensor]) -> torch.Tensor | None:
+    """The one [sum N, K] tensor whose consecutive row blocks are ``weights`` (each contiguous, one
+    storage, one dtype and device, each starting where the one before ends), or None."""
+    if not weights:
+        return None
+    first = weights[0]
+    if first.dim() != 2 or not first.is_contiguous():
+        return None
+    k, rows = first.shape[1], 0
+    storage = first.untyped_storage().data_ptr()
+    for w in weights:
+        if (w.dim() != 2 or w.shape[1] != k or w.dtype != first.dtype or w.device != first.device
+                or not w.is_contiguous() or w.untyped_storage().data_ptr() != storage
+                or w.storage_offset() != first.storage_offset() + rows * k):
+            return None
+        rows += w.shape[0]
+    return first.as_strided((rows, k), (k, 1))  # bounds-checked against the storage
+
+
+def sibling_gemv_impl(x: torch.Tensor, weights: list[torch.Tensor], eps: float | None) -> torch.Tensor:
+    """The CUDA/HIP and CPU kernel of ``tunekit::sibling_gemv``: one ``gemv`` / ``rms_gemv`` call on the
+    joined weight (its route counts it at the joined shape), else one per weight, concatenated and
+    counted as ``sibling_gemv`` ``fallback:not_joined`` (the layout the load step made is gone)."""
+    joined = joined_rows(list(weights))
+    if joined is not None:
+        return gemv_impl(x, joined, None) if eps is None else rms_gemv_impl(x, joined, eps)
+    shape = "+".join("x".join(map(str, w.shape)) for w in weights)
+    k = x.shape[-1] if x.dim() else 0
+    count("sibling_gemv", dtype_name(x.dtype), shape, x.numel() // k if k else 0, False, "fallback:not_joined",
+          is_capturing(x), "per sibling")
+    parts = [gemv_impl(x, w, None) if eps is None else rms_gemv_impl(x, w, eps) for w in weights]
+    return torch.cat(parts, dim=-1)
+
+
 def _fake_gemv_shaped(x: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _fake_sibling_gemv(x: torch.Tensor, weights: list[torch.Tensor], eps: float | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))
 
 
 #: op -> (run-time impl for the CUDA and CPU keys, fake impl).
 FUSED_GEMV_IMPLS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     "rms_gemv": (rms_gemv_impl, _fake_gemv_shaped),
     "gemv_add": (gemv_add_impl, _fake_gemv_shaped),
+    "sibling_gemv": (sibling_gemv_impl, _fake_sibling_gemv),
 }
