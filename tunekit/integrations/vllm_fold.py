@@ -134,18 +134,20 @@ def fold_plan(model: nn.Module, honours: Callable[[nn.Module], bool]) -> list[tu
     return plan
 
 
-def _fold_pays(op: str, norm: nn.Module, consumers: list[nn.Module]) -> bool:
+def _fold_pays(op: str, norm: nn.Module, consumers: list[nn.Module], joined: bool = False) -> bool:
     """Whether the tables' M=1 entries say the folded GEMVs beat the tuned norm plus the GEMVs.
 
     The norm is priced in its fused-add form where the tables hold it (every decoder norm but the
     first layer's runs as one), else its plain form; a step no table serves counts 0 us, so the
     vendor part is never the fold's excuse. The residual add the fold leaves is priced 0 here: it
-    goes into the previous GEMV's epilogue where a table holds ``gemv_add``.
+    goes into the previous GEMV's epilogue where a table holds ``gemv_add``. ``joined``: the consumers
+    are sibling linears the merge step lays out as one weight, so their folded GEMV is one ``rms_gemv``
+    on the joined rows (``tunekit.integrations.vllm_merge``).
     """
     from tunekit.serving.fused_gemv import fold_pays
 
     fused_add = "gemma_fused_add_rms_norm" if op == "gemma_rms_norm" else "fused_add_rms_norm"
-    return fold_pays((fused_add, op), norm.weight, [tuple(c.weight.shape) for c in consumers])
+    return fold_pays((fused_add, op), norm.weight, [tuple(c.weight.shape) for c in consumers], joined)
 
 
 @torch.no_grad()
@@ -160,14 +162,20 @@ def _fold(norm: nn.Module, op: str, eps: float, consumers: list[nn.Module]) -> N
     setattr(norm, FOLDED, True)
 
 
-def fold_model(model: nn.Module, honours: Callable[[nn.Module], bool]) -> dict[str, int]:
+def fold_model(model: nn.Module, honours: Callable[[nn.Module], bool], join_siblings: bool = False) -> dict[str, int]:
     """Fold every norm of ``model`` that :func:`fold_plan` finds and the tables say pays.
 
+    ``join_siblings``: consumers that form a sibling group (``vllm_merge.SIBLING_LINEARS``) are priced
+    as one ``rms_gemv`` on their joined rows, as the merge step that runs next serves them.
     Returns counts: ``"<op> folded"`` and ``"<op> (fold not in the tables or not paying)"``."""
+    from tunekit.integrations.vllm_merge import sibling_groups
+
+    groups = {tuple(map(id, linears)) for _, linears in sibling_groups(model)} if join_siblings else set()
     counts: dict[str, int] = {}
     for norm, op, eps, consumers in fold_plan(model, honours):
-        key = f"{op} folded" if _fold_pays(op, norm, consumers) else f"{op} (fold not in the tables or not paying)"
-        if key.endswith("folded"):
+        pays = _fold_pays(op, norm, consumers, tuple(map(id, consumers)) in groups)
+        if pays:
             _fold(norm, op, eps, consumers)
+        key = f"{op} folded" if pays else f"{op} (fold not in the tables or not paying)"
         counts[key] = counts.get(key, 0) + 1
     return counts

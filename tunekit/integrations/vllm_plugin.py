@@ -125,6 +125,7 @@ from typing import Any
 import torch
 
 from tunekit.integrations.vllm_fold import FOLD_EPS, FOLDED, folded_norm_forward
+from tunekit.integrations.vllm_merge import JOINED_N
 
 __all__ = ["installed", "register", "skipped"]
 
@@ -174,7 +175,7 @@ def _table_paths() -> list[str]:
 
 
 def _hook_names() -> list[str]:
-    return ["linear", *_OOT_SPECS, "compile_cache_key", "compile_ranges", "fold_norms"]
+    return ["linear", *_OOT_SPECS, "compile_cache_key", "compile_ranges", "fold_norms", "merge_siblings"]
 
 
 def _install_nothing() -> None:
@@ -205,7 +206,7 @@ def _install() -> tuple[dict[str, str], dict[str, str]]:
     skipped: dict[str, str] = {}
     hooks = (("linear", _install_linear), *[(n, _oot_installer(n)) for n in _OOT_SPECS],
              ("compile_cache_key", _install_compile_factor), ("compile_ranges", _install_compile_ranges),
-             ("fold_norms", _install_fold))
+             ("fold_norms", _install_fold), ("merge_siblings", _install_merge))
     for name, hook in hooks:
         try:
             done, why = hook()
@@ -226,8 +227,8 @@ COMPILE_FACTOR = "TUNEKIT_TABLE_DIGEST"
 
 def _tables_digest() -> str:
     """sha256 over the named tables' paths and bytes (an unreadable one: its path and the error) and
-    the fold switch (a folded model traces another graph)."""
-    h = hashlib.sha256(f"fold={_fold_requested()}".encode())
+    the fold and merge switches (a folded or joined model traces another graph)."""
+    h = hashlib.sha256(f"fold={_fold_requested()} merge={_merge_requested()}".encode())
     for path in _table_paths():
         h.update(os.path.abspath(path).encode() + b"\0")
         try:
@@ -265,6 +266,8 @@ def _install_compile_factor() -> tuple[bool, str]:
 RANGE_ROUTES: dict[str, dict[str, int]] = {}
 #: Per compile range: GEMV -> residual add pairs rewritten to ``gemv_add`` (``graph_routes.fuse_residual_adds``).
 RANGE_FUSIONS: dict[str, int] = {}
+#: Per compile range: groups of sibling GEMVs rewritten to one ``sibling_gemv`` (``graph_routes.merge_siblings``).
+RANGE_MERGES: dict[str, int] = {}
 
 
 def _tables_largest_m() -> int | None:
@@ -333,12 +336,16 @@ def _install_compile_ranges() -> tuple[bool, str]:
 
 def _range_pass(base: type, get_pass_context: Callable[[], Any]) -> Any:
     """vLLM's post-grad pass that keeps the tunekit ops only in compile ranges the tables serve."""
-    from tunekit.integrations import graph_routes
+    from tunekit.integrations import graph_routes, vllm_merge
 
     class TunekitRangeRoutes(base):  # type: ignore[misc, valid-type]
         def __call__(self, graph: Any) -> None:
             compile_range = get_pass_context().compile_range
             start = compile_range.start
+            merged = graph_routes.merge_siblings(graph, lambda *key: graph_routes.within_table(*key, start=start),
+                                                 vllm_merge.JOINED)
+            if merged:
+                RANGE_MERGES[str(compile_range)] = RANGE_MERGES.get(str(compile_range), 0) + merged
             fused = graph_routes.fuse_residual_adds(graph, lambda *key: graph_routes.within_table(*key, start=start))
             if fused:
                 RANGE_FUSIONS[str(compile_range)] = RANGE_FUSIONS.get(str(compile_range), 0) + fused
@@ -392,32 +399,74 @@ def _module_honours_fold(module: torch.nn.Module) -> bool:
     return bool(getattr(type(module), _MARK, False))
 
 
-def _install_fold() -> tuple[bool, str]:
-    # After vLLM's loader has loaded and post-processed the weights (BaseModelLoader.load_model: the
-    # default and dummy loaders both end there), rescale each foldable norm's consumers in place.
-    if not _fold_requested():
-        return False, f"{FOLD_ENV} is not 1: decoder norms run as separate layers"
+#: Set to 0 to keep sibling linears' weights apart (``tunekit.integrations.vllm_merge``; on by default:
+#: it joins only where the tables' entries for the joined shape pay, and moves no value).
+MERGE_ENV = "TUNEKIT_MERGE_SIBLINGS"
+#: What the last model load joined: {"in_proj_qkvz+in_proj_ba joined": 48, ...}.
+MERGES: dict[str, int] = {}
+_LOAD_MARK = "_tunekit_load_transforms"
+
+
+def _merge_requested() -> bool:
+    return os.environ.get(MERGE_ENV, "1").strip().lower() not in ("0", "false")
+
+
+def _transform_loaded(model: torch.nn.Module) -> None:
+    """The load-time steps, in order: fold the decoder norms (priced joined where the merge will join
+    their consumers), then join sibling linears' weights."""
+    from tunekit.integrations import vllm_fold, vllm_merge
+
+    FOLDS.clear()
+    MERGES.clear()
+    if _fold_requested():
+        counts = vllm_fold.fold_model(model, _module_honours_fold, join_siblings=_merge_requested())
+        FOLDS.update(counts)
+        logger.info("tunekit vLLM plugin: folded norms: %s", counts or "none (no foldable decoder layer)")
+    if _merge_requested():
+        counts = vllm_merge.merge_model(model, _module_honours_fold)
+        MERGES.update(counts)
+        if counts:
+            logger.info("tunekit vLLM plugin: sibling linears: %s", counts)
+
+
+def _wrap_load_model() -> str | None:
+    """Run :func:`_transform_loaded` after vLLM's loader has loaded and post-processed the weights
+    (BaseModelLoader.load_model: the default and dummy loaders both end there). None, or why not."""
     try:
         base_loader = importlib.import_module("vllm.model_executor.model_loader.base_loader")
         load_model = base_loader.BaseModelLoader.load_model
     except (ImportError, AttributeError) as exc:
-        return False, f"this vLLM has no BaseModelLoader.load_model ({exc}): nothing folded"
-    if not getattr(load_model, _MARK, False):
+        return f"this vLLM has no BaseModelLoader.load_model ({exc})"
+    if not getattr(load_model, _LOAD_MARK, False):
         @functools.wraps(load_model)
-        def load_model_and_fold(self: Any, *args: Any, **kwargs: Any) -> Any:
-            from tunekit.integrations import vllm_fold
-
+        def load_model_and_transform(self: Any, *args: Any, **kwargs: Any) -> Any:
             model = load_model(self, *args, **kwargs)
-            counts = vllm_fold.fold_model(model, _module_honours_fold)
-            FOLDS.clear()
-            FOLDS.update(counts)
-            logger.info("tunekit vLLM plugin: folded norms: %s", counts or "none (no foldable decoder layer)")
+            _transform_loaded(model)
             return model
 
-        setattr(load_model_and_fold, _MARK, True)
-        base_loader.BaseModelLoader.load_model = load_model_and_fold
+        setattr(load_model_and_transform, _LOAD_MARK, True)
+        base_loader.BaseModelLoader.load_model = load_model_and_transform
+    return None
+
+
+def _install_fold() -> tuple[bool, str]:
+    if not _fold_requested():
+        return False, f"{FOLD_ENV} is not 1: decoder norms run as separate layers"
+    why_not = _wrap_load_model()
+    if why_not is not None:
+        return False, f"{why_not}: nothing folded"
     return True, ("after loading, decoder norms the tables' rms_gemv entries pay for are folded into their "
                   "consumers' weights; the residual add goes into the previous GEMV where gemv_add is tabulated")
+
+
+def _install_merge() -> tuple[bool, str]:
+    if not _merge_requested():
+        return False, f"{MERGE_ENV} is 0: sibling linears run as separate GEMVs"
+    why_not = _wrap_load_model()
+    if why_not is not None:
+        return False, f"{why_not}: nothing joined"
+    return True, ("after loading, sibling linears (in_proj_qkvz + in_proj_ba) whose joined GEMV the tables pay "
+                  "for get one weight tensor; the compile pass makes their GEMVs one launch")
 
 
 # ---------------------------------------------------------------------------
@@ -514,8 +563,9 @@ def _wrap_gemm(impl: Callable[..., Any], plain: tuple[Callable[..., Any], ...]) 
         fold_eps = getattr(layer, FOLD_EPS, None)
         if fold_eps is not None:  # its weight holds a folded norm's: the norm must be applied here
             return _folded_gemm(impl, layer, x, weight, bias, fold_eps)
-        if weight.dim() == 2 and weight.dtype == x.dtype and _covered("gemv", x, weight.shape[0], weight.shape[1]) \
-                and not _eager_above_tables("gemv", x, weight.shape[0], weight.shape[1]):
+        n = getattr(layer, JOINED_N, weight.shape[0])  # a joined sibling: the compile pass merges its GEMV
+        if weight.dim() == 2 and weight.dtype == x.dtype and _covered("gemv", x, n, weight.shape[1]) \
+                and not _eager_above_tables("gemv", x, n, weight.shape[1]):
             return torch.ops.tunekit.gemv(x, weight, bias)
         return impl(layer, x, weight, bias)
 
@@ -528,7 +578,8 @@ def _folded_gemm(impl: Callable[..., Any], layer: torch.nn.Module, x: torch.Tens
                  bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     """A consumer of a folded norm (``tunekit.integrations.vllm_fold``): ``rms_gemv`` where the tables
     cover it, else the unweighted norm then vLLM's own GEMM; the same math either way."""
-    n, k = weight.shape
+    k = weight.shape[1]
+    n = getattr(layer, JOINED_N, weight.shape[0])  # a joined sibling: the compile pass merges its GEMV
     if _covered("rms_gemv", x, n, k) and not _eager_above_tables("rms_gemv", x, n, k):
         y = torch.ops.tunekit.rms_gemv(x, weight, eps)
         return y if bias is None else y + bias
