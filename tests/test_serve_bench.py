@@ -998,3 +998,15 @@ def test_the_folded_arm_serves_the_tables_with_the_fold_on(fake: Path, tmp_path:
     md = (out / "serve.md").read_text()
     assert "folded speedup" in md and "folded vs vanilla" in md and "TUNEKIT_FOLD_NORMS=1" in md
     assert any(ln.startswith("B=1") and "folded x" in ln for ln in lines)
+
+
+def test_a_folded_run_without_the_tuned_arm_reports_against_vanilla(fake: Path, tmp_path: Path) -> None:
+    """--arms vanilla,folded (the GPU call that times the fold alone): no tuned figure is invented."""
+    out = tmp_path / "serve"
+    lines: list[str] = []
+    serve = bench.run_offline(_settings(arms=["vanilla", "folded"], processes=1), out, lines.append)
+    for row in serve["batches"]:
+        assert row["folded_speedup"] == pytest.approx(row["vanilla_tpot_ms"] / row["folded_tpot_ms"])
+        assert row.get("tuned_tpot_ms") is None and row.get("folded_over_tuned") is None
+        assert row["agreement"]["folded_vs_vanilla"]["ok"]
+    assert "folded speedup" in (out / "serve.md").read_text()
