@@ -27,13 +27,21 @@ def _spec() -> ModelSpec:
     return ModelSpec.from_config(TINY, name="tiny")
 
 
-def _default_kernel(m: int, skip: tuple[str, ...] = (), fold: bool = False):
-    """fused(op, n, k, replaced, added) of Chain.build: every fused op but ``skip`` (and but the folded
-    norm's rms_gemv, unless ``fold``) at its search space's default config."""
+def _joined_n() -> int:
+    """N of the one rms_gemv ``ModelSpec.rms_gemvs`` lists for a linear-attention layer's input norm:
+    in_proj_qkvz + in_proj_ba, their rows joined."""
+    return next(n for name, _, n, _, _ in _spec().rms_gemvs() if name.endswith("in_proj_qkvz+in_proj_ba"))
+
+
+def _default_kernel(m: int, skip: tuple[str, ...] = (), fold: bool = False, merged: bool = False):
+    """fused(op, n, k, replaced, added) of Chain.build: every fused op but ``skip`` at its search space's
+    default config; the folded norm's rms_gemv only where asked: ``fold``, at each consumer's own shape (an
+    older table's entries); ``merged``, at the linear-attention siblings' joined shape (``_joined_n``)."""
     triton = backends.get("triton")
+    joined = _joined_n()
 
     def fused(op: str, n: int, k: int, replaced=None, added=()):
-        if op in skip or (op == "rms_gemv" and not fold):
+        if op in skip or (op == "rms_gemv" and not (merged if n == joined else fold)):
             return None
         problem = Problem(op, "bf16", m, n, k)
         return triton.build(problem, triton.space(problem).default, None)
@@ -289,11 +297,11 @@ def test_run_keeps_the_add_where_no_table_serves_the_plain_norm(tmp_path: Path) 
     assert "tuned_fused" not in [r["variant"] for r in report["results"]]
 
 
-def _folding_chain(m: int, glu: bool = False) -> chain_mod.Chain:
+def _folding_chain(m: int, glu: bool = False, fold: bool = True, merged: bool = False) -> chain_mod.Chain:
     # the residual epilogue and the folded norm only (no prologue family); ``glu``: and SiLU-and-mul in
-    # gate_up's epilogue
+    # gate_up's epilogue; ``fold`` / ``merged``: which rms_gemv entries there are (``_default_kernel``)
     skip = ("silu_mul_gemv", *shapes.NORM_GEMV_OPS, *(() if glu else shapes.GLU_GEMV_OPS))
-    return _bound_chain(m, _default_kernel(m, skip=skip, fold=True))
+    return _bound_chain(m, _default_kernel(m, skip=skip, fold=fold, merged=merged))
 
 
 def test_folded_norms_leave_no_norm_but_the_final_one() -> None:
@@ -355,6 +363,142 @@ def test_a_folded_gate_up_takes_the_activation_and_keeps_the_logits() -> None:
     assert fused.fused_kernels == 19
     assert fused.rel_diff is not None and 0 < fused.rel_diff <= 0.05
     assert fused.rms_err_fp32 <= 2 * results["vendor"].rms_err_fp32
+
+
+#: the name of the one rms_gemv step that serves both linear-attention siblings (``Chain._fold_options``)
+_SIBLINGS = "linear_attn.in_proj_qkvz+linear_attn.in_proj_ba"
+
+
+def _linear_input_norms(chain: chain_mod.Chain) -> list[int]:
+    """The step indices of the linear-attention layers' input norms (each followed by in_proj_qkvz, in_proj_ba)."""
+    return [i for i, s in enumerate(chain.steps)
+            if s.name == "input_layernorm" and chain.steps[i + 1].name == "linear_attn.in_proj_qkvz"]
+
+
+def _weighted_unit(x: torch.Tensor, norm: chain_mod.Step, g: torch.Tensor) -> torch.Tensor:
+    """The norm's output in fp64: x / rms(x) times its weight (1 + g for Gemma's)."""
+    xd = x.double()
+    unit = xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + 1e-6)
+    return unit * ((1 + g.double()) if "gemma" in norm.op else g.double())
+
+
+def test_a_joined_entry_folds_the_linear_attention_input_norm_into_one_kernel() -> None:
+    """rms_gemv tabulated only at the siblings' joined shape (a fresh ``--ops rms_gemv`` table): every
+    linear-attention input norm (layer 0's plain one; the later ones, whose add moved into down_proj's
+    gemv_add) is folded into ONE rms_gemv on the joined folded weight. in_proj_qkvz launches it and returns
+    its columns; in_proj_ba returns its columns of the same output without a launch. Logits stay as close."""
+    m = 3
+    chain = _folding_chain(m, fold=False, merged=True)
+    spec, kinds, impls = _spec(), chain.kinds["tuned_fused"], chain._impls["tuned_fused"]
+    norms = _linear_input_norms(chain)
+    assert len(norms) == spec.layer_types.count("linear_attention") > 1
+    qkvz_n, ba_n = chain.steps[norms[0] + 1].n, chain.steps[norms[0] + 2].n
+    folds = [s for s in chain.fused["tuned_fused"] if s.op == "rms_gemv"]
+    assert [(s.layer, s.name, s.n, s.k) for s in folds] == [
+        (chain.steps[i].layer, _SIBLINGS, _joined_n(), spec.hidden_size) for i in norms]
+    assert qkvz_n + ba_n == _joined_n()
+    gen = torch.Generator().manual_seed(5)
+    for i in norms:
+        assert kinds[i:i + 3] == ["fused"] * 3
+        x = torch.randn(m, spec.hidden_size, generator=gen).bfloat16()
+        g = chain.weights[i]
+        passed = impls[i](x, g) if i == norms[0] else impls[i](x, torch.zeros_like(x), g)[0]
+        assert passed is x  # the folded norm passes its input on
+        qkvz = impls[i + 1](x, chain.weights[i + 1])
+        ba = impls[i + 2](torch.zeros_like(x), chain.weights[i + 2])  # a launch here would read zeros
+        assert qkvz.shape == (m, qkvz_n) and ba.shape == (m, ba_n)
+        assert ba.data_ptr() == qkvz.data_ptr() + qkvz_n * qkvz.element_size()  # one output, two column blocks
+        unit = _weighted_unit(x, chain.steps[i], g)
+        for y, j in ((qkvz, i + 1), (ba, i + 2)):
+            expected = F.linear(unit, chain.weights[j].double())
+            assert (y.double() - expected).abs().max() <= 2.0**-6 * expected.abs().max(), chain.steps[j]
+    results = {r.variant: r for r in chain_mod.compare_eager(chain, chain_mod.VARIANTS)}
+    fused = results["tuned_fused"]
+    assert fused.fused_kernels == len(chain.fused["tuned_fused"])
+    assert fused.rel_diff is not None and 0 < fused.rel_diff <= 0.05
+    assert fused.rms_err_fp32 <= 2 * results["vendor"].rms_err_fp32
+
+
+def test_per_consumer_entries_fold_as_before_and_a_joined_entry_takes_their_place() -> None:
+    """An older table (rms_gemv at each consumer's shape only): in_proj_qkvz and in_proj_ba each run an
+    rms_gemv of their own, each launching it. With the joined entry tabulated as well, one rms_gemv serves
+    both: the same steps fused, one kernel fewer per linear-attention layer, logits as close."""
+    m = 2
+    old = _folding_chain(m)
+    both = _folding_chain(m, merged=True)
+    norms = _linear_input_norms(old)
+    old_names, both_names = _fused_names(old), _fused_names(both)
+    per_consumer = ["rms_gemv linear_attn.in_proj_qkvz", "rms_gemv linear_attn.in_proj_ba"]
+    assert [old_names.count(name) for name in per_consumer] == [len(norms)] * 2
+    assert f"rms_gemv {_SIBLINGS}" not in old_names
+    for i in norms:
+        layer = old.steps[i].layer
+        assert [s.n for s in old.fused["tuned_fused"] if s.layer == layer and f"{s.op} {s.name}" in per_consumer] \
+            == [old.steps[i + 1].n, old.steps[i + 2].n]
+    # each per-consumer kernel launches on its own input (in_proj_ba's of zeros is zero)
+    i = norms[0]
+    x = torch.randn(m, old.steps[i].n, generator=torch.Generator().manual_seed(6)).bfloat16()
+    impls = old._impls["tuned_fused"]
+    ba = impls[i + 2](x, old.weights[i + 2]).clone()
+    expected = F.linear(_weighted_unit(x, old.steps[i], old.weights[i]), old.weights[i + 2].double())
+    assert (ba.double() - expected).abs().max() <= 2.0**-6 * expected.abs().max()
+    assert not impls[i + 2](torch.zeros_like(x), old.weights[i + 2]).any()
+
+    assert both_names.count(f"rms_gemv {_SIBLINGS}") == len(norms)
+    assert not [name for name in both_names if name in per_consumer]
+    assert sorted(n for n in both_names if n != f"rms_gemv {_SIBLINGS}") == sorted(
+        n for n in old_names if n not in per_consumer)
+    assert both.kinds["tuned_fused"] == old.kinds["tuned_fused"]
+    results = {r.variant: r for r in chain_mod.compare_eager(both, chain_mod.VARIANTS)}
+    fused = results["tuned_fused"]
+    assert fused.fused_kernels == len(old.fused["tuned_fused"]) - len(norms)
+    assert fused.rel_diff is not None and 0 < fused.rel_diff <= 0.05
+    assert fused.rms_err_fp32 <= 2 * results["vendor"].rms_err_fp32
+
+
+@pytest.mark.parametrize("joined_us", [1.0, 1.23, 1.3])
+def test_run_prices_the_joined_fold_against_the_norm_and_both_gemvs(tmp_path: Path, joined_us: float) -> None:
+    """A fresh table: rms_gemv at the siblings' joined shape (200x64, ``joined_us``) and at 192x64 (gate_up,
+    qkv_proj), none at in_proj_ba's own 8x64; every entry beats its 2 us baseline (else it is not served),
+    so only the pricing decides. The joined kernel replaces the norm and both GEMVs: layer 0's plain norm
+    (0.25 us) + qkvz + ba (0.5 us each) = 1.25 us; after down_proj, with gemv_add (0.8 us), the GEMV + the
+    fused add + norm + qkvz + ba = 2.0 us. So at 1.0 us every linear-attention input norm is folded, at
+    1.23 us only layer 0's (0.8 + 1.23 >= 2.0), at 1.3 us none (1.3 >= 1.25)."""
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(TINY))
+    spec = load_model(str(config))
+    joined = _joined_n()
+    gemv_us, norm_us, plain_us, add_us = 0.5, 0.5, 0.25, 0.8
+    table = make_table(tmp_path / "t.json", [
+        timed_entry("gemv", 192, 64, gemv_us), timed_entry("gemv", 8, 64, gemv_us),
+        timed_entry("gemv", 64, 64, gemv_us), timed_entry("gemv", 64, 96, gemv_us),
+        timed_entry("gemma_fused_add_rms_norm", 64, 64, norm_us), timed_entry("gemma_rms_norm", 64, 64, plain_us),
+        timed_entry("gemv_add", 64, 64, add_us), timed_entry("gemv_add", 64, 96, add_us),
+        timed_entry("rms_gemv", 192, 64, 0.525), timed_entry("rms_gemv", joined, 64, joined_us),
+    ])
+    lines: list[str] = []
+    report = chain_mod.run(spec, [str(table)], [1], log=lines.append)
+    rows = {r["variant"]: r for r in report["results"]}
+    fused = rows["tuned_fused"]
+    plain_pays = joined_us < plain_us + 2 * gemv_us  # layer 0: the joined fold of the plain norm
+    add_pays = add_us + joined_us < gemv_us + norm_us + 2 * gemv_us  # layers 1, 2: with down_proj's gemv_add
+    # folded with the add at each layer output: 4 mixer outputs -> gate_up, layer 2's down_proj -> qkv_proj
+    # (0.8 + 0.525 < 1.5 us), and where the joined fold pays with the add, layers 0 and 1's down_proj -> the
+    # next linear-attention input norm
+    with_add = 5 + (2 if add_pays else 0)
+    joined_kernels = (1 if plain_pays else 0) + (2 if add_pays else 0)
+    # per kernel: gemv_add 2 steps (GEMV + norm), 192x64 rms_gemv 1 (5 of them), the joined one its 2
+    # consumers (+ layer 0's plain norm, folded)
+    assert fused["fused_kernels"] == with_add + 5 + joined_kernels
+    assert fused["fused_steps"] == 2 * with_add + 5 + 2 * joined_kernels + (1 if plain_pays else 0)
+    assert fused["tuned_steps"] + fused["vendor_steps"] + fused["fused_steps"] == report["calls_per_step"]
+    replaced = "input_layernorm+linear_attn.in_proj_qkvz+linear_attn.in_proj_ba"
+    assert any(f"rms_gemv {joined}x64: fused {joined_us:.2f} us >= the tuned steps it replaces 1.25 us "
+               f"({replaced})" in line for line in lines) != plain_pays, lines
+    assert any(f"gemv_add 64x96: fused 0.80 us + rms_gemv {joined_us:.2f} >= the tuned steps it replaces 2.00 us"
+               in line for line in lines) != add_pays, lines
+    assert fused["rel_diff"] is not None and 0 < fused["rel_diff"] <= 0.05
+    assert fused["rms_err_fp32"] <= 2 * rows["vendor"]["rms_err_fp32"]
 
 
 @pytest.mark.parametrize("glu", [False, True])

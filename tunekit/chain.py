@@ -47,9 +47,15 @@ Variants (``VARIANTS``), on the same weights and inputs:
   norm (layer 0's, or one whose add moved into ``gemv_add``) can instead be
   folded into its consumers: each runs ``rms_gemv`` on its weight times the
   norm's (W diag(g), Gemma diag(1 + g), made once as a loader would) and the
-  norm step passes its input on, so no norm kernel runs; tried first at a
-  layer output, priced as gemv_add + the consumers' rms_gemv against the GEMV,
-  the fused add + norm and the consumers' GEMVs. ``gate_up_proj`` -> ``act_fn``
+  norm step passes its input on, so no norm kernel runs. ``in_proj_qkvz`` and
+  ``in_proj_ba`` run as one ``rms_gemv`` on their joined folded weight (the
+  problem ``ModelSpec.rms_gemvs`` lists, N = 16480 for Qwen3.5-27B; each is a
+  column slice of its output) where a table has that entry, else as one
+  ``rms_gemv`` each (the per-consumer entries of older tables). Tried first at
+  a layer output, priced as gemv_add + the consumers' rms_gemv kernel(s)
+  against the GEMV, the fused add + norm and the consumers' GEMVs (a plain
+  norm: the rms_gemv kernel(s) against the norm and the consumers' GEMVs).
+  ``gate_up_proj`` -> ``act_fn``
   can run as one GEMV with SiLU-and-mul in its epilogue (``GLU_OPS``: on the
   weight with its rows in (gate, up) pairs; the ``rms_`` form where gate_up
   is a folded consumer), tried before down_proj's prologue. Each only where the fused
@@ -75,7 +81,9 @@ layer input_layernorm feeds both ``in_proj_qkvz`` and ``in_proj_ba``: the
 chain holds their weights as row slices of one [N_qkvz + N_ba, K] tensor
 (the unfused variants read the slices), and the fused kernel runs on the
 whole tensor, the problem ``ModelSpec.norm_gemvs`` lists (N = 16480 for
-Qwen3.5-27B); qkvz and ba are then column slices of its output. The final
+Qwen3.5-27B); qkvz and ba are then column slices of its output. A folded
+input norm does the same with ``rms_gemv`` on the joined folded weight where
+its entry (``ModelSpec.rms_gemvs``) is tabulated. The final
 norm feeds lm_head only through the sampler's gather: never fused.
 
 Numerics: every variant's logits are compared with those of the same chain in
@@ -114,7 +122,8 @@ _NORM_CONSUMERS = ("qkv_proj", "linear_attn.in_proj_qkvz", "linear_attn.in_proj_
 FUSED_ACT_OP = "silu_mul_gemv"
 #: The residual epilogue: a layer output's GEMV writes x W^T + residual.
 FUSED_ADD_OP = "gemv_add"
-#: A plain norm folded into its consumers: each GEMV reads x with W' = W diag(g) and scales by 1/rms.
+#: A plain norm folded into its consumers: each GEMV reads x with W' = W diag(g) and scales by 1/rms (sibling
+#: consumers whose weights are one tensor, in_proj_qkvz + in_proj_ba: one such GEMV on the joined W').
 FOLDED_NORM_OP = "rms_gemv"
 #: gate_up_proj -> act_fn (SiLU-and-mul) as one GEMV with the activation in its epilogue, on W's rows
 #: reordered into (gate, up) pairs; the second form when gate_up_proj is a folded norm's consumer.
@@ -122,7 +131,7 @@ GLU_OPS = {"gemv": "gemv_silu_mul", FOLDED_NORM_OP: "rms_gemv_silu_mul"}
 FUSED_PAIRS = ("input_layernorm -> qkv_proj | in_proj_qkvz + in_proj_ba",
                "post_attention_layernorm -> gate_up_proj", "act_fn (silu_and_mul) -> down_proj",
                "o_proj | out_proj | down_proj -> the fused add + norm after it",
-               "a plain norm -> every consumer GEMV, the norm's weight folded into theirs",
+               "a plain norm -> every consumer GEMV, the norm's weight folded into theirs (siblings as one)",
                "gate_up_proj (plain or a folded norm's consumer) -> act_fn (silu_and_mul)")
 #: The GEMVs whose output the next norm adds to the residual stream.
 _LAYER_OUTPUTS = ("o_proj", "out_proj", "down_proj")
@@ -315,11 +324,16 @@ class Chain:
                     continue
                 plain = replace(norm, op=norm.op.replace("fused_add_", ""))
                 consumers = self._norm_consumers(j)
-                folds = _folded(consumers)
                 # the add in this GEMV and the plain norm it leaves folded into its consumers, priced
-                # together against this GEMV, the fused add + norm and the consumers' GEMVs
-                kernel = fused(FUSED_ADD_OP, step.n, step.k, [step, norm, *consumers], folds) if folds else None
-                if kernel is not None and self._fold(j, folds, fused, impls, kinds, used, folded_weights):
+                # together against this GEMV, the fused add + norm and the consumers' GEMVs (the siblings'
+                # one rms_gemv on their joined weight first, else one per consumer)
+                for folds in self._fold_options(j, consumers):
+                    kernel = fused(FUSED_ADD_OP, step.n, step.k, [step, norm, *consumers], folds)
+                    if kernel is not None and self._fold(j, folds, fused, impls, kinds, used, folded_weights):
+                        break
+                else:
+                    kernel = None
+                if kernel is not None:
                     impls[i] = _gemv_add(kernel, torch.empty(m, step.n, dtype=dtype, device=device))
                     impls[j] = _plain_after_add(_unnormed)  # the sum is both outputs: consumers normalise it
                     adds.add(i)
@@ -366,11 +380,16 @@ class Chain:
                 if not consumers:
                     continue
                 if "fused_add" not in norm.op:
-                    # a plain norm folded into every consumer, priced against the norm and their GEMVs
-                    folds = _folded(consumer_steps)
-                    first = fused(FOLDED_NORM_OP, folds[0].n, folds[0].k, [norm, *consumer_steps], folds[1:])
-                    if first is not None and self._fold(i, folds, fused, impls, kinds, used, folded_weights,
-                                                        first):
+                    # a plain norm folded into every consumer, priced against the norm and their GEMVs: the
+                    # siblings' one rms_gemv on their joined weight first, else one per consumer
+                    for folds in self._fold_options(i, consumer_steps):
+                        first = fused(FOLDED_NORM_OP, folds[0].n, folds[0].k, [norm, *consumer_steps], folds[1:])
+                        if first is not None and self._fold(i, folds, fused, impls, kinds, used, folded_weights,
+                                                            first):
+                            break
+                    else:
+                        first = None
+                    if first is not None:
                         after_add = plain_at.pop(i, None) is not None
                         impls[i] = _plain_after_add(_unnormed) if after_add else _unnormed
                         kinds[i] = "fused"
@@ -410,27 +429,63 @@ class Chain:
             out.append(nxt)
         return out
 
+    def _fold_options(self, i: int, consumers: list[Step]) -> list[list[Step]]:
+        """The ``rms_gemv`` kernels that folding norm step ``i`` into its ``consumers`` may run, in order of
+        preference: where the consumers are siblings whose weights are row blocks of one tensor
+        (in_proj_qkvz + in_proj_ba), one kernel on that joined weight (the problem ``ModelSpec.rms_gemvs``
+        lists: N = 16480 for Qwen3.5-27B), then one kernel per consumer (the per-consumer entries of older
+        tables). Empty if there is no consumer."""
+        if not consumers:
+            return []
+        per_consumer = _folded(consumers)
+        weights = [self.weights[j] for j in range(i + 1, i + 1 + len(consumers))]
+        if len(consumers) < 2 or self._joined(weights) is None:
+            return [per_consumer]
+        merged = Step(consumers[0].layer, "+".join(c.name for c in consumers), FOLDED_NORM_OP,
+                      sum(c.n for c in consumers), consumers[0].k)
+        return [[merged], per_consumer]
+
     def _fold(self, i: int, folds: list[Step], fused: FusedLookup, impls: list[Callable[..., Any]],
               kinds: list[str], used: list[Step], folded_weights: dict[int, torch.Tensor],
               first: Callable[..., None] | None = None) -> bool:
-        """Bind the consumers of norm step ``i`` as ``rms_gemv`` kernels on their weights with the norm's
-        folded in (W' = W diag(g), Gemma diag(1 + g), rounded to the chain's dtype once, as a model's
-        weights would be when loaded; recorded in ``folded_weights``); ``first``: the first consumer's
-        kernel, already built. False, with nothing bound, if a kernel is missing."""
+        """Bind the consumers of norm step ``i`` as the ``rms_gemv`` kernels ``folds`` (one of
+        ``_fold_options``) on their weights with the norm's folded in (W' = W diag(g), Gemma diag(1 + g),
+        rounded to the chain's dtype once, as a model's weights would be when loaded; recorded in
+        ``folded_weights``); ``first``: the first kernel, already built (and priced). A fold whose N spans
+        several consumers runs on their joined weight, folded as one tensor: its first consumer launches it
+        and returns its columns of the output, the others return theirs (``_output_slice``: no launch).
+        False, with nothing bound, if a kernel is missing."""
         kernels = [first] if first is not None else []
         kernels += [fused(FOLDED_NORM_OP, f.n, f.k, [], []) for f in folds[len(kernels):]]
         if any(k is None for k in kernels):
             return False
         g = self.weights[i].float()
         scale = 1.0 + g if "gemma" in self.steps[i].op else g
-        for offset, (fold, kernel) in enumerate(zip(folds, kernels, strict=True)):
-            j = i + 1 + offset
-            folded = (self.weights[j].float() * scale).to(self.dtype)
-            folded_weights[j] = folded
+        j = i + 1  # the first consumer the next fold serves
+        for fold, kernel in zip(folds, kernels, strict=True):
+            span = [j]  # the consumer steps this fold serves: its rows are theirs, in order
+            while sum(self.steps[c].n for c in span) < fold.n:
+                span.append(span[-1] + 1)
+            weight = self._joined([self.weights[c] for c in span])
+            if weight is None or weight.shape[0] != fold.n:  # pragma: no cover - _fold_options checked it
+                raise AssertionError(f"fold {fold} does not match its consumers' weights")
+            folded = (weight.float() * scale).to(self.dtype)
             out = torch.empty(self.m, fold.n, dtype=self.dtype, device=self.device)
-            impls[j] = _on_prepared_weight(kernel, folded, out)
-            kinds[j] = "fused"
+            launch = _on_prepared_weight(kernel, folded, out)
+            start = 0
+            for c in span:
+                stop = start + self.steps[c].n
+                folded_weights[c] = folded[start:stop]
+                if len(span) == 1:
+                    impls[c] = launch
+                elif c == span[0]:
+                    impls[c] = _launch_then_slice(launch, start, stop)
+                else:
+                    impls[c] = _output_slice(out, start, stop)
+                kinds[c] = "fused"
+                start = stop
             used.append(fold)
+            j = span[-1] + 1
         return True
 
     def _glu(self, i: int, fused: FusedLookup, impls: list[Callable[..., Any]], kinds: list[str],
@@ -594,6 +649,14 @@ def _output_slice(y: torch.Tensor, start: int, stop: int) -> Callable[..., torch
     """A consumer GEMV of a fused norm: its columns of the fused kernel's output."""
     def consumer(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return y[:, start:stop]
+    return consumer
+
+
+def _launch_then_slice(launch: Callable[..., torch.Tensor], start: int, stop: int) -> Callable[..., torch.Tensor]:
+    """The first consumer of a kernel several consumers share (a folded norm's siblings): it launches the
+    kernel, ``launch(x, w)``, and returns its columns of the output (the others: ``_output_slice``)."""
+    def consumer(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return launch(x, w)[:, start:stop]
     return consumer
 
 
