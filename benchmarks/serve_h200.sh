@@ -2,7 +2,9 @@
 # The served A/B on the lent H200 (no network; vLLM 0.26.0 carried as a bundle built by
 # shared/device/vllm/build-carry.sh in parts small enough to travel one per call with the working tree
 # within a call's 64 MiB: PART_SIZE=20m (nine parts) for the 42 MiB tree of 8031457, 30m (six) when it
-# was 32 MiB; the last part travels with SHA256SUMS, .whl and the real command.
+# was 32 MiB, 16m (eleven) for the 44 MiB tree of df17426, where 20m parts were refused; parts re-split
+# from the whole .tgz with `split -b 16m -a 1 vllm026-site.tgz vllm026-site.tgz.part-0` keep the
+# part-0? names this script reads. The last part travels with SHA256SUMS, .whl and the real command.
 # A carry call takes seconds on a warm machine; the next must start within 30 s of it).
 # Run from the repository root there; /var/tmp persists between calls while the machine stays warm,
 # and has outlived a session: give every run a fresh --out / OUT (serve-bench resumes a folder).
