@@ -1010,3 +1010,20 @@ def test_a_folded_run_without_the_tuned_arm_reports_against_vanilla(fake: Path, 
         assert row.get("tuned_tpot_ms") is None and row.get("folded_over_tuned") is None
         assert row["agreement"]["folded_vs_vanilla"]["ok"]
     assert "folded speedup" in (out / "serve.md").read_text()
+
+
+def test_the_report_says_whether_the_arm_joined_sibling_linears() -> None:
+    from tunekit.serve import report
+
+    def serve(installed: bool | None) -> dict:
+        hooks = {"linear": "..."}
+        record = {"installed": dict(hooks), "skipped": {}}
+        if installed is not None:
+            record["installed" if installed else "skipped"]["merge_siblings"] = "..."
+        return {"tables": ["t.json"], "plugin": {"tuned": [record, record], "folded": [record]}}
+
+    assert "sibling linears joined" in report._arm_text("folded", serve(True))
+    assert "apart (TUNEKIT_MERGE_SIBLINGS=0)" in report._arm_text("tuned", serve(False))
+    assert "sibling" not in report._arm_text("tuned", serve(None))  # a plugin from before the join
+    recorded = json.loads((REPO / "benchmarks/results/h200-serve-merge-df17426/serve.json").read_text())
+    assert "sibling linears joined where the tables pay" in report._arm_text("folded", recorded)

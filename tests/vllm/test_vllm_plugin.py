@@ -109,7 +109,7 @@ def test_entry_point_loads_once_and_installs_every_hook(plugin) -> None:
     eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "tunekit"]
     assert [ep.value for ep in eps] == ["tunekit.integrations.vllm_plugin:register"]
     assert set(plugin.installed()) == {"linear", "RMSNorm", "GemmaRMSNorm", "RMSNormGated", "SiluAndMul",
-                                       "compile_cache_key"}
+                                       "compile_cache_key", "merge_siblings"}
     # the session's table is empty: no M to end a compile range at (test_token_counts_above_the_tables_...)
     assert plugin.skipped() == {"compile_ranges": "the named tables hold no entry",
                                 "fold_norms": "TUNEKIT_FOLD_NORMS is not 1: decoder norms run as separate layers"}
@@ -156,7 +156,7 @@ def test_without_a_table_nothing_is_installed(plugin, monkeypatch) -> None:
         plugin.register()
         assert plugin.installed() == {}
         assert set(plugin.skipped()) == {"linear", "RMSNorm", "GemmaRMSNorm", "RMSNormGated", "SiluAndMul",
-                                         "compile_cache_key", "compile_ranges", "fold_norms"}
+                                         "compile_cache_key", "compile_ranges", "fold_norms", "merge_siblings"}
         assert all("TUNEKIT_TABLE is not set" in why for why in plugin.skipped().values())
     assert calls == []  # no hook was attempted
     assert dict(op_registry_oot) == registry_before and linear.dispatch_unquantized_gemm is gemm_before

@@ -32,9 +32,17 @@ def _arm_text(arm: str, serve: dict[str, Any]) -> str:
     if arm == "passthrough":
         return "passthrough = plugin loaded, no table (its cost alone)"
     tables = ", ".join(f"`{t}`" for t in serve.get("tables", []))
+    # the plugin's load-time join of sibling linears (on unless TUNEKIT_MERGE_SIBLINGS=0), as its processes recorded
+    records = [r for r in serve.get("plugin", {}).get(arm, []) if isinstance(r, dict)]
+    # (a plugin older than the join names the hook nowhere: then nothing is said)
+    joined = [r for r in records if "merge_siblings" in r.get("installed", {})]
+    apart = [r for r in records if "merge_siblings" in r.get("skipped", {})]
+    merge = ("; sibling linears joined where the tables pay" if joined and len(joined) == len(records)
+             else "; sibling linears apart (TUNEKIT_MERGE_SIBLINGS=0)" if apart and len(apart) == len(records)
+             else "")
     if arm == "folded":
-        return f"folded = plugin with TUNEKIT_TABLE = {tables} and TUNEKIT_FOLD_NORMS=1 (decoder norms folded)"
-    return "tuned = plugin with TUNEKIT_TABLE = " + tables
+        return f"folded = plugin with TUNEKIT_TABLE = {tables} and TUNEKIT_FOLD_NORMS=1 (decoder norms folded{merge})"
+    return f"tuned = plugin with TUNEKIT_TABLE = {tables}" + (f" ({merge[2:]})" if merge else "")
 
 
 def _arms(serve: dict[str, Any]) -> list[str]:
