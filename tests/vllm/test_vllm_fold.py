@@ -28,19 +28,24 @@ plugin, _fresh_ops = base.plugin, base._fresh_ops
 H, INTER, Q = 64, 48, 80  # hidden, intermediate (gate_up: 2 * INTER), the attention stand-in's projection width
 
 
-def _model_class() -> type:
+def _linear(k: int, n: int) -> nn.Module:
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+
+    return ReplicatedLinear(k, n, bias=False, params_dtype=torch.bfloat16)
+
+
+def _model_class(mixer: type | None = None) -> type:
+    """The two-layer model. ``mixer``: each layer's token mixer, default attention's projections around a
+    stand-in core (``self_attn``, a layer named as vLLM's Qwen3 one); another (a stand-in named as vLLM's
+    Gated DeltaNet) becomes ``linear_attn`` of a layer named as vLLM's Qwen3.5 one."""
     from vllm.compilation.decorators import support_torch_compile
     from vllm.model_executor.layers.activation import SiluAndMul
     from vllm.model_executor.layers.layernorm import RMSNorm
-    from vllm.model_executor.layers.linear import ReplicatedLinear
-
-    def linear(k: int, n: int) -> nn.Module:
-        return ReplicatedLinear(k, n, bias=False, params_dtype=torch.bfloat16)
 
     class Attention(nn.Module):  # attention's projections around a stand-in for its core
         def __init__(self) -> None:
             super().__init__()
-            self.qkv_proj, self.o_proj = linear(H, Q), linear(Q, H)
+            self.qkv_proj, self.o_proj = _linear(H, Q), _linear(Q, H)
 
         def forward(self, h: torch.Tensor) -> torch.Tensor:
             return self.o_proj(torch.tanh(self.qkv_proj(h)[0]))[0]
@@ -48,31 +53,37 @@ def _model_class() -> type:
     class MLP(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.gate_up_proj, self.down_proj, self.act = linear(H, 2 * INTER), linear(INTER, H), SiluAndMul()
+            self.gate_up_proj, self.down_proj, self.act = _linear(H, 2 * INTER), _linear(INTER, H), SiluAndMul()
 
         def forward(self, h: torch.Tensor) -> torch.Tensor:
             return self.down_proj(self.act(self.gate_up_proj(h)[0]))[0]
 
-    class Qwen3DecoderLayer(nn.Module):  # vLLM's Qwen3 layer, as its forward calls its norms
+    mixer_attr, layer_name = ("self_attn", "Qwen3DecoderLayer") if mixer is None else ("linear_attn",
+                                                                                      "Qwen3_5DecoderLayer")
+
+    class DecoderLayer(nn.Module):  # vLLM's Qwen3 / Qwen3.5 layer, as its forward calls its norms
         def __init__(self) -> None:
             super().__init__()
             self.input_layernorm = RMSNorm(H, eps=1e-6, dtype=torch.bfloat16)
             self.post_attention_layernorm = RMSNorm(H, eps=1e-6, dtype=torch.bfloat16)
-            self.self_attn, self.mlp = Attention(), MLP()
+            setattr(self, mixer_attr, (mixer or Attention)())
+            self.mlp = MLP()
 
         def forward(self, h: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
             if residual is None:
                 residual, h = h, self.input_layernorm(h)
             else:
                 h, residual = self.input_layernorm(h, residual)
-            h, residual = self.post_attention_layernorm(self.self_attn(h), residual)
+            h, residual = self.post_attention_layernorm(getattr(self, mixer_attr)(h), residual)
             return self.mlp(h), residual
+
+    DecoderLayer.__name__ = DecoderLayer.__qualname__ = layer_name  # the fold knows layers by class name
 
     @support_torch_compile(dynamic_arg_dims={"x": 0})
     class Model(nn.Module):
         def __init__(self, *, vllm_config, prefix: str = "") -> None:
             super().__init__()
-            self.layers = nn.ModuleList([Qwen3DecoderLayer(), Qwen3DecoderLayer()])
+            self.layers = nn.ModuleList([DecoderLayer(), DecoderLayer()])
             self.norm = RMSNorm(H, eps=1e-6, dtype=torch.bfloat16)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -142,8 +153,13 @@ def _load_folded(plugin, monkeypatch, model: nn.Module) -> nn.Module:
     return base_loader.BaseModelLoader.load_model(None, vllm_config=None, model_config=None)
 
 
-def _reference(model: nn.Module, state: dict, x: torch.Tensor) -> torch.Tensor:
-    """The unfolded model in fp32 (eager, plain torch math): the yardstick of both bf16 runs."""
+def _attention_reference(w: dict, normed: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(normed @ w["self_attn.qkv_proj.weight"].T) @ w["self_attn.o_proj.weight"].T
+
+
+def _reference(state: dict, x: torch.Tensor, mixer=_attention_reference) -> torch.Tensor:
+    """The unfolded model in fp32 (eager, plain torch math): the yardstick of both bf16 runs. ``mixer(w,
+    normed)``: the token mixer's output from the layer's fp32 weights ``w`` and its normed input."""
     with torch.no_grad():
         h, residual = x.float(), None
         for i in range(2):
@@ -153,8 +169,7 @@ def _reference(model: nn.Module, state: dict, x: torch.Tensor) -> torch.Tensor:
                 return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6) * g
 
             residual = h if residual is None else h + residual
-            a = norm(residual, w["input_layernorm.weight"]) @ w["self_attn.qkv_proj.weight"].T
-            residual = torch.tanh(a) @ w["self_attn.o_proj.weight"].T + residual
+            residual = mixer(w, norm(residual, w["input_layernorm.weight"])) + residual
             gu = norm(residual, w["post_attention_layernorm.weight"]) @ w["mlp.gate_up_proj.weight"].T
             h = (torch.nn.functional.silu(gu[:, :INTER]) * gu[:, INTER:]) @ w["mlp.down_proj.weight"].T
         residual = h + residual
@@ -206,7 +221,7 @@ def test_folded_norms_serve_rms_gemv_and_the_pass_moves_each_residual_add_into_i
     assert not [c for c in impls if c[1] == 7]
     assert set(routes[str(ranges[1])]) >= {"rms_gemv", "gemv", "fused_add_rms_norm", "silu_and_mul"}, routes
     for m, x in xs.items():
-        ref = _reference(model, state, x.float())
+        ref = _reference(state, x.float())
         folded_err = (got[m].float() - ref).abs().max().item()
         plain_err = (want[m].float() - ref).abs().max().item()
         # the fold rounds W diag(g) once where the unfolded model rounds the normalised activation: the

@@ -23,68 +23,26 @@ from torch import nn
 
 plugin, _fresh_ops, compile_ranges = base.plugin, base._fresh_ops, fold_tests.compile_ranges
 
-H, INTER, QKVZ, BA = 64, 48, 80, 8
+H, INTER, QKVZ, BA = fold_tests.H, fold_tests.INTER, 80, 8
+
+
+class QwenGatedDeltaNetAttention(nn.Module):  # named as vLLM's: the projections its layer runs, a stand-in core
+    def __init__(self) -> None:
+        super().__init__()
+        linear = fold_tests._linear
+        self.in_proj_qkvz, self.in_proj_ba, self.out_proj = linear(H, QKVZ), linear(H, BA), linear(QKVZ // 2, H)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        mixed_qkvz, _ = self.in_proj_qkvz(h)
+        ba, _ = self.in_proj_ba(h)
+        qkv, z = mixed_qkvz.split([QKVZ // 2, QKVZ // 2], dim=-1)
+        b, a = ba.chunk(2, dim=-1)
+        core = torch.tanh(qkv) * torch.sigmoid(z) * (b.sum(-1, keepdim=True) - a.sum(-1, keepdim=True))
+        return self.out_proj(core)[0]
 
 
 def _model_class() -> type:
-    from vllm.compilation.decorators import support_torch_compile
-    from vllm.model_executor.layers.activation import SiluAndMul
-    from vllm.model_executor.layers.layernorm import RMSNorm
-    from vllm.model_executor.layers.linear import ReplicatedLinear
-
-    def linear(k: int, n: int) -> nn.Module:
-        return ReplicatedLinear(k, n, bias=False, params_dtype=torch.bfloat16)
-
-    class QwenGatedDeltaNetAttention(nn.Module):  # the projections vLLM's layer runs, around a stand-in core
-        def __init__(self) -> None:
-            super().__init__()
-            self.in_proj_qkvz, self.in_proj_ba, self.out_proj = linear(H, QKVZ), linear(H, BA), linear(QKVZ // 2, H)
-
-        def forward(self, h: torch.Tensor) -> torch.Tensor:
-            mixed_qkvz, _ = self.in_proj_qkvz(h)
-            ba, _ = self.in_proj_ba(h)
-            qkv, z = mixed_qkvz.split([QKVZ // 2, QKVZ // 2], dim=-1)
-            b, a = ba.chunk(2, dim=-1)
-            core = torch.tanh(qkv) * torch.sigmoid(z) * (b.sum(-1, keepdim=True) - a.sum(-1, keepdim=True))
-            return self.out_proj(core)[0]
-
-    class MLP(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.gate_up_proj, self.down_proj, self.act = linear(H, 2 * INTER), linear(INTER, H), SiluAndMul()
-
-        def forward(self, h: torch.Tensor) -> torch.Tensor:
-            return self.down_proj(self.act(self.gate_up_proj(h)[0]))[0]
-
-    class Qwen3_5DecoderLayer(nn.Module):  # a linear-attention layer of vLLM's Qwen3.5, as it calls its norms
-        def __init__(self) -> None:
-            super().__init__()
-            self.input_layernorm = RMSNorm(H, eps=1e-6, dtype=torch.bfloat16)
-            self.post_attention_layernorm = RMSNorm(H, eps=1e-6, dtype=torch.bfloat16)
-            self.linear_attn, self.mlp = QwenGatedDeltaNetAttention(), MLP()
-
-        def forward(self, h: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-            if residual is None:
-                residual, h = h, self.input_layernorm(h)
-            else:
-                h, residual = self.input_layernorm(h, residual)
-            h, residual = self.post_attention_layernorm(self.linear_attn(h), residual)
-            return self.mlp(h), residual
-
-    @support_torch_compile(dynamic_arg_dims={"x": 0})
-    class Model(nn.Module):
-        def __init__(self, *, vllm_config, prefix: str = "") -> None:
-            super().__init__()
-            self.layers = nn.ModuleList([Qwen3_5DecoderLayer(), Qwen3_5DecoderLayer()])
-            self.norm = RMSNorm(H, eps=1e-6, dtype=torch.bfloat16)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h, residual = x, None
-            for layer in self.layers:
-                h, residual = layer(h, residual)
-            return self.norm(h, residual)[0]
-
-    return Model
+    return fold_tests._model_class(QwenGatedDeltaNetAttention)
 
 
 def _entries() -> list[dict]:
@@ -102,26 +60,11 @@ def _entries() -> list[dict]:
     return ew + gemvs + folds + adds
 
 
-def _reference(state: dict, x: torch.Tensor) -> torch.Tensor:
-    """The unfolded model in fp32 (eager, plain torch math)."""
-    with torch.no_grad():
-        h, residual = x.float(), None
-        for i in range(2):
-            w = {k.removeprefix(f"layers.{i}."): v.float() for k, v in state.items() if k.startswith(f"layers.{i}.")}
-
-            def norm(v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-                return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6) * g
-
-            residual = h if residual is None else h + residual
-            normed = norm(residual, w["input_layernorm.weight"])
-            qkvz, ba = normed @ w["linear_attn.in_proj_qkvz.weight"].T, normed @ w["linear_attn.in_proj_ba.weight"].T
-            core = torch.tanh(qkvz[:, :QKVZ // 2]) * torch.sigmoid(qkvz[:, QKVZ // 2:]) * (
-                ba[:, :BA // 2].sum(-1, keepdim=True) - ba[:, BA // 2:].sum(-1, keepdim=True))
-            residual = core @ w["linear_attn.out_proj.weight"].T + residual
-            gu = norm(residual, w["post_attention_layernorm.weight"]) @ w["mlp.gate_up_proj.weight"].T
-            h = (torch.nn.functional.silu(gu[:, :INTER]) * gu[:, INTER:]) @ w["mlp.down_proj.weight"].T
-        residual = h + residual
-        return residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + 1e-6) * state["norm.weight"].float()
+def _gdn_reference(w: dict, normed: torch.Tensor) -> torch.Tensor:
+    qkvz, ba = normed @ w["linear_attn.in_proj_qkvz.weight"].T, normed @ w["linear_attn.in_proj_ba.weight"].T
+    core = torch.tanh(qkvz[:, :QKVZ // 2]) * torch.sigmoid(qkvz[:, QKVZ // 2:]) * (
+        ba[:, :BA // 2].sum(-1, keepdim=True) - ba[:, BA // 2:].sum(-1, keepdim=True))
+    return core @ w["linear_attn.out_proj.weight"].T
 
 
 def _load(plugin, monkeypatch, model: nn.Module, merge: bool) -> nn.Module:
@@ -176,7 +119,7 @@ def test_folded_siblings_run_as_one_rms_gemv_on_their_joined_weight(plugin, comp
     assert not [c for c in impls if c[0] == "sibling_gemv"], impls  # no layout lost: nothing per sibling
     assert not [c for c in impls if c[2] == 7], impls  # above the tables: vLLM's own math
     for m, x in xs.items():
-        ref = _reference(state, x)
+        ref = fold_tests._reference(state, x, _gdn_reference)
         err = (got[m].float() - ref).abs().max().item()
         plain_err = (want[m].float() - ref).abs().max().item()
         assert err <= 2 * plain_err, (m, err, plain_err)

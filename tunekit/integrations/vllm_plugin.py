@@ -97,7 +97,14 @@ Hooks:
   so prefills and captured sizes above the tables run the graph vLLM
   compiles without tunekit, with none of the op's per-call Python. Off
   where vLLM's compile mode is not its Inductor one (no post-grad passes):
-  there the op decides per call, as before.
+  there the op decides per call, as before. In the ranges the tables serve,
+  the same pass makes sibling GEMVs on joined weights one ``sibling_gemv``
+  and moves residual adds into ``gemv_add`` where tabulated.
+* ``fold_norms`` (``TUNEKIT_FOLD_NORMS=1``) and ``merge_siblings`` (on unless
+  ``TUNEKIT_MERGE_SIBLINGS=0``): one wrapper of ``BaseModelLoader.load_model``
+  runs, after the weights load, the fold (``tunekit.integrations.vllm_fold``)
+  and then the join of sibling linears' weights
+  (``tunekit.integrations.vllm_merge``), each only where the tables pay.
 
 No route branches on M: vLLM traces with dynamic token counts and drops
 shape guards, so inside a compile range every choice that depends on M is
@@ -449,24 +456,26 @@ def _wrap_load_model() -> str | None:
     return None
 
 
-def _install_fold() -> tuple[bool, str]:
-    if not _fold_requested():
-        return False, f"{FOLD_ENV} is not 1: decoder norms run as separate layers"
-    why_not = _wrap_load_model()
-    if why_not is not None:
-        return False, f"{why_not}: nothing folded"
-    return True, ("after loading, decoder norms the tables' rms_gemv entries pay for are folded into their "
-                  "consumers' weights; the residual add goes into the previous GEMV where gemv_add is tabulated")
+def _load_step_installer(requested: Callable[[], bool], off: str, nothing: str, done: str
+                         ) -> Callable[[], tuple[bool, str]]:
+    """A hook of one load-time step (:func:`_transform_loaded` runs the requested ones): installs the
+    shared ``load_model`` wrapper when the step is requested."""
+    def install() -> tuple[bool, str]:
+        if not requested():
+            return False, off
+        why_not = _wrap_load_model()
+        return (False, f"{why_not}: {nothing}") if why_not is not None else (True, done)
+    return install
 
 
-def _install_merge() -> tuple[bool, str]:
-    if not _merge_requested():
-        return False, f"{MERGE_ENV} is 0: sibling linears run as separate GEMVs"
-    why_not = _wrap_load_model()
-    if why_not is not None:
-        return False, f"{why_not}: nothing joined"
-    return True, ("after loading, sibling linears (in_proj_qkvz + in_proj_ba) whose joined GEMV the tables pay "
-                  "for get one weight tensor; the compile pass makes their GEMVs one launch")
+_install_fold = _load_step_installer(
+    _fold_requested, f"{FOLD_ENV} is not 1: decoder norms run as separate layers", "nothing folded",
+    "after loading, decoder norms the tables' rms_gemv entries pay for are folded into their consumers' weights; "
+    "the residual add goes into the previous GEMV where gemv_add is tabulated")
+_install_merge = _load_step_installer(
+    _merge_requested, f"{MERGE_ENV} is 0: sibling linears run as separate GEMVs", "nothing joined",
+    "after loading, sibling linears (in_proj_qkvz + in_proj_ba) whose joined GEMV the tables pay for get one "
+    "weight tensor; the compile pass makes their GEMVs one launch")
 
 
 # ---------------------------------------------------------------------------
