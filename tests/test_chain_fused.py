@@ -16,6 +16,7 @@ from tunekit import backends, shapes
 from tunekit import chain as chain_mod
 from tunekit.models import load_model
 from tunekit.models.spec import ModelSpec
+from tunekit.serving.fused_gemv import joined_rows
 from tunekit.shapes import Problem
 
 pytestmark = pytest.mark.usefixtures("clean_ops")  # conftest.py: no table, markers or vendor GEMM leak
@@ -149,11 +150,11 @@ def test_qkvz_and_ba_weights_are_row_slices_of_one_tensor() -> None:
     names = [s.name for s in chain.steps]
     i = names.index("linear_attn.in_proj_qkvz")
     qkvz, ba = chain.weights[i], chain.weights[i + 1]
-    joined = chain_mod.Chain._joined([qkvz, ba])
+    joined = joined_rows([qkvz, ba])
     assert joined is not None and joined.shape == (qkvz.shape[0] + ba.shape[0], qkvz.shape[1])
     assert torch.equal(joined[: qkvz.shape[0]], qkvz) and torch.equal(joined[qkvz.shape[0]:], ba)
     assert qkvz.is_contiguous() and ba.is_contiguous()  # the unfused variants read them as before
-    assert chain_mod.Chain._joined([qkvz, chain.weights[names.index("mlp.gate_up_proj")]]) is None
+    assert joined_rows([qkvz, chain.weights[names.index("mlp.gate_up_proj")]]) is None
 
 
 @pytest.mark.parametrize("m", [1, 3])

@@ -110,6 +110,7 @@ import torch.nn.functional as F
 from tunekit.errors import UserError
 from tunekit.models.spec import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
 from tunekit.opspec import EPS, interleave_gate_up
+from tunekit.serving.fused_gemv import joined_rows
 from tunekit.shapes import FUSED_GEMV_OPS, Problem
 from tunekit.table import saving_us
 
@@ -394,7 +395,7 @@ class Chain:
                         impls[i] = _plain_after_add(_unnormed) if after_add else _unnormed
                         kinds[i] = "fused"
                         continue
-                weight = self._joined([self.weights[j] for j in consumers])
+                weight = joined_rows([self.weights[j] for j in consumers])
                 if weight is None:
                     continue  # the consumers' weights are not one tensor: the pair stays unfused
                 op = f"{norm.op}_gemv"
@@ -439,7 +440,7 @@ class Chain:
             return []
         per_consumer = _folded(consumers)
         weights = [self.weights[j] for j in range(i + 1, i + 1 + len(consumers))]
-        if len(consumers) < 2 or self._joined(weights) is None:
+        if len(consumers) < 2 or joined_rows(weights) is None:
             return [per_consumer]
         merged = Step(consumers[0].layer, "+".join(c.name for c in consumers), FOLDED_NORM_OP,
                       sum(c.n for c in consumers), consumers[0].k)
@@ -466,7 +467,7 @@ class Chain:
             span = [j]  # the consumer steps this fold serves: its rows are theirs, in order
             while sum(self.steps[c].n for c in span) < fold.n:
                 span.append(span[-1] + 1)
-            weight = self._joined([self.weights[c] for c in span])
+            weight = joined_rows([self.weights[c] for c in span])
             if weight is None or weight.shape[0] != fold.n:  # pragma: no cover - _fold_options checked it
                 raise AssertionError(f"fold {fold} does not match its consumers' weights")
             folded = (weight.float() * scale).to(self.dtype)
@@ -516,21 +517,6 @@ class Chain:
             used.remove(current)  # the fold's rms_gemv of this step, replaced by its GLU form
         used.append(glu)
         return True
-
-    @staticmethod
-    def _joined(weights: list[torch.Tensor]) -> torch.Tensor | None:
-        """The one [sum N, K] tensor whose consecutive row blocks are ``weights``, or None."""
-        if len(weights) == 1:
-            return weights[0]
-        base = weights[0]._base
-        if base is None or base.dim() != 2 or base.shape[0] != sum(w.shape[0] for w in weights):
-            return None
-        start = 0
-        for w in weights:
-            if w._base is not base or w.data_ptr() != base[start].data_ptr():
-                return None
-            start += w.shape[0]
-        return base
 
     def forward(self, variant: str) -> torch.Tensor:
         """One decode step through ``variant`` (bound by ``build``); returns the logits [m, vocab]."""

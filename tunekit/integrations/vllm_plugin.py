@@ -349,14 +349,17 @@ def _range_pass(base: type, get_pass_context: Callable[[], Any]) -> Any:
         def __call__(self, graph: Any) -> None:
             compile_range = get_pass_context().compile_range
             start = compile_range.start
-            merged = graph_routes.merge_siblings(graph, lambda *key: graph_routes.within_table(*key, start=start),
-                                                 vllm_merge.JOINED)
+
+            def keep(*key: Any) -> bool:  # a tunekit op stays where the tables serve this range
+                return graph_routes.within_table(*key, start=start)
+
+            merged = graph_routes.merge_siblings(graph, keep, vllm_merge.JOINED)
             if merged:
                 RANGE_MERGES[str(compile_range)] = RANGE_MERGES.get(str(compile_range), 0) + merged
-            fused = graph_routes.fuse_residual_adds(graph, lambda *key: graph_routes.within_table(*key, start=start))
+            fused = graph_routes.fuse_residual_adds(graph, keep)
             if fused:
                 RANGE_FUSIONS[str(compile_range)] = RANGE_FUSIONS.get(str(compile_range), 0) + fused
-            replaced = graph_routes.unroute(graph, lambda *key: graph_routes.within_table(*key, start=start))
+            replaced = graph_routes.unroute(graph, keep)
             if replaced:
                 seen = RANGE_ROUTES.setdefault(str(compile_range), {})
                 first = not seen
