@@ -241,6 +241,28 @@ def test_no_gemv_add_where_the_tables_lack_it_and_above_them_the_stock_math() ->
         assert all(torch.equal(x, y) for x, y in zip(got[m], want, strict=True)), m
 
 
+def _fused_ops_block(a, r, wo, wq, wd):
+    s = torch.ops.tunekit.gemv_add(a, wo, r)
+    return s, torch.ops.tunekit.gemv(torch.ops.tunekit.rms_gemv(s, wq, 1e-6), wd, None)
+
+
+@pytest.mark.parametrize("gemv_kept", [True, False])
+def test_fused_ops_handed_back_keep_the_gemv_where_the_range_does(gemv_kept) -> None:
+    """A range above the fused ops' entries but within the GEMV's (a fused table searched at fewer Ms
+    than the main one): rms_gemv and gemv_add become their unfused math around tunekit::gemv, so the
+    GEMVs stay tuned; where the range keeps no GEMV either, F.linear."""
+    handed = _FusePass(lambda *key: False, keep=lambda op, *key: gemv_kept and op == "gemv")
+    got = _compiled(_fused_ops_block, handed, inputs=_folded_inputs)
+    left = [t for t in handed.targets if t.startswith("tunekit.")]
+    assert left == (["tunekit.gemv.default"] * 3 if gemv_kept else []), handed.targets
+    for m in (5, 9):
+        a, r, wo, wq, wd = _folded_inputs(m)
+        s = F.linear(a, wo) + r
+        want = (s, F.linear(F.linear(graph_routes.fused_gemv.unweighted_rms_norm(s, 1e-6), wq), wd))
+        for x, y in zip(got[m], want, strict=True):
+            assert (x.float() - y.float()).abs().max() <= 0.0625 * y.float().abs().max(), m  # BF16 roundings apart
+
+
 @pytest.mark.parametrize("case", ["bias", "broadcast", "alpha", "promoted"])
 def test_adds_the_epilogue_cannot_take_stay(case) -> None:
     def fn(a, r, wo, wq, wd):

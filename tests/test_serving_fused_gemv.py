@@ -11,6 +11,7 @@ from test_ops import _entry, make_table
 
 from tunekit import ops, opspec, verify
 from tunekit.backends import get
+from tunekit.serving.state import STATE
 from tunekit.shapes import Problem
 
 pytestmark = pytest.mark.usefixtures("clean_ops")  # conftest.py: no table, markers or vendor GEMM leak
@@ -46,7 +47,37 @@ def test_a_tabled_m_runs_the_tuned_kernel_and_others_the_vendor_sequence(tmp_pat
     assert {r["m"] for r in _rows(op, impl="tuned:triton")} == {1, 3, 4}
     (above,) = _rows(op, m=5)
     assert above["impl"] == "fallback:m_above_table" and above["vendor"] == (
-        "rms_norm+F.linear" if op == "rms_gemv" else "F.linear+add")
+        "rms_norm+gemv" if op == "rms_gemv" else "gemv+add")
+    if op == "rms_gemv":
+        # the folded norm's fallback: one launch of the Gemma norm kernel (zero weight), not the composition
+        default = STATE.defaults.get(("gemma_rms_norm", "bf16", 5, K, K, "cpu"))
+        assert default is not None and default.kernel is not None
+
+
+def test_the_folded_norms_fallback_is_one_norm_kernel_within_the_bound(tmp_path: Path, monkeypatch) -> None:
+    """Above the rms_gemv entries the vendor path normalises x with tunekit's norm kernel (x * (1 + 0));
+    without a table, or where that kernel cannot serve, PyTorch's composition does, the same values
+    within the norm's rounding."""
+    from kernels_triton import rms_norm as rms_norm_kernels
+    from tunekit.serving import fused_gemv
+
+    _table(tmp_path, "rms_gemv", ms=(1,))
+    launched = []
+    real = rms_norm_kernels.rms_norm
+    monkeypatch.setattr(rms_norm_kernels, "rms_norm", lambda *a, **kw: launched.append(kw) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(6, K, generator=gen) * 3).bfloat16()
+    got = fused_gemv._unweighted_norm(x, opspec.EPS)
+    assert launched and launched[0]["gemma"] is True
+    want = fused_gemv.unweighted_rms_norm(x, opspec.EPS)
+    assert (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()  # BF16 ulps apart
+    # a layout the kernel does not take (rows not contiguous): the composition, exactly
+    strided = torch.randn(K, 6, generator=gen).bfloat16().t()
+    assert torch.equal(fused_gemv._unweighted_norm(strided, opspec.EPS),
+                       fused_gemv.unweighted_rms_norm(strided, opspec.EPS))
+    ops.load_tables([])  # no table serves the device: tunekit does not serve here at all
+    launched.clear()
+    assert torch.equal(fused_gemv._unweighted_norm(x, opspec.EPS), want) and not launched
 
 
 @pytest.mark.parametrize("op", ["rms_gemv", "gemv_add"])

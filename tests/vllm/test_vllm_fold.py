@@ -229,6 +229,64 @@ def test_folded_norms_serve_rms_gemv_and_the_pass_moves_each_residual_add_into_i
         assert folded_err <= 2 * plain_err, (m, folded_err, plain_err)
 
 
+def test_a_fused_table_of_fewer_ms_keeps_the_tuned_gemv_above_its_entries(plugin, compile_ranges, monkeypatch) -> None:
+    """The fused table searched at M=1, the main one at M=4 (the fold's weights are in place at every M):
+    the ranges end at 2 and 4. In [3, 4] the pass hands each rms_gemv back as the unweighted norm around
+    tunekit::gemv, tuned there; at M=2, inside [1, 2] but above the fused entries, rms_gemv's fallback
+    runs the norm kernel (one launch) and the tuned GEMV. Values within the fold's bound at both."""
+    from vllm.config import set_current_vllm_config
+
+    from tunekit import ops
+    from tunekit.backends import get
+    from tunekit.opspec import Problem
+    from tunekit.serving.state import STATE
+
+    def at_m1(op: str, n: int, k: int) -> dict:
+        return _entry(op, 1, n, k, params=get("triton").space(Problem(op, "bf16", 1, n, k)).default)
+
+    fused = [at_m1("rms_gemv", Q, H), at_m1("rms_gemv", 2 * INTER, H), at_m1("gemv_add", H, Q),
+             at_m1("gemv_add", H, INTER)]
+    config = compile_ranges([e for e in _entries(False) if e["op"] != "rms_gemv"] + fused)
+    assert plugin._range_endpoints(plugin._tables_tops()) == [2, 4]
+    ranges = config.compilation_config.get_compile_ranges()
+    assert [(r.start, r.end) for r in ranges][:2] == [(1, 2), (3, 4)], ranges
+    Model = _model_class()
+    xs = {m: torch.randn(m, H, generator=torch.Generator().manual_seed(m)).bfloat16() for m in (2, 3)}
+    with set_current_vllm_config(config):
+        torch.manual_seed(0)
+        model = Model(vllm_config=config)
+        for name, p in model.named_parameters():
+            p.data.normal_(1.0 if name.endswith("layernorm.weight") or name == "norm.weight" else 0.0, 0.15)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        _load_folded(plugin, monkeypatch, model)
+        assert plugin.FOLDS == {"rms_norm folded": 4}, plugin.FOLDS
+        got = {m: model(x) for m, x in xs.items()}
+        impls = {(op, shape, m): impl for op, shape, m, impl in _impls()}
+        routes, fusions = dict(plugin.RANGE_ROUTES), dict(plugin.RANGE_FUSIONS)
+        norm_kernel = STATE.defaults.get(("gemma_rms_norm", "bf16", 2, H, H, "cpu"))  # gone with the tables
+        monkeypatch.delenv("TUNEKIT_FOLD_NORMS")
+        ops.load_tables([])
+        plain = Model(vllm_config=config)
+        plain.load_state_dict(state)
+        want = {m: plain(x) for m, x in xs.items()}
+
+    qkv, gate_up = f"{Q}x{H}", f"{2 * INTER}x{H}"
+    # M=3: no rms_gemv or gemv_add call; the folded consumers' GEMVs (their only GEMV calls) stay tuned
+    assert routes[str(ranges[1])].get("rms_gemv") == 4, routes
+    assert not [key for key in impls if key[2] == 3 and key[0] in ("rms_gemv", "gemv_add")], impls
+    assert impls[("gemv", qkv, 3)] == impls[("gemv", gate_up, 3)] == "tuned:triton"
+    # M=2: the fused ops' fallbacks, their GEMVs tuned, the norm one launch of tunekit's kernel
+    assert impls[("rms_gemv", qkv, 2)] == impls[("gemv_add", f"{H}x{Q}", 2)] == "fallback:m_above_table"
+    assert fusions == {str(ranges[0]): 3}, fusions
+    assert impls[("gemv", qkv, 2)] == impls[("gemv", gate_up, 2)] == "tuned:triton"
+    assert norm_kernel is not None and norm_kernel.kernel is not None
+    for m, x in xs.items():
+        ref = _reference(state, x.float())
+        folded_err = (got[m].float() - ref).abs().max().item()
+        plain_err = (want[m].float() - ref).abs().max().item()
+        assert folded_err <= 2 * plain_err, (m, folded_err, plain_err)
+
+
 def test_nothing_folds_without_rms_gemv_entries_or_the_switch(plugin, compile_ranges, monkeypatch) -> None:
     from vllm.config import set_current_vllm_config
 

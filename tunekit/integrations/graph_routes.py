@@ -16,8 +16,10 @@ replaced, in place, by the op's stock composition (``F.linear``; the
 PyTorch math of vLLM's native norms and activation, the op's own vendor
 path), traced with Inductor's decompositions, so Inductor compiles and
 fuses it as it does in a graph traced without tunekit. Nodes the range can
-use stay. ``tunekit.integrations.vllm_plugin`` adds the range endpoint (the
-tables' largest M) and installs the pass.
+use stay. A fused GEMV op handed back in a range that keeps the plain GEMV at
+its shape becomes its composition around ``tunekit::gemv`` (:data:`ON_GEMV`):
+the GEMV stays tuned. ``tunekit.integrations.vllm_plugin`` adds the range
+endpoints (the tables' largest M, and each fused op's) and installs the pass.
 
 :func:`fuse_residual_adds` is the other rewrite, for graphs the tables do
 serve: a GEMV whose one use is a residual add becomes ``gemv_add`` (the add
@@ -85,6 +87,14 @@ def _gemv_add_composition(x: torch.Tensor, weight: torch.Tensor, residual: torch
     return F.linear(x, weight) + residual  # functional: the spliced trace must not mutate
 
 
+def _rms_gemv_on_gemv(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.ops.tunekit.gemv(fused_gemv.unweighted_rms_norm(x, eps), weight)
+
+
+def _gemv_add_on_gemv(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    return torch.ops.tunekit.gemv(x, weight) + residual
+
+
 #: op -> (stock composition: the op's own vendor path, as its fallback computes it; its table key's
 #: (N, K) from the node's argument values). The keys are those the vLLM plugin's routes check
 #: (``_covered``): the gated norm by row width alone (N None).
@@ -99,6 +109,12 @@ COMPOSITIONS: dict[str, tuple[Callable[..., Any], Callable[[tuple], tuple[int | 
     "rms_gemv": (_rms_gemv_composition, _gemv_nk),
     "gemv_add": (_gemv_add_composition, _gemv_nk),
 }
+
+
+#: fused GEMV op -> its stock composition around ``tunekit::gemv``: what :func:`unroute` splices in where
+#: a range hands the fused op back but keeps the GEMV at its (N, K) (a fused table searched at fewer Ms
+#: than the main one), so that the GEMV stays tuned and Inductor fuses the rest
+ON_GEMV: dict[str, Callable[..., Any]] = {"rms_gemv": _rms_gemv_on_gemv, "gemv_add": _gemv_add_on_gemv}
 
 
 def tunekit_op(node: fx.Node) -> str | None:
@@ -150,8 +166,11 @@ def unroute(graph: fx.Graph, keep: Callable[[str, str, int | None, int, str], bo
         composition, key = COMPOSITIONS[op]
         n, k = key(values)
         dtype = DTYPE_NAMES.get(tensors[0].dtype)
-        if dtype is None or not isinstance(k, int) or keep(op, dtype, n, k, str(tensors[0].device)):
+        device = str(tensors[0].device)
+        if dtype is None or not isinstance(k, int) or keep(op, dtype, n, k, device):
             continue
+        if op in ON_GEMV and keep("gemv", dtype, n, k, device):
+            composition = ON_GEMV[op]
         if _inline(graph, node, composition, values):
             replaced[op] = replaced.get(op, 0) + 1
     if replaced:

@@ -89,8 +89,10 @@ Hooks:
 * ``compile_cache_key``: the tables' digest as a vLLM compile factor.
 * ``compile_ranges``: vLLM compiles each graph piece once per token-count
   range (``CompilationConfig.compile_ranges_endpoints``) and runs its
-  post-grad passes per range. The hook adds one endpoint, the tables'
-  largest M (2 at least: vLLM takes endpoints above 1), and one post-grad
+  post-grad passes per range. The hook adds endpoints, the tables'
+  largest M and each fused GEMV op's largest M below it (2 at least: vLLM
+  takes endpoints above 1; :func:`_range_endpoints` says why the fused
+  ops), and one post-grad
   pass (``PostGradPassManager.configure`` gains it): in a range that starts
   above the largest M a table holds for a node's (op, dtype, N, K), the
   node is replaced by the stock math (``tunekit.integrations.graph_routes``),
@@ -277,19 +279,40 @@ RANGE_FUSIONS: dict[str, int] = {}
 RANGE_MERGES: dict[str, int] = {}
 
 
-def _tables_largest_m() -> int | None:
-    """The largest M of any entry in the named tables (read from the files: no GPU here), or None."""
+def _tables_tops() -> dict[str, int]:
+    """Per op, the largest M of its entries in the named tables (read from the files: no GPU here)."""
     from tunekit import table as table_mod
 
-    top = None
+    tops: dict[str, int] = {}
     for path in _table_paths():
         try:
             entries = table_mod.load(path)["entries"]
         except Exception:  # the ops log a broken table once, at their first call
             continue
         for entry in entries:
-            top = max(top or 0, int(entry["m"]))
-    return top
+            tops[entry["op"]] = max(tops.get(entry["op"], 0), int(entry["m"]))
+    return tops
+
+
+def _tables_largest_m() -> int | None:
+    """The largest M of any entry in the named tables, or None."""
+    return max(_tables_tops().values(), default=None)
+
+
+def _range_endpoints(tops: dict[str, int]) -> list[int]:
+    """The compile-range endpoints for tables whose ops end at ``tops`` (vLLM takes endpoints above 1
+    only, so an M=1 table ends the range [1, 2]): the largest M, and the largest M of each fused GEMV
+    op below it. Why the fused ops: above their entries a plain op's fallback is the vendor kernel
+    vLLM's graph would run anyway, but a fused op's is its unfused sequence run inside the op, where
+    Inductor cannot fuse it (a folded norm's fallback is a norm launch before the GEMM, a residual
+    add one after it). A range that starts above a fused op's entries hands it back to the stock
+    math, which Inductor compiles as vLLM would; only the Ms up to that endpoint keep its fallback."""
+    from tunekit.shapes import FUSED_GEMV_OPS
+
+    if not tops:
+        return []
+    top = max(tops.values())
+    return sorted({max(2, top)} | {max(2, m) for op, m in tops.items() if op in FUSED_GEMV_OPS})
 
 
 def _install_compile_ranges() -> tuple[bool, str]:
@@ -299,9 +322,10 @@ def _install_compile_ranges() -> tuple[bool, str]:
     # Inductor's wrapper. vLLM compiles each graph piece per token-count range and runs its
     # post-grad passes per range: one range ends at the tables' largest M, and in the ranges above
     # it a pass hands every tunekit node back to the stock math (graph_routes.unroute).
-    top = _tables_largest_m()
-    if top is None:
+    tops = _tables_tops()
+    if not tops:
         return False, "the named tables hold no entry"
+    top, endpoints = max(tops.values()), _range_endpoints(tops)
     try:
         from vllm.compilation.passes import pass_manager
         from vllm.compilation.passes.inductor_pass import InductorPass, get_pass_context
@@ -315,15 +339,13 @@ def _install_compile_ranges() -> tuple[bool, str]:
             or "compile_ranges_endpoints" not in getattr(CompilationConfig, "__dataclass_fields__", {})):
         return False, ("this vLLM lacks VllmConfig._set_compile_ranges, CompilationConfig.compile_ranges_endpoints "
                        "or PostGradPassManager.configure/add: every range keeps the ops")
-    # vLLM takes endpoints above 1 only; a table of M=1 alone makes the range [1, 2]
-    endpoint = max(2, top)
     route_pass = _range_pass(InductorPass, get_pass_context)
 
     if not getattr(set_ranges, _MARK, False):
         @functools.wraps(set_ranges)
         def _set_compile_ranges(self: Any) -> Any:
             cc = self.compilation_config
-            cc.compile_ranges_endpoints = sorted(set(cc.compile_ranges_endpoints or ()) | {endpoint})
+            cc.compile_ranges_endpoints = sorted(set(cc.compile_ranges_endpoints or ()) | set(endpoints))
             return set_ranges(self)
 
         setattr(_set_compile_ranges, _MARK, True)
@@ -337,8 +359,8 @@ def _install_compile_ranges() -> tuple[bool, str]:
 
         setattr(configure_with_tunekit, _MARK, True)
         manager.configure = configure_with_tunekit
-    return True, (f"compile range endpoint {endpoint} (the tables' largest M is {top}); in the ranges above it "
-                  "the tunekit ops are handed back to vLLM's own math")
+    return True, (f"compile range endpoints {', '.join(map(str, endpoints))} (the tables' largest M is {top}); in "
+                  "a range above an op's entries the tunekit op is handed back to vLLM's own math")
 
 
 def _range_pass(base: type, get_pass_context: Callable[[], Any]) -> Any:

@@ -20,12 +20,15 @@ rule of the tables), the marker rows' counters. Per call: the layout checks
 residual [.., N] viewable as [M, N] with unit stride), then the tuned kernel
 or the vendor path; a Triton kernel's eager launches go through its bound
 launcher from the second eager call on (``tunekit.serving.launch``, as the
-GEMV's). The vendor path is what these ops replace, unfused: the
-norm's PyTorch math (fp32, rounded to the activation dtype, as vLLM's native
-norm) then the vendor GEMM (``F.linear``, or the GEMM ``set_vendor_gemm``
-installed); the vendor GEMM then the add. Never the default-config kernel
-the elementwise ops fall back to: a GEMV at a default config loses to the
-vendor BLAS. Never raises for tunekit's sake.
+GEMV's). The fallback is what these ops replace, unfused: the unweighted
+norm (fp32, rounded to the activation dtype, as vLLM's native norm; one
+launch of the Gemma norm kernel at its default config where a table serves
+the device, :func:`_unweighted_norm`, else PyTorch's math) then the GEMV;
+the GEMV then the add. The GEMV is ``tunekit::gemv``'s route (tuned where a
+table holds the GEMV at this M, else the vendor GEMM: ``F.linear``, or the
+GEMM ``set_vendor_gemm`` installed; it counts its own marker row), never
+the default-config kernel the elementwise ops fall back to: a GEMV at a
+default config loses to the vendor BLAS. Never raises for tunekit's sake.
 """
 
 from __future__ import annotations
@@ -37,10 +40,10 @@ import torch
 
 from tunekit.serving import launch
 from tunekit.serving.decisions import is_capturing, kernel_takes_eps, mark_broken, resolve
-from tunekit.serving.gemv import _gemv_vendor_name, _static_reason, _vendor_gemv, gemv_impl
 from tunekit.serving.gemv import _layout_reason as gemv_layout_reason
+from tunekit.serving.gemv import _static_reason, gemv_impl
 from tunekit.serving.markers import count, counter
-from tunekit.serving.state import DEFAULT_EPS, STATE, dtype_name
+from tunekit.serving.state import DEFAULT_EPS, DTYPE_NAMES, STATE, dtype_name
 
 #: op -> torch.library schema (``tunekit.serving.registry`` defines them).
 FUSED_GEMV_SCHEMAS: dict[str, str] = {
@@ -82,12 +85,52 @@ def fold_pays(norm_ops: tuple[str, ...], norm_weight: torch.Tensor, consumer_sha
     return fused < unfused
 
 
+#: (width, dtype, device) -> the weight that makes an RMSNorm kernel unweighted (zeros: Gemma's x * (1 + w))
+_UNIT_WEIGHTS: dict[tuple, torch.Tensor] = {}
+
+
+def _unweighted_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) rounded to x's dtype, for the vendor path of ``rms_gemv``: in one launch of tunekit's
+    Gemma RMSNorm kernel with a zero weight (x * (1 + 0)) at its default config (the table's Triton
+    config of that width at the nearest M, else the family's default: ``elementwise._ew_default``)
+    wherever a table serves the device; else :func:`unweighted_rms_norm`'s PyTorch composition.
+
+    Why: the fold rewrote the weights for every M, so above the M its ``rms_gemv`` entries cover (a
+    fused table searched at M=1 next to a main table at M=1..8) every folded norm runs here, inside an
+    op Inductor cannot fuse into, once per norm per decode step: the composition is seven kernels
+    where vLLM's unfolded layer runs one. Same numerics class: fp32 math, one rounding (within the
+    norm's bound of the composition, not bit-equal to it). The zero weight is made at an eager call
+    only (never inside a CUDA-graph capture, whose pool may hand its memory on)."""
+    from tunekit.serving.elementwise import _ew_default
+
+    k = x.shape[-1] if x.dim() else 0
+    dtype = DTYPE_NAMES.get(x.dtype)
+    if k and dtype is not None and x.is_contiguous():
+        m = x.numel() // k
+        capturing = is_capturing(x)
+        key = (k, x.dtype, x.device)
+        zero = _UNIT_WEIGHTS.get(key)
+        if zero is None and not capturing:
+            zero = _UNIT_WEIGHTS.setdefault(key, torch.zeros(k, dtype=x.dtype, device=x.device))
+        if zero is not None:
+            out, why = _ew_default("gemma_rms_norm", dtype, m, k, k, x, capturing, (x.view(m, k), zero),
+                                   lambda rows, width, like: like.new_empty((rows, width)), lambda out: out, eps)
+            if why is None and out is not None:
+                return out.view(x.shape)
+    return unweighted_rms_norm(x, eps)
+
+
+# The fused ops' fallbacks are their unfused sequence at its best: the GEMV goes through tunekit's own
+# GEMV route, tuned where a table holds the GEMV at this M (a fused table searched at fewer Ms than the
+# main one: the folded weights are in place at every M), else the vendor GEMM.
+
+
 def _vendor_rms_gemv(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _vendor_gemv(unweighted_rms_norm(x, eps), weight, None)
+    return gemv_impl(_unweighted_norm(x, eps), weight, None)
 
 
 def _vendor_gemv_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    return _vendor_gemv(x, weight, None).add_(residual)  # a fresh output: the add may run in place
+    return gemv_impl(x, weight, None).add_(residual)  # a fresh output: the add may run in place
 
 
 def _layout_reason(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> str | None:
@@ -146,8 +189,8 @@ class _Route:
 
 
 def _vendor_name(op: str, x: torch.Tensor) -> str:
-    gemm = _gemv_vendor_name(x)
-    return f"rms_norm+{gemm}" if op == "rms_gemv" else f"{gemm}+add"
+    # the GEMV of a fallback counts its own marker row (tuned, or the vendor GEMM and why)
+    return "rms_norm+gemv" if op == "rms_gemv" else "gemv+add"
 
 
 #: (op, x shape, weight shape, x dtype, weight dtype, devices, eps) -> _Route
