@@ -388,7 +388,7 @@ def _range_pass(base: type, get_pass_context: Callable[[], Any]) -> Any:
                 for op, count in replaced.items():
                     seen[op] = seen.get(op, 0) + count
                 if first:
-                    logger.info("tunekit vLLM plugin: compile range %s is above the tables: tunekit ops handed "
+                    logger.info("tunekit vLLM plugin: compile range %s is above these ops' table entries: handed "
                                 "back to vLLM's math (first graph piece: %s)", compile_range, replaced)
 
         _uuid: str | None = None
