@@ -30,6 +30,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.l2_prefetch_probe import time_graph  # noqa: E402  (median of graph replays, us)
 from kernels_triton.gated_rms_norm import GatedRmsNormConfig, gated_rms_norm  # noqa: E402
 from kernels_triton.gemv import GemvConfig, gemv  # noqa: E402
 
@@ -135,20 +136,6 @@ def reference(x, w, residual, kind):
     return y + residual.float() if kind == "add" else y
 
 
-def time_graph(g: torch.cuda.CUDAGraph, replays: int = 15) -> float:
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1) * 1000)
-    return statistics.median(times)
-
-
 def capture(fn) -> torch.cuda.CUDAGraph:
     fn()  # compile outside the capture
     torch.cuda.synchronize()
@@ -215,7 +202,7 @@ def pdl_probe(layers: int) -> list[dict]:
     graphs = {v: capture(lambda v=v: run(v)) for v in variants}
     for rep in range(3):
         for v in variants:
-            us = time_graph(graphs[v]) / layers
+            us = time_graph(graphs[v], replays=15) / layers
             rows.append(dict(probe="pdl", variant=v, repeat=rep, layer_us=us))
             print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -267,7 +254,7 @@ def gated_probe(layers: int) -> list[dict]:
                                                for i in range(layers)])
     for rep in range(3):
         for name, graph in graphs.items():
-            rows.append(dict(probe="gated", variant=name, repeat=rep, layer_us=time_graph(graph) / layers))
+            rows.append(dict(probe="gated", variant=name, repeat=rep, layer_us=time_graph(graph, replays=15) / layers))
             print(json.dumps(rows[-1]), flush=True)
     return rows
 

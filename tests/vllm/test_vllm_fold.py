@@ -153,6 +153,19 @@ def _load_folded(plugin, monkeypatch, model: nn.Module) -> nn.Module:
     return base_loader.BaseModelLoader.load_model(None, vllm_config=None, model_config=None)
 
 
+def _folded(plugin, monkeypatch, Model: type, config) -> tuple[nn.Module, dict]:
+    """(a model with the tests' weights, folded by the plugin's load hook; its state before the fold).
+    Called under ``set_current_vllm_config(config)``."""
+    torch.manual_seed(0)
+    model = Model(vllm_config=config)
+    for name, p in model.named_parameters():
+        p.data.normal_(1.0 if name.endswith("layernorm.weight") or name == "norm.weight" else 0.0, 0.15)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert _load_folded(plugin, monkeypatch, model) is model
+    assert plugin.FOLDS == {"rms_norm folded": 4}, plugin.FOLDS
+    return model, state
+
+
 def _attention_reference(w: dict, normed: torch.Tensor) -> torch.Tensor:
     return torch.tanh(normed @ w["self_attn.qkv_proj.weight"].T) @ w["self_attn.o_proj.weight"].T
 
@@ -189,13 +202,7 @@ def test_folded_norms_serve_rms_gemv_and_the_pass_moves_each_residual_add_into_i
     Model = _model_class()
     xs = {m: torch.randn(m, H, generator=torch.Generator().manual_seed(m)).bfloat16() for m in (3, 7)}
     with set_current_vllm_config(config):
-        torch.manual_seed(0)
-        model = Model(vllm_config=config)
-        for name, p in model.named_parameters():
-            p.data.normal_(1.0 if name.endswith("layernorm.weight") or name == "norm.weight" else 0.0, 0.15)
-        state = {k: v.clone() for k, v in model.state_dict().items()}
-        assert _load_folded(plugin, monkeypatch, model) is model
-        assert plugin.FOLDS == {"rms_norm folded": 4}, plugin.FOLDS
+        model, state = _folded(plugin, monkeypatch, Model, config)
         got = {m: model(x) for m, x in xs.items()}
         impls = {(op, m): impl for op, _, m, impl in _impls()}
         fusions, routes = dict(plugin.RANGE_FUSIONS), dict(plugin.RANGE_ROUTES)
@@ -253,13 +260,7 @@ def test_a_fused_table_of_fewer_ms_keeps_the_tuned_gemv_above_its_entries(plugin
     Model = _model_class()
     xs = {m: torch.randn(m, H, generator=torch.Generator().manual_seed(m)).bfloat16() for m in (2, 3)}
     with set_current_vllm_config(config):
-        torch.manual_seed(0)
-        model = Model(vllm_config=config)
-        for name, p in model.named_parameters():
-            p.data.normal_(1.0 if name.endswith("layernorm.weight") or name == "norm.weight" else 0.0, 0.15)
-        state = {k: v.clone() for k, v in model.state_dict().items()}
-        _load_folded(plugin, monkeypatch, model)
-        assert plugin.FOLDS == {"rms_norm folded": 4}, plugin.FOLDS
+        model, state = _folded(plugin, monkeypatch, Model, config)
         got = {m: model(x) for m, x in xs.items()}
         impls = {(op, shape, m): impl for op, shape, m, impl in _impls()}
         routes, fusions = dict(plugin.RANGE_ROUTES), dict(plugin.RANGE_FUSIONS)
