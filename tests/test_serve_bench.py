@@ -315,7 +315,7 @@ def test_a_failing_profiler_keeps_the_timing_and_says_why(monkeypatch: pytest.Mo
 
     def no_kernels(run):  # CPU torch has no CUDA activity to profile: a profiler that sees no kernels
         run()
-        return {}, {}
+        return {}, {}, {}
 
     monkeypatch.setattr(profile, "profile_totals", no_kernels)
     monkeypatch.setattr(profile, "host_profile", lambda run: (run(), {})[1])
@@ -381,6 +381,49 @@ def test_kernel_categories_and_the_decode_step_difference(tmp_path: Path) -> Non
     # host ops: cpu_op events by name, inclusive time, largest first
     host = profile.host_totals(profile.read_trace(paths[1]), n=1)
     assert host == {"aten::mm": {"us": 99.0, "calls": 1}}
+
+
+def test_launches_are_told_apart_by_grid_block_and_the_kernel_before() -> None:
+    """One kernel name, three problems: two told apart by their grid, two of the same grid and block by
+    the kernel that ran before each. Launch gaps inside a replay are charged to the launch after them,
+    the host's turn between steps is not, and another stream's first event has no predecessor."""
+    from tunekit.serve import profile
+
+    def kernel(name: str, ts: float, dur: float, grid: list[int], tid: int = 7) -> dict:
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "tid": tid,
+                "args": {"grid": grid, "block": [64, 1, 1]}}
+
+    events = []
+    for step in range(2):  # two decode steps, 1000 us apart (the host's turn between them)
+        t = 1000.0 * step
+        events += [kernel("_gated_rms_norm_kernel", t, 1.0, [12, 1, 1]),
+                   kernel("_gemv_kernel", t + 1.5, 17.0, [1280, 1, 1]),  # out_proj: 0.5 us gap
+                   kernel("_silu_and_mul_kernel", t + 19.0, 1.0, [34, 1, 1]),  # 0.5 us gap
+                   kernel("_gemv_kernel", t + 20.25, 43.0, [1280, 1, 1]),  # down_proj: 0.25 us gap
+                   kernel("_gemv_kernel", t + 63.5, 81.0, [34816, 1, 1])]  # gate_up: 0.25 us gap
+    events.append({"ph": "X", "cat": "gpu_memset", "name": "Memset (Device)", "ts": 5.0, "dur": 1.0, "tid": 9})
+    events.reverse()  # the trace's order is not time order
+    got = profile.launch_totals({"traceEvents": events})
+    block = " block=(64,1,1)"
+    assert got == {
+        f"tunekit_elementwise: _gated_rms_norm_kernel grid=(12,1,1){block} after=-":
+            {"us": 1.0, "kernels": 1, "gap_us": 0.0},
+        f"tunekit_elementwise: _gated_rms_norm_kernel grid=(12,1,1){block} after=_gemv_kernel":
+            {"us": 1.0, "kernels": 1, "gap_us": 0.0},  # 855.5 us after the last step's gate_up: not a gap
+        f"tunekit_gemv: _gemv_kernel grid=(1280,1,1){block} after=_gated_rms_norm_kernel":
+            {"us": 34.0, "kernels": 2, "gap_us": 1.0},
+        f"tunekit_elementwise: _silu_and_mul_kernel grid=(34,1,1){block} after=_gemv_kernel":
+            {"us": 2.0, "kernels": 2, "gap_us": 1.0},
+        f"tunekit_gemv: _gemv_kernel grid=(1280,1,1){block} after=_silu_and_mul_kernel":
+            {"us": 86.0, "kernels": 2, "gap_us": 0.5},
+        f"tunekit_gemv: _gemv_kernel grid=(34816,1,1){block} after=_gemv_kernel":
+            {"us": 162.0, "kernels": 2, "gap_us": 0.5},
+        "copies: Memset (Device) after=-": {"us": 1.0, "kernels": 1, "gap_us": 0.0},
+    }
+    # per decode step, as the other tables: every field differenced, the gap too
+    short = {"k": {"us": 10.0, "kernels": 1, "gap_us": 0.5}}
+    long = {"k": {"us": 90.0, "kernels": 9, "gap_us": 4.5}}
+    assert profile.per_step(short, long, 8) == {"k": {"gap_us": 0.5, "kernels": 1.0, "us": 10.0}}
 
 
 def test_stop_after_leaves_the_rest_to_a_rerun(fake: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -66,6 +66,8 @@ def categorize(name: str) -> str:
 
 #: kernels kept by name per profiled step (the largest by time): enough to name what a category's change is
 TOP_KERNELS = 40
+#: launch shapes kept per profiled step (``by_launch``): every GEMV problem of a decode step and its neighbours
+TOP_LAUNCHES = 80
 #: a kernel's name is cut to this many characters (C++ template names run to kilobytes)
 NAME_CHARS = 160
 
@@ -86,6 +88,49 @@ def kernel_totals(trace: dict[str, Any], by_name: bool = False) -> dict[str, dic
     return totals
 
 
+#: a gap between two device events at most this long is a launch gap inside one replay; a longer one is
+#: the host's turn between steps (sampling, scheduling) and is not charged to the kernel after it
+IN_GRAPH_GAP_US = 20.0
+#: the kernel before a launch is named by this many characters in a ``by_launch`` key
+AFTER_CHARS = 48
+
+
+def launch_totals(trace: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Device time per launch shape and neighbour: {"category: name grid=(x,y,z) block=(x,y,z) after=prev":
+    {"us", "kernels", "gap_us"}} over a Chrome trace's device events, in time order per stream.
+
+    One kernel name runs many problems (tunekit's ``_gemv_kernel`` serves every GEMV shape); its grid and
+    block tell them apart where the configs differ, and the kernel that ran before it tells them apart
+    where they do not (a layer's output GEMV after the gated norm, down_proj after SiLU-and-mul). The
+    predecessor is also what a launch's in-situ cost may depend on. ``gap_us`` sums the idle time
+    between the previous event's end and this launch's start, where that is a launch gap
+    (:data:`IN_GRAPH_GAP_US`)."""
+    events = [e for e in trace.get("traceEvents", [])
+              if isinstance(e, dict) and e.get("ph") == "X" and e.get("cat") in _DEVICE_CATS]
+    events.sort(key=lambda e: (str(e.get("tid", "")), float(e.get("ts", 0.0))))
+    totals: dict[str, dict[str, float]] = {}
+    prev: dict[str, Any] | None = None
+    for event in events:
+        if prev is not None and str(prev.get("tid", "")) != str(event.get("tid", "")):
+            prev = None  # another stream: its first event has no predecessor here
+        name = str(event.get("name", ""))
+        category = _DEVICE_CATS[event["cat"]] or categorize(name)
+        args = event.get("args") or {}
+        shape = "".join(f" {field}=({','.join(str(v) for v in args[field])})" for field in ("grid", "block")
+                        if isinstance(args.get(field), list))
+        after = str(prev.get("name", ""))[:AFTER_CHARS] if prev is not None else "-"
+        key = f"{category}: {name[:NAME_CHARS]}{shape} after={after}"
+        slot = totals.setdefault(key, {"us": 0.0, "kernels": 0, "gap_us": 0.0})
+        slot["us"] += float(event.get("dur", 0.0))
+        slot["kernels"] += 1
+        if prev is not None:
+            gap = float(event.get("ts", 0.0)) - float(prev.get("ts", 0.0)) - float(prev.get("dur", 0.0))
+            if 0.0 < gap <= IN_GRAPH_GAP_US:
+                slot["gap_us"] += gap
+        prev = event
+    return totals
+
+
 def read_trace(path: Path) -> dict[str, Any]:
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt") as f:
@@ -94,11 +139,12 @@ def read_trace(path: Path) -> dict[str, Any]:
 
 def per_step(short: dict[str, dict[str, float]], long: dict[str, dict[str, float]], steps: int
              ) -> dict[str, dict[str, float]]:
-    """One decode step per category: (long - short) / steps, for the kernel time (us) and the count."""
+    """One decode step per category: (long - short) / steps, for each field (kernel time in us, the
+    count, and any other the tables hold, such as ``by_launch``'s gap_us)."""
     out = {}
     for category in sorted(set(short) | set(long)):
-        a, b = short.get(category, {"us": 0.0, "kernels": 0}), long.get(category, {"us": 0.0, "kernels": 0})
-        out[category] = {"us": (b["us"] - a["us"]) / steps, "kernels": (b["kernels"] - a["kernels"]) / steps}
+        a, b = short.get(category, {}), long.get(category, {})
+        out[category] = {f: (b.get(f, 0.0) - a.get(f, 0.0)) / steps for f in sorted(set(a) | set(b))}
     return out
 
 
@@ -124,11 +170,11 @@ def _traced(run: Callable[[], Any], activity: str) -> dict[str, Any]:
         os.unlink(name)
 
 
-def profile_totals(run: Callable[[], Any]) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+def profile_totals(run: Callable[[], Any]) -> tuple[dict[str, dict[str, float]], ...]:
     """Kernel totals of everything ``run()`` puts on the GPU (torch's profiler, CUDA activity only), per
-    category and per kernel name."""
+    category, per kernel name and per launch shape (:func:`launch_totals`)."""
     trace = _traced(run, "CUDA")
-    return kernel_totals(trace), kernel_totals(trace, by_name=True)
+    return kernel_totals(trace), kernel_totals(trace, by_name=True), launch_totals(trace)
 
 
 #: host ops kept by name from the profiled 1-token generate (the largest by inclusive time)
@@ -192,12 +238,13 @@ def decode_step_profile(generate: Callable[[int], Any], steps: int) -> dict[str,
     kernel time and count per category, their total (``busy_us``), the raw totals of both runs, the
     kernels by name, the host ops of a third, CPU-profiled 1-token generate (``prefill_host``) and the
     Python functions of a fourth under cProfile (``prefill_python``)."""
-    short, short_names = profile_totals(lambda: generate(1))
-    long, long_names = profile_totals(lambda: generate(1 + steps))
+    short, short_names, short_launches = profile_totals(lambda: generate(1))
+    long, long_names, long_launches = profile_totals(lambda: generate(1 + steps))
     step = per_step(short, long, steps)
     return {"steps": steps, "per_step": step, "busy_us": sum(c["us"] for c in step.values()),
             "kernels": sum(c["kernels"] for c in step.values()), "short": short, "long": long,
             "by_kernel": top_kernels(per_step(short_names, long_names, steps)),
+            "by_launch": top_kernels(per_step(short_launches, long_launches, steps), TOP_LAUNCHES),
             "prefill_host": host_profile(lambda: generate(1)),
             **_prefill_python(lambda: generate(1))}
 
@@ -224,6 +271,7 @@ def arm_profile(rows: Iterable[dict[str, Any] | None]) -> dict[str, Any] | None:
             "busy_us": statistics.median(p["busy_us"] for p in profiles),
             "kernels": statistics.median(p["kernels"] for p in profiles),
             "by_kernel": _medians([p.get("by_kernel", {}) for p in profiles], "kernels"),
+            "by_launch": _medians([p.get("by_launch", {}) for p in profiles], "kernels"),
             "prefill_host": _medians([p.get("prefill_host", {}) for p in profiles], "calls"),
             "prefill_python": _medians([p.get("prefill_python", {}) for p in profiles], "calls"),
             "prefill_work": _prefill_work(profiles)}

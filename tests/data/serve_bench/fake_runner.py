@@ -207,7 +207,8 @@ def main() -> int:
         run()
         arm, tokens = LLM.last
         cats = {c: {"us": 50.0 + tokens * us, "kernels": 10 + tokens * k} for c, (us, k) in KERNELS[arm].items()}
-        return cats, {f"{c}: {c}_kernel": v for c, v in cats.items()}  # one kernel name per category
+        named = {f"{c}: {c}_kernel": v for c, v in cats.items()}  # one kernel name per category
+        return cats, named, {f"{k} grid=(1,1,1) block=(64,1,1) after=-": v | {"gap_us": 0.0} for k, v in named.items()}
 
     def host_profile(run) -> dict:  # the stub engine's host ops: tuned spends 2 ms more in its ops
         run()

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Where a served decode step's GEMV time goes beyond the tables' standalone figures, on the lent H200.
+# Served in vLLM 0.26.0 the folded arm's tunekit GEMVs took about 235 us per step more than their table
+# entries add up to, while `tunekit chain` on the same tables measured what they predict. Both are read
+# here with the same profiler and the same key (launch shape and the kernel before it, `by_launch`),
+# on the tables of h200-serve-merge-df17426 (main M=1 of 8031457 + fused M=1 of df17426), with the
+# GPU's clocks, temperatures and power sampled every 0.5 s.
+#
+#   bash benchmarks/served_gap_h200.sh chain          # chain_launch_profile.py at M=1 -> $OUT/chain
+#                                                     # (a carried bundle part is kept, as `carry` does)
+#   bash benchmarks/served_gap_h200.sh serve SECONDS  # serve-bench vanilla,folded at batch 1, one process
+#                                                     # per arm with --profile-steps 8; rerun until it
+#                                                     # exits 0 (resumes /var/tmp/serve-gap)
+# Carry the vLLM bundle first (benchmarks/serve_h200.sh carry, one part per call); the last part travels
+# with SHA256SUMS and .whl on the first serve call.
+set -euo pipefail
+res=benchmarks/results
+main=$res/h200-serve-fold-8031457/table/main/table.json
+fused=$res/h200-serve-merge-df17426/table/table.json
+query=timestamp,clocks.sm,clocks.mem,temperature.gpu,temperature.memory,power.draw,utilization.gpu
+case ${1:-} in
+  chain)
+    bash benchmarks/serve_h200.sh carry
+    mkdir -p "$OUT/chain"
+    nvidia-smi --query-gpu=$query --format=csv -lms 500 >"$OUT/chain/smi.csv" 2>/dev/null &
+    smi=$!
+    rc=0
+    python3 benchmarks/chain_launch_profile.py --model qwen3.5-27b --table "$main" --table "$fused" --m 1 \
+      --out "$OUT/chain" >"$OUT/chain/chain.log" 2>&1 || rc=$?
+    kill "$smi" || true
+    tail -n 12 "$OUT/chain/chain.log"
+    exit "$rc"
+    ;;
+  serve)
+    limit=$2
+    out=/var/tmp/serve-gap
+    mkdir -p "$out"
+    n=$(find "$out" -maxdepth 1 -name 'smi-*.csv' | wc -l)
+    nvidia-smi --query-gpu=$query --format=csv -lms 500 >"$out/smi-$n.csv" 2>/dev/null &
+    smi=$!
+    rc=0
+    bash benchmarks/serve_h200.sh serve "$limit" --model qwen3.5-27b --table "$main" --table "$fused" \
+      --arms vanilla,folded --batch 1 --tokens 128 --prompt-len 64 --repeats 3 --processes 1 \
+      --profile-steps 8 --out "$out" || rc=$?
+    kill "$smi" || true
+    git rev-parse HEAD >"$out/commit.txt" 2>/dev/null || true
+    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv >"$out/gpu.txt" || true
+    tar czf "$OUT/serve-gap.tgz" -C /var/tmp serve-gap
+    exit "$rc"
+    ;;
+  *) echo "usage: $0 chain | serve SECONDS" >&2; exit 2 ;;
+esac
