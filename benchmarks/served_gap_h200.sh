@@ -48,5 +48,25 @@ case ${1:-} in
     tar czf "$OUT/serve-gap.tgz" -C /var/tmp serve-gap
     exit "$rc"
     ;;
-  *) echo "usage: $0 chain | serve SECONDS" >&2; exit 2 ;;
+  insitu)
+    # the same A/B with every tuned kernel of the folded process also timed standalone inside that process
+    # (TUNEKIT_PROFILE_KERNELS=1: profile.in_process_kernel_times), then the chain profiled again on the
+    # warm GPU; rerun until it exits 0 (resumes /var/tmp/serve-kern)
+    limit=$2
+    out=/var/tmp/serve-kern
+    mkdir -p "$out"
+    rc=0
+    TUNEKIT_PROFILE_KERNELS=1 bash benchmarks/serve_h200.sh serve "$limit" --model qwen3.5-27b --table "$main" \
+      --table "$fused" --arms vanilla,folded --batch 1 --tokens 128 --prompt-len 64 --repeats 3 --processes 1 \
+      --profile-steps 8 --out "$out" || rc=$?
+    if [ "$rc" = 0 ] && [ ! -f "$out/chain-after/chain_launches.json" ]; then
+      python3 benchmarks/chain_launch_profile.py --model qwen3.5-27b --table "$main" --table "$fused" --m 1 \
+        --out "$out/chain-after" >"$out/chain-after.log" 2>&1 || rc=$?
+      tail -n 4 "$out/chain-after.log"
+    fi
+    git rev-parse HEAD >"$out/commit.txt" 2>/dev/null || true
+    tar czf "$OUT/serve-kern.tgz" -C /var/tmp serve-kern
+    exit "$rc"
+    ;;
+  *) echo "usage: $0 chain | serve SECONDS | insitu SECONDS" >&2; exit 2 ;;
 esac

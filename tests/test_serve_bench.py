@@ -426,6 +426,35 @@ def test_launches_are_told_apart_by_grid_block_and_the_kernel_before() -> None:
     assert profile.per_step(short, long, 8) == {"k": {"gap_us": 0.5, "kernels": 1.0, "us": 10.0}}
 
 
+def test_the_served_kernels_are_timed_again_in_the_process_that_served_them(tmp_path: Path,
+                                                                            clean_ops: None) -> None:
+    """in_process_kernel_times: every tuned kernel this process's routes hold, timed through the search's
+    path beside its entry's time; vendor-served problems are not timed, an operand too large to
+    rotate beside a KV cache is named, not timed."""
+    import torch
+    from test_ops import _entry, make_table
+
+    from tunekit import ops
+    from tunekit.backends import get
+    from tunekit.serve import profile
+    from tunekit.shapes import Problem
+
+    params = get("triton").space(Problem("gemv", "bf16", 1, 40, 384)).default
+    ops.load_tables(str(make_table(tmp_path / "t.json", [_entry("gemv", 1, 40, 384, params=params)])))
+    torch.ops.tunekit.gemv(torch.randn(1, 384).bfloat16(), torch.randn(40, 384).bfloat16())  # tuned
+    torch.ops.tunekit.gemv(torch.randn(1, 256).bfloat16(), torch.randn(40, 256).bfloat16())  # no entry
+    got = profile.in_process_kernel_times()
+    assert list(got) == ["gemv 1x40x384"]
+    assert got["gemv 1x40x384"]["us"] > 0 and got["gemv 1x40x384"]["table_us"] == 1.0  # _entry's time
+    original = profile.IN_PROCESS_MAX_BYTES
+    try:
+        profile.IN_PROCESS_MAX_BYTES = 40 * 384 * 2  # one copy fits, the rotation's two do not
+        (row,) = profile.in_process_kernel_times().values()
+        assert row["error"] == "rotated operand too large beside the KV cache" and row["us"] != row["us"]  # NaN
+    finally:
+        profile.IN_PROCESS_MAX_BYTES = original
+
+
 def test_stop_after_leaves_the_rest_to_a_rerun(fake: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     lines: list[str] = []
     settings = _settings(processes=1, arms=("vanilla", "tuned"))

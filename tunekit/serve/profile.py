@@ -249,6 +249,52 @@ def decode_step_profile(generate: Callable[[int], Any], steps: int) -> dict[str,
             **_prefill_python(lambda: generate(1))}
 
 
+#: rotated operands larger than this are not timed in the engine's process (its KV cache holds most of the
+#: GPU's memory; lm_head's two 2.5 GB copies would not fit beside it)
+IN_PROCESS_MAX_BYTES = 2 << 30
+
+
+def in_process_kernel_times() -> dict[str, dict[str, float]]:
+    """Each tuned kernel this process serves, timed standalone here: ``{"op MxNxK": {"us": median,
+    "table_us": its entry's time}}``, through the search's own timing path (``tunekit.bench``: rotated
+    cold weights, a CUDA graph of launches of that kernel alone).
+
+    ``by_launch`` gives a kernel's time inside the decode step; this gives the same kernel's time in the
+    same process with the step's neighbours taken away. Where the in-step time exceeds the table's,
+    the two tell a kernel that is slower in this process (built, bound or placed differently) from
+    one that is slower among the step's other kernels. Problems whose rotated operand exceeds
+    :data:`IN_PROCESS_MAX_BYTES` are left out; a problem that fails to time records its error."""
+    import torch
+
+    from tunekit import opspec
+    from tunekit.bench import Rotation, rotation_copies, time_kernel
+    from tunekit.device import detect
+    from tunekit.serving.state import STATE
+    from tunekit.shapes import Problem
+
+    info = detect()
+    out: dict[str, dict[str, Any]] = {}
+    for (op, dtype, m, n, k, _device), choice in sorted(STATE.choices.items(), key=lambda kv: str(kv[0])):
+        if choice.kernel is None or not choice.impl.startswith("tuned:") or op not in opspec.OPS:
+            continue
+        problem = Problem(op, dtype, m, n, k)
+        key = f"{op} {m}x{n}x{k}"
+        row: dict[str, Any] = {"us": float("nan"),
+                               "table_us": float(choice.entry["time_us"]) if choice.entry else float("nan")}
+        weight_bytes = n * k * 2 if "gemv" in op else 0
+        if weight_bytes * rotation_copies(weight_bytes, info.l2_bytes) > IN_PROCESS_MAX_BYTES:
+            out[key] = row | {"error": "rotated operand too large beside the KV cache"}
+            continue
+        try:
+            rotation = Rotation(opspec.get(op), problem, info)
+            out[key] = row | {"us": time_kernel(choice.kernel, rotation).median_us}
+            del rotation
+        except Exception as exc:  # noqa: BLE001 - one problem's failure is recorded, the others still run
+            out[key] = row | {"error": f"{type(exc).__name__}: {exc}"}
+        torch.cuda.empty_cache()
+    return out
+
+
 def _prefill_python(run: Callable[[], Any]) -> dict[str, Any]:
     """Python's own profiler (cProfile) over ``run()``. torch's profiler sees aten ops and kernels, not
     the Python between them: ``prefill_python`` ({function: {"us": own time, "cum_us": inclusive time,
@@ -272,6 +318,7 @@ def arm_profile(rows: Iterable[dict[str, Any] | None]) -> dict[str, Any] | None:
             "kernels": statistics.median(p["kernels"] for p in profiles),
             "by_kernel": _medians([p.get("by_kernel", {}) for p in profiles], "kernels"),
             "by_launch": _medians([p.get("by_launch", {}) for p in profiles], "kernels"),
+            "in_process": _medians([p.get("in_process", {}) for p in profiles if "in_process" in p], "table_us"),
             "prefill_host": _medians([p.get("prefill_host", {}) for p in profiles], "calls"),
             "prefill_python": _medians([p.get("prefill_python", {}) for p in profiles], "calls"),
             "prefill_work": _prefill_work(profiles)}

@@ -412,7 +412,11 @@ def profile_row(generate: Any, steps: int, have_cuda: bool) -> dict[str, Any]:
     from tunekit.serve.profile import decode_step_profile
 
     try:
-        return {"profile": decode_step_profile(generate, steps)}
+        profile = decode_step_profile(generate, steps)
+        if os.environ.get("TUNEKIT_PROFILE_KERNELS") == "1":
+            from tunekit.serve.profile import in_process_kernel_times
+            profile["in_process"] = in_process_kernel_times()
+        return {"profile": profile}
     except Exception as e:  # noqa: BLE001 - any profiler failure; the report shows the message
         return {"profile": None, "profile_error": f"profiler failed: {type(e).__name__}: {e}"}
 
