@@ -68,5 +68,26 @@ case ${1:-} in
     tar czf "$OUT/serve-kern.tgz" -C /var/tmp serve-kern
     exit "$rc"
     ;;
-  *) echo "usage: $0 chain | serve SECONDS | insitu SECONDS" >&2; exit 2 ;;
+  noevict-search)
+    # the fused table searched again with no L2 eviction hint on W (W_EVICT=""), seeded with df17426's
+    # trials; the served step's L2 holds the token mixers' state, the chain's does not
+    bash benchmarks/serve_h200.sh carry >/dev/null
+    bash benchmarks/serve_h200.sh search /var/tmp/tab-noevict --model qwen3.5-27b --ops rms_gemv,gemv_add --m 1 \
+      --backend triton --trials 8 --timeout 60 --restrict W_EVICT= \
+      --seed-from "$res/h200-serve-merge-df17426/table/trials.csv" >/var/tmp/tab-noevict.log 2>&1 || rc=$?
+    mkdir -p "$OUT/tab-noevict"
+    cp /var/tmp/tab-noevict.log /var/tmp/tab-noevict/table.json /var/tmp/tab-noevict/final.csv "$OUT/tab-noevict/" || true
+    tail -n 5 /var/tmp/tab-noevict.log
+    exit "${rc:-0}"
+    ;;
+  noevict-serve)
+    # 16 layers (engine start within the budget left); the folded process's kernels also timed in-process
+    limit=$2
+    rc=0
+    TUNEKIT_PROFILE_KERNELS=1 bash benchmarks/serve_h200.sh serve "$limit" --model qwen3.5-27b --layers 16 \
+      --table "$main" --table /var/tmp/tab-noevict/table.json --arms vanilla,folded --batch 1 --tokens 64 \
+      --prompt-len 64 --repeats 2 --processes 1 --profile-steps 8 --out "$OUT/serve-noevict" || rc=$?
+    exit "$rc"
+    ;;
+  *) echo "usage: $0 chain | serve SECONDS | insitu SECONDS | noevict-search | noevict-serve SECONDS" >&2; exit 2 ;;
 esac
