@@ -82,11 +82,14 @@ case ${1:-} in
     ;;
   noevict-serve)
     # 16 layers (engine start within the budget left); the folded process's kernels also timed in-process
+    # (serve-bench resumes its --out: it must outlive the call, so it is /var/tmp's, copied to $OUT)
     limit=$2
+    out=/var/tmp/serve-noevict
     rc=0
     TUNEKIT_PROFILE_KERNELS=1 bash benchmarks/serve_h200.sh serve "$limit" --model qwen3.5-27b --layers 16 \
       --table "$main" --table /var/tmp/tab-noevict/table.json --arms vanilla,folded --batch 1 --tokens 64 \
-      --prompt-len 64 --repeats 2 --processes 1 --profile-steps 8 --out "$OUT/serve-noevict" || rc=$?
+      --prompt-len 64 --repeats 2 --processes 1 --profile-steps 8 --out "$out" || rc=$?
+    cp -r "$out" "$OUT/"
     exit "$rc"
     ;;
   *) echo "usage: $0 chain | serve SECONDS | insitu SECONDS | noevict-search | noevict-serve SECONDS" >&2; exit 2 ;;
