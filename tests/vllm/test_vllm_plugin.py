@@ -789,7 +789,7 @@ def test_compile_ranges_hook_is_skipped_where_vllm_lacks_its_pieces(plugin, monk
     broken.write_text("{not json")
     # a broken table beside a good one: the good one still ends the range (the ops log the broken one)
     monkeypatch.setenv("TUNEKIT_TABLE", f"{broken}{os.pathsep}{path}")
-    assert plugin._tables_largest_m() == 8
+    assert plugin._tables_tops() == {"gemv": 8}
     monkeypatch.setenv("TUNEKIT_TABLE", str(broken))
     assert plugin._install_compile_ranges() == (False, "the named tables hold no entry")
     # an older vLLM without compile ranges: skipped with the reason, nothing patched

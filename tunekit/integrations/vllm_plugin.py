@@ -294,11 +294,6 @@ def _tables_tops() -> dict[str, int]:
     return tops
 
 
-def _tables_largest_m() -> int | None:
-    """The largest M of any entry in the named tables, or None."""
-    return max(_tables_tops().values(), default=None)
-
-
 def _range_endpoints(tops: dict[str, int]) -> list[int]:
     """The compile-range endpoints for tables whose ops end at ``tops`` (vLLM takes endpoints above 1
     only, so an M=1 table ends the range [1, 2]): the largest M, and the largest M of each fused GEMV

@@ -180,7 +180,7 @@ class _Route:
             if self.run is not None and impl == "tuned:triton":
                 tried, self.launcher = launch.bound(self.run)
                 self.bind = not tried
-        vendor = None if self.run is not None else _vendor_name(op, x)
+        vendor = None if self.run is not None else _vendor_name(op)
         # the marker rows of what this route serves (tuned, or its fallback's vendor path), per capturing
         self.ticks = [counter(op, self.dtype, self.shape, self.m, False, impl, c, vendor).tick for c in (False, True)]
 
@@ -188,7 +188,7 @@ class _Route:
         return self.static is not None or STATE.choices.get(self.ckey) is self.choice
 
 
-def _vendor_name(op: str, x: torch.Tensor) -> str:
+def _vendor_name(op: str) -> str:
     # the GEMV of a fallback counts its own marker row (tuned, or the vendor GEMM and why)
     return "rms_norm+gemv" if op == "rms_gemv" else "gemv+add"
 
@@ -221,7 +221,7 @@ def _serve(op: str, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
         except RuntimeError:  # leading dims not flattenable without a copy
             reason = "strided"
     if reason is not None:
-        count(op, route.dtype, route.shape, route.m, False, f"fallback:{reason}", capturing, _vendor_name(op, x))
+        count(op, route.dtype, route.shape, route.m, False, f"fallback:{reason}", capturing, _vendor_name(op))
         out = vendor()
         return out if out.is_contiguous() else out.contiguous()
     try:
@@ -235,7 +235,7 @@ def _serve(op: str, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
                 route.run(inputs, out)
     except Exception as exc:  # the serving path never raises for tunekit's sake
         mark_broken(op, route.dtype, route.m, route.n, route.k, x.device, exc)
-        count(op, route.dtype, route.shape, route.m, False, "fallback:kernel_error", capturing, _vendor_name(op, x))
+        count(op, route.dtype, route.shape, route.m, False, "fallback:kernel_error", capturing, _vendor_name(op))
         out = vendor()
         return out if out.is_contiguous() else out.contiguous()
     route.ticks[capturing]()
