@@ -6,7 +6,7 @@
 # on the tables of h200-serve-merge-df17426 (main M=1 of 8031457 + fused M=1 of df17426), with the
 # GPU's clocks, temperatures and power sampled every 0.5 s.
 #
-#   bash benchmarks/served_gap_h200.sh chain          # chain_launch_profile.py at M=1 -> $OUT/chain
+#   bash benchmarks/served_gap_h200.sh chain          # tunekit chain --profile-replays 5 at M=1 -> $OUT/chain
 #                                                     # (a carried bundle part is kept, as `carry` does)
 #   bash benchmarks/served_gap_h200.sh serve SECONDS  # serve-bench vanilla,folded at batch 1, one process
 #                                                     # per arm with --profile-steps 8; rerun until it
@@ -25,7 +25,7 @@ case ${1:-} in
     nvidia-smi --query-gpu=$query --format=csv -lms 500 >"$OUT/chain/smi.csv" 2>/dev/null &
     smi=$!
     rc=0
-    python3 benchmarks/chain_launch_profile.py --model qwen3.5-27b --table "$main" --table "$fused" --m 1 \
+    python3 -m tunekit chain --model qwen3.5-27b --table "$main" --table "$fused" --m 1 --profile-replays 5 \
       --out "$OUT/chain" >"$OUT/chain/chain.log" 2>&1 || rc=$?
     kill "$smi" || true
     tail -n 12 "$OUT/chain/chain.log"
@@ -59,8 +59,8 @@ case ${1:-} in
     TUNEKIT_PROFILE_KERNELS=1 bash benchmarks/serve_h200.sh serve "$limit" --model qwen3.5-27b --table "$main" \
       --table "$fused" --arms vanilla,folded --batch 1 --tokens 128 --prompt-len 64 --repeats 3 --processes 1 \
       --profile-steps 8 --out "$out" || rc=$?
-    if [ "$rc" = 0 ] && [ ! -f "$out/chain-after/chain_launches.json" ]; then
-      python3 benchmarks/chain_launch_profile.py --model qwen3.5-27b --table "$main" --table "$fused" --m 1 \
+    if [ "$rc" = 0 ] && [ ! -f "$out/chain-after/chain.json" ]; then
+      python3 -m tunekit chain --model qwen3.5-27b --table "$main" --table "$fused" --m 1 --profile-replays 5 \
         --out "$out/chain-after" >"$out/chain-after.log" 2>&1 || rc=$?
       tail -n 4 "$out/chain-after.log"
     fi

@@ -56,6 +56,20 @@ def vendor_match(prefix: str, want: tuple[int, ...]):
     return lambda name, grid, prev: name.startswith(prefix) and grid == want
 
 
+def chain_launches(folder: Path) -> dict[str, dict]:
+    """{variant: {"wall_us", "busy_us", "gap_us", "kernels", "by_launch"}} of a chain's M=1 profile:
+    ``tunekit chain --profile-replays`` (chain.json rows with ``by_launch``), or the probe script this
+    result's first two calls ran (0802a99, ad3a8ee: chain_launches.json)."""
+    old = folder / "chain_launches.json"
+    if old.exists():
+        return json.loads(old.read_text())[0]["variants"]
+    rows = [r for r in json.loads((folder / "chain.json").read_text())["results"] if r["m"] == 1 and r.get("by_launch")]
+    return {r["variant"]: {"wall_us": r["step_us"], "by_launch": r["by_launch"],
+                           "busy_us": sum(v["us"] for v in r["by_launch"].values()),
+                           "gap_us": sum(v["gap_us"] for v in r["by_launch"].values()),
+                           "kernels": sum(v["kernels"] for v in r["by_launch"].values())} for r in rows}
+
+
 def _fmt(value: float | None) -> str:
     return "-" if value is None or value != value else f"{value:.2f}"
 
@@ -66,8 +80,7 @@ def main() -> None:
     for call in calls:
         served = json.loads((call / "serve/runs/folded-0.json").read_text())["batches"][0]["profile"]
         vanilla = json.loads((call / "serve/runs/vanilla-0.json").read_text())["batches"][0]["profile"]
-        chain_dir = next(d for d in (call / "chain", call / "chain-after") if d.exists())
-        chain = json.loads((chain_dir / "chain_launches.json").read_text())[0]["variants"]
+        chain = chain_launches(next(d for d in (call / "chain", call / "chain-after") if d.exists()))
         in_process = served.get("in_process", {})
         print(f"\n### {call.name}\n")
         print("| problem | table | chain | in-process standalone | served | served - chain, x count | "

@@ -142,6 +142,7 @@ def test_chain_cli_serves_tabulated_steps_on_the_interpreter(tiny: Path, tmp_pat
         (["chain", "--table", "x.json"], "--model or --config"),
         (["chain", "--model", "qwen3.5-27b", "--config", "c.json", "--table", "x.json"], "--model or --config"),
         (["chain", "--model", "qwen3.5-27b", "--table", "x.json", "--m", "9"], "1..8"),
+        (["chain", "--model", "qwen3.5-27b", "--table", "x.json", "--profile-replays", "-1"], "--profile-replays"),
     ],
 )
 def test_chain_cli_errors_are_one_line(args: list[str], fragment: str) -> None:
@@ -157,3 +158,37 @@ def test_corrupt_table_is_an_error_not_a_silent_vendor_run(tiny: Path, tmp_path:
     # refused before any chain is built: one line naming the file and what is wrong with it
     assert res.returncode == 2 and "corrupt table" in res.stderr and str(bad) in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_profiled_replays_are_read_per_replay_with_serve_benchs_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--profile-replays``: a graph's N replays under the profiler become one replay's by_launch rows
+    (serve-bench's key), largest first. The profiler itself needs a GPU: its trace is stubbed here."""
+    from tunekit import chain as chain_mod
+    from tunekit.serve import profile
+
+    class Graph:
+        replays = 0
+
+        def replay(self) -> None:
+            self.replays += 1
+
+    def trace(run, activity):
+        run()
+        events = []
+        for r in range(graph.replays):  # per replay: a norm, then a 40 us GEMV after it
+            t = 100.0 * r
+            events += [{"ph": "X", "cat": "kernel", "name": "_rms_norm_kernel", "ts": t, "dur": 2.0, "tid": 1},
+                       {"ph": "X", "cat": "kernel", "name": "_gemv_kernel", "ts": t + 3.0, "dur": 40.0, "tid": 1,
+                        "args": {"grid": [16480, 1, 1], "block": [32, 1, 1]}}]
+        assert activity == "CUDA"
+        return {"traceEvents": events}
+
+    graph = Graph()
+    monkeypatch.setattr(profile, "traced", trace)
+    rows = chain_mod._profiled_launches(graph, 4)
+    assert graph.replays == 4
+    assert list(rows) == ["tunekit_gemv: _gemv_kernel grid=(16480,1,1) block=(32,1,1) after=_rms_norm_kernel",
+                          "tunekit_elementwise: _rms_norm_kernel after=_gemv_kernel",  # 3 of 4 replays' norms
+                          "tunekit_elementwise: _rms_norm_kernel after=-"]  # the first has no predecessor
+    gemv = rows["tunekit_gemv: _gemv_kernel grid=(16480,1,1) block=(32,1,1) after=_rms_norm_kernel"]
+    assert gemv == {"us": 40.0, "kernels": 1.0, "gap_us": 1.0}  # per replay; the 1 us launch gap included

@@ -700,14 +700,21 @@ class VariantResult:
     rms_err_fp32: float | None = None  # rms |logits - the fp32 chain's logits| (vendor's is the BF16 noise floor)
     fused_steps: int = 0  # steps served by a fused kernel (tuned_fused): two or three per kernel
     fused_kernels: int = 0
+    #: with ``profile_replays``: one replay read as serve-bench reads a served step (per launch shape and
+    #: predecessor: ``tunekit.serve.profile.launch_totals``), divided by the replays profiled
+    by_launch: dict[str, dict[str, float]] | None = None
 
 
-def measure(chain: Chain, variants: Sequence[str], iters: int = 20, repeats: int = 15) -> list[VariantResult]:
+def measure(chain: Chain, variants: Sequence[str], iters: int = 20, repeats: int = 15,
+            profile_replays: int = 0) -> list[VariantResult]:
     """Capture each bound variant as one CUDA graph and time the replays interleaved (A B C A B C ...).
 
     Needs a GPU. Each variant is run eagerly twice first (compiles, builds and
     caches every kernel outside the capture), and its logits are compared with
-    the vendor variant's. Returns one result per variant, in order.
+    the vendor variant's. With ``profile_replays``, after the timing each graph's
+    replays are also read by torch's profiler with serve-bench's key (the same
+    GEMV problem is then the same row here and in a served step's ``by_launch``).
+    Returns one result per variant, in order.
     """
     if chain.device.type != "cuda":
         raise UserError("timing a chain needs a GPU (CUDA / ROCm); on the CPU use compare_eager")
@@ -735,10 +742,21 @@ def measure(chain: Chain, variants: Sequence[str], iters: int = 20, repeats: int
             end.record()
             end.synchronize()
             times[v].append(start.elapsed_time(end) * 1000.0 / iters)
+    launches = {v: _profiled_launches(graphs[v], profile_replays) for v in variants} if profile_replays else {}
     base = logits.get("vendor")
     ref = chain.forward_fp32()
-    return [_result(v, times[v], chain.kinds[v], logits[v], base, ref, len(chain.fused.get(v, ())))
-            for v in variants]
+    return [replace(_result(v, times[v], chain.kinds[v], logits[v], base, ref, len(chain.fused.get(v, ()))),
+                    by_launch=launches.get(v)) for v in variants]
+
+
+def _profiled_launches(graph: torch.cuda.CUDAGraph, replays: int) -> dict[str, dict[str, float]]:
+    """``replays`` replays of ``graph`` under torch's profiler, per launch shape and predecessor, per replay
+    (largest time first)."""
+    from tunekit.serve.profile import launch_totals, traced
+
+    trace = traced(lambda: [graph.replay() for _ in range(replays)], "CUDA")
+    rows = {key: {f: v / replays for f, v in row.items()} for key, row in launch_totals(trace).items()}
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1]["us"]))
 
 
 def _result(variant: str, times: list[float], kinds: list[str], logits: torch.Tensor,
@@ -826,9 +844,11 @@ def _vendor_elementwise(device: torch.device) -> dict[str, Callable[..., None]]:
 
 
 def run(spec: ModelSpec, tables: Sequence[str], m_list: Sequence[int], tp: int = 1, layers: int | None = None,
-        iters: int = 20, repeats: int = 15, seed: int = 0, log: Callable[[str], None] = print) -> dict[str, Any]:
+        iters: int = 20, repeats: int = 15, seed: int = 0, log: Callable[[str], None] = print,
+        profile_replays: int = 0) -> dict[str, Any]:
     """Build the chain of ``spec`` and measure every variant at each M (or, without a GPU, compare the
-    variants' logits eagerly). Returns the report as a JSON-ready dict (``tunekit chain`` writes it)."""
+    variants' logits eagerly). Returns the report as a JSON-ready dict (``tunekit chain`` writes it).
+    ``profile_replays``: each variant's row also holds ``by_launch`` (:func:`measure`)."""
     from tunekit import ops
     from tunekit.device import detect
 
@@ -904,7 +924,8 @@ def run(spec: ModelSpec, tables: Sequence[str], m_list: Sequence[int], tp: int =
         if len(variants) < len(VARIANTS):
             log(f"M={m} tuned_fused: " + ("the fusion check left every family out" if families else
                                           "no fused entry serves this M") + " (same as tuned), not measured")
-        results = measure(chain, variants, iters, repeats) if device.type == "cuda" else compare_eager(chain, variants)
+        results = measure(chain, variants, iters, repeats, profile_replays) if device.type == "cuda" \
+            else compare_eager(chain, variants)
         vendor_us = results[0].step_us
         for r in results:
             row = asdict(r) | {"m": m, "predicted_saving_us": predicted_saving_us(chain, entry_for, r.variant)}

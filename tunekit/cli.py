@@ -394,6 +394,9 @@ def chain(
     iters: Annotated[int, typer.Option(help="graph replays per timing")] = 20,
     repeats: Annotated[int, typer.Option(help="interleaved timings per variant (median)")] = 15,
     out: Annotated[Path | None, typer.Option(help="folder for chain.json")] = None,
+    profile_replays: Annotated[int, typer.Option(
+        help="after the timing, profile N replays of each variant's graph: kernel time and launch gap per "
+             "launch shape and predecessor (by_launch, as serve-bench --profile-steps reads a served step)")] = 0,
 ) -> None:
     """Time the model's tuned decode-step chain as one CUDA graph: vendor vs tuned GEMVs vs all tuned."""
     from tunekit import chain as chain_mod
@@ -406,6 +409,8 @@ def chain(
     m_list = shapes.parse_m_list(m, ("gemv",))
     if iters < 1 or repeats < 1:
         raise UserError("--iters and --repeats must be at least 1")
+    if profile_replays < 0:
+        raise UserError("--profile-replays must be 0 (off) or more")
     missing = [str(p) for p in table if not p.exists()]
     if missing:
         raise UserError(f"no such table: {', '.join(missing)}")
@@ -417,7 +422,7 @@ def chain(
         except table_mod.TableError as exc:
             raise UserError(f"table not usable: {exc}") from None
     report = chain_mod.run(spec, [str(p) for p in table], m_list, tp=tp, layers=layers, iters=iters,
-                           repeats=repeats, log=console.print)
+                           repeats=repeats, log=console.print, profile_replays=profile_replays)
     if not report["timed"]:
         console.print("no GPU: the variants' logits were compared eagerly; nothing was timed")
     if out is not None:

@@ -153,7 +153,7 @@ def top_kernels(step: dict[str, dict[str, float]], n: int = TOP_KERNELS) -> dict
     return dict(sorted(step.items(), key=lambda kv: -abs(kv[1]["us"]))[:n])
 
 
-def _traced(run: Callable[[], Any], activity: str) -> dict[str, Any]:
+def traced(run: Callable[[], Any], activity: str) -> dict[str, Any]:
     """The Chrome trace of ``run()`` under torch's profiler with one activity ("CUDA" or "CPU")."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -173,7 +173,7 @@ def _traced(run: Callable[[], Any], activity: str) -> dict[str, Any]:
 def profile_totals(run: Callable[[], Any]) -> tuple[dict[str, dict[str, float]], ...]:
     """Kernel totals of everything ``run()`` puts on the GPU (torch's profiler, CUDA activity only), per
     category, per kernel name and per launch shape (:func:`launch_totals`)."""
-    trace = _traced(run, "CUDA")
+    trace = traced(run, "CUDA")
     return kernel_totals(trace), kernel_totals(trace, by_name=True), launch_totals(trace)
 
 
@@ -197,7 +197,7 @@ def host_totals(trace: dict[str, Any], n: int = TOP_HOST_OPS) -> dict[str, dict[
 def host_profile(run: Callable[[], Any]) -> dict[str, dict[str, float]]:
     """The host ops of ``run()`` (torch's profiler, CPU activity only, so the kernel profiles stay free of
     its overhead): where a prefill's time goes when its kernels take the same time in both arms."""
-    return host_totals(_traced(run, "CPU"))
+    return host_totals(traced(run, "CPU"))
 
 
 #: Python functions kept from the cProfile-d 1-token generate (the largest by own time)
