@@ -455,6 +455,26 @@ def test_the_served_kernels_are_timed_again_in_the_process_that_served_them(tmp_
         profile.IN_PROCESS_MAX_BYTES = original
 
 
+def test_the_report_shows_each_arms_gemv_launches_and_in_process_timings(tmp_path: Path) -> None:
+    """serve.md: a tunekit arm's GEMV launches per launch (time, count and gap divided by the launches
+    per step; other categories and vanilla left out) and the in-process timings against the table."""
+    from tunekit.serve import report
+
+    gemv = "tunekit_gemv: _gemv_kernel grid=(34816,1,1) block=(32,1,1) after=_gemv_kernel"
+    serve = {"batches": [{"batch": 1, "profile": {
+        "vanilla": {"by_launch": {"vendor_gemm: nvjet grid=(4,23,1) block=(384,1,1) after=-":
+                                  {"us": 5600.0, "kernels": 64.0, "gap_us": 30.0}}},
+        "folded": {"by_launch": {gemv: {"us": 5324.8, "kernels": 64.0, "gap_us": 27.52},
+                                 "recurrence: fused_recurrent grid=(4,48,1) block=(32,1,1) after=x":
+                                     {"us": 178.0, "kernels": 48.0, "gap_us": 20.0}},
+                   "in_process": {"rms_gemv 1x34816x5120": {"us": 81.69, "table_us": 81.03},
+                                  "gemv 1x248320x5120": {"us": float("nan"), "table_us": 555.49}}}}}]}
+    assert report.tuned_launches_table(serve)[1] == [
+        ["1", "folded", "`_gemv_kernel grid=(34816,1,1) block=(32,1,1) after=_gemv_kernel`", "83.20", "64", "0.43"]]
+    assert report.in_process_table(serve)[1] == [["1", "folded", "gemv 1x248320x5120", "555.49", "-", "-"],
+                                                 ["1", "folded", "rms_gemv 1x34816x5120", "81.03", "81.69", "1.008"]]
+
+
 def test_stop_after_leaves_the_rest_to_a_rerun(fake: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     lines: list[str] = []
     settings = _settings(processes=1, arms=("vanilla", "tuned"))

@@ -336,12 +336,13 @@ def _prefill_work(profiles: Sequence[dict[str, Any]]) -> dict[str, float | None]
 
 
 def _medians(tables: Sequence[dict[str, dict[str, float]]], count: str) -> dict[str, dict[str, float]]:
-    """Per name in any of ``tables`` ({name: {"us", count}}, one per process), the median of each field;
-    a name missing from a process counts 0 there."""
+    """Per name in any of ``tables`` ({name: {"us", count, ...}}, one per process), the median of each
+    numeric field; a name or field missing from a process counts 0 there."""
     import statistics
 
-    zero = {"us": 0.0, count: 0.0}
-    return {k: {f: statistics.median(t.get(k, zero)[f] for t in tables) for f in ("us", count)}
+    fields = sorted({"us", count} | {f for t in tables for row in t.values() for f in row
+                                     if isinstance(row.get(f), (int, float))})
+    return {k: {f: statistics.median(t.get(k, {}).get(f, 0.0) for t in tables) for f in fields}
             for k in sorted({k for t in tables for k in t})}
 
 

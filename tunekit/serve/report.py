@@ -179,6 +179,40 @@ def kernel_changes_table(serve: dict[str, Any], n: int = 10) -> tuple[list[str],
     return head, rows
 
 
+def tuned_launches_table(serve: dict[str, Any], n: int = 8) -> tuple[list[str], list[list[str]]]:
+    """Per batch size and tunekit arm, its ``n`` tunekit GEMV launches with the most time per decode step
+    (``by_launch``: launch shape and the kernel before it), per launch: what the table's standalone
+    figure is checked against inside the step."""
+    head = ["B", "arm", "launch", "us per launch", "launches/step", "launch gap us"]
+    rows = []
+    for r in serve["batches"]:
+        for arm, prof in sorted((r.get("profile") or {}).items()):
+            if arm == "vanilla" or not prof:
+                continue
+            launches = [(k, v) for k, v in (prof.get("by_launch") or {}).items()
+                        if k.startswith("tunekit_gemv:") and v.get("kernels", 0) >= 0.5]
+            for key, v in sorted(launches, key=lambda kv: -kv[1]["us"])[:n]:
+                name = key.split(": ", 1)[1].replace("|", "/").replace("`", "")
+                rows.append([str(r["batch"]), arm, f"`{name}`", _f(v["us"] / v["kernels"], ".2f"),
+                             _f(v["kernels"], ".0f"), _f(v.get("gap_us", 0.0) / v["kernels"], ".2f")])
+    return head, rows
+
+
+def in_process_table(serve: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Per batch size and arm, each served tuned kernel timed standalone in the engine's process
+    (``TUNEKIT_PROFILE_KERNELS=1``) against its table entry."""
+    head = ["B", "arm", "problem", "table us", "in-process us", "in-process / table"]
+    rows = []
+    for r in serve["batches"]:
+        for arm, prof in sorted((r.get("profile") or {}).items()):
+            for problem, v in sorted(((prof or {}).get("in_process") or {}).items()):
+                us, table_us = v.get("us"), v.get("table_us")
+                ratio = us / table_us if us is not None and us == us and table_us else None
+                rows.append([str(r["batch"]), arm, problem, _f(table_us, ".2f"),
+                             _f(us if us == us else None, ".2f"), _f(ratio, ".3f")])
+    return head, rows
+
+
 def prefill_changes_table(serve: dict[str, Any], key: str, what: str,
                           n: int = 10) -> tuple[list[str], list[list[str]]]:
     """Per batch size, the ``n`` names of the 1-token generate's profile ``key`` of ``profile_compare``
@@ -287,6 +321,17 @@ def write_markdown(serve: dict[str, Any], path: Path) -> Path:
         if python[1]:
             lines += ["", "Python functions of another 1-token generate (cProfile; own time, among each process's "
                       f"{TOP_PY_FUNCS} largest): the host work between the ops.", "", _md_table(*python)]
+    # per arm, not vanilla against tuned: shown for a folded-only run too
+    launches = tuned_launches_table(serve)
+    if launches[1]:
+        lines += ["", "tunekit's GEMV launches inside the decode step (per launch shape and the kernel before it: "
+                  "one kernel name serves many problems), per launch: the table's standalone figures are checked "
+                  "against these:", "", _md_table(*launches)]
+    standalone = in_process_table(serve)
+    if standalone[1]:
+        lines += ["", "Each served tuned kernel timed standalone in the engine's own process after the profile "
+                  "(`TUNEKIT_PROFILE_KERNELS=1`; the search's timing path), against its table entry:", "",
+                  _md_table(*standalone)]
     if serve.get("notes"):
         lines += ["", "Notes:", ""] + [f"- {n}" for n in serve["notes"]]
     if path.with_suffix(".png").exists():
