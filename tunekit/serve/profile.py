@@ -5,15 +5,20 @@ predict. This tells the two possible causes apart by measurement, in the
 same engine process that was timed:
 
 * **GPU time.** torch's profiler (CUPTI) records every kernel; CUPTI reports
-  the kernels of vLLM's CUDA-graph replays one by one too (not yet checked on
-  the H200: the first GPU run should see tunekit's kernels by name in its
-  tuned rows). Two generates are profiled per
+  the kernels of vLLM's CUDA-graph replays one by one too (seen on the H200:
+  tunekit's kernels by name, grid and block). Two generates are profiled per
   batch size: 1 token (prefill) and ``1 + steps`` tokens. Their difference
   divided by ``steps`` is one decode step's kernel time and kernel count per
   category. This is the TPOT method applied to kernels, so prefill cancels
   out.
 * **What is not kernel time.** TPOT minus the step's kernel time: launch gaps,
   host work the graph does not hide, the scheduler.
+
+Kernel time is kept per category, per kernel name and per launch
+(:func:`launch_totals`: name, grid, block and the kernel before it, with the
+launch gap), the last so that one GEMV problem's launch inside the step can be
+set beside the same kernel in ``tunekit chain --profile-replays`` and beside
+its own standalone time in this process (:func:`in_process_kernel_times`).
 
 Categories are read from kernel names (:data:`CATEGORIES`, first match wins):
 tunekit's own kernels (Triton and HIP), the vendor GEMMs (cuBLAS / CUTLASS),
