@@ -19,6 +19,12 @@ def _f(value: float | None, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+def _section(lines: list[str], intro: str, table: tuple[list[str], list[list[str]]]) -> None:
+    """Append ``intro`` and ``table`` (head, rows) to the report's ``lines``, where the table has rows."""
+    if table[1]:
+        lines += ["", intro, "", _md_table(*table)]
+
+
 def _md_table(head: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -303,35 +309,25 @@ def write_markdown(serve: dict[str, Any], path: Path) -> Path:
                   f"a 1-token and a {_f(1 + steps if steps else None, 'd')}-token generate over {steps} steps; median "
                   "over processes). `saved` = vanilla - tuned; the `outside kernels` row is TPOT minus the step's "
                   "kernel time (launch gaps, host work), so kernel time + outside = TPOT.", "", _md_table(*prof)]
-        changes = kernel_changes_table(serve)
-        if changes[1]:
-            lines += ["", "The kernels whose time per decode step changed most (by name, among each process's "
-                      f"{TOP_KERNELS} largest):", "", _md_table(*changes)]
-        host = prefill_changes_table(serve, "prefill_host_changed", "host op")
-        if host[1]:
-            lines += ["", "Host ops of a 1-token generate (prefill + one step) whose CPU time changed most "
-                      f"(torch's profiler, CPU only; inclusive times, among each process's {TOP_HOST_OPS} "
-                      "largest): where time to first token goes when the kernels match.", "", _md_table(*host)]
-        work = prefill_work_table(serve)
-        if work[1]:
-            lines += ["", "Work of a 1-token generate, counted (medians over processes): kernels launched and "
-                      "Python calls made (cProfile). Equal counts with a longer time mean a slower host, not "
-                      "more host work.", "", _md_table(*work)]
-        python = prefill_changes_table(serve, "prefill_python_changed", "Python function")
-        if python[1]:
-            lines += ["", "Python functions of another 1-token generate (cProfile; own time, among each process's "
-                      f"{TOP_PY_FUNCS} largest): the host work between the ops.", "", _md_table(*python)]
+        _section(lines, "The kernels whose time per decode step changed most (by name, among each process's "
+                 f"{TOP_KERNELS} largest):", kernel_changes_table(serve))
+        _section(lines, "Host ops of a 1-token generate (prefill + one step) whose CPU time changed most "
+                 f"(torch's profiler, CPU only; inclusive times, among each process's {TOP_HOST_OPS} "
+                 "largest): where time to first token goes when the kernels match.",
+                 prefill_changes_table(serve, "prefill_host_changed", "host op"))
+        _section(lines, "Work of a 1-token generate, counted (medians over processes): kernels launched and "
+                 "Python calls made (cProfile). Equal counts with a longer time mean a slower host, not "
+                 "more host work.", prefill_work_table(serve))
+        _section(lines, "Python functions of another 1-token generate (cProfile; own time, among each process's "
+                 f"{TOP_PY_FUNCS} largest): the host work between the ops.",
+                 prefill_changes_table(serve, "prefill_python_changed", "Python function"))
     # per arm, not vanilla against tuned: shown for a folded-only run too
-    launches = tuned_launches_table(serve)
-    if launches[1]:
-        lines += ["", "tunekit's GEMV launches inside the decode step (per launch shape and the kernel before it: "
-                  "one kernel name serves many problems), per launch: the table's standalone figures are checked "
-                  "against these:", "", _md_table(*launches)]
-    standalone = in_process_table(serve)
-    if standalone[1]:
-        lines += ["", "Each served tuned kernel timed standalone in the engine's own process after the profile "
-                  "(`TUNEKIT_PROFILE_KERNELS=1`; the search's timing path), against its table entry:", "",
-                  _md_table(*standalone)]
+    _section(lines, "tunekit's GEMV launches inside the decode step (per launch shape and the kernel before it: "
+             "one kernel name serves many problems), per launch: the table's standalone figures are checked "
+             "against these:", tuned_launches_table(serve))
+    _section(lines, "Each served tuned kernel timed standalone in the engine's own process after the profile "
+             "(`TUNEKIT_PROFILE_KERNELS=1`; the search's timing path), against its table entry:",
+             in_process_table(serve))
     if serve.get("notes"):
         lines += ["", "Notes:", ""] + [f"- {n}" for n in serve["notes"]]
     if path.with_suffix(".png").exists():
