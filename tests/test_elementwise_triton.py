@@ -279,6 +279,24 @@ def test_rotation_rotates_activations_and_caps_copies() -> None:
     assert opspec.get(big.op).bytes_moved(big) == 3 * 4096 * 17408 * 2
 
 
+@pytest.mark.parametrize("op", sorted(opspec.OPS))
+def test_rotation_size_is_what_a_rotation_allocates(op: str) -> None:
+    """bench.rotation_size (what the in-process timing checks before it allocates) sizes every op's
+    rotation from meta tensors exactly as Rotation then builds it, on a GPU-described device (copies
+    from L2 and max_copies) and on the CPU (two)."""
+    from tunekit.bench import rotation_size
+
+    gpu = DeviceInfo("nvidia", "H200 (no run)", "sm_90", 132, 32, 1 << 20, 0, "cuda", "cpu")
+    problem = Problem(op, "bf16", 2, 96, 1024)
+    spec = opspec.get(op)
+    for device in (gpu, CPU_INFO):
+        rotation = Rotation(spec, problem, device)
+        allocated = sum(copy[i].numel() * copy[i].element_size() for copy in rotation.inputs
+                        for i in spec.rotated_inputs)
+        assert rotation_size(spec, problem, device) == (rotation.copies, allocated)
+    assert rotation_size(spec, problem, gpu)[0] > 2  # the L2 sets the copies here, not the floor
+
+
 def test_cpu_timing_of_a_two_output_kernel() -> None:
     problem = Problem("fused_add_rms_norm", "bf16", 2, 64, 64)
     kernel = TRITON.build(problem, _params(problem.op, False), CPU_INFO)

@@ -81,6 +81,20 @@ def rotation_copies(operand_bytes: int, l2_bytes: int) -> int:
     return max(2, math.ceil(L2_ROTATION_FACTOR * l2_bytes / max(operand_bytes, 1)))
 
 
+def rotation_size(spec: OpSpec, problem: Problem, device: DeviceInfo) -> tuple[int, int]:
+    """(copies, bytes of all copies) of the operands a :class:`Rotation` of ``problem`` rotates.
+
+    The copies' rotated operands (``OpSpec.rotated_inputs``) together reach >= 4x L2, capped by
+    ``OpSpec.max_copies``; two on a CPU. Sized from the op's own inputs built as meta tensors, so a
+    caller can decide whether a rotation fits before any memory is taken."""
+    meta = spec.make_inputs(problem, torch.device("meta"), torch.Generator())
+    one = sum(meta[i].numel() * meta[i].element_size() for i in spec.rotated_inputs)
+    copies = rotation_copies(one, device.l2_bytes) if device.is_gpu else 2
+    if spec.max_copies is not None:
+        copies = max(2, min(copies, spec.max_copies))
+    return copies, copies * one
+
+
 class Rotation:
     """Fresh random inputs for one problem with the large operands in ``copies`` copies.
 
@@ -95,10 +109,7 @@ class Rotation:
         gen = torch.Generator(device=tdev).manual_seed(seed)
         base = spec.make_inputs(problem, tdev, gen)
         rotated = spec.rotated_inputs
-        big_bytes = sum(base[i].numel() * base[i].element_size() for i in rotated)
-        copies = rotation_copies(big_bytes, device.l2_bytes) if device.is_gpu else 2
-        if spec.max_copies is not None:
-            copies = max(2, min(copies, spec.max_copies))
+        copies, _ = rotation_size(spec, problem, device)
         self.copies = copies
         self.inputs: list[tuple[torch.Tensor, ...]] = []
         for i in range(copies):

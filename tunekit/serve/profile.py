@@ -39,7 +39,7 @@ import json
 import os
 import re
 import tempfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,16 +77,19 @@ TOP_LAUNCHES = 80
 NAME_CHARS = 160
 
 
+def _device_events(trace: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str]]:
+    """(event, category) for each device event of a Chrome trace (kernels, memcpys, memsets), in file order."""
+    for event in trace.get("traceEvents", []):
+        if isinstance(event, dict) and event.get("ph") == "X" and event.get("cat") in _DEVICE_CATS:
+            yield event, _DEVICE_CATS[event["cat"]] or categorize(str(event.get("name", "")))
+
+
 def kernel_totals(trace: dict[str, Any], by_name: bool = False) -> dict[str, dict[str, float]]:
     """{category: {"us": summed duration, "kernels": count}} over a Chrome trace's device events;
     ``by_name``: keyed by ``"category: kernel name"`` instead (the name cut to NAME_CHARS)."""
     totals: dict[str, dict[str, float]] = {}
-    for event in trace.get("traceEvents", []):
-        if not isinstance(event, dict) or event.get("ph") != "X" or event.get("cat") not in _DEVICE_CATS:
-            continue
-        name = str(event.get("name", ""))
-        category = _DEVICE_CATS[event["cat"]] or categorize(name)
-        key = f"{category}: {name[:NAME_CHARS]}" if by_name else category
+    for event, category in _device_events(trace):
+        key = f"{category}: {str(event.get('name', ''))[:NAME_CHARS]}" if by_name else category
         slot = totals.setdefault(key, {"us": 0.0, "kernels": 0})
         slot["us"] += float(event.get("dur", 0.0))
         slot["kernels"] += 1
@@ -110,16 +113,13 @@ def launch_totals(trace: dict[str, Any]) -> dict[str, dict[str, float]]:
     predecessor is also what a launch's in-situ cost may depend on. ``gap_us`` sums the idle time
     between the previous event's end and this launch's start, where that is a launch gap
     (:data:`IN_GRAPH_GAP_US`)."""
-    events = [e for e in trace.get("traceEvents", [])
-              if isinstance(e, dict) and e.get("ph") == "X" and e.get("cat") in _DEVICE_CATS]
-    events.sort(key=lambda e: (str(e.get("tid", "")), float(e.get("ts", 0.0))))
+    events = sorted(_device_events(trace), key=lambda ec: (str(ec[0].get("tid", "")), float(ec[0].get("ts", 0.0))))
     totals: dict[str, dict[str, float]] = {}
     prev: dict[str, Any] | None = None
-    for event in events:
+    for event, category in events:
         if prev is not None and str(prev.get("tid", "")) != str(event.get("tid", "")):
             prev = None  # another stream: its first event has no predecessor here
         name = str(event.get("name", ""))
-        category = _DEVICE_CATS[event["cat"]] or categorize(name)
         args = event.get("args") or {}
         shape = "".join(f" {field}=({','.join(str(v) for v in args[field])})" for field in ("grid", "block")
                         if isinstance(args.get(field), list))
@@ -272,7 +272,7 @@ def in_process_kernel_times() -> dict[str, dict[str, float]]:
     import torch
 
     from tunekit import opspec
-    from tunekit.bench import Rotation, rotation_copies, time_kernel
+    from tunekit.bench import Rotation, rotation_size, time_kernel
     from tunekit.device import detect
     from tunekit.serving.state import STATE
     from tunekit.shapes import Problem
@@ -286,8 +286,7 @@ def in_process_kernel_times() -> dict[str, dict[str, float]]:
         key = f"{op} {m}x{n}x{k}"
         row: dict[str, Any] = {"us": float("nan"),
                                "table_us": float(choice.entry["time_us"]) if choice.entry else float("nan")}
-        weight_bytes = n * k * 2 if "gemv" in op else 0
-        if weight_bytes * rotation_copies(weight_bytes, info.l2_bytes) > IN_PROCESS_MAX_BYTES:
+        if rotation_size(opspec.get(op), problem, info)[1] > IN_PROCESS_MAX_BYTES:
             out[key] = row | {"error": "rotated operand too large beside the KV cache"}
             continue
         try:
