@@ -11,6 +11,12 @@
 #   bash benchmarks/served_gap_h200.sh serve SECONDS  # serve-bench vanilla,folded at batch 1, one process
 #                                                     # per arm with --profile-steps 8; rerun until it
 #                                                     # exits 0 (resumes /var/tmp/serve-gap)
+#   bash benchmarks/served_gap_h200.sh evict-ab hint|nohint SECONDS
+#                                                     # serve-bench vanilla,folded on the fused table with or
+#                                                     # without the W eviction hint (64 layers; resumes
+#                                                     # /var/tmp/evict-ab/VARIANT)
+#   bash benchmarks/served_gap_h200.sh pressure       # memory_pressure_probe.py: the tables' M=1 GEMVs on an
+#                                                     # empty GPU against one filled to 12 GiB free
 # Carry the vLLM bundle first (benchmarks/serve_h200.sh carry, one part per call); the last part travels
 # with SHA256SUMS and .whl on the first serve call.
 set -euo pipefail
@@ -80,17 +86,32 @@ case ${1:-} in
     tail -n 5 /var/tmp/tab-noevict.log
     exit "${rc:-0}"
     ;;
-  noevict-serve)
-    # 16 layers (engine start within the budget left); the folded process's kernels also timed in-process
-    # (serve-bench resumes its --out: it must outlive the call, so it is /var/tmp's, copied to $OUT)
-    limit=$2
-    out=/var/tmp/serve-noevict
+  evict-ab)
+    # the folded arm with the W eviction hint (df17426's fused table) or without it (tab-noevict, searched by
+    # noevict-search in call3-abf0b0d), each against its own vanilla, all 64 layers, in one lease;
+    # rerun until it exits 0 (resumes /var/tmp/evict-ab/VARIANT)
+    variant=$2 limit=$3
+    case $variant in
+      hint) fused_table=$fused ;;
+      nohint) fused_table=$res/h200-served-gap-ad3a8ee/call3-abf0b0d/tab-noevict/table.json ;;
+      *) echo "evict-ab takes hint or nohint" >&2; exit 2 ;;
+    esac
+    out=/var/tmp/evict-ab/$variant
+    mkdir -p "$out"
     rc=0
-    TUNEKIT_PROFILE_KERNELS=1 bash benchmarks/serve_h200.sh serve "$limit" --model qwen3.5-27b --layers 16 \
-      --table "$main" --table /var/tmp/tab-noevict/table.json --arms vanilla,folded --batch 1 --tokens 64 \
-      --prompt-len 64 --repeats 2 --processes 1 --profile-steps 8 --out "$out" || rc=$?
-    cp -r "$out" "$OUT/"
+    bash benchmarks/serve_h200.sh serve "$limit" --model qwen3.5-27b --table "$main" --table "$fused_table" \
+      --arms vanilla,folded --batch 1 --tokens 128 --prompt-len 64 --repeats 3 --processes 1 \
+      --profile-steps 8 --out "$out" || rc=$?
+    git rev-parse HEAD >"$out/commit.txt" 2>/dev/null || true
+    tar czf "$OUT/evict-ab-$variant.tgz" -C /var/tmp/evict-ab "$variant"
     exit "$rc"
     ;;
-  *) echo "usage: $0 chain | serve SECONDS | insitu SECONDS | noevict-search | noevict-serve SECONDS" >&2; exit 2 ;;
+  pressure)
+    # benchmarks/memory_pressure_probe.py on the served tables' M=1 GEMVs (a carried bundle part is kept)
+    bash benchmarks/serve_h200.sh carry >/dev/null
+    python3 benchmarks/memory_pressure_probe.py --table "$main" --table "$fused" --out "$OUT/pressure" \
+      2>&1 | tee "$OUT/pressure.log"
+    exit "${PIPESTATUS[0]}"
+    ;;
+  *) echo "usage: $0 chain | serve SECONDS | insitu SECONDS | noevict-search | evict-ab hint|nohint SECONDS | pressure" >&2; exit 2 ;;
 esac
