@@ -12,9 +12,15 @@ entry of the given tables in one fresh process under three conditions, rounds in
 - ``fill_before``: the GPU filled first, the operands allocated into what is left (the in-process
   timing's condition).
 
+After a large free the GPU is slower for a while: a 120 GB buffer freed (``torch.cuda.empty_cache``)
+left the 34816x5120 GEMV 13% slower for 0.3 s, 60 GB for 0.15 s (h200-memory-state-bd038d3), which
+is consistent with the driver clearing freed memory in the background at about 400 GB/s. Every
+condition therefore starts ``--settle-s`` after the previous condition's memory was released; with
+``--settle-s 0`` the probe measures that window too (its first run did: ``empty`` 11-12% slow).
+
 Every kernel is verified before it is timed (``tunekit.verify``); times come from ``tunekit.bench``.
 Usage (GPU): python benchmarks/memory_pressure_probe.py --table T [--table T2] [--leave-gib 12]
-[--rounds 3] --out DIR. Writes DIR/memory_pressure.json and prints one line per problem.
+[--rounds 3] [--settle-s 1] --out DIR. Writes DIR/memory_pressure.json and prints one line per problem.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -43,7 +50,8 @@ def _fill(leave_bytes: int) -> torch.Tensor | None:
     return torch.empty(size, dtype=torch.uint8, device="cuda") if size > 0 else None
 
 
-def _time_under(condition: str, kernel, spec, problem: Problem, device, leave_bytes: int) -> float:
+def _time_under(condition: str, kernel, spec, problem: Problem, device, leave_bytes: int, settle_s: float) -> float:
+    time.sleep(settle_s)  # the previous condition's freed memory is cleared before this one is timed
     fill = _fill(leave_bytes) if condition == "fill_before" else None
     rotation = Rotation(spec, problem, device)
     if condition == "fill_after":
@@ -60,6 +68,7 @@ def main() -> int:
     parser.add_argument("--table", action="append", required=True)
     parser.add_argument("--leave-gib", type=float, default=12.0, help="free memory left by a fill")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--settle-s", type=float, default=1.0, help="wait after each release of memory")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     device = detect()
@@ -82,7 +91,8 @@ def main() -> int:
         for r in range(args.rounds):
             order = CONDITIONS if r % 2 == 0 else tuple(reversed(CONDITIONS))
             for condition in order:
-                times[condition].append(_time_under(condition, kernel, spec, problem, device, leave))
+                times[condition].append(_time_under(condition, kernel, spec, problem, device, leave,
+                                                    args.settle_s))
         median = {c: statistics.median(v) for c, v in times.items()}
         row = {"problem": f"{problem.op} {problem.m}x{problem.n}x{problem.k}", "table_us": entry["time_us"],
                "count": entry.get("count"), "us": median, "rounds": times,
@@ -96,7 +106,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     free, total = torch.cuda.mem_get_info()
     doc = {"device": device.as_dict(), "torch": torch.__version__, "leave_gib": args.leave_gib,
-           "rounds": args.rounds, "tables": args.table, "memory_total": total, "rows": rows}
+           "settle_s": args.settle_s, "rounds": args.rounds, "tables": args.table, "memory_total": total, "rows": rows}
     (args.out / "memory_pressure.json").write_text(json.dumps(doc, indent=1))
     return 0
 
