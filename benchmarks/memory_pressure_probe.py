@@ -18,6 +18,8 @@ is consistent with the driver clearing freed memory in the background at about 4
 condition therefore starts ``--settle-s`` after the previous condition's memory was released; with
 ``--settle-s 0`` the probe measures that window too (its first run did: ``empty`` 11-12% slow).
 
+The vendor path (``tunekit.backends.vendor``: cuBLAS, and the unfused sequence of a fused op) is timed
+beside each entry, interleaved on the same operands, so each condition also gives the entry's speedup.
 Every kernel is verified before it is timed (``tunekit.verify``); times come from ``tunekit.bench``.
 Usage (GPU): python benchmarks/memory_pressure_probe.py --table T [--table T2] [--leave-gib 12]
 [--rounds 3] [--settle-s 1] --out DIR. Writes DIR/memory_pressure.json and prints one line per problem.
@@ -37,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tunekit import opspec, table, verify  # noqa: E402
 from tunekit.backends import get  # noqa: E402
-from tunekit.bench import Rotation, time_kernel  # noqa: E402
+from tunekit.bench import Rotation, time_interleaved  # noqa: E402
 from tunekit.device import detect  # noqa: E402
 from tunekit.shapes import Problem  # noqa: E402
 
@@ -50,14 +52,15 @@ def _fill(leave_bytes: int) -> torch.Tensor | None:
     return torch.empty(size, dtype=torch.uint8, device="cuda") if size > 0 else None
 
 
-def _time_under(condition: str, kernel, spec, problem: Problem, device, leave_bytes: int, settle_s: float) -> float:
+def _time_under(condition: str, kernels: dict, spec, problem: Problem, device, leave_bytes: int,
+                settle_s: float) -> dict[str, float]:
     time.sleep(settle_s)  # the previous condition's freed memory is cleared before this one is timed
     fill = _fill(leave_bytes) if condition == "fill_before" else None
     rotation = Rotation(spec, problem, device)
     if condition == "fill_after":
         fill = _fill(leave_bytes)
     try:
-        return time_kernel(kernel, rotation).median_us
+        return {name: t.median_us for name, t in time_interleaved(kernels, rotation).items()}
     finally:
         del rotation, fill
         torch.cuda.empty_cache()
@@ -82,25 +85,33 @@ def main() -> int:
     for entry in entries:
         problem = Problem(entry["op"], entry["dtype"], 1, entry["n"], entry["k"])
         spec = opspec.get(problem.op)
-        kernel = get(entry["backend"]).build(problem, entry["params"], device)
-        check = verify.verify(kernel, spec, problem, torch.device(device.torch_device), seed=0)
-        if not check.ok:
-            rows.append({"problem": str(problem), "error": "verification failed"})
+        kernels = {"tuned": get(entry["backend"]).build(problem, entry["params"], device)}
+        if get("vendor").invalid_reason(problem, {}) is None:
+            kernels["vendor"] = get("vendor").build(problem, {}, device)
+        failed = [name for name, kernel in kernels.items()
+                  if not verify.verify(kernel, spec, problem, torch.device(device.torch_device), seed=0).ok]
+        if failed:
+            rows.append({"problem": str(problem), "error": f"verification failed: {', '.join(failed)}"})
             continue
-        times: dict[str, list[float]] = {c: [] for c in CONDITIONS}
+        times: dict[str, dict[str, list[float]]] = {name: {c: [] for c in CONDITIONS} for name in kernels}
         for r in range(args.rounds):
             order = CONDITIONS if r % 2 == 0 else tuple(reversed(CONDITIONS))
             for condition in order:
-                times[condition].append(_time_under(condition, kernel, spec, problem, device, leave,
-                                                    args.settle_s))
-        median = {c: statistics.median(v) for c, v in times.items()}
+                got = _time_under(condition, kernels, spec, problem, device, leave, args.settle_s)
+                for name, us in got.items():
+                    times[name][condition].append(us)
+        median = {name: {c: statistics.median(v) for c, v in per.items()} for name, per in times.items()}
+        tuned = median["tuned"]
         row = {"problem": f"{problem.op} {problem.m}x{problem.n}x{problem.k}", "table_us": entry["time_us"],
-               "count": entry.get("count"), "us": median, "rounds": times,
-               "fill_before_vs_empty": median["fill_before"] / median["empty"],
-               "fill_after_vs_empty": median["fill_after"] / median["empty"]}
+               "table_baseline_us": entry.get("baseline_us"), "count": entry.get("count"), "us": median,
+               "rounds": times, "fill_before_vs_empty": tuned["fill_before"] / tuned["empty"],
+               "fill_after_vs_empty": tuned["fill_after"] / tuned["empty"]}
+        if "vendor" in median:
+            row["speedup"] = {c: median["vendor"][c] / tuned[c] for c in CONDITIONS}
         rows.append(row)
         print(f"{row['problem']:<28} table {entry['time_us']:8.2f}  " + "  ".join(
-            f"{c} {median[c]:8.2f}" for c in CONDITIONS)
+            f"{c} {tuned[c]:8.2f}" + (f" (x{row['speedup'][c]:.3f})" if "speedup" in row else "")
+            for c in CONDITIONS)
             + f"  before/empty {row['fill_before_vs_empty']:.4f}  after/empty {row['fill_after_vs_empty']:.4f}",
             flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
