@@ -14,15 +14,21 @@ entry of the given tables in one fresh process under three conditions, rounds in
 
 After a large free the GPU is slower for a while: a 120 GB buffer freed (``torch.cuda.empty_cache``)
 left the 34816x5120 GEMV 13% slower for 0.3 s, 60 GB for 0.15 s (h200-memory-state-bd038d3), which
-is consistent with the driver clearing freed memory in the background at about 400 GB/s. Every
-condition therefore starts ``--settle-s`` after the previous condition's memory was released; with
-``--settle-s 0`` the probe measures that window too (its first run did: ``empty`` 11-12% slow).
+is consistent with the driver clearing freed memory in the background at about 400 GB/s. Each
+condition's memory is therefore released with ``tunekit.bench.release_memory``, which waits while the
+driver clears it; ``--no-wait`` frees without waiting, as the probe's first run did (``empty`` then
+11-12% slow: it ran in the window the condition before had left).
 
 The vendor path (``tunekit.backends.vendor``: cuBLAS, and the unfused sequence of a fused op) is timed
 beside each entry, interleaved on the same operands, so each condition also gives the entry's speedup.
+``--free-window OP:NxK`` measures that window itself for the table's M=1 entry of that problem: the
+kernel timed over and over (3 repeats a time) for 3 s after a buffer of each of ``--free-gib`` GB was
+allocated and freed without waiting, and after nothing was freed.
+
 Every kernel is verified before it is timed (``tunekit.verify``); times come from ``tunekit.bench``.
 Usage (GPU): python benchmarks/memory_pressure_probe.py --table T [--table T2] [--leave-gib 12]
-[--rounds 3] [--settle-s 1] --out DIR. Writes DIR/memory_pressure.json and prints one line per problem.
+[--rounds 3] [--no-wait] [--free-window rms_gemv:34816x5120 [--free-gib 120,60]] --out DIR.
+Writes DIR/memory_pressure.json and prints one line per problem.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tunekit import opspec, table, verify  # noqa: E402
 from tunekit.backends import get  # noqa: E402
-from tunekit.bench import Rotation, time_interleaved  # noqa: E402
+from tunekit.bench import Rotation, release_memory, time_interleaved, time_kernel  # noqa: E402
 from tunekit.device import detect  # noqa: E402
 from tunekit.shapes import Problem  # noqa: E402
 
@@ -53,8 +59,7 @@ def _fill(leave_bytes: int) -> torch.Tensor | None:
 
 
 def _time_under(condition: str, kernels: dict, spec, problem: Problem, device, leave_bytes: int,
-                settle_s: float) -> dict[str, float]:
-    time.sleep(settle_s)  # the previous condition's freed memory is cleared before this one is timed
+                wait: bool) -> dict[str, float]:
     fill = _fill(leave_bytes) if condition == "fill_before" else None
     rotation = Rotation(spec, problem, device)
     if condition == "fill_after":
@@ -63,7 +68,35 @@ def _time_under(condition: str, kernels: dict, spec, problem: Problem, device, l
         return {name: t.median_us for name, t in time_interleaved(kernels, rotation).items()}
     finally:
         del rotation, fill
-        torch.cuda.empty_cache()
+        if wait:
+            release_memory()
+        else:
+            torch.cuda.empty_cache()
+
+
+def _free_window(kernel, spec, problem: Problem, device, sizes_gib: list[float], seconds: float = 3.0) -> dict:
+    """{"free_<G>gib" / "none": [(seconds since the free, median us), ...]}: the kernel timed back to back
+    after a buffer of G GiB was freed without waiting, and after nothing was freed."""
+    rotation = Rotation(spec, problem, device)
+    series: dict[str, list[tuple[float, float]]] = {}
+    for gib in [*sizes_gib, 0.0]:
+        for _ in range(3):
+            time_kernel(kernel, rotation, repeats=3)  # warm, and past any earlier window
+        release_memory()
+        if gib:
+            buffer = torch.empty(int(gib * (1 << 30)), dtype=torch.uint8, device="cuda")
+            torch.cuda.synchronize()
+            del buffer
+            torch.cuda.empty_cache()
+            torch.cuda.synchronize()
+        start, points = time.perf_counter(), []
+        while time.perf_counter() - start < seconds:
+            us = time_kernel(kernel, rotation, repeats=3).median_us
+            points.append((round(time.perf_counter() - start, 4), us))
+        series[f"free_{gib:g}gib" if gib else "none"] = points
+    del rotation
+    release_memory()
+    return series
 
 
 def main() -> int:
@@ -71,7 +104,9 @@ def main() -> int:
     parser.add_argument("--table", action="append", required=True)
     parser.add_argument("--leave-gib", type=float, default=12.0, help="free memory left by a fill")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--settle-s", type=float, default=1.0, help="wait after each release of memory")
+    parser.add_argument("--no-wait", action="store_true", help="free memory without waiting while it is cleared")
+    parser.add_argument("--free-window", metavar="OP:NxK", help="also time this entry after large frees")
+    parser.add_argument("--free-gib", default="120,60", help="the buffers freed for --free-window, GiB")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     device = detect()
@@ -97,7 +132,7 @@ def main() -> int:
         for r in range(args.rounds):
             order = CONDITIONS if r % 2 == 0 else tuple(reversed(CONDITIONS))
             for condition in order:
-                got = _time_under(condition, kernels, spec, problem, device, leave, args.settle_s)
+                got = _time_under(condition, kernels, spec, problem, device, leave, not args.no_wait)
                 for name, us in got.items():
                     times[name][condition].append(us)
         median = {name: {c: statistics.median(v) for c, v in per.items()} for name, per in times.items()}
@@ -114,10 +149,24 @@ def main() -> int:
             for c in CONDITIONS)
             + f"  before/empty {row['fill_before_vs_empty']:.4f}  after/empty {row['fill_after_vs_empty']:.4f}",
             flush=True)
+    window = None
+    if args.free_window:
+        op, shape = args.free_window.split(":")
+        n, k = (int(v) for v in shape.split("x"))
+        entry = next(e for e in entries if (e["op"], e["n"], e["k"]) == (op, n, k))
+        problem = Problem(op, entry["dtype"], 1, n, k)
+        kernel = get(entry["backend"]).build(problem, entry["params"], device)
+        window = _free_window(kernel, opspec.get(op), problem, device, [float(g) for g in args.free_gib.split(",")])
+        quiet = statistics.median(us for _, us in window["none"])
+        for name, points in window.items():
+            slow = [t for t, us in points if us > 1.05 * quiet]
+            print(f"free window {args.free_window} {name}: first {points[0][1]:.2f} us, last {points[-1][1]:.2f} us,"
+                  f" >5% over the no-free median until {max(slow) if slow else 0:.3f} s", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     free, total = torch.cuda.mem_get_info()
     doc = {"device": device.as_dict(), "torch": torch.__version__, "leave_gib": args.leave_gib,
-           "settle_s": args.settle_s, "rounds": args.rounds, "tables": args.table, "memory_total": total, "rows": rows}
+           "wait_after_free": not args.no_wait, "rounds": args.rounds, "tables": args.table, "memory_total": total,
+           "rows": rows, "free_window": window}
     (args.out / "memory_pressure.json").write_text(json.dumps(doc, indent=1))
     return 0
 

@@ -76,6 +76,28 @@ def _summarise(samples: list[float], launches: int, copies: int, kind: str) -> T
     )
 
 
+#: Device memory returned to the driver is cleared by it in the background, and a bandwidth-bound kernel
+#: timed meanwhile runs slow: on an H200 a 34816x5120 GEMV took 13% longer for 0.3 s after 120 GB were
+#: freed, for 0.15 s after 60 GB (about 400 GB/s; benchmarks/results/h200-memory-state-bd038d3).
+#: :func:`release_memory` waits at half that rate.
+FREED_CLEAR_BYTES_PER_S = 200e9
+
+
+def release_memory() -> float:
+    """Return the caching allocator's unused device memory to the driver (``torch.cuda.empty_cache``) and
+    wait until the driver has cleared it, so that nothing timed next shares the memory system with that
+    clearing. Returns the seconds waited (0 where no GPU was used or nothing was returned)."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return 0.0
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    torch.cuda.empty_cache()
+    wait = max(0, before - torch.cuda.memory_reserved()) / FREED_CLEAR_BYTES_PER_S
+    if wait > 0:
+        time.sleep(wait)
+    return wait
+
+
 def rotation_copies(operand_bytes: int, l2_bytes: int) -> int:
     """Copies of the large operand so that their sum is >= 4x L2 (at least 2)."""
     return max(2, math.ceil(L2_ROTATION_FACTOR * l2_bytes / max(operand_bytes, 1)))

@@ -107,6 +107,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tunekit.bench import release_memory
 from tunekit.errors import UserError
 from tunekit.models.spec import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
 from tunekit.opspec import EPS, interleave_gate_up
@@ -938,7 +939,7 @@ def run(spec: ModelSpec, tables: Sequence[str], m_list: Sequence[int], tp: int =
             log(_line(row, device.type == "cuda"))
         del chain
         if device.type == "cuda":
-            torch.cuda.empty_cache()
+            release_memory()  # the next M's chain is timed after the driver has cleared this one's weights
     return report
 
 

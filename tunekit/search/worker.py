@@ -167,11 +167,10 @@ class _ChildState:
         return self._rotation
 
     def _sync_free(self) -> None:
-        import torch
+        from tunekit.bench import release_memory
 
         if self.device.is_gpu:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+            release_memory()  # and wait while the driver clears it: a timing next would share the memory system
 
     def _build(self, backend_name: str, problem, params: dict):
         import json

@@ -269,10 +269,9 @@ def in_process_kernel_times() -> dict[str, dict[str, float]]:
     the two tell a kernel that is slower in this process (built, bound or placed differently) from
     one that is slower among the step's other kernels. Problems whose rotated operand exceeds
     :data:`IN_PROCESS_MAX_BYTES` are left out; a problem that fails to time records its error."""
-    import torch
 
     from tunekit import opspec
-    from tunekit.bench import Rotation, rotation_size, time_kernel
+    from tunekit.bench import Rotation, release_memory, rotation_size, time_kernel
     from tunekit.device import detect
     from tunekit.serving.state import STATE
     from tunekit.shapes import Problem
@@ -295,7 +294,7 @@ def in_process_kernel_times() -> dict[str, dict[str, float]]:
             del rotation
         except Exception as exc:  # noqa: BLE001 - one problem's failure is recorded, the others still run
             out[key] = row | {"error": f"{type(exc).__name__}: {exc}"}
-        torch.cuda.empty_cache()
+        release_memory()
     return out
 
 
