@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tunekit.errors import UserError
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -86,5 +88,8 @@ def test_restrict_values_are_parsed_against_the_selected_spaces() -> None:
     from tunekit.shapes import Problem
 
     problems = [Problem("gemv", "bf16", 1, 96, 256)]
-    parsed = _parse_restrict(["W_EVICT=,evict_first", "M_MODE=dot, dot_w", "MMA=1"], problems, ["triton", "hip"])
-    assert parsed == {"W_EVICT": ("", "evict_first"), "M_MODE": ("dot", "dot_w"), "MMA": ("1",)}
+    parsed = _parse_restrict(["M_MODE=dot, dot_w", "MMA=1"], problems, ["triton", "hip"])
+    assert parsed == {"M_MODE": ("dot", "dot_w"), "MMA": ("1",)}
+    # W_EVICT is fixed (not searched: it cost served time), so it cannot be restricted either
+    with pytest.raises(UserError, match="W_EVICT: no selected backend has this tunable"):
+        _parse_restrict(["W_EVICT=evict_first"], problems, ["triton"])

@@ -80,17 +80,32 @@ def test_search_measures_the_seed_right_after_the_default(tmp_path) -> None:
 
 
 def test_a_seed_without_a_restricted_tunable_takes_the_allowed_value(tmp_path) -> None:
-    # recorded before W_EVICT existed; --restrict leaves W_EVICT's default ("") out
+    # recorded without num_stages (as if before it existed); --restrict leaves its default (2) out
     seed = {"BLOCK_N": 2, "BLOCK_K": 128, "num_warps": 2}
     csv = _trials_csv(tmp_path / "trials.csv", [(1, 96, 256, seed, 1.0, "ok")])
     cfg = SearchConfig(problems=[Problem("gemv", "bf16", 1, 96, 256)], backends=["triton"],
                        out_dir=tmp_path / "run", trials=1, seed_from=(csv,), warm_start=0,
-                       restrict={"W_EVICT": ("evict_first",)})
+                       restrict={"num_stages": ("3",)})
     run_search(cfg)
     storage = f"sqlite:///{tmp_path / 'run' / 'optuna.db'}"
     (summary,) = [s for s in optuna.get_all_study_summaries(storage) if s.study_name.endswith("triton|bounded")]
     (first,) = optuna.load_study(study_name=summary.study_name, storage=storage).get_trials(deepcopy=False)[:1]
-    assert {k: first.params[k] for k in seed} == seed and first.params["W_EVICT"] == "evict_first"
+    assert {k: first.params[k] for k in seed} == seed and first.params["num_stages"] == 3
+
+
+def test_a_seed_recorded_with_a_fixed_tunable_keeps_its_tile_config(tmp_path) -> None:
+    # trials recorded while W_EVICT was searched (evict_first) seed the same tile without the hint
+    seed = {"BLOCK_N": 2, "BLOCK_K": 128, "num_warps": 2, "W_EVICT": "evict_first"}
+    csv = _trials_csv(tmp_path / "trials.csv", [(1, 96, 256, seed, 1.0, "ok")])
+    cfg = SearchConfig(problems=[Problem("gemv", "bf16", 1, 96, 256)], backends=["triton"],
+                       out_dir=tmp_path / "run", trials=2, seed_from=(csv,), warm_start=0)
+    run_search(cfg)
+    storage = f"sqlite:///{tmp_path / 'run' / 'optuna.db'}"
+    (summary,) = [s for s in optuna.get_all_study_summaries(storage) if s.study_name.endswith("triton|bounded")]
+    trials = optuna.load_study(study_name=summary.study_name, storage=storage).get_trials(deepcopy=False)
+    assert "W_EVICT" not in trials[1].params
+    assert {k: trials[1].params[k] for k in ("BLOCK_N", "BLOCK_K", "num_warps")} == {"BLOCK_N": 2, "BLOCK_K": 128,
+                                                                                    "num_warps": 2}
 
 
 def test_a_seed_recorded_with_another_value_of_a_pinned_tunable_is_kept() -> None:

@@ -177,7 +177,7 @@ def search(
     trial_timeout: Annotated[float, typer.Option(help="seconds before a stuck candidate is killed")] = 180.0,
     restrict: Annotated[list[str] | None, typer.Option(
         help="NAME=V1,V2 (repeatable): search only these values of a tunable, in every backend that has it, "
-             "e.g. MMA=1 or M_MODE=dot,dot_w (an empty value where the domain has one: W_EVICT=,evict_first)")] = None,
+             "e.g. MMA=1 or M_MODE=dot,dot_w (an empty value where the domain has one)")] = None,
     progress: Annotated[bool, typer.Option(help="show progress bars")] = True,
 ) -> None:
     """Search the best verified kernel per problem; write trials and the dispatch table.
@@ -245,7 +245,7 @@ def _parse_restrict(items: list[str], problems: list, backends: list[str]) -> di
         key = key.strip()
         if not sep or not key:
             raise UserError(f"--restrict {item!r}: expected NAME=VALUE[,VALUE...]")
-        # an empty value is a value where the domain has one (W_EVICT="": no hint)
+        # an empty value is a value where the domain has one (a plugin's space, say)
         values = tuple(dict.fromkeys(v.strip() for v in text.split(",")))
         if "" in values and "" not in domains.get(key, ()):
             raise UserError(f"--restrict {item!r}: expected NAME=VALUE[,VALUE...]")
