@@ -15,6 +15,10 @@
 #                                                     # serve-bench vanilla,folded on the fused table with or
 #                                                     # without the W eviction hint (64 layers; resumes
 #                                                     # /var/tmp/evict-ab/VARIANT)
+#   bash benchmarks/served_gap_h200.sh fixed SECONDS  # the fused table searched with W_EVICT fixed to no hint
+#                                                     # (seeded with df17426's and tab-noevict's trials), then
+#                                                     # serve-bench vanilla,folded at batch 1, two processes
+#                                                     # per arm (resumes /var/tmp/fixed)
 #   bash benchmarks/served_gap_h200.sh pressure       # memory_pressure_probe.py: the tables' M=1 GEMVs on an
 #                                                     # empty GPU against one filled to 12 GiB free
 # Carry the vLLM bundle first (benchmarks/serve_h200.sh carry, one part per call); the last part travels
@@ -106,6 +110,28 @@ case ${1:-} in
     tar czf "$OUT/evict-ab-$variant.tgz" -C /var/tmp/evict-ab "$variant"
     exit "$rc"
     ;;
+  fixed)
+    # the spaces of 5d667ff no longer search W_EVICT: the seeds recorded with the hint keep their tiles
+    limit=$2
+    out=/var/tmp/fixed
+    mkdir -p "$out"
+    rc=0
+    if [ ! -f "$out/tab/table.json" ]; then
+      bash benchmarks/serve_h200.sh search "$out/tab" --model qwen3.5-27b --ops rms_gemv,gemv_add --m 1 \
+        --backend triton --trials 12 --timeout 150 --seed-from "$res/h200-serve-merge-df17426/table/trials.csv" \
+        --seed-from "$res/h200-served-gap-ad3a8ee/call3-abf0b0d/tab-noevict/table.json" >"$out/search.log" 2>&1 || rc=$?
+      tail -n 20 "$out/search.log"
+    fi
+    if [ "$rc" = 0 ]; then
+      bash benchmarks/serve_h200.sh serve "$limit" --model qwen3.5-27b --table "$main" --table "$out/tab/table.json" \
+        --arms vanilla,folded --batch 1 --tokens 128 --prompt-len 64 --repeats 3 --processes 2 \
+        --profile-steps 8 --out "$out/serve" || rc=$?
+    fi
+    git rev-parse HEAD >"$out/commit.txt" 2>/dev/null || true
+    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv >"$out/gpu.txt" || true
+    tar czf "$OUT/fixed.tgz" -C /var/tmp fixed
+    exit "$rc"
+    ;;
   pressure)
     # benchmarks/memory_pressure_probe.py on the served tables' M=1 GEMVs (a carried bundle part is kept)
     bash benchmarks/serve_h200.sh carry >/dev/null
@@ -113,5 +139,5 @@ case ${1:-} in
       2>&1 | tee "$OUT/pressure.log"
     exit "${PIPESTATUS[0]}"
     ;;
-  *) echo "usage: $0 chain | serve SECONDS | insitu SECONDS | noevict-search | evict-ab hint|nohint SECONDS | pressure" >&2; exit 2 ;;
+  *) echo "usage: $0 chain | serve SECONDS | insitu SECONDS | noevict-search | evict-ab hint|nohint SECONDS | fixed SECONDS | pressure" >&2; exit 2 ;;
 esac
