@@ -17,7 +17,7 @@
 #                                                     # /var/tmp/evict-ab/VARIANT)
 #   bash benchmarks/served_gap_h200.sh fixed SECONDS  # the fused table searched with W_EVICT fixed to no hint
 #                                                     # (seeded with df17426's and tab-noevict's trials), then
-#                                                     # serve-bench vanilla,folded at batch 1, two processes
+#                                                     # serve-bench vanilla,folded at batch 1, one process
 #                                                     # per arm (resumes /var/tmp/fixed)
 #   bash benchmarks/served_gap_h200.sh pressure       # memory_pressure_probe.py: the tables' M=1 GEMVs on an
 #                                                     # empty GPU against one filled to 12 GiB free
@@ -129,7 +129,7 @@ case ${1:-} in
     fi
     if [ "$rc" = 0 ]; then
       bash benchmarks/serve_h200.sh serve "$left" --model qwen3.5-27b --table "$main" --table "$out/tab/table.json" \
-        --arms vanilla,folded --batch 1 --tokens 128 --prompt-len 64 --repeats 3 --processes 2 \
+        --arms vanilla,folded --batch 1 --tokens 128 --prompt-len 64 --repeats 3 --processes 1 \
         --profile-steps 8 --out "$out/serve" || rc=$?
     fi
     git rev-parse HEAD >"$out/commit.txt" 2>/dev/null || true
