@@ -67,42 +67,33 @@ def test_a_missing_or_foreign_seed_file_is_one_clear_error(tmp_path) -> None:
         read_seed_records(tmp_path / "other.csv")
 
 
-def test_search_measures_the_seed_right_after_the_default(tmp_path) -> None:
-    seed = {"BLOCK_N": 2, "BLOCK_K": 128, "num_warps": 2}
+def _seeded_trials(tmp_path: Path, seed: dict, trials: int, **options) -> list:
+    """The trials of a 96x256 GEMV search (Triton) seeded with one recorded ``seed``, in order."""
     csv = _trials_csv(tmp_path / "trials.csv", [(1, 96, 256, seed, 1.0, "ok")])
-    cfg = SearchConfig(problems=[Problem("gemv", "bf16", 1, 96, 256)], backends=["triton"],
-                       out_dir=tmp_path / "run", trials=2, seed_from=(csv,), warm_start=0)
-    run_search(cfg)
+    run_search(SearchConfig(problems=[Problem("gemv", "bf16", 1, 96, 256)], backends=["triton"],
+                            out_dir=tmp_path / "run", trials=trials, seed_from=(csv,), warm_start=0, **options))
     storage = f"sqlite:///{tmp_path / 'run' / 'optuna.db'}"
     (summary,) = [s for s in optuna.get_all_study_summaries(storage) if s.study_name.endswith("triton|bounded")]
-    trials = optuna.load_study(study_name=summary.study_name, storage=storage).get_trials(deepcopy=False)
+    return optuna.load_study(study_name=summary.study_name, storage=storage).get_trials(deepcopy=False)
+
+
+def test_search_measures_the_seed_right_after_the_default(tmp_path) -> None:
+    seed = {"BLOCK_N": 2, "BLOCK_K": 128, "num_warps": 2}
+    trials = _seeded_trials(tmp_path, seed, 2)
     assert {k: trials[1].params[k] for k in seed} == seed
 
 
 def test_a_seed_without_a_restricted_tunable_takes_the_allowed_value(tmp_path) -> None:
     # recorded without num_stages (as if before it existed); --restrict leaves its default (2) out
     seed = {"BLOCK_N": 2, "BLOCK_K": 128, "num_warps": 2}
-    csv = _trials_csv(tmp_path / "trials.csv", [(1, 96, 256, seed, 1.0, "ok")])
-    cfg = SearchConfig(problems=[Problem("gemv", "bf16", 1, 96, 256)], backends=["triton"],
-                       out_dir=tmp_path / "run", trials=1, seed_from=(csv,), warm_start=0,
-                       restrict={"num_stages": ("3",)})
-    run_search(cfg)
-    storage = f"sqlite:///{tmp_path / 'run' / 'optuna.db'}"
-    (summary,) = [s for s in optuna.get_all_study_summaries(storage) if s.study_name.endswith("triton|bounded")]
-    (first,) = optuna.load_study(study_name=summary.study_name, storage=storage).get_trials(deepcopy=False)[:1]
+    first = _seeded_trials(tmp_path, seed, 1, restrict={"num_stages": ("3",)})[0]
     assert {k: first.params[k] for k in seed} == seed and first.params["num_stages"] == 3
 
 
 def test_a_seed_recorded_with_a_fixed_tunable_keeps_its_tile_config(tmp_path) -> None:
     # trials recorded while W_EVICT was searched (evict_first) seed the same tile without the hint
     seed = {"BLOCK_N": 2, "BLOCK_K": 128, "num_warps": 2, "W_EVICT": "evict_first"}
-    csv = _trials_csv(tmp_path / "trials.csv", [(1, 96, 256, seed, 1.0, "ok")])
-    cfg = SearchConfig(problems=[Problem("gemv", "bf16", 1, 96, 256)], backends=["triton"],
-                       out_dir=tmp_path / "run", trials=2, seed_from=(csv,), warm_start=0)
-    run_search(cfg)
-    storage = f"sqlite:///{tmp_path / 'run' / 'optuna.db'}"
-    (summary,) = [s for s in optuna.get_all_study_summaries(storage) if s.study_name.endswith("triton|bounded")]
-    trials = optuna.load_study(study_name=summary.study_name, storage=storage).get_trials(deepcopy=False)
+    trials = _seeded_trials(tmp_path, seed, 2)
     assert "W_EVICT" not in trials[1].params
     assert {k: trials[1].params[k] for k in ("BLOCK_N", "BLOCK_K", "num_warps")} == {"BLOCK_N": 2, "BLOCK_K": 128,
                                                                                     "num_warps": 2}
