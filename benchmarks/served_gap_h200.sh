@@ -19,6 +19,10 @@
 #                                                     # (seeded with df17426's and tab-noevict's trials), then
 #                                                     # serve-bench vanilla,folded at batch 1, one process
 #                                                     # per arm (resumes /var/tmp/fixed)
+#   bash benchmarks/served_gap_h200.sh confirm SECONDS
+#                                                     # serve-bench vanilla,folded at batch 1 on the tables of
+#                                                     # h200-serve-noevict-a986fd9, two processes per arm
+#                                                     # (rerun until it exits 0; resumes /var/tmp/confirm)
 #   bash benchmarks/served_gap_h200.sh pressure       # memory_pressure_probe.py: the tables' M=1 GEMVs on an
 #                                                     # empty GPU against one filled to 12 GiB free
 # Carry the vLLM bundle first (benchmarks/serve_h200.sh carry, one part per call); the last part travels
@@ -137,6 +141,20 @@ case ${1:-} in
     tar czf "$OUT/fixed.tgz" -C /var/tmp fixed
     exit "$rc"
     ;;
+  confirm)
+    # the 1.1497x of h200-serve-noevict-a986fd9 came from one process per arm, whose spread is ~0.4%:
+    # the same two tables served again with more processes, arms alternated
+    limit=$2
+    out=/var/tmp/confirm
+    mkdir -p "$out"
+    rc=0
+    bash benchmarks/serve_h200.sh serve "$limit" --model qwen3.5-27b --table "$main" \
+      --table "$res/h200-serve-noevict-a986fd9/tab/table.json" --arms vanilla,folded --batch 1 --tokens 128 \
+      --prompt-len 64 --repeats 3 --processes 2 --profile-steps 8 --out "$out" || rc=$?
+    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv >"$out/gpu.txt" || true
+    tar czf "$OUT/confirm.tgz" -C /var/tmp confirm
+    exit "$rc"
+    ;;
   pressure)
     # benchmarks/memory_pressure_probe.py on the served tables' M=1 GEMVs (a carried bundle part is kept)
     bash benchmarks/serve_h200.sh carry >/dev/null
@@ -144,5 +162,5 @@ case ${1:-} in
       2>&1 | tee "$OUT/pressure.log"
     exit "${PIPESTATUS[0]}"
     ;;
-  *) echo "usage: $0 chain | serve SECONDS | insitu SECONDS | noevict-search | evict-ab hint|nohint SECONDS | fixed SECONDS | pressure" >&2; exit 2 ;;
+  *) echo "usage: $0 chain | serve SECONDS | insitu SECONDS | noevict-search | evict-ab hint|nohint SECONDS | fixed SECONDS | confirm SECONDS | pressure" >&2; exit 2 ;;
 esac
