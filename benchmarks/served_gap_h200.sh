@@ -32,6 +32,13 @@ res=benchmarks/results
 main=$res/h200-serve-fold-8031457/table/main/table.json
 fused=$res/h200-serve-merge-df17426/table/table.json
 query=timestamp,clocks.sm,clocks.mem,temperature.gpu,temperature.memory,power.draw,utilization.gpu
+
+# serve-bench vanilla against folded at batch 1 on the main table and FUSED_TABLE, 8 decode steps profiled
+serve_ab() {  # LIMIT FUSED_TABLE PROCESSES OUT
+  bash benchmarks/serve_h200.sh serve "$1" --model qwen3.5-27b --table "$main" --table "$2" \
+    --arms vanilla,folded --batch 1 --tokens 128 --prompt-len 64 --repeats 3 --processes "$3" \
+    --profile-steps 8 --out "$4"
+}
 case ${1:-} in
   chain)
     bash benchmarks/serve_h200.sh carry
@@ -53,9 +60,7 @@ case ${1:-} in
     nvidia-smi --query-gpu=$query --format=csv -lms 500 >"$out/smi-$n.csv" 2>/dev/null &
     smi=$!
     rc=0
-    bash benchmarks/serve_h200.sh serve "$limit" --model qwen3.5-27b --table "$main" --table "$fused" \
-      --arms vanilla,folded --batch 1 --tokens 128 --prompt-len 64 --repeats 3 --processes 1 \
-      --profile-steps 8 --out "$out" || rc=$?
+    serve_ab "$limit" "$fused" 1 "$out" || rc=$?
     kill "$smi" || true
     git rev-parse HEAD >"$out/commit.txt" 2>/dev/null || true
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv >"$out/gpu.txt" || true
@@ -70,9 +75,7 @@ case ${1:-} in
     out=/var/tmp/serve-kern
     mkdir -p "$out"
     rc=0
-    TUNEKIT_PROFILE_KERNELS=1 bash benchmarks/serve_h200.sh serve "$limit" --model qwen3.5-27b --table "$main" \
-      --table "$fused" --arms vanilla,folded --batch 1 --tokens 128 --prompt-len 64 --repeats 3 --processes 1 \
-      --profile-steps 8 --out "$out" || rc=$?
+    TUNEKIT_PROFILE_KERNELS=1 serve_ab "$limit" "$fused" 1 "$out" || rc=$?
     if [ "$rc" = 0 ] && [ ! -f "$out/chain-after/chain.json" ]; then
       python3 -m tunekit chain --model qwen3.5-27b --table "$main" --table "$fused" --m 1 --profile-replays 5 \
         --out "$out/chain-after" >"$out/chain-after.log" 2>&1 || rc=$?
@@ -107,9 +110,7 @@ case ${1:-} in
     out=/var/tmp/evict-ab/$variant
     mkdir -p "$out"
     rc=0
-    bash benchmarks/serve_h200.sh serve "$limit" --model qwen3.5-27b --table "$main" --table "$fused_table" \
-      --arms vanilla,folded --batch 1 --tokens 128 --prompt-len 64 --repeats 3 --processes 1 \
-      --profile-steps 8 --out "$out" || rc=$?
+    serve_ab "$limit" "$fused_table" 1 "$out" || rc=$?
     git rev-parse HEAD >"$out/commit.txt" 2>/dev/null || true
     tar czf "$OUT/evict-ab-$variant.tgz" -C /var/tmp/evict-ab "$variant"
     exit "$rc"
@@ -132,9 +133,7 @@ case ${1:-} in
       rc=3
     fi
     if [ "$rc" = 0 ]; then
-      bash benchmarks/serve_h200.sh serve "$left" --model qwen3.5-27b --table "$main" --table "$out/tab/table.json" \
-        --arms vanilla,folded --batch 1 --tokens 128 --prompt-len 64 --repeats 3 --processes 1 \
-        --profile-steps 8 --out "$out/serve" || rc=$?
+      serve_ab "$left" "$out/tab/table.json" 1 "$out/serve" || rc=$?
     fi
     git rev-parse HEAD >"$out/commit.txt" 2>/dev/null || true
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv >"$out/gpu.txt" || true
@@ -148,9 +147,7 @@ case ${1:-} in
     out=/var/tmp/confirm
     mkdir -p "$out"
     rc=0
-    bash benchmarks/serve_h200.sh serve "$limit" --model qwen3.5-27b --table "$main" \
-      --table "$res/h200-serve-noevict-a986fd9/tab/table.json" --arms vanilla,folded --batch 1 --tokens 128 \
-      --prompt-len 64 --repeats 3 --processes 2 --profile-steps 8 --out "$out" || rc=$?
+    serve_ab "$limit" "$res/h200-serve-noevict-a986fd9/tab/table.json" 2 "$out" || rc=$?
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv >"$out/gpu.txt" || true
     tar czf "$OUT/confirm.tgz" -C /var/tmp confirm
     exit "$rc"
