@@ -5,7 +5,7 @@
 The seven M=1 GEMV shapes of ``load_model('qwen3.5-27b')`` and its 5120 norm. Arms per shape:
 ``direct`` (F.linear; the norm's PyTorch composition), ``op_vendor`` (torch.ops.tunekit.* with no
 table: the vendor path), ``op_tuned`` (the op with --table), and the table's kernel called raw:
-``kernel`` (kernel[grid], Triton's launch path) and ``bound`` (tunekit.serving.launch's launcher).
+``kernel`` (kernel[grid], Triton's launch path) and ``bound`` (tunekit.dispatch.launch's launcher).
 Without --table the search spaces' default Triton configs are tabulated for this device.
 Wall = perf_counter over --calls back-to-back calls, synchronized only at the ends (small kernels:
 the CPU launch path dominates); gpu = CUDA events over 200 calls queued behind a sleep kernel (the
@@ -38,8 +38,8 @@ import torch.nn.functional as F  # noqa: E402
 
 def _arms(op, problem, inputs, kernel, launcher, out):
     import tunekit.ops as ops  # noqa: F401 (registers torch.ops.tunekit.*)
-    from tunekit.serving.elementwise import _vendor_rms_norm
-    from tunekit.serving.state import DEFAULT_EPS
+    from tunekit.dispatch.elementwise import _vendor_rms_norm
+    from tunekit.dispatch.state import DEFAULT_EPS
 
     fn, x, w = getattr(torch.ops.tunekit, op), *inputs
     gemma = op.startswith("gemma")
@@ -76,7 +76,7 @@ def _arms(op, problem, inputs, kernel, launcher, out):
 
 def _floor_ops():
     """torch's own cost of a Python custom op: ops in a bench namespace whose impl is the direct call."""
-    from tunekit.serving.elementwise import _vendor_rms_norm
+    from tunekit.dispatch.elementwise import _vendor_rms_norm
 
     lib = torch.library.Library("tunekit_bench", "DEF")
     lib.define("linear(Tensor x, Tensor w, Tensor? b=None) -> Tensor")
@@ -108,12 +108,13 @@ def _time(fn, calls: int) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> int:
     import tunekit.ops as ops
-    from tunekit import backends, opspec
+    from tunekit import backends
     from tunekit import table as table_mod
-    from tunekit.device import detect
-    from tunekit.models import load_model
-    from tunekit.serving import launch
-    from tunekit.shapes import Problem
+    from tunekit.dispatch import launch
+    from tunekit.measure.device import detect
+    from tunekit.problems import opspec
+    from tunekit.problems.models import load_model
+    from tunekit.problems.shapes import Problem
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--table", help="dispatch table (default: the default Triton configs, tabulated here)")

@@ -3,7 +3,7 @@ model's sizes and odd sizes for every M asked, and launches per call at M=1.
 
     python benchmarks/elementwise_check.py [--m 1,2,8,256,4096] [--configs 2]
 
-Correctness goes through tunekit.verify (fp64 reference, NaN-poisoned outputs,
+Correctness goes through tunekit.measure.verify (fp64 reference, NaN-poisoned outputs,
 BF16 bound, determinism) with each family's default config and a few sampled
 ones. Launches are counted with torch.profiler: the CUDA kernels one call of
 the default config runs (the eager and Inductor baselines are counted the same
@@ -21,9 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from tunekit import backends, opspec, verify  # noqa: E402
-from tunekit.device import detect  # noqa: E402
-from tunekit.shapes import adhoc_problems  # noqa: E402
+from tunekit import backends
+from tunekit.measure import verify  # noqa: E402
+from tunekit.measure.device import detect  # noqa: E402
+from tunekit.problems import opspec
+from tunekit.problems.shapes import adhoc_problems  # noqa: E402
 
 #: Qwen3.5-27B's sizes (hidden 5120, 48 gated-norm groups of 128, intermediate
 #: 17408; bias_gelu is not in the model and takes the hidden size), both weight

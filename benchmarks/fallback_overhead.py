@@ -50,8 +50,8 @@ def _host_us(fn, calls: int) -> float:
 
 def _arms(p, inputs, eps):
     import tunekit.ops  # noqa: F401 (registers torch.ops.tunekit.*)
-    from tunekit.serving import elementwise as ew
-    from tunekit.serving.gemv import gemv_impl
+    from tunekit.dispatch import elementwise as ew
+    from tunekit.dispatch.gemv import gemv_impl
 
     if p.op == "gemv":
         x, w = inputs
@@ -72,9 +72,9 @@ def _arms(p, inputs, eps):
 
 def main(argv: list[str] | None = None) -> int:
     import tunekit.ops as ops
-    from tunekit import opspec
-    from tunekit.device import detect
-    from tunekit.models import load_model
+    from tunekit.measure.device import detect
+    from tunekit.problems import opspec
+    from tunekit.problems.models import load_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--table", required=True)

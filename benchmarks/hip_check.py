@@ -6,7 +6,7 @@ times (cold and cached).
     python benchmarks/hip_check.py [--model qwen3.5-27b] [--configs 12]
 
 Prints one line per check and a summary; exits 1 if any check fails. Every
-check goes through tunekit.verify (fp64 reference, poisoned output, bound,
+check goes through tunekit.measure.verify (fp64 reference, poisoned output, bound,
 determinism), with the default config and a few sampled ones.
 """
 
@@ -25,10 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from tunekit import backends, opspec, verify  # noqa: E402
-from tunekit.device import detect  # noqa: E402
-from tunekit.models import load_model  # noqa: E402
-from tunekit.shapes import Problem  # noqa: E402
+from tunekit import backends
+from tunekit.measure import verify  # noqa: E402
+from tunekit.measure.device import detect  # noqa: E402
+from tunekit.problems import opspec
+from tunekit.problems.models import load_model  # noqa: E402
+from tunekit.problems.shapes import Problem  # noqa: E402
 
 ODD_TAILS = [(77, 300), (1000, 1030), (5, 4099), (96, 5121), (33, 262)]
 

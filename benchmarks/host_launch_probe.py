@@ -43,8 +43,8 @@ def _per_call_us(fn, calls: int, rounds: int) -> float:
 
 def _build(backend_name: str, n: int, k: int):
     from tunekit import backends
-    from tunekit.device import detect
-    from tunekit.shapes import Problem
+    from tunekit.measure.device import detect
+    from tunekit.problems.shapes import Problem
 
     backend = backends.get(backend_name)
     problem = Problem("gemv", "bf16", 1, n, k)

@@ -15,7 +15,7 @@ entry of the given tables in one fresh process under three conditions, rounds in
 After a large free the GPU is slower for a while: a 120 GB buffer freed (``torch.cuda.empty_cache``)
 left the 34816x5120 GEMV 13% slower for 0.3 s, 60 GB for 0.15 s (h200-memory-state-bd038d3), which
 is consistent with the driver clearing freed memory in the background at about 400 GB/s. Each
-condition's memory is therefore released with ``tunekit.bench.release_memory``, which waits while the
+condition's memory is therefore released with ``tunekit.measure.bench.release_memory``, which waits while the
 driver clears it; ``--no-wait`` frees without waiting, as the probe's first run did (``empty`` then
 11-12% slow: it ran in the window the condition before had left).
 
@@ -25,7 +25,7 @@ beside each entry, interleaved on the same operands, so each condition also give
 kernel timed over and over (3 repeats a time) for 3 s after a buffer of each of ``--free-gib`` GB was
 allocated and freed without waiting, and after nothing was freed.
 
-Every kernel is verified before it is timed (``tunekit.verify``); times come from ``tunekit.bench``.
+Every kernel is verified before it is timed (``tunekit.measure.verify``); times come from ``tunekit.measure.bench``.
 Usage (GPU): python benchmarks/memory_pressure_probe.py --table T [--table T2] [--leave-gib 12]
 [--rounds 3] [--no-wait] [--free-window rms_gemv:34816x5120 [--free-gib 120,60]] --out DIR.
 Writes DIR/memory_pressure.json and prints one line per problem.
@@ -43,11 +43,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tunekit import opspec, table, verify  # noqa: E402
+from tunekit import table
 from tunekit.backends import get  # noqa: E402
-from tunekit.bench import Rotation, release_memory, time_interleaved, time_kernel  # noqa: E402
-from tunekit.device import detect  # noqa: E402
-from tunekit.shapes import Problem  # noqa: E402
+from tunekit.measure import verify  # noqa: E402
+from tunekit.measure.bench import Rotation, release_memory, time_interleaved, time_kernel  # noqa: E402
+from tunekit.measure.device import detect  # noqa: E402
+from tunekit.problems import opspec
+from tunekit.problems.shapes import Problem  # noqa: E402
 
 CONDITIONS = ("empty", "fill_after", "fill_before")
 

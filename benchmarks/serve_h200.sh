@@ -49,7 +49,7 @@ unpack_vllm() {
   local d=$vl/site/tunekit-0.1.0.dist-info
   mkdir -p "$d"
   printf 'Metadata-Version: 2.1\nName: tunekit\nVersion: 0.1.0\n' >"$d/METADATA"
-  printf '[vllm.general_plugins]\ntunekit = tunekit.integrations.vllm_plugin:register\n' >"$d/entry_points.txt"
+  printf '[vllm.general_plugins]\ntunekit = tunekit.integrations.vllm.plugin:register\n' >"$d/entry_points.txt"
 }
 
 export PYTHONPATH=/var/tmp/optuna-site:$PWD PYTHONUNBUFFERED=1
@@ -99,7 +99,7 @@ case "$mode" in
     export PYTHONPATH=/var/tmp/optuna-site:$vl/serve-site:$vl/site:$PWD HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0
     export VLLM_CACHE_ROOT=/var/tmp/vllm-cache
     model_dir=$(python3 -c "import sys
-from tunekit.serve.bench import build_settings, write_model_dir
+from tunekit.evidence.serve_bench.bench import build_settings, write_model_dir
 print(write_model_dir(sys.argv[2], build_settings(sys.argv[1], None, [], arms=['vanilla']).model_config))" "$model" "$out")
     SERVE_BENCH_ARGS="--model $model ${SERVE_BENCH_ARGS:---concurrency 1,8 --tokens 128 --repeats 5}" \
       bash benchmarks/endpoint_ab.sh python3 "$model_dir" "$table" "$out" "$@"

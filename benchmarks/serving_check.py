@@ -28,8 +28,8 @@ them. Typical GPU use:
     python -m tunekit check-serving --table runs/serving-gemv/table.json \\
         --table runs/serving-norms/table.json --out runs/serving-check
 
-What is checked, judged and timed: ``tunekit/evidence/serving.py``. Exit status 1 if a check fails, 2 on
-bad input.
+What is checked, judged and timed: ``tunekit/evidence/check_serving/model_check.py``. Exit status 1 if a
+check fails, 2 on bad input.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tunekit.errors import UserError  # noqa: E402
-from tunekit.evidence import hf_decode, serving  # noqa: E402
+from tunekit.evidence.check_serving import hf_decode  # noqa: E402
+from tunekit.evidence.check_serving import model_check as serving  # noqa: E402
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

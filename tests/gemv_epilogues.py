@@ -9,8 +9,9 @@ from collections.abc import Callable
 import torch
 
 from kernels_triton.gemv import GemvConfig, gemv
-from tunekit import opspec, verify
-from tunekit.shapes import Problem
+from tunekit.measure import verify
+from tunekit.problems import opspec
+from tunekit.problems.shapes import Problem
 
 CPU = torch.device("cpu")
 

@@ -1,11 +1,11 @@
-"""tunekit.bench.release_memory: memory returned to the driver is waited for while it is cleared."""
+"""tunekit.measure.bench.release_memory: memory returned to the driver is waited for while it is cleared."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tunekit import bench
+from tunekit.measure import bench
 
 
 class _FakeCuda:

@@ -1,4 +1,4 @@
-"""tunekit.chain / `tunekit chain`: the decode-step chain holds exactly the model's problems, in vLLM's order,
+"""tunekit.evidence.chain / `tunekit chain`: the decode-step chain holds exactly the model's problems, in vLLM's order,
 wires activations like the decoder, and serves tabulated steps through the tunekit ops (CPU tier)."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from test_cli import _run  # the sibling test module's CLI runner (tests/ is on 
 from test_ops import _entry, make_table
 
 from tunekit import backends
-from tunekit import chain as chain_mod
 from tunekit.errors import UserError
-from tunekit.models import list_models, load_model
-from tunekit.shapes import ELEMENTWISE_OPS, Problem
+from tunekit.evidence import chain as chain_mod
+from tunekit.problems.models import list_models, load_model
+from tunekit.problems.shapes import ELEMENTWISE_OPS, Problem
 
 #: A Qwen3.5-shaped model small enough for the interpreter: layers 0-2 Gated DeltaNet, layer 3 full attention.
 TINY = {
@@ -163,8 +163,8 @@ def test_corrupt_table_is_an_error_not_a_silent_vendor_run(tiny: Path, tmp_path:
 def test_profiled_replays_are_read_per_replay_with_serve_benchs_key(monkeypatch: pytest.MonkeyPatch) -> None:
     """``--profile-replays``: a graph's N replays under the profiler become one replay's by_launch rows
     (serve-bench's key), largest first. The profiler itself needs a GPU: its trace is stubbed here."""
-    from tunekit import chain as chain_mod
-    from tunekit.serve import profile
+    from tunekit.evidence import chain as chain_mod
+    from tunekit.evidence.serve_bench import profile
 
     class Graph:
         replays = 0

@@ -1,4 +1,4 @@
-"""tunekit.chain's tuned_fused variant: fused norm -> GEMV and SiLU-and-mul -> GEMV kernels in place of
+"""tunekit.evidence.chain's tuned_fused variant: fused norm -> GEMV and SiLU-and-mul -> GEMV kernels in place of
 their pairs of steps, on a tiny Qwen3.5-shaped model under the interpreter (CPU tier)."""
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ import torch.nn.functional as F
 from test_chain import TINY  # the sibling test module's tiny Qwen3.5 config (tests/ is on sys.path)
 from test_ops import _entry, make_table, timed_entry
 
-from tunekit import backends, shapes
-from tunekit import chain as chain_mod
-from tunekit.models import load_model
-from tunekit.models.spec import ModelSpec
-from tunekit.serving.fused_gemv import joined_rows
-from tunekit.shapes import Problem
+from tunekit import backends
+from tunekit.dispatch.fused_gemv import joined_rows
+from tunekit.evidence import chain as chain_mod
+from tunekit.problems import shapes
+from tunekit.problems.models import load_model
+from tunekit.problems.models.spec import ModelSpec
+from tunekit.problems.shapes import Problem
 
 pytestmark = pytest.mark.usefixtures("clean_ops")  # conftest.py: no table, markers or vendor GEMM leak
 

@@ -15,8 +15,8 @@ import torch
 from test_ops import _entry, make_table  # the sibling test module's table helpers (tests/ is on sys.path)
 
 from tunekit.errors import UserError
-from tunekit.evidence import serving
-from tunekit.evidence.hf_decode import layer_types
+from tunekit.evidence.check_serving import model_check as serving
+from tunekit.evidence.check_serving.hf_decode import layer_types
 
 REPO = Path(__file__).resolve().parents[1]
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
@@ -202,7 +202,7 @@ def test_tiny_model_patched_agrees_with_unpatched_on_the_cpu(tmp_path: Path, mod
 def test_tiny_qwen3_5_with_folded_norms_agrees_with_unpatched_on_the_cpu(tmp_path: Path) -> None:
     """--fold-norms: the decoder norms go into their consumers' weights where the table's M=1 entries say
     it pays (rms_gemv 0.9 us against the GEMV's 1.0), and the patched model still agrees."""
-    from tunekit.evidence import hf_decode
+    from tunekit.evidence.check_serving import hf_decode
     from tunekit.integrations.torch_patch import fold_shapes
 
     config = hf_decode.build_config("qwen3.5-27b", 2, tiny=True)
@@ -231,7 +231,7 @@ def test_tiny_qwen3_5_with_folded_norms_agrees_with_unpatched_on_the_cpu(tmp_pat
 def test_tiny_qwen3_5_with_merged_siblings_agrees_with_unpatched_on_the_cpu(tmp_path: Path) -> None:
     """Siblings merged (the default): a table of vLLM's merged shapes only (what ``tunekit search --model``
     tunes) serves HF's separate q/k/v, gate/up, qkv/z and b/a, one tuned GEMV per group and decode step."""
-    from tunekit.evidence import hf_decode
+    from tunekit.evidence.check_serving import hf_decode
     from tunekit.integrations.torch_patch import merged_shapes
 
     config = hf_decode.build_config("qwen3.5-27b", 2, tiny=True)

@@ -85,7 +85,7 @@ def test_malformed_config_and_corrupt_table(tmp_path) -> None:
 
 def test_restrict_values_are_parsed_against_the_selected_spaces() -> None:
     from tunekit.cli import _parse_restrict
-    from tunekit.shapes import Problem
+    from tunekit.problems.shapes import Problem
 
     problems = [Problem("gemv", "bf16", 1, 96, 256)]
     parsed = _parse_restrict(["M_MODE=dot, dot_w", "MMA=1"], problems, ["triton", "hip"])

@@ -171,7 +171,7 @@ def test_compare_output_is_not_cut_when_piped(tmp_path) -> None:
 
 def _valid_table() -> dict:
     from tunekit import backends
-    from tunekit.shapes import Problem
+    from tunekit.problems.shapes import Problem
 
     problem = Problem("gemv", "bf16", 1, 96, 256)
     space = backends.get("triton").space(problem)
@@ -291,7 +291,7 @@ def _searched(monkeypatch, **options) -> list:
 
 
 def test_search_model_tunes_every_op_it_runs_at_m_1_2_4_8(monkeypatch) -> None:
-    from tunekit.models import load_model
+    from tunekit.problems.models import load_model
 
     spec = load_model("qwen3.5-27b")
     problems = _searched(monkeypatch, model="qwen3.5-27b")

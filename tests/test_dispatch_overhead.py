@@ -20,11 +20,11 @@ import torch.nn.functional as F
 import tunekit.ops as ops
 from tunekit import backends
 from tunekit import table as table_mod
-from tunekit.device import detect
-from tunekit.serving import elementwise, launch
-from tunekit.serving import gemv as serving_gemv
-from tunekit.serving.state import STATE, CallCounter
-from tunekit.shapes import Problem
+from tunekit.dispatch import elementwise, launch
+from tunekit.dispatch import gemv as serving_gemv
+from tunekit.dispatch.state import STATE, CallCounter
+from tunekit.measure.device import detect
+from tunekit.problems.shapes import Problem
 
 pytestmark = pytest.mark.usefixtures("clean_ops")  # conftest.py: no table, markers or vendor GEMM leak
 
@@ -123,7 +123,7 @@ def _patched_linear_ratio() -> tuple[float, dict[str, float]]:
 
 def test_a_patched_linear_on_the_vendor_path_costs_about_what_the_module_does() -> None:
     # Eager, a patched forward calls the op's impl without torch's dispatcher, and a shape it met on
-    # the vendor path goes straight to F.linear (tunekit.serving.gemv.EagerLinear). Measured on a
+    # the vendor path goes straight to F.linear (tunekit.dispatch.gemv.EagerLinear). Measured on a
     # 2-core x86 CPU (unpatched ~5.0 us, patched ~6.1 us): 1.2x; through torch.ops.tunekit.gemv it
     # was 7.1 us (1.4x), and 1.7x before the vendor route skipped the stride checks. Bound 1.45x.
     ratio, med = _best_of_five(_patched_linear_ratio, 1.45)
@@ -245,7 +245,7 @@ def test_rms_norm_fast_path_is_bit_identical_and_counted_exactly(tmp_path: Path)
 
 
 def test_counters_are_exact_across_threads_reads_and_resets() -> None:
-    from tunekit.serving.markers import counter
+    from tunekit.dispatch.markers import counter
 
     c = counter("gemv", "bf16", "8x8", 1, False, "fallback:no_table", False, "F.linear")
     assert isinstance(c, CallCounter) and counter("gemv", "bf16", "8x8", 1, False, "fallback:no_table", False,
@@ -332,7 +332,7 @@ def test_launcher_replays_recorded_arguments_and_guards_the_layout(monkeypatch) 
 
 def test_a_patched_norm_launches_a_known_shape_through_its_kept_express_route(tmp_path: Path) -> None:
     # On the CPU no launcher binds, so the kept-route path is checked with a stand-in launcher in
-    # the op's express table (tunekit.serving.elementwise._EXPRESS), as a bound Triton launch leaves it.
+    # the op's express table (tunekit.dispatch.elementwise._EXPRESS), as a bound Triton launch leaves it.
     from tunekit.integrations.torch_patch import _ELEMENTWISE_FORWARDS
 
     ops.load_tables(str(_table(tmp_path / "t.json", [("rms_norm", 2, 64, 64, NORM_PARAMS)])))

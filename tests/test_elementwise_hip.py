@@ -27,13 +27,14 @@ import torch
 
 from kernels_hip import SOURCE_DIR
 from kernels_triton import bias_gelu, fused_add_rms_norm, gated_rms_norm, rms_norm, silu_and_mul
-from tunekit import opspec, rtc
+from tunekit import rtc
 from tunekit.backends import get as get_backend
 from tunekit.backends.base import BuildError
 from tunekit.backends.hip import BACKEND
 from tunekit.backends.hip_elementwise import FAMILIES, eps_bits
-from tunekit.device import DeviceInfo
-from tunekit.shapes import Problem
+from tunekit.measure.device import DeviceInfo
+from tunekit.problems import opspec
+from tunekit.problems.shapes import Problem
 
 #: Define sets per family (the backend sets WAVE, N_COLS and GEMMA; here given by hand).
 COMBOS: dict[str, list[dict[str, int]]] = {
@@ -167,8 +168,8 @@ def test_space_keys_are_the_defines() -> None:
 
 
 def test_defaults_valid_for_every_model_problem_and_odd_sizes() -> None:
-    from tunekit.models import list_models
-    from tunekit.shapes import ELEMENTWISE_OPS
+    from tunekit.problems.models import list_models
+    from tunekit.problems.shapes import ELEMENTWISE_OPS
 
     problems = []
     for spec in list_models():

@@ -12,11 +12,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tunekit import shapes
 from tunekit import table as table_mod
 from tunekit.errors import UserError
-from tunekit.models import list_models, load_model
-from tunekit.shapes import Problem
+from tunekit.problems import shapes
+from tunekit.problems.models import list_models, load_model
+from tunekit.problems.shapes import Problem
 
 REPO = Path(__file__).resolve().parents[1]
 ELEMENTWISE = ("rms_norm", "fused_add_rms_norm", "gated_rms_norm", "silu_and_mul", "bias_gelu")
@@ -218,7 +218,7 @@ def test_table_gates_on_the_faster_of_eager_and_inductor() -> None:
 
 
 def test_report_takes_inductor_as_a_baseline(tmp_path) -> None:
-    from tunekit import report
+    from tunekit.evidence import compare as report
 
     run = tmp_path / "run"
     run.mkdir()

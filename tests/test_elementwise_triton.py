@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from kernels_triton import bias_gelu, fused_add_rms_norm, gated_rms_norm, rms_norm, silu_and_mul
-from tunekit import backends, opspec, verify
-from tunekit.bench import Rotation, time_kernel
-from tunekit.device import DeviceInfo
-from tunekit.shapes import Problem
+from tunekit import backends
+from tunekit.measure import verify
+from tunekit.measure.bench import Rotation, time_kernel
+from tunekit.measure.device import DeviceInfo
+from tunekit.problems import opspec
+from tunekit.problems.shapes import Problem
 
 CPU = torch.device("cpu")
 CPU_INFO = DeviceInfo("cpu", "x86", "cpu", 2, 1, 32 << 20, 0, "cpu", "cpu")
@@ -273,7 +275,7 @@ def test_rotation_rotates_activations_and_caps_copies() -> None:
     assert isinstance(rotation.outputs[0], tuple) and rotation.outputs[0][0] is not rotation.outputs[1][0]
     big = Problem("silu_and_mul", "bf16", 4096, 17408, 34816)
     assert opspec.get("gemv").rotated_inputs == (1,)
-    from tunekit.bench import rotation_copies
+    from tunekit.measure.bench import rotation_copies
 
     assert rotation_copies(4096 * 34816 * 2, 60 << 20) == 2  # M = 4096: 285 MB of input, cold anyway
     assert opspec.get(big.op).bytes_moved(big) == 3 * 4096 * 17408 * 2
@@ -284,7 +286,7 @@ def test_rotation_size_is_what_a_rotation_allocates(op: str) -> None:
     """bench.rotation_size (what the in-process timing checks before it allocates) sizes every op's
     rotation from meta tensors exactly as Rotation then builds it, on a GPU-described device (copies
     from L2 and max_copies) and on the CPU (two)."""
-    from tunekit.bench import rotation_size
+    from tunekit.measure.bench import rotation_size
 
     gpu = DeviceInfo("nvidia", "H200 (no run)", "sm_90", 132, 32, 1 << 20, 0, "cuda", "cpu")
     problem = Problem(op, "bf16", 2, 96, 1024)

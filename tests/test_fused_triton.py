@@ -23,9 +23,10 @@ from kernels_triton.rms_norm_gemv import (
     launch,
     rms_norm_gemv,
 )
-from tunekit import opspec, verify
 from tunekit.errors import UserError
-from tunekit.shapes import Problem, adhoc_problems, parse_m_list, parse_op_shape
+from tunekit.measure import verify
+from tunekit.problems import opspec
+from tunekit.problems.shapes import Problem, adhoc_problems, parse_m_list, parse_op_shape
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -202,8 +203,8 @@ def test_cli_search_of_a_tiny_fused_problem(tmp_path) -> None:
 
 
 def test_models_list_the_fused_problems_only_when_asked() -> None:
-    from tunekit import shapes
-    from tunekit.models import load_model
+    from tunekit.problems import shapes
+    from tunekit.problems.models import load_model
 
     assert not set(shapes.OPS) & set(OPS)  # the default op set of `search --model` never tunes them
     selected = shapes.parse_ops("rms_norm_gemv")

@@ -10,12 +10,13 @@ from gemv_epilogues import check
 
 import search_spaces
 from kernels_triton.gemv import DEFAULT, GemvConfig, gemv, reference
-from tunekit import opspec, shapes, verify
 from tunekit.backends.triton import BACKEND as TRITON
 from tunekit.backends.vendor import VendorBackend
-from tunekit.device import detect
-from tunekit.models import load_model
-from tunekit.shapes import Problem
+from tunekit.measure import verify
+from tunekit.measure.device import detect
+from tunekit.problems import opspec, shapes
+from tunekit.problems.models import load_model
+from tunekit.problems.shapes import Problem
 
 CPU = torch.device("cpu")
 

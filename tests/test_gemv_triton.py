@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from kernels_triton.gemv import DEFAULT, GemvConfig, gemv, invalid_reason, reference
-from tunekit import opspec, verify
-from tunekit.shapes import Problem
+from tunekit.measure import verify
+from tunekit.problems import opspec
+from tunekit.problems.shapes import Problem
 
 
 def _check(m: int, n: int, k: int, config: GemvConfig, seed: int = 0) -> None:

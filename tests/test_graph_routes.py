@@ -1,4 +1,4 @@
-"""tunekit.integrations.graph_routes: a compiled graph's tunekit ops handed back to the stock math.
+"""tunekit.integrations.vllm.graph_routes: a compiled graph's tunekit ops handed back to the stock math.
 
 Inductor on the CPU, with the rewrite as its post-grad custom pass (as vLLM
 runs it per compile range): the rewritten nodes must compile to exactly what
@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import tunekit.ops  # noqa: F401 - defines torch.ops.tunekit.*
-from tunekit.integrations import graph_routes
-from tunekit.serving import elementwise
+from tunekit.dispatch import elementwise
+from tunekit.integrations.vllm import graph_routes
 
 
 class _Pass(CustomGraphPass):
@@ -110,7 +110,7 @@ def test_a_range_keeps_an_op_only_where_the_tables_reach_it(monkeypatch, top, st
 def test_largest_m_reads_the_serving_tables(tmp_path) -> None:
     from tunekit import ops
     from tunekit import table as table_mod
-    from tunekit.device import detect
+    from tunekit.measure.device import detect
 
     def entry(op, m, n, k):
         return {"op": op, "dtype": "bf16", "m": m, "n": n, "k": k, "backend": "triton", "params": {},
@@ -325,7 +325,7 @@ def _stock_siblings(x, wa, wb, wc):
 
 
 def test_sibling_gemvs_on_joined_weights_become_one_launch() -> None:
-    from tunekit.serving.markers import dispatch_stats
+    from tunekit.dispatch.markers import dispatch_stats
 
     merge = _MergePass(lambda *key: True, {((80, 8), 64)})
     dispatch_stats(reset=True)
@@ -344,7 +344,7 @@ def test_sibling_gemvs_on_joined_weights_become_one_launch() -> None:
 
 
 def test_merged_siblings_whose_weights_are_apart_run_one_gemv_each() -> None:
-    from tunekit.serving.markers import dispatch_stats
+    from tunekit.dispatch.markers import dispatch_stats
 
     merge = _MergePass(lambda *key: True, {((80, 8), 64)})
     dispatch_stats(reset=True)

@@ -30,8 +30,8 @@ from kernels_hip import HEADER, SOURCE_DIR
 from tunekit import rtc
 from tunekit.backends.base import BuildError
 from tunekit.backends.hip import BACKEND, GEMV_PARAMS, gemv_invalid_reason, k_lanes, split_k_chunk
-from tunekit.device import DeviceInfo
-from tunekit.shapes import Problem
+from tunekit.measure.device import DeviceInfo
+from tunekit.problems.shapes import Problem
 
 # The GEMV define combinations below apply to gemv.hip; the elementwise families
 # (kernels_hip/*.hip besides gemv) have theirs in test_elementwise_hip.py.
@@ -239,7 +239,7 @@ def test_space_keys_are_the_defines() -> None:
 
 
 def test_default_valid_for_every_builtin_model_shape() -> None:
-    from tunekit.models import list_models
+    from tunekit.problems.models import list_models
 
     checked = 0
     for spec in list_models():
@@ -465,7 +465,7 @@ def test_vendor_specific_tunables_are_pinned() -> None:
     from dataclasses import replace
 
     from tunekit.backends.hip import BACKEND as HIP
-    from tunekit.device import DeviceInfo
+    from tunekit.measure.device import DeviceInfo
 
     nvidia = DeviceInfo("nvidia", "NVIDIA H200", "sm_90", 132, 32, 60 << 20, 1, "cuda 13.0", "cuda:0")
     # DPP is AMD's; mma.sync is NVIDIA's from sm_80 on

@@ -1,4 +1,4 @@
-"""tunekit.models: shapes derived from configs == the checked facts stored with each built-in."""
+"""tunekit.problems.models: shapes derived from configs == the checked facts stored with each built-in."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from tunekit.errors import UserError
-from tunekit.models import ModelSpec, list_models, load_model
-from tunekit.shapes import Problem
+from tunekit.problems.models import ModelSpec, list_models, load_model
+from tunekit.problems.shapes import Problem
 
 CONFIGS = Path(__file__).resolve().parents[1] / "tunekit" / "models" / "configs"
 BUILTIN_FILES = sorted(CONFIGS.glob("*.json"))

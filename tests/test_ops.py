@@ -14,12 +14,13 @@ import torch
 import torch.nn.functional as F
 
 import tunekit
-from tunekit import ops, opspec
+from tunekit import ops
 from tunekit import table as table_mod
-from tunekit.device import detect
-from tunekit.serving import elementwise
-from tunekit.serving import gemv as serving_gemv
-from tunekit.shapes import Problem
+from tunekit.dispatch import elementwise
+from tunekit.dispatch import gemv as serving_gemv
+from tunekit.measure.device import detect
+from tunekit.problems import opspec
+from tunekit.problems.shapes import Problem
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,7 +40,7 @@ def timed_entry(op: str, n: int, k: int, time_us: float = 1.0, m: int = 1) -> di
     """An entry with the Triton backend's default config for its problem, timed at ``time_us`` against a
     2 us baseline (a kernel the serving code can really build and run)."""
     from tunekit.backends import get
-    from tunekit.shapes import Problem
+    from tunekit.problems.shapes import Problem
 
     params = get("triton").space(Problem(op, "bf16", m, n, k)).default
     return dict(_entry(op, m, n, k, params=params), time_us=time_us, speedup=2.0 / time_us)

@@ -14,8 +14,8 @@ import pandas as pd
 import pytest
 from rich.console import Console
 
-from tunekit import report
 from tunekit.errors import UserError
+from tunekit.evidence import compare as report
 
 REPO = Path(__file__).resolve().parents[1]
 RECORDED = REPO / "benchmarks" / "results" / "h200-m1-triton-9251ae9"

@@ -170,8 +170,8 @@ def test_a_tuning_trial_told_while_a_search_reads_the_final_candidates_opens_no_
     # B must not claim a final keyed by the candidates it read: A claims the one with its trial in it.
     from types import SimpleNamespace
 
+    from tunekit.problems.shapes import Problem
     from tunekit.search import engine
-    from tunekit.shapes import Problem
 
     storage = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'shared.db'}")
     problem = Problem("gemv", "bf16", 1, 24, 64)

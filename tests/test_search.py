@@ -16,8 +16,8 @@ import optuna
 import pandas as pd
 
 from tunekit import table as table_mod
+from tunekit.problems.shapes import Problem
 from tunekit.search.engine import SearchConfig, run_search
-from tunekit.shapes import Problem
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,8 +10,8 @@ import pandas as pd
 import pytest
 
 from tunekit.errors import UserError
+from tunekit.problems.shapes import Problem
 from tunekit.search.engine import SearchConfig, _seeds_from_files, read_seed_records, run_search
-from tunekit.shapes import Problem
 
 REPO = Path(__file__).resolve().parents[1]
 RECORDED = REPO / "benchmarks" / "results" / "h200-m1248-triton-ce9f360"

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from tunekit.errors import UserError
-from tunekit.serve import analysis, bench, endpoint, runner
+from tunekit.evidence.serve_bench import analysis, bench, endpoint, runner
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data" / "serve_bench"
@@ -162,7 +162,7 @@ def test_prediction_equals_the_chains_for_the_same_tables() -> None:
     """The recorded H200 chain run predicted its saving per step from these two tables (Chain.kinds);
     the served-model prediction (ModelSpec.problems x table.lookup) must give the same figures."""
     from tunekit import table as table_mod
-    from tunekit.models import load_model
+    from tunekit.problems.models import load_model
 
     run = REPO / "benchmarks" / "results" / "h200-chain-m1248-59df7cf" / "chain.json"
     chain = json.loads(run.read_text())
@@ -311,7 +311,7 @@ def test_profile_tells_where_the_saving_came_from(fake: Path, tmp_path: Path) ->
 def test_a_failing_profiler_keeps_the_timing_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     """The profile runs after the timing: a profiler that raises is recorded on the row, never raised,
     so the process's TPOTs survive."""
-    from tunekit.serve import profile
+    from tunekit.evidence.serve_bench import profile
 
     def no_kernels(run):  # CPU torch has no CUDA activity to profile: a profiler that sees no kernels
         run()
@@ -334,7 +334,7 @@ def test_kernel_categories_and_the_decode_step_difference(tmp_path: Path) -> Non
     """Kernel names as the H200's traces spell them; a gzip Chrome trace in torch's format."""
     import gzip
 
-    from tunekit.serve import profile
+    from tunekit.evidence.serve_bench import profile
 
     names = {
         "_gemv_kernel": "tunekit_gemv", "_split_k_reduce_kernel": "tunekit_gemv", "tunekit_gemv": "tunekit_gemv",
@@ -387,7 +387,7 @@ def test_launches_are_told_apart_by_grid_block_and_the_kernel_before() -> None:
     """One kernel name, three problems: two told apart by their grid, two of the same grid and block by
     the kernel that ran before each. Launch gaps inside a replay are charged to the launch after them,
     the host's turn between steps is not, and another stream's first event has no predecessor."""
-    from tunekit.serve import profile
+    from tunekit.evidence.serve_bench import profile
 
     def kernel(name: str, ts: float, dur: float, grid: list[int], tid: int = 7) -> dict:
         return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "tid": tid,
@@ -436,8 +436,8 @@ def test_the_served_kernels_are_timed_again_in_the_process_that_served_them(tmp_
 
     from tunekit import ops
     from tunekit.backends import get
-    from tunekit.serve import profile
-    from tunekit.shapes import Problem
+    from tunekit.evidence.serve_bench import profile
+    from tunekit.problems.shapes import Problem
 
     params = get("triton").space(Problem("gemv", "bf16", 1, 40, 384)).default
     ops.load_tables(str(make_table(tmp_path / "t.json", [_entry("gemv", 1, 40, 384, params=params)])))
@@ -458,7 +458,7 @@ def test_the_served_kernels_are_timed_again_in_the_process_that_served_them(tmp_
 def test_the_report_shows_each_arms_gemv_launches_and_in_process_timings(tmp_path: Path) -> None:
     """serve.md: a tunekit arm's GEMV launches per launch (time, count and gap divided by the launches
     per step; other categories and vanilla left out) and the in-process timings against the table."""
-    from tunekit.serve import report
+    from tunekit.evidence.serve_bench import report
 
     gemv = "tunekit_gemv: _gemv_kernel grid=(34816,1,1) block=(32,1,1) after=_gemv_kernel"
     serve = {"batches": [{"batch": 1, "profile": {
@@ -663,7 +663,7 @@ def test_compare_sequences() -> None:
 
 
 def test_merged_dispatch_keeps_what_served_each_fallback() -> None:
-    from tunekit.serve import report
+    from tunekit.evidence.serve_bench import report
 
     def call(m: int, impl: str, vendor: str | None, calls: int) -> dict:
         return {"op": "gemma_rms_norm", "dtype": "bf16", "shape": "64x64", "m": m, "bias": False, "impl": impl,
@@ -944,7 +944,7 @@ def test_the_recorded_passthrough_run_names_only_its_arms(tmp_path: Path) -> Non
 
 
 def test_a_first_token_ratio_is_read_against_vanillas_spread() -> None:
-    from tunekit.serve import analysis
+    from tunekit.evidence.serve_bench import analysis
 
     two = {"per_process_ms": {"0": 90.0, "1": 120.0}}
     assert analysis.first_token_spread(two, 1.2).startswith("within vanilla's own spread over its 2 processes (1.33x)")
@@ -963,7 +963,7 @@ def test_git_commit_is_none_for_a_copy_inside_another_repository(tmp_path: Path)
     subprocess.run(["git", "init", "-q", str(outer)], check=True, env=env)
     subprocess.run(["git", "-C", str(outer), "commit", "-q", "--allow-empty", "-m", "x"], check=True, env=env)
     shutil.copytree(REPO / "tunekit", outer / "copy" / "tunekit")
-    code = "from tunekit.serve.bench import _git_commit; print(_git_commit())"
+    code = "from tunekit.evidence.serve_bench.bench import _git_commit; print(_git_commit())"
     res = subprocess.run([sys.executable, "-c", code], cwd=outer / "copy", capture_output=True, text=True,
                          env={**env, "PYTHONPATH": str(outer / "copy")}, timeout=120)
     assert res.returncode == 0, res.stderr
@@ -988,7 +988,7 @@ def test_git_commit_marks_sources_that_differ_from_head(tmp_path: Path) -> None:
     subprocess.run(["git", "-C", str(repo), "commit", "-q", "-m", "x"], check=True, env=env)
     head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
                           check=True).stdout.strip()
-    code = "from tunekit.serve.bench import _git_commit; print(_git_commit())"
+    code = "from tunekit.evidence.serve_bench.bench import _git_commit; print(_git_commit())"
 
     def commit() -> str:
         res = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True,
@@ -1023,7 +1023,7 @@ def test_host_events_count_the_collections_inside_only() -> None:
 
 
 def test_first_token_reads_the_host_events() -> None:
-    from tunekit.serve import analysis
+    from tunekit.evidence.serve_bench import analysis
 
     def run(index: int, gc_ms: list[float], stalls: int | None) -> dict:
         alloc = None if stalls is None else {"num_device_alloc": stalls, "num_device_free": 0, "num_alloc_retries": 0}
@@ -1105,7 +1105,7 @@ def test_a_folded_run_without_the_tuned_arm_reports_against_vanilla(fake: Path, 
 
 
 def test_the_report_says_whether_the_arm_joined_sibling_linears() -> None:
-    from tunekit.serve import report
+    from tunekit.evidence.serve_bench import report
 
     def serve(installed: bool | None) -> dict:
         hooks = {"linear": "..."}

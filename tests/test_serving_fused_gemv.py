@@ -9,10 +9,12 @@ import pytest
 import torch
 from test_ops import _entry, make_table
 
-from tunekit import ops, opspec, verify
+from tunekit import ops
 from tunekit.backends import get
-from tunekit.serving.state import STATE
-from tunekit.shapes import Problem
+from tunekit.dispatch.state import STATE
+from tunekit.measure import verify
+from tunekit.problems import opspec
+from tunekit.problems.shapes import Problem
 
 pytestmark = pytest.mark.usefixtures("clean_ops")  # conftest.py: no table, markers or vendor GEMM leak
 
@@ -59,7 +61,7 @@ def test_the_folded_norms_fallback_is_one_norm_kernel_within_the_bound(tmp_path:
     without a table, or where that kernel cannot serve, PyTorch's composition does, the same values
     within the norm's rounding."""
     from kernels_triton import rms_norm as rms_norm_kernels
-    from tunekit.serving import fused_gemv
+    from tunekit.dispatch import fused_gemv
 
     _table(tmp_path, "rms_gemv", ms=(1,))
     launched = []
@@ -144,7 +146,7 @@ def test_an_eager_tuned_call_binds_once_at_the_callers_epsilon(tmp_path: Path, m
     interpreter has no launcher to record), later calls replay them, at the epsilon the caller passed."""
     from test_dispatch_overhead import _stand_in_binding
 
-    from tunekit.device import detect
+    from tunekit.measure.device import detect
 
     binds, replays = _stand_in_binding(monkeypatch)
     _table(tmp_path, "rms_gemv")

@@ -8,10 +8,12 @@ import torch
 from kernels_triton import gemv as gemv_mod
 from kernels_triton import silu_and_mul as act_mod
 from kernels_triton.silu_mul_gemv import DEFAULT, SiluMulGemvConfig, invalid_reason, launch, silu_mul_gemv
-from tunekit import backends, opspec, verify
+from tunekit import backends
 from tunekit.backends.vendor import NORM_GEMV
 from tunekit.errors import UserError
-from tunekit.shapes import Problem, adhoc_problems, parse_m_list, parse_op_shape
+from tunekit.measure import verify
+from tunekit.problems import opspec
+from tunekit.problems.shapes import Problem, adhoc_problems, parse_m_list, parse_op_shape
 
 CPU = torch.device("cpu")
 OP = "silu_mul_gemv"
@@ -174,8 +176,8 @@ def test_shapes_parse_the_op() -> None:
 
 
 def test_models_list_down_proj_only_when_asked() -> None:
-    from tunekit import shapes
-    from tunekit.models import list_models, load_model
+    from tunekit.problems import shapes
+    from tunekit.problems.models import list_models, load_model
 
     assert OP not in shapes.OPS and shapes.parse_ops("silu_mul_gemv") == (OP,)
     assert set(shapes.parse_ops("fused_gemv")) == (set(shapes.NORM_GEMV_OPS) | {OP} | set(shapes.GEMV_ADD_OPS)

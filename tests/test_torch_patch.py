@@ -276,7 +276,7 @@ def test_hugging_face_qwen3_5_with_folded_norms_gives_the_same_logits_and_unpatc
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref)
     # a twin over the same parameters (check-serving's unpatched model) keeps its weights while one is folded
-    from tunekit.evidence.hf_decode import shared_copy
+    from tunekit.evidence.check_serving.hf_decode import shared_copy
 
     twin = shared_copy(model)
     with torch.no_grad():

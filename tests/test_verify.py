@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from tunekit import opspec, verify
-from tunekit.shapes import Problem
+from tunekit.measure import verify
+from tunekit.problems import opspec
+from tunekit.problems.shapes import Problem
 
 CPU = torch.device("cpu")
 PROBLEM = Problem("gemv", "bf16", 2, 24, 64)

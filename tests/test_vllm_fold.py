@@ -1,4 +1,4 @@
-"""tunekit.integrations.vllm_fold without vLLM: which decoder norms fold, what a fold writes.
+"""tunekit.integrations.vllm.fold without vLLM: which decoder norms fold, what a fold writes.
 
 Stand-in modules carry the names and attributes the fold reads from vLLM's
 (a decoder layer's class name, the plugin's ``TunekitRMSNorm`` /
@@ -16,7 +16,7 @@ from test_ops import make_table, timed_entry
 from torch import nn
 
 from tunekit import ops
-from tunekit.integrations import vllm_fold
+from tunekit.integrations.vllm import fold as vllm_fold
 
 pytestmark = pytest.mark.usefixtures("clean_ops")
 

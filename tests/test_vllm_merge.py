@@ -1,4 +1,4 @@
-"""tunekit.integrations.vllm_merge without vLLM: which sibling linears join, what a join writes, and
+"""tunekit.integrations.vllm.merge without vLLM: which sibling linears join, what a join writes, and
 the fold priced on the joined GEMV.
 
 Stand-ins as tests/test_vllm_fold.py's (a module class named as vLLM's Gated DeltaNet, linears with an
@@ -16,8 +16,9 @@ from test_vllm_fold import N_BA, N_GU, N_QKVZ, H, Linear, OtherMethod, TunekitGe
 from torch import nn
 
 from tunekit import ops
-from tunekit.integrations import vllm_fold, vllm_merge
-from tunekit.serving.fused_gemv import joined_rows
+from tunekit.dispatch.fused_gemv import joined_rows
+from tunekit.integrations.vllm import fold as vllm_fold
+from tunekit.integrations.vllm import merge as vllm_merge
 
 pytestmark = pytest.mark.usefixtures("clean_ops")
 

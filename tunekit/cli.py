@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tunekit.errors import Interrupted, UserError
-from tunekit.report import make_console
+from tunekit.evidence.compare import make_console
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="tunekit: tune decode GEMVs per real model shape and serve the winners.")
@@ -30,8 +30,8 @@ console: Console = make_console()
 
 
 def _problems(model: str | None, shape: list[str], tp: int, m: str, config: Path | None, ops: str = "gemv"):
-    from tunekit import shapes
-    from tunekit.models import load_model
+    from tunekit.problems import shapes
+    from tunekit.problems.models import load_model
 
     selected = shapes.parse_ops(ops)
     # the M limits depend on the ops that will get problems: GEMV takes 1..8
@@ -65,7 +65,7 @@ def _problems(model: str | None, shape: list[str], tp: int, m: str, config: Path
 @app.command()
 def models() -> None:
     """List the built-in models."""
-    from tunekit.models import list_models
+    from tunekit.problems.models import list_models
 
     table = Table("model", "family", "hf id", "layers", "hidden")
     for spec in list_models():
@@ -138,10 +138,10 @@ def shapes(
 
 
 def _moved_bytes(problems: list) -> dict[str, int]:
-    """Bytes one call must move (tunekit.opspec's roofline numerator), by problem key."""
+    """Bytes one call must move (tunekit.problems.opspec's roofline numerator), by problem key."""
     if not problems:
         return {}
-    from tunekit import opspec  # imports torch: only when elementwise problems are listed
+    from tunekit.problems import opspec  # imports torch: only when elementwise problems are listed
 
     return {p.key: opspec.get(p.op).bytes_moved(p) for p in problems}
 
@@ -186,10 +186,10 @@ def search(
     M = 1,2,4,8, unless --ops / --m narrow it. Rerunning the same command resumes.
     """
     from tunekit import backends as registry
-    from tunekit import shapes as shapes_mod
-    from tunekit.report import print_summary, report_after_search
+    from tunekit.evidence.compare import print_summary, report_after_search
+    from tunekit.measure.verify import NUMERICS
+    from tunekit.problems import shapes as shapes_mod
     from tunekit.search.engine import SearchConfig, read_seed_records, run_search
-    from tunekit.verify import NUMERICS
 
     whole_model = bool(model or config)
     if m is None:
@@ -262,7 +262,7 @@ def _parse_restrict(items: list[str], problems: list, backends: list[str]) -> di
 def _default_backends() -> list[str]:
     """Every tuned family usable on this machine (decided in the worker's device)."""
     from tunekit import backends as registry
-    from tunekit.device import detect
+    from tunekit.measure.device import detect
 
     device = detect()
     usable = []
@@ -351,7 +351,7 @@ def compare(
     run: Annotated[Path, typer.Argument(help="run folder written by `tunekit search`")],
 ) -> None:
     """Vendor vs Triton vs HIP per problem and per token; writes RUN/report.md and PNG plots."""
-    from tunekit.report import compare_run
+    from tunekit.evidence.compare import compare_run
 
     compare_run(run, console)
 
@@ -369,7 +369,7 @@ def show(
     console.print(f"{table_path}: {table['format']}, {len(table['entries'])} entries, tuned on {env['gpu']} "
                   f"({env['arch']}, {env['runtime']}, torch {env['torch']}, triton {env['triton']})")
     if check:
-        from tunekit.device import detect
+        from tunekit.measure.device import detect
 
         diffs = table_mod.environment_mismatch(table, detect().as_dict())
         if diffs:
@@ -399,9 +399,9 @@ def chain(
              "launch shape and predecessor (by_launch, as serve-bench --profile-steps reads a served step)")] = 0,
 ) -> None:
     """Time the model's tuned decode-step chain as one CUDA graph: vendor vs tuned GEMVs vs all tuned."""
-    from tunekit import chain as chain_mod
-    from tunekit import shapes
-    from tunekit.models import load_model
+    from tunekit.evidence import chain as chain_mod
+    from tunekit.problems import shapes
+    from tunekit.problems.models import load_model
 
     if bool(model) == bool(config):
         raise UserError("give one of --model or --config")
@@ -467,9 +467,9 @@ def serve_bench(
              "kernel time per category, vanilla vs tuned (0: off)")] = 0,
 ) -> None:
     """vLLM decode end to end: vanilla vs plugin without table vs tuned, TPOT per batch size, vs the prediction."""
-    from tunekit.serve import bench
-    from tunekit.serve import endpoint as endpoint_mod
-    from tunekit.serve.analysis import DEFAULT_TOL
+    from tunekit.evidence.serve_bench import bench
+    from tunekit.evidence.serve_bench import endpoint as endpoint_mod
+    from tunekit.evidence.serve_bench.analysis import DEFAULT_TOL
 
     def log(text: str) -> None:
         console.print(text, markup=False, highlight=False)
@@ -531,7 +531,7 @@ def check_serving(
     The model check decodes eager and graphed (static cache + torch.compile reduce-overhead), unpatched and
     patched; timing needs a GPU, --tiny runs the correctness parts on the CPU. Exit status 1 if a check fails.
     """
-    from tunekit.evidence import serving
+    from tunekit.evidence.check_serving import model_check as serving
 
     settings = serving.Settings(
         model=model, tables=[str(p) for p in table], layers=layers, steps=steps, prompt_len=prompt_len, iters=iters,

@@ -49,13 +49,13 @@ and count captures, not executions. ``TUNEKIT_DISPATCH_LOG=path`` writes the
 markers as JSON at interpreter exit (``{pid}`` in the path is replaced by the
 process id, for multi-process servers).
 
-Fused GEMVs (``tunekit.serving.fused_gemv``), the GEMV's rules; the fallback is the unfused
+Fused GEMVs (``tunekit.dispatch.fused_gemv``), the GEMV's rules; the fallback is the unfused
 vendor sequence (the norm's PyTorch math, the vendor GEMM; the vendor GEMM, the add)::
 
     torch.ops.tunekit.rms_gemv(x, w, eps)                 # (x / rms(x)) @ w^T: a norm folded into w
     torch.ops.tunekit.gemv_add(x, w, r)                   # x @ w^T + r: the residual add in the epilogue
 
-Elementwise ops (the fused decode ops of ``tunekit.opspec``), same rules::
+Elementwise ops (the fused decode ops of ``tunekit.problems.opspec``), same rules::
 
     torch.ops.tunekit.rms_norm(x, w, eps)                 # w * x / rms(x); gemma_rms_norm: (1 + w)
     torch.ops.tunekit.fused_add_rms_norm(x, r, w, eps)    # -> (norm(x + r), x + r); gemma_fused_add_rms_norm
@@ -63,14 +63,14 @@ Elementwise ops (the fused decode ops of ``tunekit.opspec``), same rules::
     torch.ops.tunekit.silu_and_mul(x)                     # silu(x[..., :d]) * x[..., d:]
     torch.ops.tunekit.bias_gelu(x, b)                     # gelu_tanh(x + b)
 
-Their table key is (m, n, k) as in ``tunekit.shapes.Problem`` (m = rows, the
+Their table key is (m, n, k) as in ``tunekit.problems.shapes.Problem`` (m = rows, the
 leading dims; gated_rms_norm: the leading dims but [heads, head_dim], so
 vLLM's [T, H, D] call is m = T, n = H * D, k = D). Each input must view as
 [m, row width] with unit stride inside a row; the rows may be strided (HF's
 q_norm normalises a q view whose rows are 2 * head_dim apart). Results are
 contiguous.
 The tuned kernel is ``backend.build(...)(inputs, out[, eps=eps])`` with
-``inputs``/``out`` laid out as ``tunekit.opspec`` makes them; a kernel without
+``inputs``/``out`` laid out as ``tunekit.problems.opspec`` makes them; a kernel without
 an ``eps`` parameter serves only ``eps == DEFAULT_EPS``; the Triton and HIP
 kernels take any (Llama-3.1's 1e-5 as well). Their vendor path is
 the kernel an integration installed with :func:`set_vendor_elementwise` (the
@@ -78,44 +78,46 @@ vLLM plugin: vLLM's own CUDA / Triton kernels); where none is installed for
 the op and device, tunekit's own Triton kernel at the search space's default
 config (``search_spaces/<op>.toml``, valid for every M), built and cached per
 key as a tuned entry is (``vendor: "tunekit:triton-default"``, see
-``tunekit.serving.elementwise._ew_default``); else, or where that cannot serve, the PyTorch math of
+``tunekit.dispatch.elementwise._ew_default``); else, or where that cannot serve, the PyTorch math of
 vLLM's native implementations (``vllm.ir.ops.rms_norm`` ...), rounding where
 those round. Each fallback row's ``vendor`` says which served it, and why the
 composition did (:data:`EAGER_VENDORS`).
 
-This module is the facade: the implementation lives in ``tunekit.serving``
+This module is the facade: the implementation lives in ``tunekit.dispatch``
 (one module per responsibility, one shared state object; see that package's
 docstring), and importing this module registers the ops. Adding an op: its
-schema in ``tunekit.serving.state.ELEMENTWISE_SCHEMAS``, its run-time impl
+schema in ``tunekit.dispatch.state.ELEMENTWISE_SCHEMAS``, its run-time impl
 (on ``decisions.resolve`` / ``markers.count``, as ``elementwise._ew_serve``
-does) and fake impl in ``tunekit.serving.elementwise.ELEMENTWISE_IMPLS``;
-``tunekit.serving.registry.register`` defines them all.
+does) and fake impl in ``tunekit.dispatch.elementwise.ELEMENTWISE_IMPLS``;
+``tunekit.dispatch.registry.register`` defines them all.
 """
 
 from __future__ import annotations
 
-from tunekit.serving.gemv import gemv
-from tunekit.serving.markers import dispatch_log, dispatch_stats, maybe_register_atexit, reset_stats, write_dispatch_log
-from tunekit.serving.registry import register
-from tunekit.serving.state import DEFAULT_EPS as DEFAULT_EPS
-from tunekit.serving.state import DEFAULT_VENDOR, EAGER_VENDORS, FALLBACK_REASONS, dtype_name
-from tunekit.serving.state import ELEMENTWISE_SCHEMAS as ELEMENTWISE_SCHEMAS
-from tunekit.serving.state import LOG_ENV as LOG_ENV
-from tunekit.serving.state import NAMESPACE as NAMESPACE
-from tunekit.serving.state import STATS_FORMAT as STATS_FORMAT
-from tunekit.serving.state import TABLE_ENV as TABLE_ENV
-from tunekit.serving.tables import covers, load_tables, loaded_tables
-from tunekit.serving.tables import largest_m as largest_m
-from tunekit.serving.tables import largest_rows as largest_rows
-from tunekit.serving.tables import served_entry as served_entry
-from tunekit.serving.vendors import (
-                                     clear_vendor_elementwise,
-                                     set_engine_runs_vendor,
-                                     set_vendor_elementwise,
-                                     set_vendor_gemm,
-                                     vendor_kernels,
+from tunekit.dispatch.gemv import gemv
+from tunekit.dispatch.markers import (
+    dispatch_log,
+    dispatch_stats,
+    maybe_register_atexit,
+    reset_stats,
+    write_dispatch_log,
 )
-from tunekit.serving.warmup import prepare
+from tunekit.dispatch.registry import register
+from tunekit.dispatch.state import (
+    DEFAULT_VENDOR,
+    EAGER_VENDORS,
+    FALLBACK_REASONS,
+    dtype_name,
+)
+from tunekit.dispatch.tables import covers, load_tables, loaded_tables
+from tunekit.dispatch.vendors import (
+    clear_vendor_elementwise,
+    set_engine_runs_vendor,
+    set_vendor_elementwise,
+    set_vendor_gemm,
+    vendor_kernels,
+)
+from tunekit.dispatch.warmup import prepare
 
 __all__ = [
     "DEFAULT_VENDOR",

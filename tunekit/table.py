@@ -128,7 +128,7 @@ def build_table(
     """Pick per problem the fastest re-measured candidate at least ``min_gain`` ahead of the
     fastest baseline (vendor; for elementwise ops also Inductor: see the module docstring)."""
     from tunekit import backends as registry
-    from tunekit.shapes import Problem
+    from tunekit.problems.shapes import Problem
 
     def problem_key(row: dict[str, Any]) -> tuple:
         return (row["op"], row["dtype"], int(row["m"]), int(row["n"]), int(row["k"]))
@@ -226,7 +226,7 @@ def _entry_label(i: int, entry: dict[str, Any]) -> str:
 
 def _entry_problem(entry: dict[str, Any]) -> str | None:
     """Why an entry's fields are malformed (types, ranges, names), else None."""
-    from tunekit.shapes import DTYPE_BYTES, FUSED_GEMV_OPS, OPS
+    from tunekit.problems.shapes import DTYPE_BYTES, FUSED_GEMV_OPS, OPS
 
     for name, types in _ENTRY_FIELDS.items():
         value = entry.get(name)
@@ -261,7 +261,7 @@ def _entry_problem(entry: dict[str, Any]) -> str | None:
 def _entry_meaning(entry: dict[str, Any]) -> str | None:
     """Why a well-formed entry cannot serve its problem (strict validation), else None."""
     from tunekit import backends as registry
-    from tunekit.shapes import Problem
+    from tunekit.problems.shapes import Problem
 
     name, params = entry["backend"], entry["params"]
     if name in registry.BASELINES:

@@ -47,7 +47,7 @@ def _model_class() -> type:
 
 def _entries() -> list[dict]:
     from tunekit.backends import get
-    from tunekit.opspec import Problem
+    from tunekit.problems.opspec import Problem
 
     def tuned(op: str, n: int, k: int) -> dict:
         return _entry(op, 4, n, k, params=get("triton").space(Problem(op, "bf16", 4, n, k)).default)
@@ -68,7 +68,7 @@ def _gdn_reference(w: dict, normed: torch.Tensor) -> torch.Tensor:
 
 
 def _load(plugin, monkeypatch, model: nn.Module, merge: bool) -> nn.Module:
-    from tunekit.integrations import vllm_merge
+    from tunekit.integrations.vllm import merge as vllm_merge
 
     vllm_merge.JOINED.clear()
     monkeypatch.setenv("TUNEKIT_MERGE_SIBLINGS", "1" if merge else "0")
@@ -88,7 +88,7 @@ def test_folded_siblings_run_as_one_rms_gemv_on_their_joined_weight(plugin, comp
     from vllm.config import set_current_vllm_config
 
     from tunekit import ops
-    from tunekit.serving.fused_gemv import joined_rows
+    from tunekit.dispatch.fused_gemv import joined_rows
 
     config = compile_ranges(_entries())
     ranges = config.compilation_config.get_compile_ranges()

@@ -53,7 +53,7 @@ def _entry(op: str, m: int, n: int, k: int, backend: str = "triton", params: dic
 
 def _table(path: Path, entries: list[dict]) -> Path:
     from tunekit import table as table_mod
-    from tunekit.device import detect
+    from tunekit.measure.device import detect
 
     table = {"format": table_mod.FORMAT, "created": "test", "environment": table_mod.environment_stamp(
         detect().as_dict(), []), "read_limit_gbps": None, "entries": entries}
@@ -71,7 +71,7 @@ def plugin(tmp_path_factory):
     if not os.environ.get("TUNEKIT_TABLE"):
         os.environ["TUNEKIT_TABLE"] = str(_table(tmp_path_factory.mktemp("tables") / "empty.json", []))
     vllm.plugins.load_general_plugins()
-    from tunekit.integrations import vllm_plugin
+    from tunekit.integrations.vllm import plugin as vllm_plugin
 
     return vllm_plugin
 
@@ -107,7 +107,7 @@ def _vendors(**match) -> list[tuple]:
 
 def test_entry_point_loads_once_and_installs_every_hook(plugin) -> None:
     eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "tunekit"]
-    assert [ep.value for ep in eps] == ["tunekit.integrations.vllm_plugin:register"]
+    assert [ep.value for ep in eps] == ["tunekit.integrations.vllm.plugin:register"]
     assert set(plugin.installed()) == {"linear", "RMSNorm", "GemmaRMSNorm", "RMSNormGated", "SiluAndMul",
                                        "compile_cache_key", "merge_siblings"}
     # the session's table is empty: no M to end a compile range at (test_token_counts_above_the_tables_...)
@@ -220,7 +220,7 @@ def test_linear_hook_respects_rocm_aiter_and_older_forks(plugin, monkeypatch) ->
     import vllm.model_executor.layers.utils as utils
 
     from tunekit import ops
-    from tunekit.serving.state import STATE
+    from tunekit.dispatch.state import STATE
 
     monkeypatch.setattr(torch.version, "hip", "6.3.0")
     monkeypatch.setenv("VLLM_ROCM_USE_AITER", "1")
@@ -465,7 +465,7 @@ def vllm_c_kernels(plugin):
     """``torch.ops._C.rms_norm`` / ``silu_and_mul`` as vLLM's CUDA build registers them (schema and calling
     convention), with counting CPU kernels: this CPU wheel has no _C extension. The plugin's vendor
     state is put back afterwards."""
-    from tunekit.serving.state import STATE
+    from tunekit.dispatch.state import STATE
 
     for name in ("rms_norm", "silu_and_mul"):  # the real ones would shadow the counting ones
         assert plugin._torch_op("_C", name) is None, f"this vLLM has torch.ops._C.{name}"

@@ -35,8 +35,8 @@ from typing import Any, Protocol
 
 import torch
 
-from tunekit.device import DeviceInfo
-from tunekit.shapes import Problem
+from tunekit.measure.device import DeviceInfo
+from tunekit.problems.shapes import Problem
 
 Params = dict[str, Any]
 Kernel = Callable[[tuple[torch.Tensor, ...], torch.Tensor | tuple[torch.Tensor, ...]], None]
@@ -78,7 +78,7 @@ class Backend(Protocol):
     name: str
     #: "vendor" for the baseline backend, "tuned" for searchable families.
     kind: str
-    #: ops this backend implements (keys of tunekit.opspec.OPS).
+    #: ops this backend implements (keys of tunekit.problems.opspec.OPS).
     ops: tuple[str, ...]
 
     def unavailable_reason(self, device: DeviceInfo) -> str | None:

@@ -39,8 +39,8 @@ import search_spaces
 from tunekit import rtc
 from tunekit.backends.base import BuildError, Kernel, Params, SearchSpace
 from tunekit.backends.hip_elementwise import FAMILIES, ElementwiseLauncher, int_params
-from tunekit.device import DeviceInfo
-from tunekit.shapes import Problem
+from tunekit.measure.device import DeviceInfo
+from tunekit.problems.shapes import Problem
 
 #: Tunable defines of kernels_hip/gemv.hip and their allowed values (any config
 #: outside these is refused before compiling).

@@ -31,8 +31,8 @@ import torch
 
 from tunekit import rtc
 from tunekit.backends.base import BuildError, Params
-from tunekit.opspec import EPS
-from tunekit.shapes import Problem
+from tunekit.problems.opspec import EPS
+from tunekit.problems.shapes import Problem
 
 #: Threads of a block fill whole waves on every target: 64 is the AMD gfx9/DCU
 #: wave and a multiple of NVIDIA's 32 (full-mask shuffles need whole warps).

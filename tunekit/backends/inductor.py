@@ -25,8 +25,8 @@ import torch
 
 from tunekit.backends.base import BuildError, Kernel, Params, SearchSpace
 from tunekit.backends.vendor import ELEMENTWISE
-from tunekit.device import DeviceInfo
-from tunekit.shapes import Problem
+from tunekit.measure.device import DeviceInfo
+from tunekit.problems.shapes import Problem
 
 
 class InductorBackend:

@@ -4,7 +4,7 @@
 ``kernels_triton.gemv`` (GemvConfig, gemv(x, w, config, out)); every
 elementwise module offers one protocol: ``Config.from_params``,
 ``invalid_reason(config, m, n, k)`` and ``launch(op, inputs, out, config,
-eps)`` taking ``tunekit.opspec``'s inputs and outputs (the op name picks the
+eps)`` taking ``tunekit.problems.opspec``'s inputs and outputs (the op name picks the
 weight convention of a norm).
 """
 
@@ -19,8 +19,8 @@ import torch
 
 import search_spaces
 from tunekit.backends.base import BuildError, Kernel, Params, SearchSpace
-from tunekit.device import DeviceInfo, interpret_mode
-from tunekit.shapes import Problem
+from tunekit.measure.device import DeviceInfo, interpret_mode
+from tunekit.problems.shapes import Problem
 
 #: op -> module in kernels_triton holding its kernel, config and predicate.
 _OP_MODULES = {
@@ -91,7 +91,7 @@ class TritonBackend:
         if reason:
             raise BuildError(f"invalid config: {reason}")
         if problem.op != "gemv":
-            from tunekit.opspec import EPS
+            from tunekit.problems.opspec import EPS
 
             op = problem.op
 

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from tunekit.backends.base import BuildError, Kernel, Params, SearchSpace
-from tunekit.device import DeviceInfo
-from tunekit.opspec import EPS
-from tunekit.shapes import Problem
+from tunekit.measure.device import DeviceInfo
+from tunekit.problems.opspec import EPS
+from tunekit.problems.shapes import Problem
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -87,7 +87,7 @@ def bias_gelu(inputs: Tensors, out: torch.Tensor) -> None:
     torch.ops.aten.gelu.out(x + b, approximate="tanh", out=out)
 
 
-#: op -> eager composition ``fn(inputs, out)`` (tunekit.opspec's inputs and outputs).
+#: op -> eager composition ``fn(inputs, out)`` (tunekit.problems.opspec's inputs and outputs).
 ELEMENTWISE: dict[str, Callable[..., None]] = {
     "rms_norm": rms_norm,
     "gemma_rms_norm": gemma_rms_norm,

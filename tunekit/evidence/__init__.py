@@ -1,16 +1,11 @@
-"""GPU evidence that a dispatch table serves correctly and what it saves, as library code.
+"""The three layers of evidence, never mixed, each its own module or package:
 
-``tunekit check-serving`` (and ``benchmarks/serving_check.py``, a thin wrapper) run it:
+* ``compare``: the standalone microbenchmarks of a run (Triton vs HIP vs vendor per problem and per
+  token, percent of the read limit, Amdahl's prediction, plots) -- ``tunekit compare``;
+* ``chain``: a model's decode-step chain as one CUDA graph, vendor vs tuned -- ``tunekit chain``;
+* ``serve_bench``: the served model in vLLM, vanilla vs passthrough vs tuned -- ``tunekit serve-bench``;
+* ``check_serving``: that a table serves correctly (eager, compiled, graphed; a Hugging Face model's
+  logits and tokens) -- ``tunekit check-serving``.
 
-* :mod:`tunekit.evidence.checks`: the PASS / FAIL / SKIP / INFO report and the environment stamp.
-* :mod:`tunekit.evidence.ops_check`: every table entry's op eagerly, under ``torch.compile`` and
-  under CUDA-graph capture + replay (bitwise equal to eager, within the op's BF16 bound).
-* :mod:`tunekit.evidence.hf_decode`: a few layers of a Hugging Face Qwen3.5-27B or Llama-3.1-8B
-  (random weights, the real sizes), its eager decode and its graphed decode (static cache +
-  ``torch.compile(mode="reduce-overhead")``).
-* :mod:`tunekit.evidence.serving`: the model check (patched vs unpatched logits and greedy tokens,
-  eager and graphed, the interleaved per-step timing of the four variants), its pure judging and
-  ratio arithmetic, and :func:`~tunekit.evidence.serving.run_check`.
-
-Importing this package imports neither torch nor transformers; the modules do (transformers lazily).
+Importing this package imports nothing else.
 """

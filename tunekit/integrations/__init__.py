@@ -1,5 +1,5 @@
-"""Where the dispatch table meets a serving stack: ``torch_patch`` (any nn.Module) and ``vllm_plugin``.
+"""Where the dispatch table meets a serving stack: ``torch_patch`` (any nn.Module) and the ``vllm`` plugin package.
 
-Neither module is imported by ``import tunekit``; the vLLM plugin is found
+Neither is imported by ``import tunekit``; the vLLM plugin is found
 through the ``vllm.general_plugins`` entry point.
 """

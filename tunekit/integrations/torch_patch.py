@@ -136,13 +136,13 @@ def _op_call(op: str) -> Callable[..., Any]:
     run-time impl directly; under ``torch.compile``/export/``jit.trace``, the op.
 
     The impl is what torch's dispatcher would run for a CUDA or CPU tensor (the op is registered
-    with one Python impl for both keys, ``tunekit.serving.registry``); calling it directly skips
+    with one Python impl for both keys, ``tunekit.dispatch.registry``); calling it directly skips
     only the dispatch itself, which costs ~3-4 us per call (H200 host, h200-decode-944f424)
     against a ~4 us tuned GEMV. Traced code must see the opaque op (one node, no branch on M),
     so a tensor subclass (fake, functional, proxy) or any tracing takes the op. (The linears
-    inline this, with an :class:`~tunekit.serving.gemv.EagerLinear` per module as the impl.)
+    inline this, with an :class:`~tunekit.dispatch.gemv.EagerLinear` per module as the impl.)
     """
-    from tunekit.serving.elementwise import ELEMENTWISE_IMPLS
+    from tunekit.dispatch.elementwise import ELEMENTWISE_IMPLS
 
     impl = ELEMENTWISE_IMPLS[op][0]
     traced = getattr(torch.ops.tunekit, op)
@@ -163,7 +163,7 @@ def _eps(module: nn.Module) -> float:
 
 def _norm_forward(op: str) -> Callable[[nn.Module], Callable[..., Any]]:
     def factory(module: nn.Module) -> Callable[..., Any]:
-        from tunekit.serving.elementwise import EagerNorm
+        from tunekit.dispatch.elementwise import EagerNorm
 
         original = module.forward
         eps = _eps(module)
@@ -215,7 +215,7 @@ def _needs_autograd(*tensors: torch.Tensor | None) -> bool:
 
 
 def _linear_forward(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
-    from tunekit.serving.gemv import EagerLinear
+    from tunekit.dispatch.gemv import EagerLinear
 
     # _op_call("gemv"), inlined: every linear of every eager decode step runs this
     eager, traced = EagerLinear(), torch.ops.tunekit.gemv
@@ -241,7 +241,7 @@ def _folded_norm_forward(hidden_states: torch.Tensor) -> torch.Tensor:
 
 def _folded_linear_forward(module: nn.Linear, eps: float) -> Callable[[torch.Tensor], torch.Tensor]:
     """A consumer of a folded norm: ``rms_gemv`` on its input and its folded weight W diag(g')."""
-    from tunekit.serving.fused_gemv import rms_gemv_impl, unweighted_rms_norm
+    from tunekit.dispatch.fused_gemv import rms_gemv_impl, unweighted_rms_norm
 
     traced = torch.ops.tunekit.rms_gemv
     (is_compiling, is_tracing), plain, grad_enabled = _TRACING, torch.Tensor, torch.is_grad_enabled
@@ -289,7 +289,7 @@ def _has_submodule(module: nn.Module, path: str) -> bool:
 def _fold_pays(op: str, norm: nn.Module, consumers: list[nn.Linear]) -> bool:
     """Whether the tables' M=1 entries say the folded consumers beat the tuned norm and GEMVs (a step
     no table serves counts 0 us, so the vendor part is never the fold's excuse)."""
-    from tunekit.serving.fused_gemv import fold_pays
+    from tunekit.dispatch.fused_gemv import fold_pays
 
     return fold_pays((op,), norm.weight, [tuple(c.weight.shape) for c in consumers])
 
@@ -334,7 +334,7 @@ class _MergedGemv:
     the graph holds one ``tunekit.gemv`` per group and the slices."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, members: int) -> None:
-        from tunekit.serving.gemv import EagerLinear
+        from tunekit.dispatch.gemv import EagerLinear
 
         self.weight, self.bias, self.members = weight, bias, members
         self.eager = EagerLinear()
@@ -484,7 +484,7 @@ def _covered(route: str, module: nn.Module) -> bool:
     (any M: the op picks per call). The gated norm is matched by its row width (head_dim), as the
     op serves either row layout."""
     from tunekit import ops
-    from tunekit.serving.state import DTYPE_NAMES
+    from tunekit.dispatch.state import DTYPE_NAMES
 
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dtype not in DTYPE_NAMES:

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 from kernels_hip import HEADER, SOURCE_DIR, source_path
 from tunekit.backends.base import BuildError
-from tunekit.device import DeviceInfo
+from tunekit.measure.device import DeviceInfo
 from tunekit.rtc import cache
 
 __all__ = [

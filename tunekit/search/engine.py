@@ -49,9 +49,9 @@ from optuna.trial import TrialState
 
 from tunekit import backends as backend_registry
 from tunekit.errors import UserError
+from tunekit.problems.shapes import FUSED_GEMV_OPS, Problem
 from tunekit.search import fleet
 from tunekit.search.worker import DEFAULT_TIMEOUT_S, Worker
-from tunekit.shapes import FUSED_GEMV_OPS, Problem
 
 SAMPLERS = ("tpe", "random", "grid")
 #: Candidates per backend carried into the interleaved final re-measure.
@@ -593,7 +593,7 @@ def _retrying(action: Callable[[], Any], attempts: int = 5) -> Any:
 
 
 def _usable_backends(requested: Sequence[str], device: dict[str, Any]) -> list[str]:
-    from tunekit.device import DeviceInfo
+    from tunekit.measure.device import DeviceInfo
 
     info = DeviceInfo(**device)
     usable = []
@@ -611,7 +611,7 @@ def _usable_backends(requested: Sequence[str], device: dict[str, Any]) -> list[s
 
 def _extra_baselines(problems: Sequence[Problem], device: dict[str, Any], log: Callable[[str], None]) -> list[str]:
     """Baselines besides vendor that join the final re-measure of the problems they serve here."""
-    from tunekit.device import DeviceInfo
+    from tunekit.measure.device import DeviceInfo
 
     info = DeviceInfo(**device)
     usable = []
@@ -631,7 +631,7 @@ def _extra_baselines(problems: Sequence[Problem], device: dict[str, Any], log: C
 
 def _limit_gbps(problem: Problem, probe: dict[str, Any]) -> float | None:
     """The measured bandwidth this op's % of limit refers to (read for GEMV, copy for elementwise)."""
-    from tunekit import opspec
+    from tunekit.problems import opspec
 
     return probe.get(f"{opspec.get(problem.op).limit}_gbps") or None
 
@@ -841,7 +841,7 @@ def _open_study(run: _Run, problem: Problem, backend_name: str) -> _OpenStudy:
     pinned_for = getattr(backend, "pinned_params", None)
     pinned: dict[str, Any] = {}
     if pinned_for is not None:
-        from tunekit.device import DeviceInfo
+        from tunekit.measure.device import DeviceInfo
 
         for key, value in pinned_for(DeviceInfo(**device)).items():
             if key in domains and value in domains[key]:

@@ -125,7 +125,7 @@ class _ChildState:
     """Lives in the worker: keeps the device, rotation buffers and built kernels."""
 
     def __init__(self) -> None:
-        from tunekit import device as device_mod
+        from tunekit.measure import device as device_mod
 
         self.device = device_mod.detect()
         self._rotation_key: str | None = None
@@ -137,7 +137,7 @@ class _ChildState:
         if kind == "device":
             return {"status": "ok", "device": self.device.as_dict()}
         if kind == "probe":
-            from tunekit.bench import probe_bandwidth
+            from tunekit.measure.bench import probe_bandwidth
 
             return {"status": "ok", "probe": probe_bandwidth(self.device).as_dict()}
         if kind == "trial":
@@ -148,14 +148,14 @@ class _ChildState:
 
     # -- helpers -----------------------------------------------------------
     def _problem(self, task):
-        from tunekit.shapes import Problem
+        from tunekit.problems.shapes import Problem
 
         p = task["problem"]
         return Problem(p["op"], p["dtype"], p["m"], p["n"], p["k"], p.get("count", 1))
 
     def _rotation_for(self, problem):
-        from tunekit import opspec
-        from tunekit.bench import Rotation
+        from tunekit.measure.bench import Rotation
+        from tunekit.problems import opspec
 
         if self._rotation_key != problem.key:
             # one problem's buffers at a time: lm_head copies are GBs
@@ -167,7 +167,7 @@ class _ChildState:
         return self._rotation
 
     def _sync_free(self) -> None:
-        from tunekit.bench import release_memory
+        from tunekit.measure.bench import release_memory
 
         if self.device.is_gpu:
             release_memory()  # and wait while the driver clears it: a timing next would share the memory system
@@ -186,9 +186,11 @@ class _ChildState:
     def _trial(self, task: dict[str, Any]) -> dict[str, Any]:
         import torch
 
-        from tunekit import backends, opspec, verify
+        from tunekit import backends
         from tunekit.backends.base import BuildError
-        from tunekit.bench import time_kernel
+        from tunekit.measure import verify
+        from tunekit.measure.bench import time_kernel
+        from tunekit.problems import opspec
 
         problem = self._problem(task)
         spec = opspec.get(problem.op)
@@ -230,8 +232,8 @@ class _ChildState:
         return record
 
     def _final(self, task: dict[str, Any]) -> dict[str, Any]:
-        from tunekit import opspec
-        from tunekit.bench import time_interleaved
+        from tunekit.measure.bench import time_interleaved
+        from tunekit.problems import opspec
 
         problem = self._problem(task)
         spec = opspec.get(problem.op)

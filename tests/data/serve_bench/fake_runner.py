@@ -1,4 +1,4 @@
-"""A stand-in for ``python -m tunekit.serve.runner`` in the tests: the real runner module, fed stub
+"""A stand-in for ``python -m tunekit.evidence.serve_bench.runner`` in the tests: the real runner module, fed stub
 ``vllm`` and ``torch`` modules (no GPU, no vLLM, no torch import: fast).
 
 The stub engine sleeps ``tokens x TPOT`` per generate, TPOT by arm as told by the environment the parent
@@ -162,7 +162,7 @@ def _load_stub_plugin(llm: LLM) -> None:
         return out
 
     _module("tunekit.ops", dispatch_log=dispatch_log, write_dispatch_log=write_dispatch_log)
-    _module("tunekit.integrations.vllm_plugin", installed=lambda: {"linear": "stub"}, skipped=lambda: {})
+    _module("tunekit.integrations.vllm.plugin", installed=lambda: {"linear": "stub"}, skipped=lambda: {})
 
 
 def _install_stubs() -> None:
@@ -192,7 +192,7 @@ def _install_stubs() -> None:
 
 def main() -> int:
     _install_stubs()
-    from tunekit.serve import runner
+    from tunekit.evidence.serve_bench import runner
 
     def probe(tables: list[str]) -> dict:
         doc = {"format": runner.PROBE_FORMAT, "python": sys.executable, "vllm": "0.0.fake", "flashinfer": False,
@@ -217,7 +217,7 @@ def main() -> int:
         return {"aten::mm": {"us": 500.0, "calls": 10},
                 "tunekit::gemv": {"us": 2000.0 if served else 0.0, "calls": 10 if served else 0}}
 
-    from tunekit.serve import profile
+    from tunekit.evidence.serve_bench import profile
     profile.profile_totals = profile_totals
     profile.host_profile = host_profile
     if "--probe" not in sys.argv:

@@ -1,0 +1,125 @@
+"""The decision cache: which kernel serves one (op, dtype, M, N, K, device), decided once.
+
+Call protocol (the op impls' slow path): read ``STATE.choices`` lock-free
+for the key; on a miss, :func:`resolve` looks the key up in the merged
+table of the device (``tunekit.table.lookup``'s M rule), builds the entry's
+kernel through its backend and caches the :class:`~tunekit.dispatch.state.Choice`
+(a built kernel, or ``fallback:<reason>``). Under CUDA-graph capture
+(:func:`is_capturing`) nothing is built and the fallback is not cached. A
+kernel that raises at launch is marked broken (:func:`mark_broken`): the
+key serves the vendor path from then on. Never raises for a table entry's
+sake: a build failure is a logged, reasoned fallback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tunekit import table as table_mod
+from tunekit.dispatch.state import STATE, Choice, log_once
+from tunekit.dispatch.tables import tables_for
+
+
+def resolve(op: str, dtype: str, m: int, n: int, k: int, device: torch.device, capturing: bool) -> Choice:
+    """Look up, build and cache the choice for one key (slow path: once per key)."""
+    dev_key = str(device)
+    key = (op, dtype, m, n, k, dev_key)
+    with STATE.lock:
+        choice = STATE.choices.get(key)
+    if choice is not None:
+        return choice
+    merged, reason = tables_for(device, dev_key)
+    if merged is None:
+        choice = Choice(f"fallback:{reason}")
+    else:
+        entry = table_mod.lookup(merged, op, dtype, m, n, k)
+        if entry is None:
+            tabulated = any(
+                e["op"] == op and e["dtype"] == dtype and e["n"] == n and e["k"] == k for e in merged["entries"]
+            )
+            choice = Choice("fallback:m_above_table" if tabulated else "fallback:no_entry")
+        elif capturing:
+            # Never compile or load a module inside a capture: the graph keeps
+            # the vendor path for this size; the next eager call builds it.
+            return Choice("fallback:not_built_at_capture", entry=entry)
+        else:
+            choice = _build(op, dtype, m, n, k, entry, merged["device"])
+    with STATE.lock:
+        STATE.choices.setdefault(key, choice)
+        return STATE.choices[key]
+
+
+def _build(op: str, dtype: str, m: int, n: int, k: int, entry: dict[str, Any], device: Any) -> Choice:
+    from tunekit import backends
+    from tunekit.problems.shapes import Problem
+
+    name = entry["backend"]
+    try:
+        backend = backends.get(name)
+        why = backend.unavailable_reason(device)
+        if why:
+            log_once(f"unavailable:{name}:{device.arch}", logging.WARNING,
+                      "tunekit: backend %s unavailable here (%s); vendor path for its entries", name, why)
+            return Choice("fallback:backend_unavailable", entry=entry)
+        # HIP kernels are built for M up to MAX_M = the tabulated M (one build
+        # serves every smaller M); Triton's config is checked for the real M.
+        build_m = entry["m"] if (name == "hip" and op == "gemv") else m
+        invalid = None
+        if build_m != entry["m"] and hasattr(backend, "invalid_reason"):
+            invalid = backend.invalid_reason(Problem(op, dtype, build_m, n, k), entry["params"])
+            if invalid is not None and backend.invalid_reason(
+                    Problem(op, dtype, entry["m"], n, k), entry["params"]) is not None:
+                invalid = None  # invalid at its own M too: a broken entry, left to the build to report
+        if invalid is not None:
+            # an entry tuned at a larger M may use a config the smaller M cannot run
+            # (M_MODE="rows" at M=1): a reasoned fallback, not a build error
+            log_once(f"invalid:{op}:{dtype}:{m}:{n}:{k}:{name}", logging.INFO,
+                      "tunekit: %s %s M=%d N=%d K=%d: the M=%d entry's %s config does not run at this M (%s); "
+                      "vendor path", op, dtype, m, n, k, entry["m"], name, invalid)
+            return Choice("fallback:config_invalid_at_m", entry=entry)
+        build_key = (name, op, dtype, build_m, n, k, json.dumps(entry["params"], sort_keys=True), device.torch_device)
+        with STATE.lock:
+            kernel = STATE.built.get(build_key)
+        if kernel is None:
+            kernel = backend.build(Problem(op, dtype, build_m, n, k), entry["params"], device)
+            with STATE.lock:
+                STATE.built[build_key] = kernel
+        takes_eps = kernel_takes_eps(kernel)
+    except Exception as exc:  # a table entry that does not build is a fallback, never an error
+        log_once(f"build:{op}:{dtype}:{m}:{n}:{k}:{name}", logging.WARNING,
+                  "tunekit: %s %s M=%d N=%d K=%d: %s kernel did not build (%s); vendor path",
+                  op, dtype, m, n, k, name, exc)
+        return Choice("fallback:build_error", entry=entry)
+    return Choice(f"tuned:{name}", kernel=kernel, entry=entry, takes_eps=takes_eps)
+
+
+def kernel_takes_eps(kernel: Callable[..., Any]) -> bool:
+    import inspect
+
+    try:
+        params = inspect.signature(kernel).parameters
+    except (TypeError, ValueError):
+        return False
+    return "eps" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def mark_broken(op: str, dtype: str, m: int, n: int, k: int, device: torch.device, exc: BaseException) -> None:
+    log_once(f"kernel:{op}:{dtype}:{m}:{n}:{k}:{device}", logging.WARNING,
+              "tunekit: %s %s M=%d N=%d K=%d: tuned kernel raised %s: %s; vendor path from now on",
+              op, dtype, m, n, k, type(exc).__name__, exc)
+    with STATE.lock:
+        STATE.choices[(op, dtype, m, n, k, str(device))] = Choice("fallback:kernel_error")
+        STATE.epoch += 1
+
+
+#: torch.cuda.is_current_stream_capturing without its Python wrapper (per call on the hot path)
+_stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+
+
+def is_capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and _stream_capturing()

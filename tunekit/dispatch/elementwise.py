@@ -1,0 +1,686 @@
+"""The elementwise ops (the fused decode ops of ``tunekit.problems.opspec``): run-time impls, fallbacks, fake impls.
+
+Call protocol: each op's impl computes its table key (m, n, k), rejects
+inputs that are not the op at all (``fallback:bad_input``) and hands the
+rest to :func:`_ew_serve`, which checks dtypes, devices and row layouts,
+reads the decision cache (``tunekit.dispatch.decisions``), launches the
+tuned kernel, and counts the call (``tunekit.dispatch.markers``). The
+lookup's fallbacks are served, in this order, by the vendor kernel an
+integration installed (``tunekit.dispatch.vendors``), by tunekit's Triton
+kernel at a config valid for every M - "the default-config kernel": the
+table's nearest-M Triton config for the shape, else the op's default
+(:func:`_ew_default`, built and cached per key like a tuned entry) - else
+by the PyTorch composition of vLLM's
+native math (``_vendor_*``). :data:`ELEMENTWISE_IMPLS` maps each op to its
+(run-time impl, fake impl) for ``tunekit.dispatch.registry``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tunekit import table as table_mod
+from tunekit.dispatch import launch
+from tunekit.dispatch.decisions import _stream_capturing, is_capturing, kernel_takes_eps, mark_broken, resolve
+from tunekit.dispatch.markers import count, counter
+from tunekit.dispatch.state import (
+    DEFAULT_EPS,
+    DEFAULT_VENDOR,
+    DTYPE_NAMES,
+    STATE,
+    Choice,
+    DefaultKernel,
+    VendorKernel,
+    dtype_name,
+    log_once,
+)
+from tunekit.dispatch.tables import tables_for
+from tunekit.dispatch.vendors import vendor_serves_first
+
+# Vendor paths: the PyTorch math of vLLM's native implementations
+# (vllm.ir.ops.rms_norm / fused_add_rms_norm, GemmaRMSNorm.forward_native,
+# RMSNormGated.forward_static with norm_before_gate=True, SiluAndMul.forward_native),
+# rounding where they round.
+
+
+def _vendor_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
+    w = weight.float() + 1.0 if gemma else weight
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (xf.to(w.dtype) * w).to(x.dtype)
+
+
+def _vendor_fused_add(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                      gemma: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    w = weight.float() + 1.0 if gemma else weight
+    s = x.float() + residual.float()
+    residual_out = s.to(x.dtype)
+    s = s * torch.rsqrt(s.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (s.to(w.dtype) * w).to(x.dtype), residual_out
+
+
+def _vendor_gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    k = weight.shape[0]
+    g = x.float().reshape(*x.shape[:-1], x.shape[-1] // k, k)
+    normed = (g * torch.rsqrt(g.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()).reshape(x.shape)
+    return (normed * F.silu(z.float())).to(x.dtype)
+
+
+def _vendor_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+def _vendor_bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x + bias, approximate="tanh")
+
+
+def _ew_serve(
+    op: str,
+    tensors: tuple[torch.Tensor, ...],
+    weight: torch.Tensor | None,
+    mnk: tuple[int, int, int],
+    eps: float | None,
+    make_out: Callable[[int, int, torch.Tensor], Any],
+    kernel_inputs: Callable[[int, int], tuple[torch.Tensor, ...]],
+    vendor: Callable[[], Any],
+    finish: Callable[[Any], Any],
+    vendor_args: tuple[Any, ...] = (),
+    express_key: tuple | None = None,
+) -> Any:
+    """Shared body of the elementwise ops: checks, lookup, tuned launch or vendor path, marker.
+
+    ``express_key``: the op's :data:`_EXPRESS` key for these arguments; a call
+    served by a bound launcher registers its route there (see :func:`_express`).
+
+    ``vendor`` is the PyTorch composition; ``vendor_args`` the op's arguments
+    for an installed vendor kernel (:func:`set_vendor_elementwise`), which
+    serves the lookup's fallbacks in its place; without one, the op's
+    default-config kernel does where it can (:func:`_ew_vendor`).
+    """
+    x = tensors[0]
+    capturing = is_capturing(x)
+    dtype = dtype_name(x.dtype)
+    m, n, k = mnk
+    reason = None
+    # Plain loops, not any(<generator>): every norm of every eager step runs these checks.
+    xdtype, device = x.dtype, x.device
+    for t in tensors:
+        if t.dtype != xdtype:
+            reason = "dtype"
+    if reason is None and xdtype not in DTYPE_NAMES:
+        reason = "dtype"
+    if reason is not None:
+        pass
+    elif weight is not None and (weight.dtype != xdtype or weight.dim() != 1 or not weight.is_contiguous()):
+        reason = "dtype" if weight.dtype != xdtype else "strided"
+    elif device.type not in ("cuda", "cpu") or (weight is not None and weight.device != device) or \
+            _other_device(tensors, device):
+        reason = "device"
+    elif m == 0 or n == 0 or k == 0:
+        reason = "empty"
+    else:
+        # Rows may be strided (HF's q_norm gets every other head_dim slice of q):
+        # the kernels take a row stride. Each tensor must view as [m, width]
+        # rows with unit stride inside a row; anything else is the vendor's.
+        inputs = _row_views(kernel_inputs, m, n)
+        if inputs is None:
+            reason = "strided"
+    if reason is not None:
+        # inputs a vendor kernel may not take either (odd strides, dtypes, devices): the composition
+        count(op, dtype, f"{n}x{k}", m, False, f"fallback:{reason}", capturing, "eager")
+        return _dense(vendor())
+    # one route per epsilon: its launchers replay the calls they recorded, eps included
+    rkey = (op, m, n, k, xdtype, device, eps)
+    route = _EW_ROUTES.get(rkey)  # lock-free read (atomic under the GIL), as for the decision cache
+    if route is None or STATE.choices.get(route.ckey) is not route.choice:
+        route = _EwRoute(op, dtype, m, n, k, x.device, capturing, eps)
+        if STATE.choices.get(route.ckey) is route.choice:  # a choice met under capture is not cached
+            _EW_ROUTES[rkey] = route
+    choice = route.choice
+    if choice.kernel is not None and eps is not None and not choice.takes_eps and eps != DEFAULT_EPS:
+        choice = Choice("fallback:eps")
+    if choice.kernel is None:
+        out, served_by = _ew_vendor(op, device, vendor_args, vendor, lambda: _ew_default(
+            op, dtype, m, n, k, x, capturing, inputs, make_out, finish, eps, route.ckey, route))
+        # the fallback's rows by what served it: counters kept on the route (no key built per call)
+        tick = route.vticks.get((choice.impl, served_by, capturing))
+        if tick is None:
+            tick = route.vticks[(choice.impl, served_by, capturing)] = counter(
+                op, dtype, route.shape, m, False, choice.impl, capturing, served_by).tick
+        tick()
+        return _dense(out)
+    try:
+        out = make_out(m, n, x)
+        if route.launcher is None or not route.launcher(inputs, out, None, True):
+            if route.bind and not capturing:
+                # The first eager launch of a Triton kernel binds it (tunekit.dispatch.launch), at
+                # the route's epsilon (route.run carries it).
+                route.launcher, route.bind = launch.bind(route.run, inputs, out), False
+            else:
+                route.run(inputs, out)
+    except Exception as exc:  # the serving path never raises for tunekit's sake
+        mark_broken(op, dtype, m, n, k, x.device, exc)
+        out, served_by = _ew_vendor(op, x.device, vendor_args, vendor, lambda: _ew_default(
+            op, dtype, m, n, k, x, capturing, inputs, make_out, finish, eps))
+        count(op, dtype, route.shape, m, False, "fallback:kernel_error", capturing, served_by)
+        return _dense(out)
+    route.ticks[capturing]()
+    if express_key is not None and route.launcher is not None:
+        _EXPRESS[express_key] = route  # (re)registered: a reload leaves the old route stale
+    return finish(out)
+
+
+#: an op's express key (op, x shape, dtypes, devices, eps) -> the _EwRoute whose bound launcher serves it
+_EXPRESS: dict[tuple, Any] = {}
+
+
+def _express(key: tuple, inputs: Callable[[], tuple[torch.Tensor, ...]], x: torch.Tensor,
+             m: int, n: int) -> torch.Tensor | None:
+    """The tuned launch of a call whose express key a bound launcher served before, or None (then the
+    op's full path serves it). The key holds every shape, dtype, device and eps the full path checks;
+    the launcher's guard checks the rows' strides and alignment, so a guarded launch is exactly a
+    call that would pass the full path's checks and take the same kernel."""
+    route = _EXPRESS.get(key)
+    if route is None or STATE.choices.get(route.ckey) is not route.choice:
+        return None
+    try:
+        views = inputs()
+    except RuntimeError:  # rows not viewable: the full path says why
+        return None
+    out = x.new_empty((m, n))
+    if not route.launcher(views, out, None, True):
+        return None
+    route.ticks[is_capturing(x)]()
+    return out
+
+
+def _other_device(tensors: tuple[torch.Tensor, ...], device: torch.device) -> bool:
+    for t in tensors:
+        if t.device != device:
+            return True
+    return False
+
+
+def _at_eps(kernel: Callable[..., None], takes_eps: bool, eps: float | None) -> Callable[..., None]:
+    """``kernel`` as called at ``eps``: itself at its built epsilon (or when it takes none), else a
+    partial that passes ``eps``, so a bound launcher records and replays that epsilon."""
+    if not takes_eps or eps is None or eps == DEFAULT_EPS:
+        return kernel
+    return partial(kernel, eps=eps)
+
+
+class _EwRoute:
+    """What serves one (op, m, n, k, dtype, device, eps), resolved once: the choice, its marker
+    rows' counters, its kernel's bound launcher and, for a fallback, the default-config kernel's
+    (valid while the decision cache holds the choice)."""
+
+    __slots__ = ("ckey", "choice", "shape", "ticks", "run", "launcher", "bind", "vticks",
+                 "default", "drun", "dlauncher", "dseen")
+
+    def __init__(self, op: str, dtype: str, m: int, n: int, k: int, device: torch.device, capturing: bool,
+                 eps: float | None = None) -> None:
+        self.ckey = (op, dtype, m, n, k, str(device))
+        self.choice = STATE.choices.get(self.ckey) or resolve(op, dtype, m, n, k, device, capturing)
+        self.shape = f"{n}x{k}"
+        # ticks[capturing]: the tuned rows (fallbacks count through count(): their vendor varies per call)
+        self.ticks = [counter(op, dtype, self.shape, m, False, self.choice.impl, c).tick for c in (False, True)]
+        self.run, self.launcher, self.bind = None, None, False
+        #: (impl, served by, capturing) -> tick of a fallback's row
+        self.vticks: dict[tuple, Callable[[], int]] = {}
+        #: the default-config kernel serving this key's fallbacks: the DefaultKernel, its call at this eps,
+        #: its bound launcher and how far binding got (0: no eager call yet, 1: one, 2: bound or tried)
+        self.default, self.drun, self.dlauncher, self.dseen = None, None, None, 0
+        kernel = self.choice.kernel
+        if kernel is not None:
+            self.run = _at_eps(kernel, self.choice.takes_eps, eps)
+            if self.choice.impl == "tuned:triton":
+                tried, self.launcher = launch.bound(self.run)
+                self.bind = not tried
+
+
+#: (op, m, n, k, torch dtype, device, eps) -> _EwRoute
+_EW_ROUTES: dict[tuple, _EwRoute] = {}
+
+
+def _launch_ew(kernel: Callable[..., None], takes_eps: bool, inputs: tuple[torch.Tensor, ...], out: Any,
+               eps: float | None) -> Any:
+    """Run a built elementwise kernel into ``out`` (eps passed only to kernels that take it); returns ``out``."""
+    if takes_eps and eps is not None:
+        kernel(inputs, out, eps=eps)
+    else:
+        kernel(inputs, out)
+    return out
+
+
+def _ew_vendor(op: str, device: torch.device, args: tuple[Any, ...], eager: Callable[[], Any],
+               default: Callable[[], tuple[Any, str | None]] | None = None) -> tuple[Any, str]:
+    """(result, what served it) for a call the lookup sent to the vendor path.
+
+    In this order: the installed vendor kernel when there is one for this
+    device (the one kernel the integration would have run: preferred, it is
+    what the engine runs without tunekit); else ``default`` (tunekit's
+    default-config kernel, :func:`_ew_default`: one launch where the
+    composition is several); else the PyTorch composition, with the reason
+    in the vendor name. A vendor path of several launches (``single_launch``
+    False), or one the engine itself would not run (``set_engine_runs_vendor``),
+    comes after ``default`` and before the composition. A vendor
+    kernel that raises is logged once and the composition serves: the
+    serving path never raises for tunekit's sake.
+    """
+    vk = STATE.vendor_ew.get(op)  # lock-free read (atomic under the GIL): hot path
+    usable = vk is not None and vk.fn is not None and device.type in vk.device_types
+    if usable and (default is None or vendor_serves_first(op, vk)):
+        return _call_vendor(op, vk, args, eager)
+    if default is not None:
+        out, why = default()
+        if why is None and out is not None:
+            return out, DEFAULT_VENDOR
+        if usable:
+            return _call_vendor(op, vk, args, eager)
+        if why is not None:
+            return eager(), why
+    return eager(), "eager" if vk is None else "eager:no_vendor_kernel"
+
+
+def _call_vendor(op: str, vk: VendorKernel, args: tuple[Any, ...], eager: Callable[[], Any]) -> tuple[Any, str]:
+    try:
+        return vk.fn(*args), vk.name
+    except Exception as exc:
+        log_once(f"vendor:{op}:{vk.name}", logging.WARNING,
+                  "tunekit: %s: vendor kernel %s raised %s: %s; PyTorch composition instead",
+                  op, vk.name, type(exc).__name__, exc)
+        return eager(), "eager:vendor_error"
+
+
+#: The backend whose default config serves fallbacks without a vendor kernel.
+_DEFAULT_BACKEND = "triton"
+
+
+def _ew_default(op: str, dtype: str, m: int, n: int, k: int, x: torch.Tensor, capturing: bool,
+                inputs: tuple[torch.Tensor, ...], make_out: Callable[[int, int, torch.Tensor], Any],
+                finish: Callable[[Any], Any], eps: float | None,
+                key: tuple | None = None, route: _EwRoute | None = None) -> tuple[Any, str | None]:
+    """Serve a fallback that has no vendor kernel with tunekit's Triton kernel at a config valid for every M.
+
+    The config is that of the table's Triton entry for the same shape at
+    the nearest M (:func:`_nearest_config`) where one exists and runs this
+    M, else the op's default (``search_spaces/<op>.toml``'s ``default``,
+    with its ``fixed`` numerics switches, as the search enqueues it first).
+    Either serves any M the table lacks in one launch, where the
+    composition takes several. Its numerics are those of the tuned kernels
+    of the family (``VLLM_ROUNDING=1``): within the op's BF16 error bound of
+    the fp64 reference (``OpSpec.error_bound``, what ``tunekit.measure.verify``
+    checks every tuned candidate against), and so within that bound of the
+    composition's result too, not bit-equal to it.
+
+    Built once per (op, dtype, M, N, K, device), like a tuned entry, and
+    cached; never built under CUDA-graph capture (the composition serves,
+    ``eager:default_not_built_at_capture``, and the next eager call builds
+    it; :func:`prepare` builds it for the Ms it is given). A call with its
+    ``route`` launches through a bound launcher from the key's second eager
+    call on (:func:`_launch_default`). Returns
+    ``(result, None)`` when it served, ``(None, why)`` with an
+    :data:`EAGER_VENDORS` key when it could not, ``(None, None)`` where it
+    does not apply (no table serves this device). Never raises.
+    """
+    device = x.device
+    key = key or (op, dtype, m, n, k, str(device))  # the decision cache's key (a route passes its own)
+    dk = STATE.defaults.get(key)  # lock-free read (atomic under the GIL): hot path
+    if dk is None:
+        if capturing:
+            # Never compile or load a module inside a capture (as for tuned entries); not cached,
+            # so the next eager call builds it.
+            merged, _ = tables_for(device, str(device))
+            return None, (None if merged is None else "eager:default_not_built_at_capture")
+        dk = _build_default(op, dtype, m, n, k, device)
+        with STATE.lock:
+            dk = STATE.defaults.setdefault(key, dk)
+    if dk.kernel is None:
+        return None, dk.why
+    if eps is not None and not dk.takes_eps and eps != DEFAULT_EPS:
+        return None, "eager:default_eps"
+    try:
+        out = make_out(m, n, x)
+        if route is None:
+            _launch_ew(dk.kernel, dk.takes_eps, inputs, out, eps)
+        else:
+            _launch_default(route, dk, inputs, out, eps, capturing)
+    except Exception as exc:  # the serving path never raises for tunekit's sake
+        log_once(f"default-kernel:{op}:{dtype}:{m}:{n}:{k}:{device}", logging.WARNING,
+                  "tunekit: %s %s M=%d N=%d K=%d: default-config kernel raised %s: %s; PyTorch composition "
+                  "from now on", op, dtype, m, n, k, type(exc).__name__, exc)
+        with STATE.lock:
+            STATE.defaults[key] = DefaultKernel(None, "eager:default_kernel_error")
+        return None, "eager:default_kernel_error"
+    return finish(out), None
+
+
+def _launch_default(route: _EwRoute, dk: DefaultKernel, inputs: tuple[torch.Tensor, ...], out: Any,
+                    eps: float | None, capturing: bool) -> None:
+    """Launch a route's default-config kernel, through a launcher bound at the key's second eager call.
+
+    These calls are an eager prefill's (sizes above the captured ones), where
+    Triton's own launch path costs the host tens of microseconds per call
+    (``benchmarks/fallback_overhead.py``). Binding costs three checked
+    launches and a synchronization, so a size seen once (a prefill length
+    that never comes back) does not bind; one that repeats does, and its
+    later calls cost what a tuned call's do.
+    """
+    if route.default is not dk:  # first call, or the defaults were rebuilt (a table reload)
+        route.default, route.drun, route.dlauncher, route.dseen = dk, _at_eps(dk.kernel, dk.takes_eps, eps), None, 0
+    if route.dlauncher is not None and route.dlauncher(inputs, out, None, True):
+        return
+    if not capturing and route.dseen < 2:
+        route.dseen += 1
+        if route.dseen == 2:
+            route.dlauncher = launch.bind(route.drun, inputs, out)  # serves this call either way
+            return
+    route.drun(inputs, out)
+
+
+def _nearest_config(entries: list[dict[str, Any]], op: str, dtype: str, m: int, n: int, k: int,
+                    backend: str) -> dict[str, Any] | None:
+    """The params of the table's ``backend`` entry for (op, dtype, N, K) at the M nearest ``m`` (the
+    largest M below it first), or None.
+
+    The fallback kernel serves M the table lacks with this config rather
+    than the family's generic default: a row op computes every row alone,
+    so a config verified at one M gives the same per-row result at any M,
+    and the searches measured the generic default slower than vLLM's
+    Inductor kernels (BLOCK_N=1024 in two passes: 3.1-3.6 us against
+    1.9-2.7 for the H200's Gemma norms at M=1..8), where the tuned configs,
+    one pass over the row, beat them at every M they were tuned for.
+    """
+    found = [e for e in entries if e["op"] == op and e["dtype"] == dtype and e["n"] == n and e["k"] == k
+             and e.get("backend") == backend and isinstance(e.get("params"), dict)]
+    if not found:
+        return None
+    best = min(found, key=lambda e: (e["m"] > m, abs(e["m"] - m)))
+    return dict(best["params"])
+
+
+def _build_default(op: str, dtype: str, m: int, n: int, k: int, device: torch.device) -> DefaultKernel:
+    """Build the default-config kernel of one key (slow path: once per key). Never raises."""
+    merged, _ = tables_for(device, str(device))
+    if merged is None:
+        # No table serves this device (none loaded, or tuned for another one, or Triton's
+        # interpreter mode does not match the tensors): tunekit is not serving here at all.
+        return DefaultKernel(None)
+    if dtype != "bf16":
+        return DefaultKernel(None, "eager:default_dtype")
+    from tunekit import backends
+    from tunekit.problems.shapes import Problem
+
+    info = merged["device"]
+    name = _DEFAULT_BACKEND
+    try:
+        backend = backends.get(name)
+        why = backend.unavailable_reason(info) if op in backend.ops else f"no {name} kernel for {op}"
+        if why:
+            log_once(f"default-unavailable:{name}:{op}:{info.arch}", logging.WARNING,
+                      "tunekit: %s: no vendor kernel and backend %s unavailable here (%s); PyTorch composition "
+                      "for its fallbacks", op, name, why)
+            return DefaultKernel(None, "eager:default_unavailable")
+        problem = Problem(op, dtype, m, n, k)
+        space = backend.space(problem)
+        params = dict(space.fixed) | dict(space.default)  # as the search enqueues the default
+        tuned = _nearest_config(merged["entries"], op, dtype, m, n, k, name)
+        if tuned is not None:
+            candidate = dict(space.fixed) | tuned
+            if backend.invalid_reason(problem, candidate) is None:
+                params = candidate
+        invalid = backend.invalid_reason(problem, params)
+        if invalid is not None:
+            log_once(f"default-invalid:{op}:{dtype}:{m}:{n}:{k}", logging.WARNING,
+                      "tunekit: %s %s M=%d N=%d K=%d: the default %s config does not run here (%s); PyTorch "
+                      "composition", op, dtype, m, n, k, name, invalid)
+            return DefaultKernel(None, "eager:default_invalid")
+        build_key = (name, op, dtype, m, n, k, json.dumps(params, sort_keys=True), info.torch_device)
+        with STATE.lock:
+            kernel = STATE.built.get(build_key)
+        if kernel is None:
+            kernel = backend.build(problem, params, info)
+            with STATE.lock:
+                STATE.built[build_key] = kernel
+        return DefaultKernel(kernel, takes_eps=kernel_takes_eps(kernel))
+    except Exception as exc:  # a kernel that does not build is the composition, never an error
+        log_once(f"default-build:{op}:{dtype}:{m}:{n}:{k}", logging.WARNING,
+                  "tunekit: %s %s M=%d N=%d K=%d: default-config %s kernel did not build (%s); PyTorch "
+                  "composition", op, dtype, m, n, k, name, exc)
+        return DefaultKernel(None, "eager:default_build_error")
+
+
+def _row_views(kernel_inputs: Callable[[int, int], tuple[torch.Tensor, ...]], m: int,
+               n: int) -> tuple[torch.Tensor, ...] | None:
+    """The kernel's [rows, width] views of the inputs, or None if some input has no such view
+    (rows not evenly strided, or a stride inside a row)."""
+    try:
+        views = kernel_inputs(m, n)
+    except RuntimeError:  # .view() of a layout that needs a copy
+        return None
+    for t in views:
+        if t.dim() == 2 and t.shape[1] > 1 and t.stride(1) != 1:
+            return None
+    return views
+
+
+def _dense(out: Any) -> Any:
+    """Contiguous result(s), as the fake impls promise (a non-contiguous input keeps its strides in eager math)."""
+    if isinstance(out, tuple):
+        return tuple(t if t.is_contiguous() else t.contiguous() for t in out)
+    return out if out.is_contiguous() else out.contiguous()
+
+
+def _rows(x: torch.Tensor, width: int) -> int:
+    return x.numel() // width if width else 0
+
+
+def _rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
+    op = "gemma_rms_norm" if gemma else "rms_norm"
+    n = x.shape[-1] if x.dim() else 0
+    m = _rows(x, n)
+    ekey = (op, x.shape, x.dtype, x.device, weight.shape, weight.dtype, weight.device, eps)
+    if ekey in _EXPRESS:
+        out = _express(ekey, lambda: (x.view(m, n), weight), x, m, n)
+        if out is not None:
+            return out if x.dim() == 2 else out.view(x.shape)
+    if weight.dim() != 1 or weight.shape[0] != n:
+        count(op, dtype_name(x.dtype), f"{n}x{n}", m, False, "fallback:bad_input", is_capturing(x), "eager")
+        return _dense(_vendor_rms_norm(x, weight, eps, gemma))
+    return _ew_serve(
+        op, (x,), weight, (m, n, n), eps,
+        make_out=lambda m, n, x: x.new_empty((m, n)),
+        kernel_inputs=lambda m, n: (x.view(m, n), weight),
+        vendor=lambda: _vendor_rms_norm(x, weight, eps, gemma),
+        finish=lambda out: out.view(x.shape),
+        vendor_args=(x, weight, eps),
+        express_key=ekey,
+    )
+
+
+def _fused_add_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                    gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    op = "gemma_fused_add_rms_norm" if gemma else "fused_add_rms_norm"
+    n = x.shape[-1] if x.dim() else 0
+    m = _rows(x, n)
+    if weight.dim() != 1 or weight.shape[0] != n or residual.shape != x.shape:
+        count(op, dtype_name(x.dtype), f"{n}x{n}", m, False, "fallback:bad_input", is_capturing(x), "eager")
+        return _dense(_vendor_fused_add(x, residual, weight, eps, gemma))
+
+    def make_out(m: int, n: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (x.new_empty((m, n)),
+                x.new_empty((m, n)))
+
+    return _ew_serve(
+        op, (x, residual), weight, (m, n, n), eps, make_out=make_out,
+        kernel_inputs=lambda m, n: (x.view(m, n), residual.view(m, n), weight),
+        vendor=lambda: _vendor_fused_add(x, residual, weight, eps, gemma),
+        finish=lambda out: (out[0].view(x.shape), out[1].view(x.shape)),
+        vendor_args=(x, residual, weight, eps),
+    )
+
+
+class EagerNorm:
+    """One patched RMSNorm module's eager calls (``rms_norm`` / ``gemma_rms_norm``, the module's eps).
+
+    ``tunekit.patch`` gives each routed norm its own instance. A call whose x shape was served
+    before by a bound launcher (the op's express route) checks only what that route's key
+    would (the weight's shape, both dtypes and devices) and the serving epoch, then launches:
+    no key tuple is built or hashed. Everything else, and any launch the launcher's guard
+    refuses (another row stride), runs the op's impl whole.
+    """
+
+    __slots__ = ("gemma", "eps", "epoch", "routes")
+
+    def __init__(self, gemma: bool, eps: float) -> None:
+        self.gemma, self.eps, self.epoch = gemma, eps, -1
+        #: x shape -> (express route, dtype, weight shape, device index, (m, n)): valid in ``epoch``
+        self.routes: dict[torch.Size, tuple] = {}
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        epoch = STATE.epoch
+        if self.epoch != epoch:
+            self.routes.clear()
+            self.epoch = epoch
+        hit = self.routes.get(x.shape)
+        if hit is not None and x.dtype is hit[1] and weight.dtype is hit[1] and weight.shape == hit[2] \
+                and x.get_device() == hit[3] and weight.get_device() == hit[3]:
+            route, shape = hit[0], hit[4]
+            try:
+                rows = x.view(shape)
+            except RuntimeError:  # rows not viewable: the full path says why
+                rows = None
+            if rows is not None:
+                out = x.new_empty(shape)
+                if route.launcher((rows, weight), out, None, True):
+                    route.ticks[x.is_cuda and _stream_capturing()]()
+                    return out if x.dim() == 2 else out.view(x.shape)
+        out = _rms_norm_impl(x, weight, self.eps, self.gemma)
+        op = "gemma_rms_norm" if self.gemma else "rms_norm"
+        route = _EXPRESS.get((op, x.shape, x.dtype, x.device, weight.shape, weight.dtype, weight.device, self.eps))
+        # kept only while the decision cache holds its choice: an earlier table's route stays in _EXPRESS
+        if route is not None and route.launcher is not None and STATE.choices.get(route.ckey) is route.choice \
+                and STATE.epoch == epoch:
+            n = x.shape[-1]
+            self.routes[x.shape] = (route, x.dtype, weight.shape, x.get_device(), (_rows(x, n), n))
+        return out
+
+
+def _gated_impl(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Rows are the leading dims but the last two: vLLM's Qwen3.5 passes
+    # [tokens, heads, head_dim], the table's problem is m = tokens, n = heads * head_dim.
+    k = weight.shape[0] if weight.dim() == 1 else 0
+    n = x.shape[-1] * (x.shape[-2] if x.dim() >= 3 else 1) if x.dim() else 0
+    m = _rows(x, n)
+    if k == 0 or z.shape != x.shape or x.shape[-1] % k:
+        count("gated_rms_norm", dtype_name(x.dtype), f"{n}x{k}", m, False, "fallback:bad_input", is_capturing(x),
+               "eager")
+        return _dense(_vendor_gated(x, z, weight, eps))
+    if m and n:
+        m, n = _gated_layout(dtype_name(x.dtype), m, n, k, x.device)
+    return _ew_serve(
+        "gated_rms_norm", (x, z), weight, (m, n, k), eps,
+        make_out=lambda m, n, x: x.new_empty((m, n)),
+        kernel_inputs=lambda m, n: (x.view(m, n), z.view(m, n), weight),
+        vendor=lambda: _vendor_gated(x, z, weight, eps),
+        finish=lambda out: out.view(x.shape),
+        vendor_args=(x, z, weight, eps),
+    )
+
+
+def _gated_layout(dtype: str, m: int, n: int, k: int, device: torch.device) -> tuple[int, int]:
+    """The [rows, width] a gated_rms_norm call of m x n is served as (cached per key).
+
+    The norm works per group of k, so how groups are cut into rows does not
+    change the result: when the table holds no entry for (m, n) it may hold
+    one for the same groups as [m * n / n', n']. Hugging Face passes
+    [tokens * heads, head_dim] where vLLM (whose layout ``tunekit search
+    --model`` tunes) passes [tokens, heads * head_dim].
+    """
+    key = (dtype, m, n, k, str(device))
+    with STATE.lock:
+        layout = STATE.gated_layouts.get(key)
+    if layout is not None:
+        return layout
+    layout = (m, n)
+    merged, _ = tables_for(device, str(device))
+    if merged is not None and table_mod.lookup(merged, "gated_rms_norm", dtype, m, n, k) is None:
+        widths = sorted({e["n"] for e in merged["entries"]
+                         if e["op"] == "gated_rms_norm" and e["dtype"] == dtype and e["k"] == k and e["n"] != n
+                         and e["n"] % k == 0 and (m * n) % e["n"] == 0})
+        for width in widths:
+            if table_mod.lookup(merged, "gated_rms_norm", dtype, m * n // width, width, k) is not None:
+                layout = (m * n // width, width)
+                break
+    with STATE.lock:
+        STATE.gated_layouts.setdefault(key, layout)
+        return STATE.gated_layouts[key]
+
+
+def _silu_and_mul_impl(x: torch.Tensor) -> torch.Tensor:
+    k = x.shape[-1] if x.dim() else 0
+    n = k // 2
+    m = _rows(x, k)
+    if k % 2:
+        count("silu_and_mul", dtype_name(x.dtype), f"{n}x{k}", m, False, "fallback:bad_input", is_capturing(x),
+               "eager")
+        return _dense(_vendor_silu_and_mul(x))
+    return _ew_serve(
+        "silu_and_mul", (x,), None, (m, n, k), None,
+        make_out=lambda m, n, x: x.new_empty((m, n)),
+        kernel_inputs=lambda m, n: (x.view(m, 2 * n),),
+        vendor=lambda: _vendor_silu_and_mul(x),
+        finish=lambda out: out.view(*x.shape[:-1], n),
+        vendor_args=(x,),
+    )
+
+
+def _bias_gelu_impl(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    n = x.shape[-1] if x.dim() else 0
+    m = _rows(x, n)
+    if bias.dim() != 1 or bias.shape[0] != n:
+        count("bias_gelu", dtype_name(x.dtype), f"{n}x{n}", m, False, "fallback:bad_input", is_capturing(x),
+               "eager")
+        return _dense(_vendor_bias_gelu(x, bias))
+    return _ew_serve(
+        "bias_gelu", (x,), bias, (m, n, n), None,
+        make_out=lambda m, n, x: x.new_empty((m, n)),
+        kernel_inputs=lambda m, n: (x.view(m, n), bias),
+        vendor=lambda: _vendor_bias_gelu(x, bias),
+        finish=lambda out: out.view(x.shape),
+        vendor_args=(x, bias),
+    )
+
+
+def _fake_like(x: torch.Tensor, *args: Any) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _fake_pair(x: torch.Tensor, residual: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(x, memory_format=torch.contiguous_format))
+
+
+def _fake_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+#: op -> (run-time impl for the CUDA and CPU keys, fake impl).
+ELEMENTWISE_IMPLS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+    "rms_norm": (lambda x, w, eps: _rms_norm_impl(x, w, eps, False), _fake_like),
+    "gemma_rms_norm": (lambda x, w, eps: _rms_norm_impl(x, w, eps, True), _fake_like),
+    "fused_add_rms_norm": (lambda x, r, w, eps: _fused_add_impl(x, r, w, eps, False), _fake_pair),
+    "gemma_fused_add_rms_norm": (lambda x, r, w, eps: _fused_add_impl(x, r, w, eps, True), _fake_pair),
+    "gated_rms_norm": (_gated_impl, _fake_like),
+    "silu_and_mul": (_silu_and_mul_impl, _fake_silu_and_mul),
+    "bias_gelu": (_bias_gelu_impl, _fake_like),
+}
+

@@ -1,0 +1,245 @@
+"""``tunekit::gemv``: ``F.linear`` served from the dispatch tables (the op's run-time and fake impls).
+
+Call protocol: :func:`gemv_impl` is the kernel of both device keys
+(registered by ``tunekit.dispatch.registry``). Per (x shape, W shape,
+dtypes, devices) it resolves once to a :class:`_Route`: the checks shapes,
+dtypes and devices decide, the decision (``tunekit.dispatch.decisions``),
+the marker rows' counters (``tunekit.dispatch.markers``) and the tuned
+kernel's bound launcher (``tunekit.dispatch.launch``). Per call it looks the
+route up lock-free, checks that its decision and vendor hook still hold,
+runs the checks strides and the bias decide, launches the tuned kernel or
+the vendor path (``F.linear``, or the hook ``set_vendor_gemm`` installed,
+on GPU tensors) and ticks the call's counter: no key or label string is
+formatted and no lock taken. It never raises for tunekit's sake.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tunekit.dispatch import launch
+from tunekit.dispatch.decisions import _stream_capturing, is_capturing, mark_broken, resolve
+from tunekit.dispatch.markers import count, counter
+from tunekit.dispatch.state import DTYPE_NAMES, STATE, dtype_name
+
+
+def _gemv_vendor_name(x: torch.Tensor) -> str:
+    return STATE.vendor_gemm_name if STATE.vendor_gemm is not None and x.is_cuda else "F.linear"
+
+
+def _vendor_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    fn = STATE.vendor_gemm
+    out = fn(x, weight, bias) if fn is not None and x.is_cuda else F.linear(x, weight, bias)
+    # The fake impl promises a contiguous result (compilers plan with it).
+    return out if out.is_contiguous() else out.contiguous()
+
+
+def _gemv_precheck(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
+    """Per-call checks that need no table: None if the tuned path may serve the call, else the reason."""
+    return _static_reason(x, weight) or _layout_reason(x, weight, bias)
+
+
+def _static_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """The checks that shapes, dtypes and devices decide (a route's key): once per route."""
+    wshape, xshape = weight.shape, x.shape
+    if len(wshape) != 2 or not xshape or xshape[-1] != wshape[1]:
+        return "bad_input"
+    xdtype, device = x.dtype, x.device
+    if xdtype not in DTYPE_NAMES or weight.dtype != xdtype:
+        return "dtype"
+    if weight.device != device or device.type not in ("cuda", "cpu"):
+        return "device"
+    if wshape[0] == 0 or wshape[1] == 0 or x.numel() == 0:
+        return "empty"
+    return None
+
+
+def _layout_reason(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
+    """The checks that strides and the bias decide: per call (after :func:`_static_reason` passed)."""
+    n, k = weight.shape
+    ws0, ws1 = weight.stride()
+    if (k > 1 and (ws1 != 1 or x.stride(-1) != 1)) or ws0 < k:
+        return "strided"
+    if bias is not None and (
+        bias.dim() != 1 or bias.shape[0] != n or bias.dtype != x.dtype or bias.device != x.device
+        or not bias.is_contiguous()
+    ):
+        return "bias"
+    return None
+
+
+class _Route:
+    """What serves one (x shape, W shape, dtypes, devices), resolved once: the hot path's whole state.
+
+    Valid while the decision cache still holds its choice and the vendor
+    hook is the one it was made with (checked per call by identity).
+    """
+
+    __slots__ = ("static", "ckey", "choice", "vendor_fn", "vendor_name", "dtype", "shape", "m", "n", "k",
+                 "x2d", "out_shape", "final_shape", "out_dtype", "device", "kernel", "launcher", "bind", "ticks",
+                 "impl", "vcall")
+
+    def __init__(self, x: torch.Tensor, weight: torch.Tensor, capturing: bool) -> None:
+        self.vendor_fn, self.vendor_name = STATE.vendor_gemm, STATE.vendor_gemm_name
+        self.dtype = dtype_name(x.dtype)
+        wshape = weight.shape
+        self.shape = f"{wshape[0]}x{wshape[1]}" if len(wshape) == 2 else "x".join(map(str, wshape))
+        self.static = _static_reason(x, weight)
+        k = x.shape[-1] if x.dim() else 0
+        self.m, self.k = (x.numel() // k if k else 0), k
+        self.n = wshape[0] if len(wshape) == 2 else 0
+        self.x2d = x.dim() == 2
+        self.out_shape, self.final_shape = (self.m, self.n), (*x.shape[:-1], self.n)
+        self.out_dtype, self.device = x.dtype, x.device
+        self.ckey = ("gemv", self.dtype, self.m, self.n, self.k, str(x.device))
+        self.choice = self.kernel = self.launcher = None
+        self.bind = False
+        if self.static is None:
+            self.choice = STATE.choices.get(self.ckey) or resolve(
+                "gemv", self.dtype, self.m, self.n, self.k, x.device, capturing)
+            self.kernel = self.choice.kernel
+            if self.kernel is not None and self.choice.impl == "tuned:triton":
+                tried, self.launcher = launch.bound(self.kernel)
+                self.bind = not tried
+        self.impl = self.choice.impl if self.static is None else f"fallback:{self.static}"
+        vendor = None if self.kernel is not None else _gemv_vendor_name(x)
+        #: what _vendor_gemv calls for this device
+        self.vcall = self.vendor_fn if self.vendor_fn is not None and x.is_cuda else F.linear
+        # ticks[bias][capturing]: the marker rows of what this route serves
+        self.ticks = [[counter("gemv", self.dtype, self.shape, self.m, b, self.impl, c, vendor).tick
+                       for c in (False, True)] for b in (False, True)]
+
+    def valid(self) -> bool:
+        return (STATE.vendor_gemm is self.vendor_fn and STATE.vendor_gemm_name is self.vendor_name
+                and (self.static is not None or STATE.choices.get(self.ckey) is self.choice))
+
+
+#: (x shape, W shape, x dtype, W dtype, x device, W device) -> _Route
+_ROUTES: dict[tuple, _Route] = {}
+
+
+def gemv_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The CUDA/HIP and CPU kernel of ``tunekit::gemv``: tuned kernel or vendor path, counted."""
+    capturing = is_capturing(x)
+    key = (x.shape, weight.shape, x.dtype, weight.dtype, x.device, weight.device)
+    route = _ROUTES.get(key)  # lock-free read (atomic under the GIL), as for the decision cache
+    # valid(), inlined: the hot path's one check that the decision and the vendor hook still hold
+    if route is None or STATE.vendor_gemm is not route.vendor_fn or STATE.vendor_gemm_name is not route.vendor_name \
+            or (route.static is None and STATE.choices.get(route.ckey) is not route.choice):
+        route = _new_route(key, x, weight, capturing)
+    if route.kernel is None:
+        # No tuned kernel for this route (bad inputs too: the vendor's own error, as without
+        # tunekit): the layout is the vendor's business, so no stride checks. _vendor_gemv, inlined.
+        route.ticks[bias is not None][capturing]()
+        out = route.vcall(x, weight, bias)
+        return out if out.is_contiguous() else out.contiguous()
+    return _serve_tuned(route, x, weight, bias, capturing)
+
+
+def _serve_tuned(route: _Route, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 capturing: bool) -> torch.Tensor:
+    """A call of a valid route with a tuned kernel: the layout checks, then the launch (or the vendor path)."""
+    kernel = route.kernel
+    # _layout_reason, inlined (every tuned call runs it)
+    k = route.k
+    ws0, ws1 = weight.stride()
+    if (k > 1 and (ws1 != 1 or x.stride(-1) != 1)) or ws0 < k:
+        reason = "strided"
+    elif bias is not None:
+        reason = _layout_reason(x, weight, bias)
+    else:
+        reason = None
+    x2 = x
+    if reason is None and not route.x2d:
+        try:
+            x2 = x.view(route.m, route.k)
+        except RuntimeError:  # leading dims not flattenable without a copy
+            reason = "strided"
+    if reason is not None:
+        count("gemv", route.dtype, route.shape, route.m, bias is not None, f"fallback:{reason}", capturing,
+              _gemv_vendor_name(x))
+        return _vendor_gemv(x, weight, bias)
+    try:
+        out = x.new_empty(route.out_shape)  # torch.empty of x's dtype and device, with less argument parsing
+        launcher = route.launcher
+        if launcher is None or not launcher((x2, weight), out, None, True):
+            if route.bind and not capturing:
+                # The first eager launch of a Triton kernel binds it (tunekit.dispatch.launch).
+                route.launcher, route.bind = launch.bind(kernel, (x2, weight), out), False
+            else:
+                kernel((x2, weight), out)
+        if bias is not None:
+            # A separate add (one small elementwise launch): the tables time
+            # the GEMV alone; a fused bias epilogue is not a tuned family yet.
+            out.add_(bias)
+    except Exception as exc:  # the serving path never raises for tunekit's sake
+        mark_broken("gemv", route.dtype, route.m, route.n, route.k, x.device, exc)
+        count("gemv", route.dtype, route.shape, route.m, bias is not None, "fallback:kernel_error", capturing,
+              _gemv_vendor_name(x))
+        return _vendor_gemv(x, weight, bias)
+    route.ticks[bias is not None][capturing]()
+    return out if route.x2d else out.view(route.final_shape)
+
+
+def _new_route(key: tuple, x: torch.Tensor, weight: torch.Tensor, capturing: bool) -> _Route:
+    route = _Route(x, weight, capturing)
+    if route.static is not None or STATE.choices.get(route.ckey) is route.choice:
+        _ROUTES[key] = route  # a choice not cached (met under capture) is not a route either
+    return route
+
+
+class EagerLinear:
+    """One patched ``nn.Linear``'s eager calls into the op's impl, with its routes at hand.
+
+    ``tunekit.patch`` gives each routed linear its own instance. The first call of an x shape
+    runs :func:`gemv_impl` whole and keeps the route it resolved; later calls of that shape check
+    only what the route's key would (the weight's shape, both dtypes and devices) and the
+    serving epoch (tables, vendor hook and broken kernels unchanged, ``STATE.epoch``), then go
+    straight to the route's vendor call or tuned launch: no key tuple is built or hashed. So an
+    uncovered M costs about what ``F.linear`` does and a tuned one about the bound launcher
+    (budgets: 1-2 and 8 us per call in eager decode).
+    """
+
+    __slots__ = ("epoch", "routes")
+
+    def __init__(self) -> None:
+        self.epoch = -1
+        #: x shape -> (route, weight shape, dtype, device index): routes valid in ``epoch``
+        self.routes: dict[torch.Size, tuple] = {}
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        epoch = STATE.epoch
+        if self.epoch != epoch:
+            self.routes.clear()
+            self.epoch = epoch
+        hit = self.routes.get(x.shape)
+        if hit is not None:
+            route = hit[0]
+            if route.kernel is None:
+                # The vendor call is right for any weight; x's dtype, the weight's shape and the device
+                # keep the counted row's labels and the vendor hook's device type true.
+                if x.dtype is hit[2] and weight.shape == hit[1] and x.get_device() == hit[3]:
+                    route.ticks[bias is not None][x.is_cuda and _stream_capturing()]()  # is_capturing, inlined
+                    out = route.vcall(x, weight, bias)
+                    return out if out.is_contiguous() else out.contiguous()
+            elif x.dtype is hit[2] and weight.dtype is hit[2] and weight.shape == hit[1] \
+                    and x.get_device() == hit[3] and weight.get_device() == hit[3]:
+                return _serve_tuned(route, x, weight, bias, x.is_cuda and _stream_capturing())
+        out = gemv_impl(x, weight, bias)
+        # the route gemv_impl served, if it is still the one the decision cache holds (a route resolved
+        # under capture is not kept there, and an earlier table's route may still be)
+        route = _ROUTES.get((x.shape, weight.shape, x.dtype, weight.dtype, x.device, weight.device))
+        if route is not None and route.static is None and route.valid() and STATE.epoch == epoch:
+            self.routes[x.shape] = (route, weight.shape, x.dtype, x.get_device())
+        return out
+
+
+def gemv_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.ops.tunekit.gemv(x, weight, bias)``: ``F.linear`` served from the dispatch tables."""
+    return torch.ops.tunekit.gemv(x, weight, bias)
+

@@ -1,0 +1,196 @@
+"""Dispatch markers: every served call counted, and the dispatch log written from them.
+
+Call protocol: each op impl counts each call once with what served it
+(``tuned:<backend>`` or ``fallback:<reason>``, and the vendor of a
+fallback): :func:`count`, or the ``tick()`` of the row's :func:`counter`
+that its per-key route keeps (one C call on the hot path); :func:`dispatch_stats` /
+:func:`reset_stats` read and clear the counters; :func:`dispatch_log` is the JSON document ``TUNEKIT_DISPATCH_LOG``
+names, written by :func:`write_dispatch_log` at interpreter exit once
+:func:`maybe_register_atexit` registered it (on ``import tunekit.ops`` and
+on every :func:`~tunekit.dispatch.tables.load_tables`), at the exit of a
+forked ``multiprocessing`` child (:func:`_register_child_exit`), and every
+few seconds while the counts change (:func:`_start_flusher`: a process
+killed before its exit hooks keeps what the last rewrite saw).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import multiprocessing.util
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from tunekit.dispatch.state import (
+    CAPTURE_NOTE,
+    DEFAULT_VENDOR,
+    EAGER_VENDORS,
+    FALLBACK_REASONS,
+    LOG_ENV,
+    STATE,
+    STATS_FORMAT,
+    CallCounter,
+    logger,
+)
+from tunekit.dispatch.tables import loaded_tables
+from tunekit.dispatch.vendors import vendor_kernels
+
+
+def count(op: str, dtype: str, shape: str, m: int, bias: bool, impl: str, capturing: bool,
+           vendor: str | None = None) -> None:
+    # vendor: what served a fallback (None for a tuned kernel), so the log shows
+    # whether a miss ran the integration's kernel or tunekit's eager composition.
+    counter(op, dtype, shape, m, bias, impl, capturing, vendor).tick()
+
+
+def counter(op: str, dtype: str, shape: str, m: int, bias: bool, impl: str, capturing: bool,
+            vendor: str | None = None) -> CallCounter:
+    """The live counter of one marker row (made once): the op impls' routes keep it and call its
+    ``tick()`` per call, so the hot path builds no key or string and takes no lock."""
+    key = (op, dtype, shape, m, bias, impl, "capture" if capturing else "call", vendor)
+    found = STATE.counters.get(key)  # lock-free read (atomic under the GIL)
+    if found is None:
+        with STATE.lock:
+            found = STATE.counters.setdefault(key, CallCounter())
+    return found
+
+
+def dispatch_stats(reset: bool = False) -> list[dict[str, Any]]:
+    """Every call counted so far: one row per (op, dtype, shape, m, bias, impl, counted_at, vendor).
+
+    ``shape`` is ``"NxK"`` for gemv; ``impl`` is ``"tuned:<backend>"`` or
+    ``"fallback:<reason>"`` (see :data:`FALLBACK_REASONS`); ``vendor`` is None
+    for a tuned kernel, else what served the fallback (``"F.linear"``, a kernel
+    an integration installed such as ``"torch.ops._C.rms_norm"``,
+    :data:`DEFAULT_VENDOR`, or one of :data:`EAGER_VENDORS`); ``counted_at`` is
+    ``"call"`` or ``"capture"`` (CUDA-graph capture: counted once per capture,
+    replays are not counted because Python does not run; such rows carry a
+    ``note`` saying so). ``reset=True`` clears the counters after reading.
+    """
+    with STATE.lock:
+        items = sorted(STATE.stats.items(), key=lambda kv: tuple(str(v) for v in kv[0]))
+        if reset:
+            STATE.stats.clear()
+    rows = []
+    for (op, dtype, shape, m, bias, impl, counted_at, vendor), calls in items:
+        row: dict[str, Any] = {"op": op, "dtype": dtype, "shape": shape, "m": m, "bias": bias, "impl": impl,
+                               "vendor": vendor, "calls": calls, "counted_at": counted_at}
+        if counted_at == "capture":
+            row["note"] = "counted at capture: CUDA-graph replays run without Python and are not counted"
+        rows.append(row)
+    return rows
+
+
+def reset_stats() -> None:
+    """Forget the dispatch markers (not the tables or the built kernels)."""
+    with STATE.lock:
+        STATE.stats.clear()
+
+
+def dispatch_log() -> dict[str, Any]:
+    """The JSON document ``TUNEKIT_DISPATCH_LOG`` writes: tables, markers and the capture note."""
+    return {
+        "format": STATS_FORMAT,
+        "pid": os.getpid(),
+        "tables": loaded_tables(),
+        "note": CAPTURE_NOTE,
+        "fallback_reasons": FALLBACK_REASONS,
+        "vendors": vendor_kernels(),
+        "eager_vendors": EAGER_VENDORS,
+        "default_vendor": {DEFAULT_VENDOR: "tunekit's Triton kernel at the config of the table's nearest-M Triton "
+                                           "entry for the shape, else the op's default config (valid for every M), "
+                                           "serving an elementwise fallback that has no vendor kernel first"},
+        "calls": dispatch_stats(),
+    }
+
+
+def write_dispatch_log(path: str | os.PathLike | None = None) -> Path | None:
+    """Write :func:`dispatch_log` to ``path`` (default: ``TUNEKIT_DISPATCH_LOG``); ``{pid}`` is expanded.
+
+    Returns the path written, or None when no path is set or writing failed
+    (logged: this runs at interpreter exit, where raising helps nobody).
+    """
+    target = str(path) if path is not None else os.environ.get(LOG_ENV, "")
+    if not target:
+        return None
+    out = Path(target.replace("{pid}", str(os.getpid())))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # one temporary file per writer (the flusher thread and an exit hook may write at once): each
+        # writes a whole document, and the atomic replace leaves one of them, never a mix
+        tmp = out.with_name(out.name + f".{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_text(json.dumps(dispatch_log(), indent=2, default=str) + "\n")
+        os.replace(tmp, out)
+    except Exception as exc:
+        logger.error("tunekit: could not write the dispatch log %s: %s", out, exc)
+        return None
+    return out
+
+
+#: seconds between rewrites of the dispatch log while a process runs (``TUNEKIT_DISPATCH_LOG_INTERVAL``)
+INTERVAL_ENV = "TUNEKIT_DISPATCH_LOG_INTERVAL"
+DEFAULT_INTERVAL_S = 5.0
+
+
+def maybe_register_atexit() -> None:
+    """Once per process, where ``TUNEKIT_DISPATCH_LOG`` is set: write the log at exit, and rewrite it
+    every few seconds while the counts change (:func:`_start_flusher`)."""
+    with STATE.lock:
+        if STATE.atexit_registered or not os.environ.get(LOG_ENV):
+            return
+        STATE.atexit_registered = True
+    atexit.register(write_dispatch_log)
+    _start_flusher()
+
+
+def _start_flusher() -> None:
+    """Rewrite the log from a daemon thread whenever the counts changed since the last write.
+
+    A process may be killed before any exit hook runs: a stopping ``vllm
+    serve`` sends SIGTERM to its engine core (the process that runs the
+    model) while the core tears down, with the core's handlers already
+    reset. What the last rewrite saw survives; exit hooks add the rest where
+    they run. Rewrites happen only on change, so a decode running from CUDA
+    graphs (no Python, no counts) writes nothing.
+    """
+    try:
+        interval = float(os.environ.get(INTERVAL_ENV) or DEFAULT_INTERVAL_S)
+    except ValueError:
+        interval = DEFAULT_INTERVAL_S
+    if interval <= 0:
+        return
+
+    def flush() -> None:
+        written: dict | None = None
+        while True:
+            time.sleep(interval)
+            with STATE.lock:
+                now = dict(STATE.stats)
+            if now != written and write_dispatch_log() is not None:
+                written = now
+
+    threading.Thread(target=flush, name="tunekit-dispatch-log", daemon=True).start()
+
+
+class _ForkHook:
+    """The owner of the after-fork hook (``multiprocessing.util.register_after_fork`` keeps it weakly)."""
+
+
+def _register_child_exit(_owner: _ForkHook) -> None:
+    """In a forked ``multiprocessing`` child: the child's own log, rewritten while it runs and at its exit.
+
+    Such a child (vLLM's engine core, forked from the API server that loaded
+    the plugin) inherits the registration flag but not the flusher thread,
+    and leaves through ``os._exit``, which skips ``atexit``; its clean exit
+    path runs ``multiprocessing``'s finalizers instead.
+    """
+    if STATE.atexit_registered:
+        multiprocessing.util.Finalize(None, write_dispatch_log, exitpriority=0)
+        _start_flusher()
+
+
+_FORK_HOOK = _ForkHook()
+multiprocessing.util.register_after_fork(_FORK_HOOK, _register_child_exit)

@@ -1,0 +1,30 @@
+"""``tunekit serve-bench``: the tables' end-to-end effect on vLLM decode, vanilla vs passthrough vs tuned (vs folded).
+
+The layer of evidence after ``tunekit chain``: the whole served model, in
+vLLM, with its attention, recurrence, sampling and scheduler, one engine per
+process, arms alternated over processes.
+
+Modules:
+
+* ``runner``: the child process (``python -m tunekit.evidence.serve_bench.runner``): one
+  arm, one offline vLLM engine with dummy weights, TPOT by the difference of
+  two output lengths, one JSON result; ``--probe`` says what a Python can run
+  (vLLM, plugins, flashinfer, device, the tables' stamps) without starting vLLM.
+* ``bench``: the parent: model folder, arm schedule, environment per arm
+  (``VLLM_PLUGINS``, ``TUNEKIT_TABLE``, dispatch logs), running and resuming.
+* ``analysis``: pure: parse results, TPOT per arm, speedups, the tables'
+  predicted saving, dispatch coverage, logprob agreement -> ``serve.json``.
+* ``report``: ``serve.md`` and ``serve.png``.
+* ``endpoint``: the same A/B against running OpenAI-compatible servers
+  (streaming ``/v1/completions``, standard library only).
+"""
+
+from __future__ import annotations
+
+#: The arms, in the order every round runs them. ``folded``: tuned with ``TUNEKIT_FOLD_NORMS=1`` (decoder
+#: norms folded into their consumers, ``tunekit.integrations.vllm.fold``); opt-in, as the fold is.
+ARMS: tuple[str, ...] = ("vanilla", "passthrough", "tuned", "folded")
+#: The arms a run takes unless told.
+DEFAULT_ARMS: tuple[str, ...] = ("vanilla", "passthrough", "tuned")
+#: The arms that serve the tables (their speedups over vanilla are reported, their dispatch logs read).
+TABLE_ARMS: tuple[str, ...] = ("tuned", "folded")

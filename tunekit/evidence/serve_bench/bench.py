@@ -1,0 +1,576 @@
+"""The parent of ``tunekit serve-bench``: model folder, arm schedule, environment per arm, resume.
+
+Call protocol::
+
+    settings = build_settings(model="qwen3.5-27b", tables=["runs/x/table.json"], batches=[1, 2, 4, 8])
+    serve = run_offline(settings, Path("runs/serve-qwen3.5-27b"), log=print)   # -> serve.json, .md, .png
+
+Every arm runs in its own process (``tunekit.evidence.serve_bench.runner``; ``TUNEKIT_SERVE_RUNNER``
+replaces its command, for tests), rounds alternate the arms (vanilla,
+passthrough, tuned, vanilla, ...), and each process writes
+``DIR/runs/{arm}-{i}.json``. Rerunning the same command in the same folder
+resumes: finished processes are kept, settings must be the same.
+
+Environment of an arm (on top of the caller's):
+
+* ``VLLM_PLUGINS``: vLLM's allow-list of plugins (comma-separated names;
+  unset = load all, empty = load none; applied to every ``vllm.*`` plugin
+  group). vanilla: every entry-point name the runner's Python sees (or the
+  caller's own ``VLLM_PLUGINS``) except ``tunekit``; passthrough and tuned:
+  the same names plus ``tunekit``;
+* ``TUNEKIT_TABLE``: the tables joined with ``os.pathsep`` in the tuned arm
+  only (``tunekit.ops.load_tables`` splits it; the first table wins a key);
+* ``TUNEKIT_DISPATCH_LOG=DIR/dispatch/{arm}-{i}-{pid}.json`` (``{pid}`` is
+  expanded by ``tunekit.ops.write_dispatch_log``);
+* ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engine core in the runner's
+  process: plugin state and dispatch markers readable there),
+  ``VLLM_USE_FLASHINFER_SAMPLER=0`` when flashinfer is not importable,
+  ``HF_HUB_OFFLINE=1``, ``VLLM_NO_USAGE_STATS=1``; ``TRITON_INTERPRET`` is
+  removed (interpreted kernels would take the vendor path on a GPU);
+* ``PYTHONPATH`` starts with this tunekit's folder, so the runner and the
+  plugin load this code.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tunekit.errors import Interrupted, UserError
+from tunekit.evidence.serve_bench import ARMS, DEFAULT_ARMS, TABLE_ARMS
+from tunekit.evidence.serve_bench.analysis import (
+    DEFAULT_TOL,
+    dispatch_logs,
+    load_json,
+    load_runs,
+    merge_dispatch,
+    summarize,
+)
+from tunekit.evidence.serve_bench.runner import PROBE_FORMAT, PROGRESS
+
+#: Replaces the runner command (shlex-split; it gets ``--probe ...`` or ``--spec F --out F``).
+RUNNER_ENV = "TUNEKIT_SERVE_RUNNER"
+#: The plugin's entry-point name in ``vllm.general_plugins`` (pyproject.toml).
+PLUGIN_NAME = "tunekit"
+GENERAL_GROUP = "vllm.general_plugins"
+#: Groups vLLM loads only when VLLM_PLUGINS names them (0.33: endpoint plugins, HTTP routes of the API
+#: server); listing every name of these would switch them on where an unset VLLM_PLUGINS leaves them off.
+OPT_IN_GROUPS = ("vllm.endpoint_plugins",)
+SETTINGS_FILE = "serve-settings.json"
+#: Architectures vLLM registers for the model types tunekit derives (configs without ``architectures``).
+ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+}
+INSTALL_HINT = ("install vLLM in its own virtualenv (python -m venv ~/.cache/tunekit/vllm-venv && "
+                "~/.cache/tunekit/vllm-venv/bin/pip install vllm; scripts/setup.sh makes one) and pass "
+                "--python ~/.cache/tunekit/vllm-venv/bin/python, or put a vLLM site folder on PYTHONPATH "
+                "(README, 'Serving a table')")
+PLUGIN_HINT = ("make the entry point visible there: pip install -e . in that Python, or a minimal "
+               "tunekit-0.1.0.dist-info with entry_points.txt in its site folder (README, 'Serving a table')")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a serve-bench run measures; ``key()`` must match for a resume."""
+
+    model: str
+    model_config: dict[str, Any] = field(repr=False)
+    tables: tuple[str, ...]
+    batches: tuple[int, ...] = (1, 2, 4, 8)
+    tokens: int = 128
+    prompt_len: int = 64
+    repeats: int = 5
+    processes: int = 3
+    arms: tuple[str, ...] = DEFAULT_ARMS
+    layers: int | None = None
+    gpu_memory_utilization: float = 0.85
+    enforce_eager: bool = False
+    agree_steps: int = 8
+    logprobs: int = 5
+    logprob_tol: float = DEFAULT_TOL
+    python: str = sys.executable
+    runner_timeout_s: float = 3600.0
+    #: decode steps profiled per batch size and process (tunekit.evidence.serve_bench.profile); 0: no profile
+    profile_steps: int = 0
+
+    @property
+    def max_model_len(self) -> int:
+        """Prompt + new tokens + a margin, rounded up to 64: small, so the KV cache costs nothing."""
+        return -(-(self.prompt_len + max(self.tokens, self.agree_steps) + 16) // 64) * 64
+
+    def engine(self, model_dir: Path) -> dict[str, Any]:
+        """``LLM(**engine)`` arguments; the runner drops those this vLLM lacks (``gdn_prefill_backend``)."""
+        return {
+            "model": str(model_dir), "load_format": "dummy", "skip_tokenizer_init": True, "dtype": "bfloat16",
+            "max_model_len": self.max_model_len, "max_num_seqs": max(self.batches),
+            "gpu_memory_utilization": self.gpu_memory_utilization, "enforce_eager": self.enforce_eager,
+            "seed": 0, "enable_prefix_caching": False,
+            # the SM90 default is FlashInfer's JIT GDN prefill, absent where flashinfer is
+            "gdn_prefill_backend": "triton",
+        }
+
+    def key(self) -> dict[str, Any]:
+        doc = dataclasses.asdict(self)
+        for volatile in ("python", "runner_timeout_s", "logprob_tol", "processes"):
+            doc.pop(volatile)
+        if not self.profile_steps:  # the key of a run without a profile, as before the option existed
+            doc.pop("profile_steps")
+        doc["tables"] = list(self.tables)
+        doc["batches"], doc["arms"] = list(self.batches), list(self.arms)
+        return doc
+
+
+# ---------------------------------------------------------------------------
+# Settings and the model folder
+# ---------------------------------------------------------------------------
+
+
+def _text_part(config: dict[str, Any]) -> dict[str, Any]:
+    """The decoder fields: a Qwen3.5 vision-language config nests them in ``text_config``."""
+    nested = config.get("text_config")
+    return nested if config.get("model_type") == "qwen3_5" and isinstance(nested, dict) else config
+
+
+def vllm_model_config(config: dict[str, Any], layers: int | None = None) -> dict[str, Any]:
+    """The ``config.json`` vLLM gets: the model's config, ``layers`` decoder layers kept (with
+    ``layer_types``), ``architectures`` and ``torch_dtype`` added where missing, and the Qwen3.5 text
+    model's rotary fields as ``rope_parameters`` (the form of the config that ran on the GPU machine;
+    the M-RoPE sections are for vision inputs and dropped: text-only positions)."""
+    cfg = copy.deepcopy(config)
+    text = _text_part(cfg)
+    total = text.get("num_hidden_layers")
+    if layers is not None:
+        if not isinstance(total, int) or not 1 <= layers <= total:
+            raise UserError(f"--layers must be 1..{total}, got {layers}")
+        text["num_hidden_layers"] = layers
+        if isinstance(text.get("layer_types"), list):
+            text["layer_types"] = text["layer_types"][:layers]
+    model_type = str(cfg.get("model_type"))
+    if "architectures" not in cfg and model_type in ARCHITECTURES:
+        cfg["architectures"] = [ARCHITECTURES[model_type]]
+    cfg.setdefault("torch_dtype", "bfloat16")
+    if text.get("model_type", model_type) in ("qwen3_5_text", "qwen3_5", "qwen3_next") \
+            and "rope_parameters" not in text and "rope_theta" in text:
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": text.pop("rope_theta")}
+        if "partial_rotary_factor" in text:
+            rope["partial_rotary_factor"] = text.pop("partial_rotary_factor")
+        text["rope_parameters"] = rope
+        text.pop("mrope_section", None)
+        text.pop("mrope_interleaved", None)
+    return cfg
+
+
+def _model_document(model: str | None, config: Path | None) -> tuple[str, dict[str, Any]]:
+    """(name, raw config dict) of a built-in model or a config file, validated by ``load_model``."""
+    from tunekit.problems.models import load_model
+
+    if bool(model) == bool(config):
+        raise UserError("give one of --model or --config")
+    spec = load_model(str(config) if config else model)  # every config error, one line
+    if config is None:
+        return spec.name, copy.deepcopy(spec.config)  # built-ins are flat text configs
+    path = Path(config).expanduser()
+    doc = load_json(path / "config.json" if path.is_dir() else path, "model config")
+    if "model_type" not in doc and isinstance(doc.get("config"), dict):  # a tunekit model file
+        doc = doc["config"]
+    return spec.name, doc
+
+
+def build_settings(model: str | None, config: Path | None, tables: Sequence[Path | str],
+                   batches: Sequence[int] = (1, 2, 4, 8), **options: Any) -> Settings:
+    """Check everything that can be checked before a process starts; UserError (one line) otherwise."""
+    from tunekit import table as table_mod
+
+    arms = tuple(options.pop("arms", DEFAULT_ARMS))
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or "vanilla" not in arms or len(set(arms)) != len(arms):
+        raise UserError(f"--arms takes vanilla plus any of passthrough, tuned, folded (got {','.join(arms)})")
+    arms = tuple(a for a in ARMS if a in arms)  # the round order is fixed
+    # Without a tuned arm (vanilla against passthrough: the plugin's own cost) a table is optional;
+    # given, it still feeds the predicted-saving column.
+    if not tables and set(TABLE_ARMS) & set(arms):
+        raise UserError("give at least one --table (the tuned and folded arms serve it)")
+    paths = []
+    for t in tables:
+        table_mod.load(t)  # missing or corrupt: one error line, before anything starts
+        paths.append(str(Path(t).resolve()))
+    name, doc = _model_document(model, config)
+    layers = options.get("layers")
+    cfg = vllm_model_config(doc, layers)
+    s = Settings(model=name, model_config=cfg, tables=tuple(paths), batches=tuple(batches), arms=arms, **options)
+    if not s.batches or any(b < 1 or b > 1024 for b in s.batches) or len(set(s.batches)) != len(s.batches):
+        raise UserError(f"--batch takes distinct sizes 1..1024, got {list(s.batches)}")
+    if s.tokens < 2:
+        raise UserError("--tokens must be at least 2 (TPOT is the difference of a 1-token and a --tokens run)")
+    for opt, value, low in (("--prompt-len", s.prompt_len, 1), ("--repeats", s.repeats, 1),
+                            ("--processes", s.processes, 1), ("--agree-steps", s.agree_steps, 1),
+                            ("--profile-steps", s.profile_steps, 0)):
+        if value < low:
+            raise UserError(f"{opt} must be at least {low}, got {value}")
+    if not 0.05 <= s.gpu_memory_utilization <= 0.99:
+        raise UserError(f"--gpu-memory-utilization must be in 0.05..0.99, got {s.gpu_memory_utilization}")
+    return s
+
+
+def parse_sizes(text: str, option: str) -> list[int]:
+    """``"1,2,4,8"`` -> [1, 2, 4, 8] (batch sizes, concurrencies); UserError naming ``option`` otherwise."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"bad {option} {text!r}: expected a comma list such as 1,2,4,8") from None
+    if not values or any(v < 1 for v in values) or len(set(values)) != len(values):
+        raise UserError(f"bad {option} {text!r}: expected distinct positive integers")
+    return values
+
+
+def write_model_dir(out_dir: Path, config: dict[str, Any]) -> Path:
+    """``DIR/model/config.json``: all vLLM reads with dummy weights and no tokenizer."""
+    model_dir = Path(out_dir) / "model"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return model_dir
+
+
+# ---------------------------------------------------------------------------
+# Arms: order and environment
+# ---------------------------------------------------------------------------
+
+
+def schedule(arms: Sequence[str], processes: int) -> list[tuple[str, int]]:
+    """(arm, process index) in run order: every round runs each arm once, in ``ARMS`` order."""
+    order = [a for a in ARMS if a in arms]
+    return [(arm, i) for i in range(processes) for arm in order]
+
+
+def plugin_allow_lists(entry_points: dict[str, list[str]], user_value: str | None) -> tuple[str, str]:
+    """(``VLLM_PLUGINS`` without tunekit, with tunekit). vLLM splits the value on commas and loads a
+    plugin of any ``vllm.*`` group whose name is listed; an empty value loads none. The names are the
+    caller's own list when ``VLLM_PLUGINS`` is set, else every entry point of those groups that an
+    unset ``VLLM_PLUGINS`` loads (not the opt-in groups)."""
+    if user_value is None:
+        names = sorted({n for g, group in entry_points.items() if g not in OPT_IN_GROUPS for n in group})
+    else:
+        names = [n.strip() for n in user_value.split(",") if n.strip()]
+    without = [n for n in names if n != PLUGIN_NAME]
+    return ",".join(without), ",".join(without + [PLUGIN_NAME])
+
+
+def _package_root() -> str:
+    import tunekit
+
+    return str(Path(tunekit.__file__).resolve().parents[1])
+
+
+def arm_env(arm: str, index: int, base: dict[str, str], settings: Settings, probe: dict[str, Any],
+            out_dir: Path) -> dict[str, str]:
+    """The environment of process ``index`` of ``arm`` (module docstring)."""
+    env = dict(base)
+    without, with_plugin = plugin_allow_lists(probe.get("entry_points", {}), base.get("VLLM_PLUGINS"))
+    env["VLLM_PLUGINS"] = without if arm == "vanilla" else with_plugin
+    env.pop("TUNEKIT_TABLE", None)
+    env.pop("TUNEKIT_FOLD_NORMS", None)
+    if arm in TABLE_ARMS:
+        env["TUNEKIT_TABLE"] = os.pathsep.join(settings.tables)
+    if arm == "folded":
+        env["TUNEKIT_FOLD_NORMS"] = "1"
+    env["TUNEKIT_DISPATCH_LOG"] = str(Path(out_dir).resolve() / "dispatch" / f"{arm}-{index}-{{pid}}.json")
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if not probe.get("flashinfer"):
+        env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"  # the default top-k/top-p sampler imports flashinfer
+    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"})
+    env.pop("TRITON_INTERPRET", None)
+    root = _package_root()
+    rest = [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p and p != root]
+    env["PYTHONPATH"] = os.pathsep.join([root, *rest])
+    return env
+
+
+def runner_command(python: str) -> list[str]:
+    override = os.environ.get(RUNNER_ENV)
+    return shlex.split(override) if override else [python, "-m", "tunekit.evidence.serve_bench.runner"]
+
+
+# ---------------------------------------------------------------------------
+# Processes
+# ---------------------------------------------------------------------------
+
+
+def probe(settings: Settings, base_env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Ask the runner's Python what it can run; UserError if it has no vLLM or cannot load the plugin."""
+    env = dict(base_env if base_env is not None else os.environ)
+    root = _package_root()
+    env["PYTHONPATH"] = os.pathsep.join([root, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
+    env.pop("TRITON_INTERPRET", None)
+    cmd = runner_command(settings.python) + ["--probe", *[a for t in settings.tables for a in ("--table", t)]]
+    try:
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    except FileNotFoundError:
+        raise UserError(f"cannot run {cmd[0]}: no such interpreter") from None
+    except subprocess.TimeoutExpired:
+        raise UserError(f"{shlex.join(cmd)}: no answer in 300 s") from None
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+    try:
+        doc = json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        doc = None
+    if res.returncode != 0 or not isinstance(doc, dict) or doc.get("format") != PROBE_FORMAT:
+        tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise UserError(f"{shlex.join(cmd)} failed (rc {res.returncode}): {tail[0]}")
+    python = doc.get("python", settings.python)
+    if not doc.get("vllm"):
+        raise UserError(f"vLLM is not importable by {python}: {INSTALL_HINT}")
+    general = doc.get("entry_points", {}).get(GENERAL_GROUP, [])
+    if any(a != "vanilla" for a in settings.arms) and PLUGIN_NAME not in general:
+        raise UserError(f"{python} does not see tunekit's vLLM plugin (entry point {PLUGIN_NAME!r} of "
+                        f"{GENERAL_GROUP}): {PLUGIN_HINT}")
+    return doc
+
+
+def _run_process(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float,
+                 echo: Callable[[str], None]) -> int:
+    """Run one runner; every line goes to ``log_path``, progress lines also to ``echo``. Killed (its
+    whole process group, which it leads) past ``timeout``: returns -9 then."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                bufsize=1, start_new_session=True)
+
+        def pump() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                log.write(line)
+                log.flush()
+                if line.startswith(PROGRESS):
+                    echo("  " + line[len(PROGRESS):].strip())
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = -9
+        except BaseException:
+            # interrupted (Ctrl-C, SIGTERM from a timeout): an orphaned engine would hold the GPU's
+            # memory and make the next run's engine fail
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+        reader.join(timeout=10)
+    return rc
+
+
+def _git_commit() -> str | None:
+    """HEAD of the checkout tunekit runs from, or None when that is not a git checkout of its own.
+
+    A copy of the sources inside some other repository (an exported tree on a
+    GPU machine) must not report that repository's HEAD: the toplevel must be
+    the package root itself.
+    """
+    root = _package_root()
+    try:
+        res = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=root, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = res.stdout.split()
+    if res.returncode != 0 or len(lines) != 2 or Path(lines[0]).resolve() != Path(root).resolve():
+        return None
+    # A tree whose tracked files differ from HEAD did not run HEAD: say so (a synced copy on a GPU
+    # machine can carry an older .git than the sources it runs).
+    try:
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return lines[1] + "+unknown"
+    return lines[1] + ("+dirty" if status.returncode != 0 or status.stdout.strip() else "")
+
+
+def _check_resume(out_dir: Path, settings: Settings) -> None:
+    path = out_dir / SETTINGS_FILE
+    if path.is_file():
+        old = load_json(path, "serve-bench settings")
+        if old != settings.key():
+            changed = sorted(k for k in set(old) | set(settings.key()) if old.get(k) != settings.key().get(k))
+            raise UserError(f"{out_dir} holds a serve-bench run with other settings ({', '.join(changed)}): "
+                            "use another --out, or the same options to resume")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(settings.key(), indent=1) + "\n")
+
+
+def _sigterm(signum: int, frame: Any) -> None:
+    # as the CLI's SIGINT (a timeout's SIGTERM): unwinds through _run_process, which kills the engine
+    raise Interrupted()
+
+
+def run_offline(settings: Settings, out_dir: Path, log: Callable[[str], None] = print,
+                base_env: dict[str, str] | None = None, stop_after_s: float | None = None) -> dict[str, Any] | None:
+    """Probe, run every (arm, process) not finished yet, then write the report; returns ``serve.json``.
+
+    ``stop_after_s``: start no further process once the next one (as long as the longest so far)
+    would end past this many seconds after the first started; returns None then (a rerun resumes).
+    """
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _sigterm)
+    try:
+        return _run_offline(settings, Path(out_dir), log, base_env, stop_after_s)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run_offline(settings: Settings, out_dir: Path, log: Callable[[str], None], base_env: dict[str, str] | None,
+                 stop_after_s: float | None) -> dict[str, Any] | None:
+    base = dict(base_env if base_env is not None else os.environ)
+    info = probe(settings, base)
+    mismatch = {p: d for p, d in info.get("table_mismatch", {}).items() if d}
+    for path, diffs in mismatch.items():
+        log(f"warning: {path} was tuned for another environment; the tuned arm will serve none of its "
+            f"entries: {'; '.join(diffs)}")
+    if info.get("device_error"):
+        log(f"warning: {settings.python} could not describe its device: {info['device_error']}")
+    _check_resume(out_dir, settings)
+    model_dir = write_model_dir(out_dir, settings.model_config)
+    runs_dir = out_dir / "runs"
+    runs_dir.mkdir(exist_ok=True)
+    order = schedule(settings.arms, settings.processes)
+    log(f"serve-bench {settings.model}: {len(order)} processes ({', '.join(settings.arms)} x "
+        f"{settings.processes}), batches {','.join(map(str, settings.batches))}, {settings.tokens} tokens, "
+        f"vLLM {info['vllm']} ({info.get('python')})")
+    started = time.perf_counter()
+    longest = 0.0
+    for n, (arm, i) in enumerate(order, 1):
+        out = runs_dir / f"{arm}-{i}.json"
+        if out.is_file():
+            try:
+                done = json.loads(out.read_text())
+            except json.JSONDecodeError:
+                done = {}
+            if not done.get("error") and done.get("batches"):
+                log(f"[{n}/{len(order)}] {arm} #{i}: finished earlier, kept ({out})")
+                continue
+        elapsed = time.perf_counter() - started
+        if stop_after_s is not None and (elapsed >= stop_after_s or elapsed + longest > stop_after_s):
+            left = len(order) - n + 1
+            log(f"stopped after {elapsed:.0f} s (--stop-after {stop_after_s:.0f}): {left} of {len(order)} "
+                "processes left; rerun the same command to resume")
+            return None
+        spec = {"arm": arm, "index": i, "engine": settings.engine(model_dir.resolve()),
+                "batches": list(settings.batches), "tokens": settings.tokens, "prompt_len": settings.prompt_len,
+                "repeats": settings.repeats, "agree_steps": settings.agree_steps, "logprobs": settings.logprobs,
+                "vocab_size": int(_vocab(settings.model_config)), "profile_steps": settings.profile_steps}
+        spec_path = runs_dir / f"{arm}-{i}.spec.json"
+        spec_path.write_text(json.dumps(spec, indent=1) + "\n")
+        env = arm_env(arm, i, base, settings, info, out_dir)
+        cmd = runner_command(settings.python) + ["--spec", str(spec_path), "--out", str(out)]
+        log(f"[{n}/{len(order)}] {arm} #{i}: VLLM_PLUGINS={env['VLLM_PLUGINS']!r}"
+            + (f" TUNEKIT_TABLE={env['TUNEKIT_TABLE']}" if "TUNEKIT_TABLE" in env else "")
+            + f" ({time.perf_counter() - started:.0f} s so far)")
+        log_path = out_dir / "logs" / f"{arm}-{i}.log"
+        t0 = time.perf_counter()
+        rc = _run_process(cmd, env, log_path, settings.runner_timeout_s, log)
+        longest = max(longest, time.perf_counter() - t0)
+        result = json.loads(out.read_text()) if out.is_file() else {}
+        if rc != 0 or result.get("error") or not result.get("batches"):
+            why = result.get("error") or (f"killed after {settings.runner_timeout_s:.0f} s" if rc == -9
+                                          else f"exit status {rc}, no result")
+            raise UserError(f"{arm} #{i} failed: {why} (log: {log_path}); finished processes are kept, "
+                            "rerun the same command to resume")
+    return report_dir(out_dir, settings.logprob_tol, log, table_mismatch=mismatch)
+
+
+def _vocab(config: dict[str, Any]) -> int:
+    return int(_text_part(config).get("vocab_size", 32000))
+
+
+def report_dir(out_dir: Path, tol: float = DEFAULT_TOL, log: Callable[[str], None] = print,
+               table_mismatch: dict[str, list[str]] | None = None) -> dict[str, Any]:
+    """Build ``serve.json``, ``serve.md`` and ``serve.png`` from the results in ``out_dir`` (also alone:
+    ``tunekit serve-bench --report-only``)."""
+    from tunekit import table as table_mod
+    from tunekit.evidence.serve_bench.report import write_reports
+    from tunekit.problems.models.spec import ModelSpec
+
+    out_dir = Path(out_dir)
+    if not (out_dir / SETTINGS_FILE).is_file() and (out_dir / "serve.json").is_file():
+        from tunekit.evidence.serve_bench import (
+            endpoint,  # an --endpoint folder: its report, with the servers' coverage
+        )
+
+        if load_json(out_dir / "serve.json", "serve-bench report").get("mode") == "endpoint":
+            return endpoint.add_coverage(out_dir, log)
+    key = load_json(out_dir / SETTINGS_FILE, "serve-bench settings")
+    results = {arm: docs for arm, docs in load_runs(out_dir / "runs").items() if arm in key["arms"]}
+    if not results:
+        raise UserError(f"{out_dir}/runs holds no finished runner result")
+    coverage = {arm: merge_dispatch(logs) for arm in (*TABLE_ARMS, "passthrough") if arm in results
+                for logs in [dispatch_logs(out_dir / "dispatch", arm, results[arm])] if logs}
+    config = key["model_config"]
+    spec = ModelSpec.from_config(config, name=key["model"], origin=str(out_dir / "model" / "config.json"))
+    tables = [(p, table_mod.load(p)) for p in key["tables"]]
+    if table_mismatch is None:
+        table_mismatch = _mismatch_from_logs(coverage.get("tuned"))
+    settings = {k: v for k, v in key.items() if k != "model_config"}
+    settings["processes"] = max(len(docs) for docs in results.values())  # not in the key: a resume may add some
+    serve = summarize(settings, results, coverage, spec, tables, table_mismatch, tol, _git_commit())
+    doc, md, png = write_reports(serve, out_dir)
+    for row in serve["batches"]:
+        log(_line(row))
+    for note in serve["notes"]:
+        log(f"note: {note}")
+    log(f"wrote {doc}, {md}" + (f", {png}" if png else ""))
+    return serve
+
+
+def _mismatch_from_logs(coverage: dict[str, Any] | None) -> dict[str, list[str]]:
+    """Without a probe (``--report-only``): a table the tuned arm's ops found mismatched, from its logs."""
+    out: dict[str, list[str]] = {}
+    for tables in (coverage or {}).get("tables", []):
+        for t in tables or []:
+            verdicts = t.get("devices") or {}
+            if verdicts and all(v == "env_mismatch" for v in verdicts.values()):
+                out[t["path"]] = ["env_mismatch in the tuned arm's dispatch log"]
+    return out
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _line(row: dict[str, Any]) -> str:
+    parts = [f"B={row['batch']}"]
+    for arm in ARMS:
+        tp = row["tpot"].get(arm)
+        if tp:
+            parts.append(f"{arm} {tp['median_ms']:.3f} ms ({tp['min_ms']:.3f}-{tp['max_ms']:.3f})")
+    if row["speedup"] is not None:
+        parts.append(f"speedup x{row['speedup']:.4f} ({_fmt(row['speedup_min'], '.4f')}-"
+                     f"{_fmt(row['speedup_max'], '.4f')})")
+    if row.get("folded_speedup") is not None:
+        parts.append(f"folded x{row['folded_speedup']:.4f} ({_fmt(row['folded_speedup_min'], '.4f')}-"
+                     f"{_fmt(row['folded_speedup_max'], '.4f')})")
+    if row.get("passthrough_ratio") is not None:  # vanilla / passthrough TPOT: the plugin's cost alone
+        parts.append(f"passthrough x{row['passthrough_ratio']:.4f}")
+    if row["predicted_speedup"] is not None:
+        parts.append(f"predicted x{row['predicted_speedup']:.4f}")
+    if row["measured_saving_ms"] is not None and row["predicted_saving_ms"] is not None:
+        parts.append(f"saving {row['measured_saving_ms']:.3f} ms (predicted {row['predicted_saving_ms']:.3f})")
+    parts.append(f"agreement {row['agreement']['verdict']}")
+    return "  ".join(parts)

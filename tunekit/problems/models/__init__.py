@@ -1,0 +1,34 @@
+"""Models: built-in configs (facts as data) and any HF config.json -> :class:`ModelSpec`.
+
+Usage::
+
+    from tunekit.problems.models import list_models, load_model
+
+    spec = load_model("qwen3.5-27b")          # or a path to a config.json
+    spec.linears(tp=4)                        # [(name, n, k, count per token), ...]
+    spec.problems(tp=1, m_list=(1, 2, 4, 8))  # tunekit.problems.shapes.Problem, merged by shape
+"""
+
+from __future__ import annotations
+
+from tunekit.problems.models.spec import (
+    DENSE_MODEL_TYPES,
+    HYBRID_MODEL_TYPES,
+    SUPPORTED_MODEL_TYPES,
+    LinearAttention,
+    ModelSpec,
+    list_models,
+    load_config_file,
+    load_model,
+)
+
+__all__ = [
+    "DENSE_MODEL_TYPES",
+    "HYBRID_MODEL_TYPES",
+    "SUPPORTED_MODEL_TYPES",
+    "LinearAttention",
+    "ModelSpec",
+    "list_models",
+    "load_config_file",
+    "load_model",
+]
