@@ -17,6 +17,7 @@ from torch import nn
 
 from tunekit import ops
 from tunekit.integrations.vllm import fold as vllm_fold
+from tunekit.integrations.vllm import marks
 
 pytestmark = pytest.mark.usefixtures("clean_ops")
 
@@ -107,8 +108,8 @@ def test_a_fold_that_pays_rescales_the_consumers_once_and_marks_both_sides(tmp_p
     for name, w in before.items():
         c = layer.get_submodule(name)
         assert torch.equal(c.weight, (w.float() * scale(g)).bfloat16())  # fp32 product, rounded once
-        assert getattr(c, vllm_fold.FOLD_EPS) == 1e-6
-    assert getattr(layer.input_layernorm, vllm_fold.FOLDED) is True
+        assert getattr(c, marks.FOLD_EPS) == 1e-6
+    assert getattr(layer.input_layernorm, marks.FOLDED) is True
     # a second plan finds nothing left to fold for that norm
     assert all(n is not layer.input_layernorm for n, *_ in vllm_fold.fold_plan(nn.ModuleList([layer]), _everything))
 
@@ -120,8 +121,8 @@ def test_a_fold_the_tables_do_not_pay_for_changes_nothing(tmp_path: Path) -> Non
     counts = vllm_fold.fold_model(nn.ModuleList([layer]), _everything)
     assert counts == {"gemma_rms_norm (fold not in the tables or not paying)": 1, "gemma_rms_norm folded": 1}
     assert torch.equal(layer.linear_attn.in_proj_qkvz.weight, state["linear_attn.in_proj_qkvz.weight"])
-    assert not getattr(layer.input_layernorm, vllm_fold.FOLDED, False)
-    assert getattr(layer.post_attention_layernorm, vllm_fold.FOLDED)  # one consumer: 0.9 < 0.5 + 0.6
+    assert not getattr(layer.input_layernorm, marks.FOLDED, False)
+    assert getattr(layer.post_attention_layernorm, marks.FOLDED)  # one consumer: 0.9 < 0.5 + 0.6
     ops.load_tables([])
     fresh = _layer("Qwen3_5DecoderLayer")
     assert vllm_fold.fold_model(nn.ModuleList([fresh]), _everything) == {

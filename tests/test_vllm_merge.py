@@ -18,6 +18,7 @@ from torch import nn
 from tunekit import ops
 from tunekit.dispatch.fused_gemv import joined_rows
 from tunekit.integrations.vllm import fold as vllm_fold
+from tunekit.integrations.vllm import marks
 from tunekit.integrations.vllm import merge as vllm_merge
 
 pytestmark = pytest.mark.usefixtures("clean_ops")
@@ -59,10 +60,10 @@ def test_the_plan_takes_a_group_only_when_every_linear_is_plain_and_routed() -> 
     biased = _gdn()
     biased.in_proj_ba.bias = nn.Parameter(torch.zeros(N_BA), requires_grad=False)
     folded_one = _gdn()
-    setattr(folded_one.in_proj_qkvz, vllm_fold.FOLD_EPS, 1e-6)  # one folded, one not: two different GEMVs
+    setattr(folded_one.in_proj_qkvz, marks.FOLD_EPS, 1e-6)  # one folded, one not: two different GEMVs
     folded_both = _gdn()
     for c in (folded_both.in_proj_qkvz, folded_both.in_proj_ba):
-        setattr(c, vllm_fold.FOLD_EPS, 1e-6)
+        setattr(c, marks.FOLD_EPS, 1e-6)
     model = nn.ModuleList([plain, quantized, other, biased, folded_one, folded_both])
     plan = [(op, names, [id(c) for c in linears]) for op, names, linears in vllm_merge.merge_plan(model, _everything)]
     assert plan == [("gemv", "in_proj_qkvz+in_proj_ba", [id(plain.in_proj_qkvz), id(plain.in_proj_ba)]),

@@ -33,7 +33,8 @@ Call protocol::
     counts = fold_model(model, honours)  # {"gemma_rms_norm folded": 128, ...}: folds what pays
 
 ``honours(module)``: whether the module's forward (a norm) or GEMM (a
-linear) is tunekit's route, which reads :data:`FOLDED` / :data:`FOLD_EPS`.
+linear) is tunekit's route, which reads the marks ``marks.FOLDED`` /
+``marks.FOLD_EPS`` (``tunekit.integrations.vllm.marks``).
 A module vLLM runs itself would ignore them: it is never folded.
 
 No vLLM import: the plan reads module classes and attributes only, so the
@@ -48,12 +49,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["FOLDABLE_LAYERS", "FOLDED", "FOLD_EPS", "fold_model", "fold_plan", "folded_norm_forward"]
+from tunekit.integrations.vllm.marks import FOLD_EPS, FOLDED, sibling_groups
 
-#: Set on a folded norm (True): its forward is :func:`folded_norm_forward`.
-FOLDED = "_tunekit_folded"
-#: Set on each consumer of a folded norm: the norm's eps (its GEMM computes ``rms_gemv``).
-FOLD_EPS = "_tunekit_fold_eps"
+__all__ = ["FOLDABLE_LAYERS", "fold_model", "fold_plan", "folded_norm_forward"]
 
 #: vLLM decoder-layer class name -> (norm attribute, alternatives of consumer paths). The first
 #: alternative whose first path the layer has is the norm's consumer set, and every path in it must
@@ -165,11 +163,9 @@ def _fold(norm: nn.Module, op: str, eps: float, consumers: list[nn.Module]) -> N
 def fold_model(model: nn.Module, honours: Callable[[nn.Module], bool], join_siblings: bool = False) -> dict[str, int]:
     """Fold every norm of ``model`` that :func:`fold_plan` finds and the tables say pays.
 
-    ``join_siblings``: consumers that form a sibling group (``vllm_merge.SIBLING_LINEARS``) are priced
+    ``join_siblings``: consumers that form a sibling group (``marks.SIBLING_LINEARS``) are priced
     as one ``rms_gemv`` on their joined rows, as the merge step that runs next serves them.
     Returns counts: ``"<op> folded"`` and ``"<op> (fold not in the tables or not paying)"``."""
-    from tunekit.integrations.vllm.merge import sibling_groups
-
     groups = {tuple(map(id, linears)) for _, linears in sibling_groups(model)} if join_siblings else set()
     counts: dict[str, int] = {}
     for norm, op, eps, consumers in fold_plan(model, honours):

@@ -9,11 +9,11 @@ compile-range pass of ``tunekit.integrations.vllm.plugin`` rewrites the two
 ``gemv`` / ``rms_gemv`` nodes of one x into it (``graph_routes.merge_siblings``)
 where a table holds the joined shape.
 
-Which linears: the groups :data:`SIBLING_LINEARS` names per module class (read
+Which linears: the groups ``marks.SIBLING_LINEARS`` names per module class (read
 from the forward in vLLM 0.26 and 0.33: each group is called on the same
 tensor, one after the other), each a plain unquantized linear without a bias
 whose GEMM goes through tunekit's route, all of one dtype, device and K, and
-all folded with one norm or none (``vllm_fold.FOLD_EPS``). A group is joined
+all folded with one norm or none (``marks.FOLD_EPS``). A group is joined
 where :func:`merge_pays` says the tables' M=1 entries make the one GEMV
 cheaper than the group's own.
 
@@ -38,20 +38,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from tunekit.integrations.vllm.fold import FOLD_EPS
+from tunekit.integrations.vllm.marks import FOLD_EPS, JOINED_N, sibling_groups
 
-__all__ = ["JOINED", "JOINED_N", "SIBLING_LINEARS", "merge_model", "merge_pays", "merge_plan", "sibling_groups"]
-
-#: vLLM module class name -> groups of child linears called on one input, in call order.
-SIBLING_LINEARS: dict[str, tuple[tuple[str, ...], ...]] = {
-    "QwenGatedDeltaNetAttention": (("in_proj_qkvz", "in_proj_ba"),),
-}
+__all__ = ["JOINED", "merge_model", "merge_pays", "merge_plan"]
 
 #: What this process joined: ((rows of each weight, in call order), K). The graph pass merges only these.
 JOINED: set[tuple[tuple[int, ...], int]] = set()
-#: Set on each joined linear: the joined row count, the N whose table entry decides its route (a part's
-#: GEMV reaches the graph as a tunekit op only for the pass to merge it with its siblings).
-JOINED_N = "_tunekit_joined_n"
 
 
 def _plain_linear(c: nn.Module, honours: Callable[[nn.Module], bool]) -> bool:
@@ -61,20 +53,8 @@ def _plain_linear(c: nn.Module, honours: Callable[[nn.Module], bool]) -> bool:
             == "UnquantizedLinearMethod" and honours(c))
 
 
-def sibling_groups(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
-    """("in_proj_qkvz+in_proj_ba", [linears]) for every :data:`SIBLING_LINEARS` group ``model`` has
-    (by module class and child names only)."""
-    found = []
-    for module in model.modules():
-        for names in SIBLING_LINEARS.get(type(module).__name__, ()):
-            linears = [getattr(module, name, None) for name in names]
-            if all(isinstance(c, nn.Module) for c in linears):
-                found.append(("+".join(names), linears))
-    return found
-
-
 def merge_plan(model: nn.Module, honours: Callable[[nn.Module], bool]) -> list[tuple[str, str, list[nn.Module]]]:
-    """(op, names, linears) for every :data:`SIBLING_LINEARS` group that can be joined: each linear plain,
+    """(op, names, linears) for every ``marks.SIBLING_LINEARS`` group that can be joined: each linear plain,
     unquantized, bias-free and routed by tunekit (``honours``), one dtype, device and K, and one fold
     eps for all (op ``rms_gemv``) or none (op ``gemv``)."""
     plan = []

@@ -133,8 +133,8 @@ from typing import Any
 
 import torch
 
-from tunekit.integrations.vllm.fold import FOLD_EPS, FOLDED, folded_norm_forward
-from tunekit.integrations.vllm.merge import JOINED_N
+from tunekit.integrations.vllm.fold import folded_norm_forward
+from tunekit.integrations.vllm.marks import FOLD_EPS, FOLDED, JOINED_N
 
 __all__ = ["installed", "register", "skipped"]
 
