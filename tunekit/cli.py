@@ -24,8 +24,17 @@ from rich.table import Table
 from tunekit.errors import Interrupted, UserError
 from tunekit.evidence.compare import make_console
 
+_EPILOG = (
+    "Exit status: 0 done; 1 check-serving found a failed check; 2 a user error (unknown model, malformed "
+    "config, corrupt or invalid table, a bad option or option value, a file that cannot be read, a place that "
+    "cannot be written: one `error:` line on stderr, never a traceback) or no command; 3 serve-bench stopped "
+    "by --stop-after (rerun to resume); 130 Ctrl-C (one `interrupted:` line; finished trials are stored, "
+    "rerun the same command to resume).\n\n"
+    "Printed to a pipe or a file, reports are 200 columns wide (COLUMNS overrides), so no table cell is cut. "
+    "Every command's options: docs/commands.md."
+)
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="tunekit: tune decode GEMVs per real model shape and serve the winners.")
+                  help="tunekit: tune decode GEMVs per real model shape and serve the winners.", epilog=_EPILOG)
 console: Console = make_console()
 
 
@@ -64,7 +73,12 @@ def _problems(model: str | None, shape: list[str], tp: int, m: str, config: Path
 
 @app.command()
 def models() -> None:
-    """List the built-in models."""
+    """List the built-in models.
+
+    Their configs are data (tunekit/problems/models/configs); any other
+    Hugging Face config of the families tunekit derives (dense Llama /
+    Qwen2 / Qwen3, hybrid Qwen3.5) works through --config.
+    """
     from tunekit.problems.models import list_models
 
     table = Table("model", "family", "hf id", "layers", "hidden")
@@ -101,7 +115,15 @@ def shapes(
     ops: Annotated[str, typer.Option(help=_OPS_HELP)] = "gemv",
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
-    """List the per-token problems of a model as vLLM executes them."""
+    """List the per-token problems of a model as vLLM executes them.
+
+    One row per (op, dtype, M, N, K) with its count per token: a GEMV with
+    the weight bytes it reads per token, an elementwise op with the bytes
+    one call moves. Shapes come from the config the way vLLM builds its
+    layers (merged qkv_proj, gate_up_proj, in_proj_qkvz, in_proj_ba ...),
+    sharded for --tp. --shape adds ad-hoc problems: a GEMV takes M 1..8,
+    an elementwise op any M (1, 256, 4096 ...).
+    """
     _, problems = _problems(model, shape, tp, m, config, ops)
     gemvs = [p for p in problems if p.op == "gemv"]
     others = [p for p in problems if p.op != "gemv"]
@@ -182,8 +204,22 @@ def search(
 ) -> None:
     """Search the best verified kernel per problem; write trials and the dispatch table.
 
-    With --model/--config: every op the model runs (its GEMVs and fused elementwise ops) at
-    M = 1,2,4,8, unless --ops / --m narrow it. Rerunning the same command resumes.
+    With --model/--config: every op the model runs (its GEMVs and fused
+    elementwise ops) at M = 1,2,4,8, unless --ops / --m narrow it; with only
+    --shape: gemv at M=1. One Optuna study per (problem, backend). Every
+    candidate is checked against an fp64 reference before it is timed; the
+    vendor path is timed in the same process, and each problem's top
+    candidates are re-measured interleaved with it at the end.
+
+    Writes RUN/optuna.db and RUN/trials.csv (every trial, failures
+    included), RUN/final.csv (the re-measure), RUN/table.json (the winners
+    that beat the fastest baseline by --min-gain) and RUN/report.md.
+
+    Rerunning the same command resumes, also after Ctrl-C (exit status
+    130). A search holds its run folder's lock: a second one on a folder in
+    use is refused. Searches with their own --out may share one --storage;
+    --gpus runs one worker per GPU, and a PostgreSQL storage shares the
+    work between hosts (docs/search.md).
     """
     from tunekit import backends as registry
     from tunekit.evidence.compare import print_summary, report_after_search
@@ -350,7 +386,12 @@ def _storage_finals(url: str, stamp: str | None) -> tuple[list[dict], dict, dict
 def compare(
     run: Annotated[Path, typer.Argument(help="run folder written by `tunekit search`")],
 ) -> None:
-    """Vendor vs Triton vs HIP per problem and per token; writes RUN/report.md and PNG plots."""
+    """Vendor vs Triton vs HIP per problem and per token; writes RUN/report.md and PNG plots.
+
+    Per problem: the vendor, best Triton and best HIP time (us), GB/s, % of
+    the measured read limit, speedup and winner; per token: the sums and the
+    Amdahl prediction of the step.
+    """
     from tunekit.evidence.compare import compare_run
 
     compare_run(run, console)
@@ -361,7 +402,14 @@ def show(
     table_path: Annotated[Path, typer.Argument(metavar="TABLE", help="dispatch table JSON")],
     check: Annotated[bool, typer.Option(help="fail if the table was tuned for another device/software")] = False,
 ) -> None:
-    """Validate every entry of a dispatch table and print it."""
+    """Validate every entry of a dispatch table and print it.
+
+    Each entry must name a known backend, op and dtype, have M, N, K > 0,
+    params named and typed as the backend's search space has them and
+    accepted by the kernel's own predicate, and finite positive times.
+    Served on another device or software, a table is one warning and the
+    vendor path; --check makes that an error here.
+    """
     from tunekit import table as table_mod
 
     table = table_mod.load(table_path, strict=True)
@@ -398,7 +446,23 @@ def chain(
         help="after the timing, profile N replays of each variant's graph: kernel time and launch gap per "
              "launch shape and predecessor (by_launch, as serve-bench --profile-steps reads a served step)")] = 0,
 ) -> None:
-    """Time the model's tuned decode-step chain as one CUDA graph: vendor vs tuned GEMVs vs all tuned."""
+    """Time the model's tuned decode-step chain as one CUDA graph: vendor vs tuned GEMVs vs all tuned.
+
+    Every GEMV and fused elementwise op of the model in vLLM's order, with
+    distinct full-size weights per layer (attention and the recurrence left
+    out), captured as one CUDA graph per variant and replayed interleaved:
+    vendor, tuned_gemv (tuned GEMVs), tuned (everything a table serves),
+    and tuned_fused at the Ms where the table holds fused entries
+    (norm / SiLU-and-mul -> GEMV, residual-epilogue gemv_add, folded-norm
+    rms_gemv, gate_up + SiLU-and-mul gemv_silu_mul); on a GPU the fused
+    families are checked as a whole, and one measured slower than leaving
+    it out is left out.
+
+    Reports the measured saving per step next to the one the table's
+    standalone figures predict, and each variant's logits against the same
+    chain in fp32; writes DIR/chain.json. Without a GPU the variants'
+    logits are compared and nothing is timed.
+    """
     from tunekit.evidence import chain as chain_mod
     from tunekit.problems import shapes
     from tunekit.problems.models import load_model
@@ -466,7 +530,39 @@ def serve_bench(
         help="after the timing, profile this many decode steps per batch size and process (torch's profiler): "
              "kernel time per category, vanilla vs tuned (0: off)")] = 0,
 ) -> None:
-    """vLLM decode end to end: vanilla vs plugin without table vs tuned, TPOT per batch size, vs the prediction."""
+    """vLLM decode end to end: vanilla vs plugin without table vs tuned, TPOT per batch size, vs the prediction.
+
+    Offline engines with dummy weights, one per process, arms alternated:
+    vanilla (the tunekit plugin excluded by VLLM_PLUGINS), passthrough
+    (plugin, no table), tuned (plugin + TUNEKIT_TABLE), folded (opt-in:
+    tuned + TUNEKIT_FOLD_NORMS=1, reported over vanilla and over tuned).
+    --table is needed only for the tuned and folded arms. The plugin must
+    be visible to importlib.metadata in the Python that runs vLLM
+    (--python): docs/serving.md.
+
+    Per batch size: decode TPOT by the difference of a --tokens and a
+    1-token generate, speedup with its spread over process pairs, next to
+    the tables' predicted saving; the 1-token generate itself (prefill +
+    one step) per arm, with a note when the table makes it >5% later, and
+    what each timed generate spent in Python's garbage collector, CUDA
+    allocator stalls and Triton JIT compiles; dispatch coverage from every
+    process's TUNEKIT_DISPATCH_LOG; logprob agreement with vanilla.
+
+    --profile-steps N: after the timing, N decode steps under torch's
+    profiler: kernel time per category (tunekit, vendor GEMM, Inductor,
+    attention ...) vanilla against tuned, the kernels that changed most,
+    each launch's kernel time and gap by launch shape and predecessor
+    (by_launch), the time TPOT spends outside kernels, and the host side of
+    a 1-token generate (its kernels and Python calls counted per arm). With
+    TUNEKIT_PROFILE_KERNELS=1 each served tuned kernel is also timed
+    standalone in the engine's own process (in_process).
+
+    Writes DIR/serve.json, serve.md, serve.png; a rerun resumes. --endpoint
+    vanilla=URL --endpoint tuned=URL runs the same A/B against running
+    OpenAI-compatible servers (streaming: TTFT, TPOT, throughput per
+    --concurrency); --report-only --out DIR rebuilds a report, and for an
+    endpoint folder adds the tuned server's dispatch coverage from its logs.
+    """
     from tunekit.evidence.serve_bench import bench
     from tunekit.evidence.serve_bench import endpoint as endpoint_mod
     from tunekit.evidence.serve_bench.analysis import DEFAULT_TOL
@@ -528,8 +624,21 @@ def check_serving(
 ) -> None:
     """Serving evidence: the tables' ops under compile / CUDA graphs; a patched HF model's tokens and step times.
 
-    The model check decodes eager and graphed (static cache + torch.compile reduce-overhead), unpatched and
-    patched; timing needs a GPU, --tiny runs the correctness parts on the CPU. Exit status 1 if a check fails.
+    Every table entry's op eagerly, under torch.compile and CUDA-graph
+    replay (bitwise equal to eager, within the BF16 bound). A few layers of
+    the Hugging Face model at real sizes (random weights) decoded unpatched
+    and patched (tunekit.patch), eager and graphed (static cache +
+    torch.compile reduce-overhead): logits and greedy tokens judged against
+    an fp32 copy, a differing token only as a near tie. One decode step of
+    the four variants timed interleaved, next to the graphed speedup the
+    tables' standalone savings predict. Writes DIR/serving_check.json; exit
+    status 1 if a check fails. Timing and graphs need a GPU; --tiny runs the
+    correctness parts on the CPU.
+
+    What to tune for it: python benchmarks/serving_check.py --print-shapes
+    (and --print-m); with --fold-norms also --print-shapes --only rms_gemv.
+    With --merge-siblings (the default) the merged shapes are vLLM's, which
+    the table of tunekit search --model covers.
     """
     from tunekit.evidence.check_serving import model_check as serving
 
@@ -547,7 +656,11 @@ def check_serving(
 
 @app.command()
 def probe() -> None:
-    """Describe the device and measure its read-bandwidth limit."""
+    """Describe the device and measure its read-bandwidth limit.
+
+    On a CPU (the interpreter) it says its figures are not bandwidth
+    evidence.
+    """
     from tunekit.search.worker import Worker
 
     with Worker() as worker:
