@@ -151,13 +151,18 @@ def compile_kernel(
     key = cache.cache_key(
         source, defs, arch=device.arch, compiler=compiler, target=target, options=driver.OPTIONS
     )
-    blob = cache.load(key) if use_cache else None
-    hit = blob is not None
     log = ""
-    if blob is None:
+
+    def build() -> bytes:
+        nonlocal log
         blob, log = driver.compile_source(source, defs, device.arch, name=source_path(op).name)
-        if use_cache:
-            cache.store(key, blob)
+        return blob
+
+    if use_cache:
+        blob, built = cache.get_or_build(key, build)
+        hit = not built
+    else:
+        blob, hit = build(), False
     return CompiledModule(
         op=op,
         vendor=device.vendor,
