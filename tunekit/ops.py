@@ -103,13 +103,22 @@ from tunekit.dispatch.markers import (
     write_dispatch_log,
 )
 from tunekit.dispatch.registry import register
+from tunekit.dispatch.state import DEFAULT_EPS as DEFAULT_EPS
 from tunekit.dispatch.state import (
     DEFAULT_VENDOR,
     EAGER_VENDORS,
     FALLBACK_REASONS,
     dtype_name,
 )
+from tunekit.dispatch.state import ELEMENTWISE_SCHEMAS as ELEMENTWISE_SCHEMAS
+from tunekit.dispatch.state import LOG_ENV as LOG_ENV
+from tunekit.dispatch.state import NAMESPACE as NAMESPACE
+from tunekit.dispatch.state import STATS_FORMAT as STATS_FORMAT
+from tunekit.dispatch.state import TABLE_ENV as TABLE_ENV
 from tunekit.dispatch.tables import covers, load_tables, loaded_tables
+from tunekit.dispatch.tables import largest_m as largest_m
+from tunekit.dispatch.tables import largest_rows as largest_rows
+from tunekit.dispatch.tables import served_entry as served_entry
 from tunekit.dispatch.vendors import (
     clear_vendor_elementwise,
     set_engine_runs_vendor,
