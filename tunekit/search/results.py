@@ -5,6 +5,7 @@
     RUN/trials.csv    one row per trial of every study: params, status, error,
                       times, GB/s, % of limit, error vs reference
     RUN/final.csv     interleaved re-measure: top candidates + vendor baseline
+                      (read from final.csv.gz where a recorded run keeps it compressed)
     RUN/table.json    the dispatch table
     RUN/.lock         held (fcntl.flock) by the search writing the folder: pid, host, start, command
 
@@ -318,9 +319,18 @@ def read_csv(path: Path, what: str, columns: tuple[str, ...] = ()) -> pd.DataFra
     return frame
 
 
-def read_final(run_dir: Path) -> list[dict[str, Any]]:
-    """The rows of RUN/final.csv; [] for an empty file (no re-measure produced a row)."""
+def final_path(run_dir: Path) -> Path:
+    """RUN/final.csv, or RUN/final.csv.gz where only that exists: the recorded runs under
+    benchmarks/results keep their re-measure gzipped (pandas reads either)."""
     path = Path(run_dir) / "final.csv"
+    packed = path.with_name("final.csv.gz")
+    return packed if not path.is_file() and packed.is_file() else path
+
+
+def read_final(run_dir: Path) -> list[dict[str, Any]]:
+    """The rows of RUN/final.csv (or its gzipped copy, see ``final_path``); [] for an empty file (no
+    re-measure produced a row)."""
+    path = final_path(run_dir)
     if not path.is_file():
         raise UserError(f"{run_dir} has no final.csv: the search did not reach its final re-measure")
     frame = read_csv(path, "re-measure table (final.csv)", FINAL_COLUMNS)
