@@ -1,14 +1,19 @@
 """The reference pages in docs/ follow the code: the command reference is regenerated from the CLI's help
-and compared."""
+and compared, the environment tables of docs/serving.md name every TUNEKIT_* variable in use (and none
+other), and the README's and docs' relative links point at files and headings that exist."""
 
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 
 from tunekit import docgen
 
 ROOT = Path(__file__).resolve().parents[1]
+ENV_NAME = re.compile(r"\bTUNEKIT_[A-Z0-9_]+\b")
+#: Names that look like variables but are not read from the environment: the HIP header's include guard.
+NOT_VARIABLES = {"TUNEKIT_HIP_H"}
 
 
 def test_commands_md_is_generated_from_the_current_help() -> None:
@@ -25,3 +30,57 @@ def test_commands_md_names_every_command() -> None:
     text = docgen.render()
     for name in docgen._group().commands:
         assert f"\n## tunekit {name}\n" in text
+
+
+def _names_in(paths: list[Path]) -> set[str]:
+    names: set[str] = set()
+    for path in paths:
+        names.update(ENV_NAME.findall(path.read_text(errors="replace")))
+    return names - NOT_VARIABLES
+
+
+def _files(folder: str, *patterns: str) -> list[Path]:
+    return [p for pattern in patterns for p in (ROOT / folder).rglob(pattern) if "results" not in p.parts]
+
+
+def _documented() -> set[str]:
+    """The names of the environment tables' rows in docs/serving.md (a row starts with the name)."""
+    text = (ROOT / "docs" / "serving.md").read_text()
+    section = text.partition("\n## Environment variables\n")[2]
+    assert section, "docs/serving.md has no '## Environment variables' section"
+    return {m.group(1) for m in re.finditer(r"^\| `(TUNEKIT_[A-Z0-9_]+)` \|", section, re.MULTILINE)}
+
+
+def test_every_variable_tunekit_reads_is_in_the_serving_table() -> None:
+    missing = _names_in(_files("tunekit", "*.py")) - _documented()
+    assert not missing, (f"docs/serving.md's environment table lacks {sorted(missing)} (named in tunekit/): add a "
+                         "row with its default, what it does and who reads it")
+
+
+def test_every_variable_of_setup_tests_and_ci_is_documented_and_none_is_stale() -> None:
+    used = _names_in(_files("tunekit", "*.py") + _files("tests", "*.py") + _files("scripts", "*.sh", "*.py")
+                     + _files("benchmarks", "*.py", "*.sh") + [ROOT / ".ci" / "run"])
+    documented = _documented()
+    assert not used - documented, f"docs/serving.md's environment tables lack {sorted(used - documented)}"
+    assert not documented - used, f"docs/serving.md documents variables nothing uses: {sorted(documented - used)}"
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces as hyphens."""
+    return {re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            for m in re.finditer(r"^#+ (.+)$", page.read_text(), re.MULTILINE)}
+
+
+def test_relative_links_of_the_readme_and_docs_resolve() -> None:
+    broken = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue  # a URL
+            path, _, anchor = target.partition("#")
+            resolved = (page.parent / path).resolve() if path else page
+            if not resolved.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "broken links:\n" + "\n".join(broken)
