@@ -219,6 +219,7 @@ def test_table_gates_on_the_faster_of_eager_and_inductor() -> None:
 
 def test_report_takes_inductor_as_a_baseline(tmp_path) -> None:
     from tunekit.evidence import compare as report
+    from tunekit.evidence.comparison import load_comparison
 
     run = tmp_path / "run"
     run.mkdir()
@@ -228,7 +229,7 @@ def test_report_takes_inductor_as_a_baseline(tmp_path) -> None:
             "device": DEVICE, "probe": PROBE, "environment": {}}
     (run / "run.json").write_text(json.dumps(meta))
     pd.DataFrame(ROWS).to_csv(run / "final.csv", index=False)
-    comp = report.load_comparison(run)
+    comp = load_comparison(run)
     p1, p4096 = sorted(comp.problems, key=lambda p: p.m)
     assert set(p1.baselines) == {"inductor"} and "inductor" not in p1.best and comp.present == ["triton"]
     assert p1.baseline.backend == "inductor" and p1.winner.backend == "inductor" and p1.served_us() == 2.5

@@ -16,6 +16,8 @@ from rich.console import Console
 
 from tunekit.errors import UserError
 from tunekit.evidence import compare as report
+from tunekit.evidence import comparison, plots
+from tunekit.search import summary
 
 REPO = Path(__file__).resolve().parents[1]
 RECORDED = REPO / "benchmarks" / "results" / "h200-m1-triton-9251ae9"
@@ -73,12 +75,12 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
-def _problem(comp: report.Comparison, m: int, n: int) -> report.ProblemResult:
+def _problem(comp: comparison.Comparison, m: int, n: int) -> comparison.ProblemResult:
     return next(p for p in comp.problems if p.m == m and p.n == n)
 
 
 def test_per_problem_best_winner_and_pct(tmp_path) -> None:
-    comp = report.load_comparison(_write_run(tmp_path / "run"))
+    comp = comparison.load_comparison(_write_run(tmp_path / "run"))
     assert comp.present == ["triton", "hip"] and comp.timing_kind == "gpu" and not comp.is_interpreter
     a1 = _problem(comp, 1, 1000)
     assert a1.vendor.time_us == 10.0 and a1.best["triton"].time_us == 8.0 and a1.best["hip"].time_us == 9.0
@@ -92,7 +94,7 @@ def test_per_problem_best_winner_and_pct(tmp_path) -> None:
 
 
 def test_per_token_prediction_amdahl_and_floor(tmp_path) -> None:
-    comp = report.load_comparison(_write_run(tmp_path / "run"))
+    comp = comparison.load_comparison(_write_run(tmp_path / "run"))
     t1, t2 = comp.tokens
     assert (t1.m, t1.calls, t2.m) == (1, 5, 2)
     # M=1: vendor 2*10 + 3*4; tuned 2*min(8, 9, 10) + 3*min(5, 6, 4)
@@ -120,7 +122,7 @@ def test_report_md_and_plots(tmp_path) -> None:
     assert "standalone microbenchmark" in md and "| 1 | 5 | 0.032 | 0.028 | 1.1429 |" in md
     assert "CPU TIMINGS" not in md
     assert "## Best configs" not in md  # the synthetic rows carry no params
-    for name in report.PLOT_FILES.values():
+    for name in plots.PLOT_FILES.values():
         assert (run / name).stat().st_size > 1000 and f"]({name})" in md
     text = out.file.getvalue()
     assert "per token" in text and "hip#2" in text  # the M=2 winner of shape A
@@ -148,23 +150,23 @@ def test_rows_of_an_earlier_search_are_left_out(tmp_path) -> None:
     meta = json.loads((run / "run.json").read_text())
     meta["problems"] = [p for p in meta["problems"] if p["m"] == 1]
     (run / "run.json").write_text(json.dumps(meta))
-    comp = report.load_comparison(run)
+    comp = comparison.load_comparison(run)
     assert [t.m for t in comp.tokens] == [1] and len(comp.problems) == 2
     assert comp.notes and "earlier search" in comp.notes[0]
 
 
 def test_user_errors_and_empty_final(tmp_path) -> None:
     with pytest.raises(UserError, match="not a tunekit run folder"):
-        report.load_comparison(tmp_path)
+        comparison.load_comparison(tmp_path)
     run = _write_run(tmp_path / "run")
     (run / "final.csv").unlink()
     with pytest.raises(UserError, match="no final.csv"):
-        report.load_comparison(run)
+        comparison.load_comparison(run)
     pd.DataFrame([]).to_csv(run / "final.csv", index=False)  # what write_final leaves when nothing re-measured
     with pytest.raises(UserError, match="no rows"):
-        report.load_comparison(run)
+        comparison.load_comparison(run)
     out = _quiet()
-    assert report.report_after_search(out, run) is None
+    assert summary.report_after_search(out, run) is None
     assert "no comparison" in out.file.getvalue() and not (run / "report.md").exists()
 
 
@@ -207,5 +209,5 @@ def test_recorded_h200_run(tmp_path) -> None:
     winner = frame[(frame.n == 96) & (frame.backend == "triton")].sort_values("time_us").iloc[0]
     params = ", ".join(f"{k}={v}" for k, v in json.loads(winner.params).items())
     assert "## Best configs" in md and f"| gemv m1 96x5120 | {winner.label} | 2.867x | `{params}` |" in md
-    assert all((run / name).stat().st_size > 1000 for name in report.PLOT_FILES.values())
+    assert all((run / name).stat().st_size > 1000 for name in plots.PLOT_FILES.values())
     assert not (RECORDED / "report.md").exists()

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tunekit.errors import Interrupted, UserError
-from tunekit.evidence.compare import make_console
+from tunekit.evidence.console import make_console
 
 _EPILOG = (
     "Exit status: 0 done; 1 check-serving found a failed check; 2 a user error (unknown model, malformed "
@@ -222,10 +222,10 @@ def search(
     work between hosts (docs/search.md).
     """
     from tunekit import backends as registry
-    from tunekit.evidence.compare import print_summary, report_after_search
     from tunekit.measure.verify import NUMERICS
     from tunekit.problems import shapes as shapes_mod
     from tunekit.search.engine import SearchConfig, read_seed_records, run_search
+    from tunekit.search.summary import print_summary, report_after_search
 
     whole_model = bool(model or config)
     if m is None:
