@@ -22,6 +22,9 @@ import torch
 from test_vllm_plugin import _entry, _impls, _table
 from torch import nn
 
+from tunekit.integrations.vllm import compile as vllm_compile
+from tunekit.integrations.vllm import load as vllm_load
+
 # the plugin tests' fixtures: the plugin loaded once per process, the ops' tables and markers reset per test
 plugin, _fresh_ops = base.plugin, base._fresh_ops
 
@@ -129,11 +132,11 @@ def compile_ranges(plugin, vllm_config, monkeypatch, tmp_path: Path):
 
         path = _table(tmp_path / "fold.json", entries)
         monkeypatch.setenv("TUNEKIT_TABLE", str(path))
-        done, why = plugin._install_compile_ranges()
+        done, why = vllm_compile.install_compile_ranges()
         assert done, why
         ops.load_tables(str(path))
-        plugin.RANGE_ROUTES.clear()
-        plugin.RANGE_FUSIONS.clear()
+        vllm_compile.RANGE_ROUTES.clear()
+        vllm_compile.RANGE_FUSIONS.clear()
         # made after the hook went in: its compile ranges end at the tables' largest M
         return VllmConfig(device_config=DeviceConfig(device="cpu"), compilation_config=CompilationConfig(
             mode=CompilationMode.VLLM_COMPILE, backend="inductor", cudagraph_mode="NONE", compile_sizes=[],
@@ -148,7 +151,7 @@ def _load_folded(plugin, monkeypatch, model: nn.Module) -> nn.Module:
 
     monkeypatch.setattr(base_loader.BaseModelLoader, "load_model", lambda self, *args, **kwargs: model)
     monkeypatch.setenv("TUNEKIT_FOLD_NORMS", "1")
-    done, why = plugin._install_fold()
+    done, why = vllm_load.install_fold()
     assert done, why
     return base_loader.BaseModelLoader.load_model(None, vllm_config=None, model_config=None)
 
@@ -162,7 +165,7 @@ def _folded(plugin, monkeypatch, Model: type, config) -> tuple[nn.Module, dict]:
         p.data.normal_(1.0 if name.endswith("layernorm.weight") or name == "norm.weight" else 0.0, 0.15)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     assert _load_folded(plugin, monkeypatch, model) is model
-    assert plugin.FOLDS == {"rms_norm folded": 4}, plugin.FOLDS
+    assert vllm_load.FOLDS == {"rms_norm folded": 4}, vllm_load.FOLDS
     return model, state
 
 
@@ -205,7 +208,7 @@ def test_folded_norms_serve_rms_gemv_and_the_pass_moves_each_residual_add_into_i
         model, state = _folded(plugin, monkeypatch, Model, config)
         got = {m: model(x) for m, x in xs.items()}
         impls = {(op, m): impl for op, _, m, impl in _impls()}
-        fusions, routes = dict(plugin.RANGE_FUSIONS), dict(plugin.RANGE_ROUTES)
+        fusions, routes = dict(vllm_compile.RANGE_FUSIONS), dict(vllm_compile.RANGE_ROUTES)
         # the same model unfolded, with no table: vLLM's own compile of it
         monkeypatch.delenv("TUNEKIT_FOLD_NORMS")
         ops.load_tables([])
@@ -254,7 +257,7 @@ def test_a_fused_table_of_fewer_ms_keeps_the_tuned_gemv_above_its_entries(plugin
     fused = [at_m1("rms_gemv", Q, H), at_m1("rms_gemv", 2 * INTER, H), at_m1("gemv_add", H, Q),
              at_m1("gemv_add", H, INTER)]
     config = compile_ranges([e for e in _entries(False) if e["op"] != "rms_gemv"] + fused)
-    assert plugin._range_endpoints(plugin._tables_tops()) == [2, 4]
+    assert vllm_compile.range_endpoints(vllm_compile.tables_tops()) == [2, 4]
     ranges = config.compilation_config.get_compile_ranges()
     assert [(r.start, r.end) for r in ranges][:2] == [(1, 2), (3, 4)], ranges
     Model = _model_class()
@@ -263,7 +266,7 @@ def test_a_fused_table_of_fewer_ms_keeps_the_tuned_gemv_above_its_entries(plugin
         model, state = _folded(plugin, monkeypatch, Model, config)
         got = {m: model(x) for m, x in xs.items()}
         impls = {(op, shape, m): impl for op, shape, m, impl in _impls()}
-        routes, fusions = dict(plugin.RANGE_ROUTES), dict(plugin.RANGE_FUSIONS)
+        routes, fusions = dict(vllm_compile.RANGE_ROUTES), dict(vllm_compile.RANGE_FUSIONS)
         norm_kernel = STATE.defaults.get(("gemma_rms_norm", "bf16", 2, H, H, "cpu"))  # gone with the tables
         monkeypatch.delenv("TUNEKIT_FOLD_NORMS")
         ops.load_tables([])
@@ -298,11 +301,11 @@ def test_nothing_folds_without_rms_gemv_entries_or_the_switch(plugin, compile_ra
         p.data.normal_(1.0, 0.15)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     _load_folded(plugin, monkeypatch, model)
-    assert plugin.FOLDS == {"rms_norm (fold not in the tables or not paying)": 4}, plugin.FOLDS
+    assert vllm_load.FOLDS == {"rms_norm (fold not in the tables or not paying)": 4}, vllm_load.FOLDS
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     assert not any(getattr(m, "_tunekit_folded", False) for m in model.modules())
     # without TUNEKIT_FOLD_NORMS the hook is not installed at all
     monkeypatch.delenv("TUNEKIT_FOLD_NORMS")
-    done, why = plugin._install_fold()
+    done, why = vllm_load.install_fold()
     assert not done and "TUNEKIT_FOLD_NORMS" in why
     assert os.environ.get("TUNEKIT_FOLD_NORMS") is None

@@ -21,6 +21,9 @@ import torch
 from test_vllm_plugin import _entry, _impls
 from torch import nn
 
+from tunekit.integrations.vllm import compile as vllm_compile
+from tunekit.integrations.vllm import load as vllm_load
+
 plugin, _fresh_ops, compile_ranges = base.plugin, base._fresh_ops, fold_tests.compile_ranges
 
 H, INTER, QKVZ, BA = fold_tests.H, fold_tests.INTER, 80, 8
@@ -72,7 +75,7 @@ def _load(plugin, monkeypatch, model: nn.Module, merge: bool) -> nn.Module:
 
     vllm_merge.JOINED.clear()
     monkeypatch.setenv("TUNEKIT_MERGE_SIBLINGS", "1" if merge else "0")
-    plugin.RANGE_MERGES.clear()
+    vllm_compile.RANGE_MERGES.clear()
     return fold_tests._load_folded(plugin, monkeypatch, model)
 
 
@@ -98,11 +101,11 @@ def test_folded_siblings_run_as_one_rms_gemv_on_their_joined_weight(plugin, comp
         model = Model(vllm_config=config)
         state = _init(model)
         assert _load(plugin, monkeypatch, model, merge=True) is model
-        assert plugin.FOLDS == {"rms_norm folded": 4}, plugin.FOLDS
-        assert plugin.MERGES == {"in_proj_qkvz+in_proj_ba joined": 2}, plugin.MERGES
+        assert vllm_load.FOLDS == {"rms_norm folded": 4}, vllm_load.FOLDS
+        assert vllm_load.MERGES == {"in_proj_qkvz+in_proj_ba joined": 2}, vllm_load.MERGES
         got = {m: model(x) for m, x in xs.items()}
         impls = _impls()
-        merges = dict(plugin.RANGE_MERGES)
+        merges = dict(vllm_compile.RANGE_MERGES)
         ops.load_tables([])
         monkeypatch.delenv("TUNEKIT_FOLD_NORMS")
         plain = Model(vllm_config=config)
@@ -134,9 +137,10 @@ def test_without_the_merge_those_norms_stay_unfolded(plugin, compile_ranges, mon
     state = _init(model)
     _load(plugin, monkeypatch, model, merge=False)
     # only the MLP norms: the siblings' rms_gemv entry is the joined one, and nothing joins them
-    assert plugin.FOLDS == {"rms_norm (fold not in the tables or not paying)": 2, "rms_norm folded": 2}, plugin.FOLDS
-    assert plugin.MERGES == {}
+    assert vllm_load.FOLDS == {"rms_norm (fold not in the tables or not paying)": 2,
+                               "rms_norm folded": 2}, vllm_load.FOLDS
+    assert vllm_load.MERGES == {}
     gdn = model.layers[0].linear_attn
     assert torch.equal(gdn.in_proj_qkvz.weight, state["layers.0.linear_attn.in_proj_qkvz.weight"])
-    done, why = plugin._install_merge()
+    done, why = vllm_load.install_merge()
     assert not done and "TUNEKIT_MERGE_SIBLINGS" in why

@@ -28,6 +28,12 @@ import vllm
 import vllm.plugins
 from torch import nn
 
+from tunekit.integrations.vllm import compile as vllm_compile
+from tunekit.integrations.vllm import coverage as vllm_coverage
+from tunekit.integrations.vllm import gemm as vllm_gemm
+from tunekit.integrations.vllm import state as vllm_state
+from tunekit.integrations.vllm import vendors as vllm_vendors
+
 PARAMS = {"BLOCK_N": 4, "BLOCK_K": 64, "num_warps": 1, "num_stages": 1}
 
 
@@ -116,7 +122,7 @@ def test_entry_point_loads_once_and_installs_every_hook(plugin) -> None:
     # the tables join vLLM's compile-cache key: a graph traced under another table is not reused
     import vllm.envs as envs
 
-    assert envs.compile_factors()[plugin.COMPILE_FACTOR] == plugin._tables_digest()
+    assert envs.compile_factors()[vllm_compile.COMPILE_FACTOR] == vllm_compile.tables_digest()
     import vllm.model_executor.layers.linear as linear
     import vllm.model_executor.layers.utils as utils
     import vllm.model_executor.layers.vocab_parallel_embedding as vocab
@@ -148,7 +154,7 @@ def test_without_a_table_nothing_is_installed(plugin, monkeypatch) -> None:
     monkeypatch.setattr(plugin, "_install", lambda: calls.append("install") or ({}, {}))
     for value in (None, "", " : "):
         # a fresh process's plugin state: register() decides again
-        monkeypatch.setattr(plugin, "_STATE", {"registered": False, "installed": {}, "skipped": {}})
+        monkeypatch.setattr(vllm_state, "STATE", {"registered": False, "installed": {}, "skipped": {}})
         if value is None:
             monkeypatch.delenv("TUNEKIT_TABLE", raising=False)
         else:
@@ -208,7 +214,7 @@ def test_uncovered_linear_runs_vllms_impl_itself(plugin) -> None:
         calls.append(tuple(weight.shape))
         return F.linear(x, weight, bias)
 
-    wrapped = plugin._wrap_gemm(plain, (plain,))
+    wrapped = vllm_gemm.wrap_gemm(plain, (plain,))
     assert wrapped is not plain and getattr(wrapped, "_tunekit_wrapped", False)
     w = torch.randn(40, 64).bfloat16()
     x = torch.randn(3, 64).bfloat16()
@@ -224,18 +230,18 @@ def test_linear_hook_respects_rocm_aiter_and_older_forks(plugin, monkeypatch) ->
 
     monkeypatch.setattr(torch.version, "hip", "6.3.0")
     monkeypatch.setenv("VLLM_ROCM_USE_AITER", "1")
-    done, why = plugin._install_linear()
+    done, why = vllm_gemm.install_linear()
     assert not done and "AITER" in why
     monkeypatch.setenv("VLLM_ROCM_USE_AITER", "0")
     try:
-        done, why = plugin._install_linear()  # ROCm without AITER: vLLM's rocm gemm is the fallback
+        done, why = vllm_gemm.install_linear()  # ROCm without AITER: vLLM's rocm gemm is the fallback
         assert done and "rocm_unquantized_gemm" in why
         assert STATE.vendor_gemm is not None
         assert getattr(utils.dispatch_unquantized_gemm, "_tunekit_wrapped", False)
     finally:
         ops.set_vendor_gemm(None)
     monkeypatch.delattr(utils, "dispatch_unquantized_gemm")
-    done, why = plugin._install_linear()
+    done, why = vllm_gemm.install_linear()
     assert not done and "older fork" in why
 
 
@@ -243,7 +249,7 @@ def test_non_plain_gemms_are_left_to_vllm(plugin) -> None:
     def flashinfer_like(layer, x, weight, bias=None):
         return F.linear(x, weight, bias)
 
-    assert plugin._wrap_gemm(flashinfer_like, ()) is flashinfer_like
+    assert vllm_gemm.wrap_gemm(flashinfer_like, ()) is flashinfer_like
 
 
 # ----------------------------------------------------------------------------- norms and activation
@@ -468,7 +474,7 @@ def vllm_c_kernels(plugin):
     from tunekit.dispatch.state import STATE
 
     for name in ("rms_norm", "silu_and_mul"):  # the real ones would shadow the counting ones
-        assert plugin._torch_op("_C", name) is None, f"this vLLM has torch.ops._C.{name}"
+        assert vllm_vendors._torch_op("_C", name) is None, f"this vLLM has torch.ops._C.{name}"
     calls: list[tuple[str, tuple[int, ...]]] = []
     lib = torch.library.Library("_C", "FRAGMENT")
     lib.define("rms_norm(Tensor(a!) result, Tensor input, Tensor weight, float epsilon) -> ()")
@@ -505,9 +511,9 @@ def test_covered_layers_above_the_table_run_vllms_kernels(plugin, vllm_config, e
 
     # The op's own fallbacks, as a compiled graph's range meets them (M symbolic: the op decides). An
     # eager call above the tables skips the op (test_an_eager_call_above_the_tables_skips_the_op).
-    monkeypatch.setattr(plugin, "_eager_above_tables", lambda *args, **kwargs: False)
-    found = plugin._install_vendor_kernels(("rms_norm", "fused_add_rms_norm", "silu_and_mul", "gemma_rms_norm",
-                                            "gated_rms_norm"))
+    monkeypatch.setattr(vllm_coverage, "eager_above_tables", lambda *args, **kwargs: False)
+    found = vllm_vendors.install_vendor_kernels(("rms_norm", "fused_add_rms_norm", "silu_and_mul",
+                                                 "gemma_rms_norm", "gated_rms_norm"))
     assert "rms_norm: torch.ops._C.rms_norm on cpu" in found
     assert ("fused_add_rms_norm: torch.ops._C.rms_norm(x + residual) on cpu (after tunekit's default-config "
             "Triton kernel, one launch)") in found
@@ -540,8 +546,8 @@ def test_covered_layers_above_the_table_run_vllms_kernels(plugin, vllm_config, e
     assert (gated(h, z).float() - gated.forward_native(h, z).float()).abs().max() < 0.05
     # vLLM's real gated-norm op is found once Triton is claimed; here its Triton is a placeholder, so it
     # raises: the call is still served (the composition), logged once, and the marker says why
-    monkeypatch.setattr(plugin, "_vllm_has_triton", lambda: True)
-    assert "gated_rms_norm: torch.ops.vllm.fla_rms_norm_gated on cpu" in plugin._install_vendor_kernels(
+    monkeypatch.setattr(vllm_vendors, "_vllm_has_triton", lambda: True)
+    assert "gated_rms_norm: torch.ops.vllm.fla_rms_norm_gated on cpu" in vllm_vendors.install_vendor_kernels(
         ("gated_rms_norm",))
     with caplog.at_level(logging.WARNING, logger="tunekit.ops"):
         assert (gated(h, z).float() - gated.forward_native(h, z).float()).abs().max() < 0.05
@@ -656,7 +662,7 @@ def test_ops_are_opaque_under_vllm_compile_and_torch_compile(plugin, vllm_config
     eager = Tiny.forward  # the undecorated forward, for the reference
     # the reference goes through the ops at every M, as the graph does (eagerly, an M above the
     # tables would skip them: test_an_eager_call_above_the_tables_skips_the_op)
-    monkeypatch.setattr(plugin, "_eager_above_tables", lambda *args, **kwargs: False)
+    monkeypatch.setattr(vllm_coverage, "eager_above_tables", lambda *args, **kwargs: False)
     for m in (2, 3, 6):
         x = torch.randn(m, 64).bfloat16()
         y = model(x)
@@ -713,10 +719,10 @@ def test_token_counts_above_the_tables_compile_vllms_own_math(plugin, vllm_confi
     # vLLM's last post-grad pass rewrites its own _C ops, which a CPU wheel lacks (it names them on
     # entry); this graph holds none of them, so skipping it changes nothing here
     monkeypatch.setattr(pass_manager.FixFunctionalizationPass, "__call__", lambda self, graph: None)
-    done, why = plugin._install_compile_ranges()
+    done, why = vllm_compile.install_compile_ranges()
     assert done and "endpoints 4 " in why, why
     ops.load_tables(str(path))
-    plugin.RANGE_ROUTES.clear()
+    vllm_compile.RANGE_ROUTES.clear()
 
     config = VllmConfig(device_config=DeviceConfig(device="cpu"), compilation_config=CompilationConfig(
         mode=CompilationMode.VLLM_COMPILE, backend="inductor", cudagraph_mode="NONE", compile_sizes=[],
@@ -730,7 +736,7 @@ def test_token_counts_above_the_tables_compile_vllms_own_math(plugin, vllm_confi
         model.up.weight.data.normal_(0, 0.125)
         xs = {m: torch.randn(m, 64).bfloat16() for m in (3, 7)}
         got = {m: model(x) for m, x in xs.items()}
-        routes = dict(plugin.RANGE_ROUTES)
+        routes = dict(vllm_compile.RANGE_ROUTES)
         called = {(op, m) for op, _, m, _ in _impls()}
         # the same block compiled with no table: the graph vLLM compiles without tunekit
         ops.load_tables([])
@@ -789,13 +795,13 @@ def test_compile_ranges_hook_is_skipped_where_vllm_lacks_its_pieces(plugin, monk
     broken.write_text("{not json")
     # a broken table beside a good one: the good one still ends the range (the ops log the broken one)
     monkeypatch.setenv("TUNEKIT_TABLE", f"{broken}{os.pathsep}{path}")
-    assert plugin._tables_tops() == {"gemv": 8}
+    assert vllm_compile.tables_tops() == {"gemv": 8}
     monkeypatch.setenv("TUNEKIT_TABLE", str(broken))
-    assert plugin._install_compile_ranges() == (False, "the named tables hold no entry")
+    assert vllm_compile.install_compile_ranges() == (False, "the named tables hold no entry")
     # an older vLLM without compile ranges: skipped with the reason, nothing patched
     monkeypatch.setenv("TUNEKIT_TABLE", str(path))
     original = pass_manager.PostGradPassManager.configure
     monkeypatch.delattr(VllmConfig, "_set_compile_ranges")
-    done, why = plugin._install_compile_ranges()
+    done, why = vllm_compile.install_compile_ranges()
     assert not done and "_set_compile_ranges" in why and "every range keeps the ops" in why
     assert pass_manager.PostGradPassManager.configure is original

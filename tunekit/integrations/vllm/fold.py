@@ -11,7 +11,7 @@ A decode step of Qwen3.5-27B launches 128 decoder norms, each a separate
 * the norm passes x on (plain form) or returns the residual sum twice
   (fused add form: ``(x + residual, x + residual)``). That add is left in
   the graph as a plain ``aten.add``; the compile-range pass of
-  ``tunekit.integrations.vllm.plugin`` moves it into the previous output
+  ``tunekit.integrations.vllm.compile`` moves it into the previous output
   projection's epilogue (``graph_routes.fuse_residual_adds``: ``gemv_add``)
   where a table holds that op, so a layer's two norms cost no launch.
 

@@ -18,7 +18,7 @@ path), traced with Inductor's decompositions, so Inductor compiles and
 fuses it as it does in a graph traced without tunekit. Nodes the range can
 use stay. A fused GEMV op handed back in a range that keeps the plain GEMV at
 its shape becomes its composition around ``tunekit::gemv`` (:data:`ON_GEMV`):
-the GEMV stays tuned. ``tunekit.integrations.vllm.plugin`` adds the range
+the GEMV stays tuned. ``tunekit.integrations.vllm.compile`` adds the range
 endpoints (the tables' largest M, and each fused op's) and installs the pass.
 
 :func:`fuse_residual_adds` is the other rewrite, for graphs the tables do
@@ -97,7 +97,7 @@ def _gemv_add_on_gemv(x: torch.Tensor, weight: torch.Tensor, residual: torch.Ten
 
 #: op -> (stock composition: the op's own vendor path, as its fallback computes it; its table key's
 #: (N, K) from the node's argument values). The keys are those the vLLM plugin's routes check
-#: (``_covered``): the gated norm by row width alone (N None).
+#: (``coverage.covered``): the gated norm by row width alone (N None).
 COMPOSITIONS: dict[str, tuple[Callable[..., Any], Callable[[tuple], tuple[int | None, int | None]]]] = {
     "gemv": (F.linear, _gemv_nk),
     "rms_norm": (partial(elementwise._vendor_rms_norm, gemma=False), _norm_nk),

@@ -5,7 +5,7 @@ Qwen3.5's Gated DeltaNet reads its normed input with two linears, in_proj_qkvz
 second a 1 MB read that still costs a whole launch (2.6 us tuned, 7.3 us
 cuBLAS). With both weights consecutive row blocks of one [16480, K] tensor,
 one GEMV over the joined rows serves both (``tunekit::sibling_gemv``): the
-compile-range pass of ``tunekit.integrations.vllm.plugin`` rewrites the two
+compile-range pass of ``tunekit.integrations.vllm.compile`` rewrites the two
 ``gemv`` / ``rms_gemv`` nodes of one x into it (``graph_routes.merge_siblings``)
 where a table holds the joined shape.
 

@@ -1,0 +1,71 @@
+"""The vLLM plugin's shared state, below every duty: its logger, switches, marker and what it installed.
+
+Everything here is read by more than one of the plugin's modules (``gemm``,
+``custom_ops``, ``vendors``, ``compile``, ``load``, and ``plugin`` on top);
+none of them imports another duty for it. Imports neither vLLM nor torch.
+
+Call protocol::
+
+    table_paths()            # the tables TUNEKIT_TABLE names (os.pathsep-separated); [] = plugin off
+    fold_requested()         # TUNEKIT_FOLD_NORMS=1
+    merge_requested()        # TUNEKIT_MERGE_SIBLINGS unless 0
+    env_flag("VLLM_X", False)  # vLLM's parse of a boolean env var
+    getattr(fn, MARK, False)   # True on whatever the plugin wrapped or registered: installs stay idempotent
+    STATE["installed"]         # hook -> what it does (``plugin.installed()`` reads it)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+__all__ = ["FOLD_ENV", "LOCK", "MARK", "MERGE_ENV", "STATE", "TABLE_ENV", "env_flag", "fold_requested", "logger",
+           "merge_requested", "table_paths"]
+
+# A child of vLLM's logger: vLLM configures "vllm" (its handler, VLLM_LOGGING_LEVEL) in every
+# process, so the plugin's lines land in vLLM's own log, where a user reads what was installed.
+logger = logging.getLogger("vllm.tunekit")
+
+#: The tables to serve (os.pathsep-separated paths); unset or empty: the plugin installs nothing.
+TABLE_ENV = "TUNEKIT_TABLE"
+#: Set to 1 to fold decoder norms into the linears that read them (``tunekit.integrations.vllm.fold``).
+FOLD_ENV = "TUNEKIT_FOLD_NORMS"
+#: Set to 0 to keep sibling linears' weights apart (``tunekit.integrations.vllm.merge``; on by default:
+#: it joins only where the tables' entries for the joined shape pay, and moves no value).
+MERGE_ENV = "TUNEKIT_MERGE_SIBLINGS"
+
+#: Set (True) on every function and class the plugin installs: a second install finds it and does nothing.
+MARK = "_tunekit_wrapped"
+
+#: Guards ``STATE["registered"]``: ``register`` runs once per process.
+LOCK = threading.Lock()
+#: This process's plugin: registered yet, and hook -> what it does / why it was not installed.
+STATE: dict[str, Any] = {"registered": False, "installed": {}, "skipped": {}}
+
+
+def table_paths() -> list[str]:
+    """The table paths ``TUNEKIT_TABLE`` names, blanks dropped."""
+    return [p for p in os.environ.get(TABLE_ENV, "").split(os.pathsep) if p.strip()]
+
+
+def fold_requested() -> bool:
+    """Whether ``TUNEKIT_FOLD_NORMS`` asks for the fold (opt-in)."""
+    return os.environ.get(FOLD_ENV, "").strip().lower() in ("1", "true")
+
+
+def merge_requested() -> bool:
+    """Whether the sibling-linear join runs (on unless ``TUNEKIT_MERGE_SIBLINGS`` is 0)."""
+    return os.environ.get(MERGE_ENV, "1").strip().lower() not in ("0", "false")
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """vLLM's parse of a boolean env var ("1"/"true"), read from vllm.envs when it knows the name."""
+    try:
+        import vllm.envs as envs
+
+        return bool(getattr(envs, name))
+    except Exception:
+        value = os.environ.get(name)
+        return default if value is None else value.strip().lower() in ("1", "true")
