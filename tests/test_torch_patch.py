@@ -13,7 +13,7 @@ from torch import nn
 
 import tunekit
 from tunekit import ops
-from tunekit.integrations import torch_patch
+from tunekit.integrations import torch_merge, torch_patch
 
 HIDDEN, INTER = 64, 96
 
@@ -335,7 +335,7 @@ def _merged_table(tmp_path: Path, model: nn.Module, merged_us: float = 1.0, apar
 
     rows = [entry(n, k, merged_us) for n, k in torch_patch.merged_shapes(model)]
     if apart_us is not None:
-        apart = {tuple(c.weight.shape) for _, linears in torch_patch._merge_plan(model) for c in linears}
+        apart = {tuple(c.weight.shape) for _, linears in torch_merge._merge_plan(model) for c in linears}
         rows += [entry(n, k, apart_us) for n, k in sorted(apart)]
     return make_table(tmp_path / f"merged-{merged_us}-{apart_us}.json", rows)
 
@@ -368,7 +368,7 @@ def test_hugging_face_qwen3_5_merged_siblings_run_vllms_shapes_once_per_group(tm
     assert not {(96, HIDDEN), (32, HIDDEN), (2, HIDDEN), (MERGE_INTER, HIDDEN)} & {
         tuple(int(v) for v in shape.split("x")) for shape, _ in rows}
     # each group dropped its output once every sibling had taken its slice
-    groups = {id(g): g for g in (getattr(c, torch_patch._MERGED, None) for c in model.modules()) if g is not None}
+    groups = {id(g): g for g in (getattr(c, torch_merge._MERGED, None) for c in model.modules()) if g is not None}
     assert len(groups) == 5 and all(g.input is None and g.output is None for g in groups.values())
     assert "linear" not in counts  # the table holds only the merged shapes: nothing else is routed
     stacked = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -419,7 +419,7 @@ def test_a_merged_sibling_called_alone_out_of_order_or_on_a_changed_input_gets_i
     model = _llama()
     mlp = model.model.layers[0].mlp
     mlp.up_proj.bias = nn.Parameter(torch.zeros(INTER, dtype=torch.bfloat16))
-    assert [label for label, _ in torch_patch._merge_plan(model)] == ["model.layers.0.self_attn.q_proj+k_proj+v_proj"]
+    assert [label for label, _ in torch_merge._merge_plan(model)] == ["model.layers.0.self_attn.q_proj+k_proj+v_proj"]
 
 
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
