@@ -30,11 +30,9 @@ search's.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import signal
 import threading
 import time
 import warnings
@@ -51,6 +49,8 @@ from tunekit import backends as backend_registry
 from tunekit.errors import UserError
 from tunekit.problems.shapes import FUSED_GEMV_OPS, Problem
 from tunekit.search import fleet
+from tunekit.search.liveness import HEARTBEAT_S, STALE_AFTER_S, Liveness, fail_dead_trials, stops_deferred
+from tunekit.search.storage import open_storage, storage_url, stored_trials
 from tunekit.search.worker import DEFAULT_TIMEOUT_S, Worker
 
 SAMPLERS = ("tpe", "random", "grid")
@@ -60,11 +60,6 @@ FINAL_REPEATS = 30
 #: Stop asking a study for new parameter sets after this many attempts per
 #: wanted trial (duplicates and invalid sets are cheap but not free).
 MAX_ATTEMPTS_PER_TRIAL = 25
-#: Seconds between the heartbeats of a trial in flight, and the silence after which a
-#: search sharing the storage from another host may fail it (Optuna's heartbeat:
-#: RDBStorage(heartbeat_interval, grace_period) and storages.fail_stale_trials).
-HEARTBEAT_S = 10
-STALE_AFTER_S = 60
 
 
 @dataclass
@@ -113,10 +108,6 @@ class SearchOutcome:
     device: dict[str, Any] = field(default_factory=dict)
     #: workers, GPUs and hosts whose trials the run's studies hold (fleet.participants)
     participants: dict[str, Any] = field(default_factory=dict)
-
-
-def storage_url(out_dir: Path, storage: str | None) -> str:
-    return storage or f"sqlite:///{(out_dir / 'optuna.db').resolve()}"
 
 
 def study_name(arch: str, problem: Problem, backend: str, numerics: str) -> str:
@@ -180,83 +171,6 @@ class _Progress:
             self._progress.stop()
 
 
-#: Times the parameters of a trial whose worker died are asked again (Optuna's retry callback).
-MAX_RETRY = 2
-
-
-def _retry_callback() -> Callable[[optuna.Study, optuna.trial.FrozenTrial], None]:
-    """The storage's callback for a trial failed because its worker died (Optuna calls it from
-    ``fail_stale_trials``; ``_fail_interrupted`` for a dead process on this host): its parameters are
-    enqueued again, so another worker picks its work up.
-
-    Optuna's own RetryHeartbeatStaleTrialCallback copies the trial's user attributes into the
-    retry; here they are tunekit's results (``measured``, times), so the retry starts clean and
-    keeps only Optuna's retry bookkeeping. A trial whose reply was stored before its worker died
-    (``measured``) is not retried: its outcome is in the storage.
-    """
-
-    def retry(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
-        if trial.user_attrs.get("measured") or not trial.params:
-            return
-        history = [*trial.system_attrs.get("retry_history", []), trial.number]
-        if len(history) > MAX_RETRY:
-            return
-        study.add_trial(optuna.create_trial(
-            state=TrialState.WAITING, params=trial.params, distributions=trial.distributions,
-            system_attrs={"failed_trial": history[0], "retry_history": history},
-            user_attrs={"retry_of": trial.number}))
-
-    return retry
-
-
-def _retry_kwarg() -> dict[str, Any]:
-    """RDBStorage's retry argument under its name in this Optuna (heartbeat_stale_trial_callback since 4.9)."""
-    import inspect
-
-    params = inspect.signature(optuna.storages.RDBStorage.__init__).parameters
-    name = "heartbeat_stale_trial_callback" if "heartbeat_stale_trial_callback" in params else "failed_trial_callback"
-    return {name: _retry_callback()}
-
-
-def postgres_driver(url: str) -> str:
-    """``postgresql://`` with the driver tunekit installs (psycopg 3, the ``postgres`` extra): SQLAlchemy's
-    default driver for the bare scheme differs between its versions. A URL naming its driver is kept."""
-    if url.startswith("postgresql://"):
-        try:
-            import psycopg  # noqa: F401
-        except ImportError:
-            return url
-        return "postgresql+psycopg://" + url[len("postgresql://"):]
-    return url
-
-
-def open_storage(url: str) -> optuna.storages.RDBStorage:
-    """The Optuna storage at ``url``, with the heartbeat on; a SQLite file is checked first
-    (an empty or corrupt one is refused, not recreated) and put in WAL mode."""
-    from tunekit.search import results
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    kwargs: dict[str, Any] = {}
-    db = results.sqlite_path(url)
-    if db is not None:
-        results.prepare_sqlite_file(db)
-        # wait for another search's write instead of failing with "database is locked"
-        kwargs["engine_kwargs"] = {"connect_args": {"timeout": 60}}
-    url = postgres_driver(url)
-    error: Exception | None = None
-    for _ in range(3):  # two searches creating the tables of a new shared database at once: one retries
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                interval, grace = fleet.heartbeat_settings(HEARTBEAT_S, STALE_AFTER_S)
-                return optuna.storages.RDBStorage(url, heartbeat_interval=interval, grace_period=grace,
-                                                  **_retry_kwarg(), **kwargs)
-        except Exception as exc:  # bad URL, unreachable DB, missing driver
-            error = exc
-            time.sleep(0.5)
-    raise UserError(f"cannot open storage {fleet.redact(url)}: {error}") from None
-
-
 def run_search(cfg: SearchConfig, progress: bool = True, log: Callable[[str], None] = print) -> SearchOutcome:
     """Run (or resume) the search described by ``cfg``; see the module docstring.
 
@@ -278,7 +192,7 @@ def run_search(cfg: SearchConfig, progress: bool = True, log: Callable[[str], No
     url = storage_url(cfg.out_dir, cfg.storage)
     with results.RunLock(cfg.out_dir, cfg.command):
         storage = open_storage(url)
-        results.check_trials_kept(cfg.out_dir, _stored_trials(storage), url)
+        results.check_trials_kept(cfg.out_dir, stored_trials(storage), url)
         outcome = SearchOutcome(run_dir=cfg.out_dir)
         run = _Run(cfg=cfg, storage=storage, url=url, outcome=outcome, started=time.monotonic())
         try:
@@ -298,10 +212,6 @@ def run_search(cfg: SearchConfig, progress: bool = True, log: Callable[[str], No
                 ctx.live.close()
 
 
-def _stored_trials(storage: optuna.storages.BaseStorage) -> int:
-    return sum(s.n_trials for s in optuna.get_all_study_summaries(storage, include_best_trial=False))
-
-
 @dataclass
 class _WorkerContext:
     """One worker of this process: its device process, liveness and identity."""
@@ -309,7 +219,7 @@ class _WorkerContext:
     index: int
     slot: fleet.Slot
     worker: Worker
-    live: _Liveness
+    live: Liveness
     device: dict[str, Any] = field(default_factory=dict)
 
 
@@ -354,7 +264,7 @@ def _run_locked(run: _Run, slots: Sequence[fleet.Slot], progress: bool, log: Cal
     try:
         for index, slot in enumerate(slots):
             worker = Worker(env=slot.env)
-            live = _Liveness(run.storage, f"{host}:{pid}:{slot.label}")
+            live = Liveness(run.storage, f"{host}:{pid}:{slot.label}")
             run.contexts.append(_WorkerContext(index, slot, worker, live))
         for ctx in run.contexts:
             reply = ctx.worker.call({"kind": "device"})
@@ -541,7 +451,7 @@ def _final_step(run: _Run, ctx: _WorkerContext, problem: Problem) -> list[dict[s
     except KeyError:
         study = None
     if study is not None:
-        _fail_dead_trials(study, storage)
+        fail_dead_trials(study, storage)
         stored = fleet.final_result(study)
         if stored is not None:
             return stored["rows"]
@@ -550,7 +460,7 @@ def _final_step(run: _Run, ctx: _WorkerContext, problem: Problem) -> list[dict[s
     for backend in run.usable:  # tuning trials of this problem still in flight elsewhere: they may change the top
         tuning = optuna.load_study(study_name=study_name(run.device["arch"], problem, backend, cfg.numerics),
                                    storage=storage)
-        _fail_dead_trials(tuning, storage)
+        fail_dead_trials(tuning, storage)
         if tuning.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             return None
     # the candidates were read before that check: a trial told since (its ``measured`` is stored before
@@ -561,7 +471,7 @@ def _final_step(run: _Run, ctx: _WorkerContext, problem: Problem) -> list[dict[s
     if study is None:
         study = _retrying(lambda: optuna.create_study(study_name=name, storage=storage, direction="minimize",
                                                       load_if_exists=True))
-    with _stops_deferred(), warnings.catch_warnings():
+    with stops_deferred(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
         trial = study.ask()
         ctx.live.begin(trial)
@@ -634,164 +544,6 @@ def _limit_gbps(problem: Problem, probe: dict[str, Any]) -> float | None:
     from tunekit.problems import opspec
 
     return probe.get(f"{opspec.get(problem.op).limit}_gbps") or None
-
-
-class _Liveness:
-    """The trial this process has in flight: its owner and Optuna's heartbeat for it.
-
-    Every asked trial records its owner (``host:pid``) as a user attribute and
-    gets a heartbeat every HEARTBEAT_S from a thread, so a search opening a
-    study can tell a trial a dead process left RUNNING (failed as interrupted,
-    ``_fail_dead_trials``) from one another live search sharing the storage is
-    measuring (left alone). ``fail_current`` records this process's own trial
-    in flight as interrupted when the run stops.
-    """
-
-    def __init__(self, storage, worker: str) -> None:
-        self.storage = storage
-        self.owner = f"{fleet.host_name()}:{os.getpid()}"
-        self.worker = worker  # host:pid:slot
-        self.stamp = ""  # the device stamp, once the worker has described its device
-        self.interval = getattr(storage, "heartbeat_interval", None) or HEARTBEAT_S
-        self._trial_id: int | None = None
-        self._study: optuna.Study | None = None
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name="tunekit-heartbeat", daemon=True)
-        self._thread.start()
-
-    def begin(self, trial: optuna.Trial) -> None:
-        trial.set_user_attr("owner", self.owner)
-        trial.set_user_attr("worker", self.worker)
-        if self.stamp:
-            trial.set_user_attr("stamp", self.stamp)
-        with self._lock:
-            self._trial_id = trial._trial_id
-            self._study = trial.study
-        with _IN_FLIGHT_LOCK:
-            _IN_FLIGHT.add(trial._trial_id)
-        self.storage.record_heartbeat(trial._trial_id)
-
-    def end(self) -> None:
-        with self._lock:
-            trial_id, self._trial_id = self._trial_id, None
-        if trial_id is not None:
-            with _IN_FLIGHT_LOCK:
-                _IN_FLIGHT.discard(trial_id)
-
-    def fail_current(self, error: str) -> None:
-        with self._lock:
-            trial_id, self._trial_id, study = self._trial_id, None, self._study
-        if trial_id is not None:
-            _fail_interrupted(self.storage, study, trial_id, error)
-            with _IN_FLIGHT_LOCK:
-                _IN_FLIGHT.discard(trial_id)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _beat(self) -> None:
-        while not self._stop.wait(self.interval):
-            with self._lock:
-                trial_id = self._trial_id
-            if trial_id is not None:
-                try:
-                    self.storage.record_heartbeat(trial_id)
-                except Exception:  # noqa: BLE001 - a busy database: the next beat is in HEARTBEAT_S
-                    pass
-
-
-#: Trials this process's workers have in flight (several threads with --gpus): never "dead" to this process.
-_IN_FLIGHT: set[int] = set()
-_IN_FLIGHT_LOCK = threading.Lock()
-
-
-def _fail_interrupted(storage, study: optuna.Study, trial_id: int,
-                      error: str = "interrupted (the search process stopped)") -> None:
-    """Record a RUNNING trial that will never finish as failed, status ``interrupted``."""
-    try:
-        if storage.get_trial(trial_id).state != TrialState.RUNNING:
-            return
-        storage.set_trial_user_attr(trial_id, "status", "interrupted")
-        storage.set_trial_user_attr(trial_id, "error", error)
-        storage.set_trial_state_values(trial_id, TrialState.FAIL)
-    except optuna.exceptions.UpdateFinishedTrialError:
-        return  # another search sharing the storage recorded it first
-    getter = getattr(storage, "get_heartbeat_stale_trial_callback", None) or getattr(
-        storage, "get_failed_trial_callback", lambda: None)
-    retry = getter()
-    if retry is not None:  # as Optuna does for a stale heartbeat: its parameters are asked again
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            retry(study, storage.get_trial(trial_id))
-
-
-@contextlib.contextmanager
-def _stops_deferred():
-    """Ctrl-C waits until the block ends: a trial is asked and its owner recorded as one step,
-    so a stop never leaves a RUNNING trial that no process owns (only age would tell it dead)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list[tuple[int, Any]] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append((signum, frame)))
-    try:
-        yield
-    finally:
-        # None: a handler set outside Python, which cannot be put back; Python's own is the nearest
-        signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
-        if caught:
-            if callable(previous):
-                previous(*caught[0])  # raises now (the CLI's Interrupted, or KeyboardInterrupt)
-            elif previous == signal.SIG_DFL:
-                signal.raise_signal(signal.SIGINT)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
-
-
-def _fail_dead_trials(study: optuna.Study, storage) -> None:
-    """Trials left RUNNING by a process that is gone never finish: record them as failed.
-
-    A RUNNING trial may also be in flight in another search sharing the
-    storage; it is failed only when its owner is a dead process on this host
-    (or this very process, whose trials are all told by now: a reused pid), or,
-    for an owner elsewhere, when Optuna's heartbeat has been silent for
-    STALE_AFTER_S. A trial without an owner (recorded before owners were, or
-    asked a moment ago by another search) only once it is that old.
-    """
-    import datetime as _dt
-
-    host, now = fleet.host_name(), _dt.datetime.now()
-    grace = getattr(storage, "grace_period", None) or STALE_AFTER_S
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        owner = trial.user_attrs.get("owner")
-        if owner is None:
-            started = trial.datetime_start
-            if started is not None and (now - started).total_seconds() < grace:
-                continue
-        else:
-            owner_host, _, pid = str(owner).rpartition(":")
-            if owner_host != host or not pid.isdigit():
-                continue  # elsewhere: the heartbeat decides, below
-            if int(pid) == os.getpid():
-                with _IN_FLIGHT_LOCK:
-                    if trial._trial_id in _IN_FLIGHT:
-                        continue  # another worker thread of this search is measuring it
-            elif _pid_alive(int(pid)):
-                continue
-        _fail_interrupted(storage, study, trial._trial_id)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        optuna.storages.fail_stale_trials(study)
 
 
 @dataclass
@@ -869,7 +621,7 @@ def _open_study(run: _Run, problem: Problem, backend_name: str) -> _OpenStudy:
                 "(use a new --out to start over)")
     if previous_source != source:
         _retrying(lambda: study.set_user_attr("source_hash", source))
-    _fail_dead_trials(study, storage)
+    fail_dead_trials(study, storage)
     # an emptied domain: no distribution (Optuna refuses one without choices), no trial
     distributions = {} if emptied else {k: CategoricalDistribution(v) for k, v in domains.items()}
     wanted = cfg.trials if domains else 1
@@ -954,7 +706,7 @@ def _run_trials(run: _Run, ctx: _WorkerContext, st: _OpenStudy, mine: _WorkerStu
         return "done"
     study, stats, live, bar = st.study, mine.stats, ctx.live, run.bar
     problem = stats.problem
-    _fail_dead_trials(study, run.storage)
+    fail_dead_trials(study, run.storage)
     deadline = None if remaining_s is None else time.monotonic() + max(remaining_s, 0.0)
     stopping = False
     try:
@@ -979,8 +731,8 @@ def _run_trials(run: _Run, ctx: _WorkerContext, st: _OpenStudy, mine: _WorkerStu
                     return "done"
                 return "elsewhere"
             mine.attempts += 1
-            with _stops_deferred(), warnings.catch_warnings():
-                # ask/tell, not optimize(): the heartbeat is this module's (_Liveness)
+            with stops_deferred(), warnings.catch_warnings():
+                # ask/tell, not optimize(): the heartbeat is tunekit's (liveness.Liveness)
                 warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
                 trial = study.ask(st.distributions)
                 live.begin(trial)
