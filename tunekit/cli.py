@@ -675,6 +675,28 @@ def probe() -> None:
     console.print(json.dumps(report, indent=2))
 
 
+@app.command()
+def campaign(
+    plan: Annotated[Path, typer.Argument(help="campaign plan (TOML), e.g. benchmarks/plans/serve_fold.toml")],
+    out: Annotated[Path, typer.Option(help="campaign folder: campaign.json, README.md, a folder per step")],
+    budget_s: Annotated[float | None, typer.Option(
+        help="device seconds for this call: no step starts whose estimate does not fit; a running one is "
+             "stopped at the end (exit status 3; rerun to resume)")] = None,
+    pack: Annotated[Path | None, typer.Option(help="after every step, the folder packed into this .tgz")] = None,
+    dry_run: Annotated[bool, typer.Option(help="print the commands and the time estimate; run nothing")] = False,
+) -> None:
+    """Run a campaign plan's steps in order within a device-time budget; a rerun resumes where it stopped."""
+    from tunekit.evidence import campaign as campaign_mod
+
+    loaded = campaign_mod.load_plan(plan, campaign_mod.read_verbs(app))
+    if dry_run:
+        campaign_mod.dry_run(loaded, out, budget_s=budget_s)
+        return
+    outcome = campaign_mod.run_campaign(loaded, out, budget_s=budget_s, pack=pack)
+    if outcome.exit_code:
+        sys.exit(outcome.exit_code)
+
+
 _INTERRUPTED = "interrupted: finished trials are stored; rerun the same command to resume\n"
 #: OSErrors that mean a path the user gave cannot be used: one line, exit 2.
 _PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENOENT,

@@ -7,5 +7,8 @@
 * ``check_serving``: that a table serves correctly (eager, compiled, graphed; a Hugging Face model's
   logits and tokens) -- ``tunekit check-serving``.
 
+``campaign`` runs the device campaigns that gather them: a plan of tunekit verbs (and scripts) run in order
+within a device-time budget, resumable -- ``tunekit campaign``.
+
 Importing this package imports nothing else.
 """
