@@ -100,7 +100,7 @@ def _model_class(mixer: type | None = None) -> type:
 
 def _entries(gemv_add: bool) -> list[dict]:
     from tunekit.backends import get
-    from tunekit.problems.opspec import Problem
+    from tunekit.problems.shapes import Problem
 
     def tuned(op: str, n: int, k: int) -> dict:
         return _entry(op, 4, n, k, params=get("triton").space(Problem(op, "bf16", 4, n, k)).default)
@@ -249,7 +249,7 @@ def test_a_fused_table_of_fewer_ms_keeps_the_tuned_gemv_above_its_entries(plugin
     from tunekit import ops
     from tunekit.backends import get
     from tunekit.dispatch.state import STATE
-    from tunekit.problems.opspec import Problem
+    from tunekit.problems.shapes import Problem
 
     def at_m1(op: str, n: int, k: int) -> dict:
         return _entry(op, 1, n, k, params=get("triton").space(Problem(op, "bf16", 1, n, k)).default)

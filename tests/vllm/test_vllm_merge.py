@@ -50,7 +50,7 @@ def _model_class() -> type:
 
 def _entries() -> list[dict]:
     from tunekit.backends import get
-    from tunekit.problems.opspec import Problem
+    from tunekit.problems.shapes import Problem
 
     def tuned(op: str, n: int, k: int) -> dict:
         return _entry(op, 4, n, k, params=get("triton").space(Problem(op, "bf16", 4, n, k)).default)
