@@ -2,7 +2,7 @@
 
 CPU tier (Triton on the interpreter): the bound launcher never binds here, so
 these tests check that its fallback is taken and serves bit-identical results;
-the GPU side (binding, replay, timings) is benchmarks/dispatch_overhead.py.
+the GPU side (binding, replay, timings) is benchmarks/probes/dispatch_overhead.py.
 """
 
 from __future__ import annotations
@@ -294,7 +294,7 @@ def test_ops_exposes_its_documented_api() -> None:
 def test_launcher_replays_recorded_arguments_and_guards_the_layout(monkeypatch) -> None:
     # No GPU here: Triton's driver and a compiled kernel are stand-ins, so this checks what the
     # generated launch passes (JITFunction.run's call: grid, stream, function, metadata, no hooks,
-    # then every bound argument in order) and when its guard refuses (benchmarks/dispatch_overhead.py
+    # then every bound argument in order) and when its guard refuses (benchmarks/probes/dispatch_overhead.py
     # checks the real replay on a GPU, bit for bit).
     import sys
     import types

@@ -369,7 +369,7 @@ def _launch_default(route: _EwRoute, dk: DefaultKernel, inputs: tuple[torch.Tens
 
     These calls are an eager prefill's (sizes above the captured ones), where
     Triton's own launch path costs the host tens of microseconds per call
-    (``benchmarks/fallback_overhead.py``). Binding costs three checked
+    (``benchmarks/probes/fallback_overhead.py``). Binding costs three checked
     launches and a synchronization, so a size seen once (a prefill length
     that never comes back) does not bind; one that repeats does, and its
     later calls cost what a tuned call's do.

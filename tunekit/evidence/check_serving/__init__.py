@@ -1,6 +1,6 @@
 """`tunekit check-serving`: GPU evidence that a dispatch table serves correctly and what it saves.
 
-``tunekit check-serving`` (and ``benchmarks/serving_check.py``, a thin wrapper) run it:
+``tunekit check-serving`` (and ``benchmarks/probes/serving_check.py``, a thin wrapper) run it:
 
 * :mod:`tunekit.evidence.check_serving.checks`: the PASS / FAIL / SKIP / INFO report and the environment stamp.
 * :mod:`tunekit.evidence.check_serving.ops_check`: every table entry's op eagerly, under ``torch.compile`` and

@@ -3,10 +3,11 @@
 A thin wrapper: the checks are ``tunekit.evidence`` (``tunekit check-serving`` runs the same); this script
 adds the two helpers that print what to tune for the Hugging Face model of the check.
 
-    python benchmarks/serving_check.py --print-shapes [--model qwen3.5-27b] [--layers 4] [--tiny] \
+    python benchmarks/probes/serving_check.py --print-shapes [--model qwen3.5-27b] [--layers 4] [--tiny] \
         [--only gemv|norms|rms_gemv|merged]
-    python benchmarks/serving_check.py --print-m [--model qwen3.5-27b] [--layers 4] [--tiny]
-    python benchmarks/serving_check.py --table RUN/table.json [--table ...] [--model ...] [--layers 4] [--out DIR]
+    python benchmarks/probes/serving_check.py --print-m [--model qwen3.5-27b] [--layers 4] [--tiny]
+    python benchmarks/probes/serving_check.py --table RUN/table.json [--table ...] [--model ...] [--layers 4] \\
+        [--out DIR]
 
 ``--print-shapes`` prints the ``--shape`` arguments of ``tunekit search`` that cover the Hugging Face model:
 one ``--shape NxK`` per distinct nn.Linear (``torch_patch.linear_shapes`` of the model built on the meta
@@ -21,10 +22,10 @@ every group of sibling linears (``tunekit.patch(merge_siblings=True)``, the defa
 patches without it), which are vLLM's merged shapes, so the table of ``tunekit search --model`` covers
 them. Typical GPU use:
 
-    python -m tunekit search $(python benchmarks/serving_check.py --print-shapes --only gemv) --m 1 \\
+    python -m tunekit search $(python benchmarks/probes/serving_check.py --print-shapes --only gemv) --m 1 \\
         --out runs/serving-gemv
-    python -m tunekit search $(python benchmarks/serving_check.py --print-shapes --only norms) \\
-        --m $(python benchmarks/serving_check.py --print-m) --out runs/serving-norms
+    python -m tunekit search $(python benchmarks/probes/serving_check.py --print-shapes --only norms) \\
+        --m $(python benchmarks/probes/serving_check.py --print-m) --out runs/serving-norms
     python -m tunekit check-serving --table runs/serving-gemv/table.json \\
         --table runs/serving-norms/table.json --out runs/serving-check
 
@@ -39,7 +40,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from tunekit.errors import UserError  # noqa: E402

@@ -3,7 +3,7 @@ tails at M = 1, 2, 4, 8 (the default, two sampled CUDA-core configs and,
 where the device has it, two sampled MMA=1 configs), and run-time compile
 times (cold and cached).
 
-    python benchmarks/hip_check.py [--model qwen3.5-27b] [--configs 12]
+    python benchmarks/probes/hip_check.py [--model qwen3.5-27b] [--configs 12]
 
 Prints one line per check and a summary; exits 1 if any check fails. Every
 check goes through tunekit.measure.verify (fp64 reference, poisoned output, bound,
@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 

@@ -1,6 +1,6 @@
 """GPU evidence: per-call CPU overhead of the routed ops, eager, at Qwen3.5-27B's M=1 decode shapes.
 
-    python benchmarks/dispatch_overhead.py --table runs/qwen/table.json --out dispatch.json [--calls 2000]
+    python benchmarks/probes/dispatch_overhead.py --table runs/qwen/table.json --out dispatch.json [--calls 2000]
 
 The seven M=1 GEMV shapes of ``load_model('qwen3.5-27b')`` and its 5120 norm. Arms per shape:
 ``direct`` (F.linear; the norm's PyTorch composition), ``op_vendor`` (torch.ops.tunekit.* with no
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

@@ -1,6 +1,6 @@
 """GPU evidence: the host cost of a routed op's calls at M the table lacks (an eager prefill's calls).
 
-    python benchmarks/fallback_overhead.py --table T --model llama-3.1-8b --m 1,64,512 --out f.json
+    python benchmarks/probes/fallback_overhead.py --table T --model llama-3.1-8b --m 1,64,512 --out f.json
 
 In vLLM a prefill above the captured sizes runs eager: every routed layer calls its tunekit op from
 Python, and a call the table does not serve falls back inside the op (``F.linear`` for a GEMV, the
@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

@@ -1,7 +1,7 @@
 """GPU check of the elementwise families (Triton and HIP): correctness at the
 model's sizes and odd sizes for every M asked, and launches per call at M=1.
 
-    python benchmarks/elementwise_check.py [--m 1,2,8,256,4096] [--configs 2]
+    python benchmarks/probes/elementwise_check.py [--m 1,2,8,256,4096] [--configs 2]
 
 Correctness goes through tunekit.measure.verify (fp64 reference, NaN-poisoned outputs,
 BF16 bound, determinism) with each family's default config and a few sampled
@@ -17,7 +17,7 @@ import random
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
