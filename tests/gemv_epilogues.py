@@ -10,20 +10,20 @@ import torch
 
 from kernels_triton.gemv import GemvConfig, gemv
 from tunekit.measure import verify
-from tunekit.problems import opspec
+from tunekit.problems import opspec, opspec_gemv
 from tunekit.problems.shapes import Problem
 
 CPU = torch.device("cpu")
 
 #: op -> (its spec, how the kernel is called on the spec's inputs)
 VARIANTS: dict[str, tuple[opspec.OpSpec, Callable[..., None]]] = {
-    "gemv_add": (opspec.GEMV_ADD,
+    "gemv_add": (opspec_gemv.GEMV_ADD,
                  lambda inputs, config, out: gemv(inputs[0], inputs[1], config, out=out, residual=inputs[2])),
-    "rms_gemv": (opspec.RMS_GEMV,
+    "rms_gemv": (opspec_gemv.RMS_GEMV,
                  lambda inputs, config, out: gemv(inputs[0], inputs[1], config, out=out, rms_eps=opspec.EPS)),
-    "gemv_silu_mul": (opspec.GLU_GEMVS["gemv_silu_mul"],
+    "gemv_silu_mul": (opspec_gemv.GLU_GEMVS["gemv_silu_mul"],
                       lambda inputs, config, out: gemv(inputs[0], inputs[1], config, out=out, glu=True)),
-    "rms_gemv_silu_mul": (opspec.GLU_GEMVS["rms_gemv_silu_mul"],
+    "rms_gemv_silu_mul": (opspec_gemv.GLU_GEMVS["rms_gemv_silu_mul"],
                           lambda inputs, config, out: gemv(inputs[0], inputs[1], config, out=out,
                                                            rms_eps=opspec.EPS, glu=True)),
 }

@@ -15,7 +15,7 @@ from tunekit import backends
 from tunekit.measure import verify
 from tunekit.measure.bench import Rotation, time_kernel
 from tunekit.measure.device import DeviceInfo
-from tunekit.problems import opspec
+from tunekit.problems import opspec, opspec_elementwise
 from tunekit.problems.shapes import Problem
 
 CPU = torch.device("cpu")
@@ -268,7 +268,7 @@ def test_rotation_rotates_activations_and_caps_copies() -> None:
     assert spec.rotated_inputs == (0, 1) and spec.limit == "copy"
     rotation = Rotation(spec, problem, gpu)  # tensors on the CPU; sizes as a GPU would get
     # 256 bytes of activations would need ~1M copies for 4x L2: capped
-    assert rotation.copies == opspec.ELEMENTWISE_MAX_COPIES
+    assert rotation.copies == opspec_elementwise.ELEMENTWISE_MAX_COPIES
     first, second = rotation.inputs[0], rotation.inputs[1]
     assert not torch.equal(first[0], second[0]) and not torch.equal(first[1], second[1])
     assert first[2] is second[2]  # the weight is shared (not rotated)

@@ -14,7 +14,7 @@ from tunekit.backends.triton import BACKEND as TRITON
 from tunekit.backends.vendor import VendorBackend
 from tunekit.measure import verify
 from tunekit.measure.device import detect
-from tunekit.problems import opspec, shapes
+from tunekit.problems import opspec_gemv, shapes
 from tunekit.problems.models import load_model
 from tunekit.problems.shapes import Problem
 
@@ -64,9 +64,9 @@ def test_the_bound_catches_a_missing_or_doubled_residual_and_admits_vllms_sequen
         out.copy_((gemv(inputs[0], inputs[1], config).float() + inputs[2].float()).bfloat16())
 
     for wrong in (missing, doubled):
-        result = verify.verify(wrong, opspec.GEMV_ADD, problem, CPU, seed=0)
+        result = verify.verify(wrong, opspec_gemv.GEMV_ADD, problem, CPU, seed=0)
         assert not result.ok and "exceeds the bound" in result.reason
-    assert verify.verify(vllm_sequence, opspec.GEMV_ADD, problem, CPU, seed=0).ok
+    assert verify.verify(vllm_sequence, opspec_gemv.GEMV_ADD, problem, CPU, seed=0).ok
 
 
 def test_a_residual_of_the_wrong_shape_is_refused() -> None:
@@ -96,7 +96,7 @@ def test_op_selection_and_ad_hoc_shapes() -> None:
     assert (problem.op, problem.n, problem.k, problem.shape_text) == ("gemv_add", 96, 256, "96x256")
     assert problem.weight_bytes == 96 * 256 * 2
     # the bytes a call must move: W, x, y and the residual read
-    assert opspec.GEMV_ADD.bytes_moved(problem) == (96 * 256 + 256 + 96 + 96) * 2
+    assert opspec_gemv.GEMV_ADD.bytes_moved(problem) == (96 * 256 + 256 + 96 + 96) * 2
 
 
 def test_the_search_builds_it_on_the_gemv_kernel_and_space() -> None:
@@ -109,7 +109,7 @@ def test_the_search_builds_it_on_the_gemv_kernel_and_space() -> None:
     assert TRITON.invalid_reason(problem, params) is None
     device = detect()
     tuned = TRITON.build(problem, params, device)
-    assert verify.verify(tuned, opspec.GEMV_ADD, problem, CPU, seed=1).ok
+    assert verify.verify(tuned, opspec_gemv.GEMV_ADD, problem, CPU, seed=1).ok
     vendor = VendorBackend()
     assert "gemv_add" in vendor.ops and "addmm" in vendor.kernel_name(problem)
-    assert verify.verify(vendor.build(problem, {}, device), opspec.GEMV_ADD, problem, CPU, seed=1).ok
+    assert verify.verify(vendor.build(problem, {}, device), opspec_gemv.GEMV_ADD, problem, CPU, seed=1).ok

@@ -16,7 +16,7 @@ from tunekit.backends.triton import BACKEND as TRITON
 from tunekit.backends.vendor import VendorBackend
 from tunekit.measure import verify
 from tunekit.measure.device import detect
-from tunekit.problems import opspec, shapes
+from tunekit.problems import opspec, opspec_gemv, shapes
 from tunekit.problems.models import load_model
 from tunekit.problems.shapes import Problem
 
@@ -26,10 +26,10 @@ CONFIG = GemvConfig(BLOCK_N=8, BLOCK_K=64, num_warps=1)
 
 def test_interleave_pairs_each_gate_row_with_its_up_row() -> None:
     w = torch.arange(6 * 3, dtype=torch.float32).view(6, 3)  # gate rows 0..2, up rows 3..5
-    paired = opspec.interleave_gate_up(w)
+    paired = opspec_gemv.interleave_gate_up(w)
     assert [int(r[0]) // 3 for r in paired] == [0, 3, 1, 4, 2, 5]
     with pytest.raises(ValueError, match="even"):
-        opspec.interleave_gate_up(torch.zeros(5, 3))
+        opspec_gemv.interleave_gate_up(torch.zeros(5, 3))
 
 
 @pytest.mark.parametrize("op", shapes.GLU_GEMV_OPS)
@@ -39,7 +39,7 @@ def test_it_is_gate_up_then_vllms_silu_and_mul(op: str) -> None:
     x = torch.randn(2, 200, generator=gen).bfloat16()
     w = (torch.randn(38, 200, generator=gen) / 200**0.5).bfloat16()
     rms = op.startswith("rms_")
-    y = gemv(x, opspec.interleave_gate_up(w), CONFIG, rms_eps=opspec.EPS if rms else None, glu=True)
+    y = gemv(x, opspec_gemv.interleave_gate_up(w), CONFIG, rms_eps=opspec.EPS if rms else None, glu=True)
     xin = F.rms_norm(x.float(), (200,), eps=opspec.EPS) if rms else x.float()
     gate_up = xin @ w.float().T
     unfused = F.silu(gate_up[:, :19]) * gate_up[:, 19:]

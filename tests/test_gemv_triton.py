@@ -7,7 +7,7 @@ import torch
 
 from kernels_triton.gemv import DEFAULT, GemvConfig, gemv, invalid_reason, reference
 from tunekit.measure import verify
-from tunekit.problems import opspec
+from tunekit.problems import opspec_gemv
 from tunekit.problems.shapes import Problem
 
 
@@ -18,7 +18,7 @@ def _check(m: int, n: int, k: int, config: GemvConfig, seed: int = 0) -> None:
     def kernel(inputs, out):
         gemv(inputs[0], inputs[1], config, out=out)
 
-    result = verify.verify(kernel, opspec.GEMV, problem, torch.device("cpu"), seed=seed)
+    result = verify.verify(kernel, opspec_gemv.GEMV, problem, torch.device("cpu"), seed=seed)
     assert result.ok, result.reason
     assert 0 < result.err_ratio <= 1.0
 

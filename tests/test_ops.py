@@ -19,7 +19,7 @@ from tunekit import table as table_mod
 from tunekit.dispatch import elementwise
 from tunekit.dispatch import gemv as serving_gemv
 from tunekit.measure.device import detect
-from tunekit.problems import opspec
+from tunekit.problems import opspec, opspec_gemv
 from tunekit.problems.shapes import Problem
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,8 +76,8 @@ def _rows(**match) -> list[dict]:
 def _within_bound(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> bool:
     x2 = x.reshape(-1, x.shape[-1])
     problem = Problem("gemv", "bf16", x2.shape[0], w.shape[0], w.shape[1])
-    ref = opspec.GEMV.reference((x2, w))
-    bound = opspec.GEMV.error_bound(problem, (x2, w), ref)
+    ref = opspec_gemv.GEMV.reference((x2, w))
+    bound = opspec_gemv.GEMV.error_bound(problem, (x2, w), ref)
     return bool(((y.reshape(ref.shape).double() - ref).abs() <= bound).all())
 
 
@@ -145,7 +145,7 @@ def test_leading_dims_bias_and_padded_weight_rows(gemv_table: Path) -> None:
     b = torch.randn(N, generator=gen).bfloat16()
     y = torch.ops.tunekit.gemv(x, w, b)
     assert y.shape == (1, 3, N)
-    ref = opspec.GEMV.reference((x.reshape(3, K), w)) + b.double()
+    ref = opspec_gemv.GEMV.reference((x.reshape(3, K), w)) + b.double()
     assert (y.reshape(3, N).double() - ref).abs().max() < 0.05
     # vLLM pads weight rows on ROCm (stride(0) > K, unit stride along K): still tuned
     padded = torch.zeros((N, K + 8), dtype=torch.bfloat16)

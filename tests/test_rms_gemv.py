@@ -14,7 +14,7 @@ from tunekit.backends.triton import BACKEND as TRITON
 from tunekit.backends.vendor import VendorBackend
 from tunekit.measure import verify
 from tunekit.measure.device import detect
-from tunekit.problems import opspec, shapes
+from tunekit.problems import opspec, opspec_gemv, shapes
 from tunekit.problems.models import load_model
 from tunekit.problems.shapes import Problem
 
@@ -40,7 +40,7 @@ def test_the_bound_catches_a_missing_or_misplaced_scale() -> None:
         out.copy_((gemv(x, w, config).float() * rstd).bfloat16())
 
     for wrong in (unscaled, rows_swapped):
-        result = verify.verify(wrong, opspec.RMS_GEMV, problem, CPU, seed=0)
+        result = verify.verify(wrong, opspec_gemv.RMS_GEMV, problem, CPU, seed=0)
         assert not result.ok and "exceeds the bound" in result.reason
 
 
@@ -87,7 +87,8 @@ def test_op_selection_and_ad_hoc_shapes() -> None:
     assert "rms_gemv" in shapes.parse_ops("fused_gemv")
     (problem,) = shapes.adhoc_problems(["rms_gemv:96x256"], [1])
     assert (problem.op, problem.n, problem.k) == ("rms_gemv", 96, 256)
-    assert opspec.RMS_GEMV.bytes_moved(problem) == opspec.GEMV.bytes_moved(Problem("gemv", "bf16", 1, 96, 256))
+    gemv_problem = Problem("gemv", "bf16", 1, 96, 256)
+    assert opspec_gemv.RMS_GEMV.bytes_moved(problem) == opspec_gemv.GEMV.bytes_moved(gemv_problem)
 
 
 def test_the_search_builds_it_on_the_gemv_kernel_without_split_k() -> None:
@@ -102,10 +103,10 @@ def test_the_search_builds_it_on_the_gemv_kernel_without_split_k() -> None:
     assert TRITON.invalid_reason(problem, params) is None
     device = detect()
     tuned = TRITON.build(problem, params, device)
-    assert verify.verify(tuned, opspec.RMS_GEMV, problem, CPU, seed=1).ok
+    assert verify.verify(tuned, opspec_gemv.RMS_GEMV, problem, CPU, seed=1).ok
     vendor = VendorBackend()
     assert "rms_gemv" in vendor.ops and "rms_norm_then_mm" in vendor.kernel_name(problem)
-    assert verify.verify(vendor.build(problem, {}, device), opspec.RMS_GEMV, problem, CPU, seed=1).ok
+    assert verify.verify(vendor.build(problem, {}, device), opspec_gemv.RMS_GEMV, problem, CPU, seed=1).ok
     from pathlib import Path
 
     recorded = Path(__file__).resolve().parents[1] / "benchmarks/results/h200-decode-944f424/main/table.json"

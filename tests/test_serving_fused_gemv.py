@@ -13,7 +13,7 @@ from tunekit import ops
 from tunekit.backends import get
 from tunekit.dispatch.state import STATE
 from tunekit.measure import verify
-from tunekit.problems import opspec
+from tunekit.problems import opspec, opspec_gemv
 from tunekit.problems.shapes import Problem
 
 pytestmark = pytest.mark.usefixtures("clean_ops")  # conftest.py: no table, markers or vendor GEMM leak
@@ -96,13 +96,13 @@ def test_leading_dims_strides_and_bad_inputs(tmp_path: Path) -> None:
     w = (torch.randn(N, K, generator=gen) / K**0.5).bfloat16()
     y = torch.ops.tunekit.rms_gemv(x, w, 1e-6)
     assert y.shape == (2, 3, N) and y.is_contiguous()
-    ref = opspec.RMS_GEMV.reference((x.view(6, K), w)).view(2, 3, N)
+    ref = opspec_gemv.RMS_GEMV.reference((x.view(6, K), w)).view(2, 3, N)
     assert (y.double() - ref).abs().max() < 0.05
     # x's rows 2K apart (a slice of a wider tensor): the kernel takes the row stride
     wide = torch.randn(2, 2 * K, generator=gen).bfloat16()
     strided = wide[:, :K]
     ys = torch.ops.tunekit.rms_gemv(strided, w, 1e-6)
-    assert (ys.double() - opspec.RMS_GEMV.reference((strided.contiguous(), w))).abs().max() < 0.05
+    assert (ys.double() - opspec_gemv.RMS_GEMV.reference((strided.contiguous(), w))).abs().max() < 0.05
     assert _rows("rms_gemv", m=6, impl="tuned:triton") and _rows("rms_gemv", m=2, impl="tuned:triton")
     # x and the weight of different dtypes: the vendor path (and its own error, as without tunekit)
     with pytest.raises(RuntimeError):

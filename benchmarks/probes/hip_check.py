@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from tunekit import backends
 from tunekit.measure import verify  # noqa: E402
 from tunekit.measure.device import detect  # noqa: E402
-from tunekit.problems import opspec
+from tunekit.problems import opspec_gemv
 from tunekit.problems.models import load_model  # noqa: E402
 from tunekit.problems.shapes import Problem  # noqa: E402
 
@@ -74,7 +74,7 @@ def main() -> int:
             for params in configs:
                 try:
                     kernel = hip.build(problem, params, device)
-                    result = verify.verify(kernel, opspec.GEMV, problem, tdev, seed=m * 1000 + n)
+                    result = verify.verify(kernel, opspec_gemv.GEMV, problem, tdev, seed=m * 1000 + n)
                     ok, why = result.ok, result.reason or f"err_ratio {result.err_ratio:.3f}"
                 except Exception as exc:  # report and go on: this is a check script
                     ok, why = False, f"{type(exc).__name__}: {exc}"
