@@ -65,10 +65,12 @@ HEAD = '[campaign]\nname = "t"\nabout = "A test campaign."\n'
 # -- the plan --------------------------------------------------------------------------------------------
 
 
-def test_a_plan_renders_each_step_as_its_tunekit_command(tmp_path: Path) -> None:
+def test_a_plan_renders_each_step_as_its_tunekit_command(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("TUNEKIT_TEST_UNSET", raising=False)
     seed = tmp_path / "trials.csv"
     seed.write_text("x\n")
-    path = _write(tmp_path, HEAD + f"""
+    env = 'env = { PYTHONPATH = "{repo}/x:${TUNEKIT_TEST_UNSET}:$HOME" }\n'
+    path = _write(tmp_path, HEAD + env + f"""
 [[step]]
 name = "main"
 verb = "search"
@@ -110,7 +112,8 @@ arms = "vanilla,folded"
                                    "--restrict", "W_EVICT=", "--no-progress"]
     assert main.takes_out and not main.takes_stop_after
     assert chain.argv[-2:] == ("--table", f"{out.resolve()}/main/table.json")
-    assert chain.env == {"TUNEKIT_X": f"{out.resolve()}/chain/x"}
+    assert chain.env == {"PYTHONPATH": f"{REPO}/x::{os.environ.get('HOME', '')}",
+                         "TUNEKIT_X": f"{out.resolve()}/chain/x"}
     assert serve.takes_stop_after  # serve-bench gets --stop-after the budget left
 
 

@@ -635,7 +635,7 @@ def check_serving(
     status 1 if a check fails. Timing and graphs need a GPU; --tiny runs the
     correctness parts on the CPU.
 
-    What to tune for it: python benchmarks/serving_check.py --print-shapes
+    What to tune for it: python benchmarks/probes/serving_check.py --print-shapes
     (and --print-m); with --fold-norms also --print-shapes --only rms_gemv.
     With --merge-siblings (the default) the merged shapes are vLLM's, which
     the table of tunekit search --model covers.

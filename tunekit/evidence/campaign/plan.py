@@ -44,7 +44,6 @@ import hashlib
 import json
 import os
 import re
-import string
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +60,9 @@ _CAMPAIGN_KEYS = {"name", "about", "env"}
 _STEP_KEYS = {"name", "verb", "out", "estimate_s", "min_s", "about", "continue_on_failure", "env", "options",
               "args", "run"}
 _PLACEHOLDERS = ("out", "step", "repo")
+#: ``{name}``; not ``${NAME}``, an environment variable in an env value
+_PLACEHOLDER = re.compile(r"(?<!\$)\{([A-Za-z_]\w*)\}")
+_ENV_VAR = re.compile(r"\$(?:([A-Za-z_]\w*)|\{([A-Za-z_]\w*)\})")
 #: Path options that a step writes, not reads (the rest must exist before the step runs).
 _OUTPUT_KEYS = {"out", "output"}
 #: Folders of the campaign folder the runner itself writes.
@@ -155,8 +157,11 @@ def load_plan(path: Path, verbs: Verbs) -> Plan:
         if any(s.name == step.name for s in steps):
             raise UserError(f"{where}: two steps are named {step.name!r}")
         steps.append(step)
+    campaign_env = _env(head.get("env", {}), f"{where}: [campaign] env")
+    for text in campaign_env.values():
+        _check_placeholders(text, f"{where}: [campaign] env")
     return Plan(path=path, name=name, about=_text(head.get("about", ""), f"{where}: [campaign] about"),
-                env=_env(head.get("env", {}), f"{where}: [campaign] env"), steps=tuple(steps), text=text,
+                env=campaign_env, steps=tuple(steps), text=text,
                 verbs=verbs)
 
 
@@ -256,13 +261,9 @@ def _flat(options: dict[str, Any]) -> list[str]:
 
 
 def _check_placeholders(text: str, where: str) -> None:
-    try:
-        fields = [f for _, f, _, _ in string.Formatter().parse(text) if f is not None]
-    except ValueError as exc:
-        raise UserError(f"{where}: {text!r}: {exc} (write a literal brace as {{{{ or }}}})") from None
-    for name in fields:
-        if name not in _PLACEHOLDERS:
-            raise UserError(f"{where}: {text!r}: unknown placeholder {{{name}}} "
+    for match in _PLACEHOLDER.finditer(text):
+        if match.group(1) not in _PLACEHOLDERS:
+            raise UserError(f"{where}: {text!r}: unknown placeholder {match.group(0)} "
                             f"(known: {', '.join('{' + p + '}' for p in _PLACEHOLDERS)})")
 
 
@@ -314,7 +315,7 @@ def _single(spec: OptionSpec) -> OptionSpec:
 
 
 def _fill(text: str, values: dict[str, str]) -> str:
-    return text.format_map(values)
+    return _PLACEHOLDER.sub(lambda m: values[m.group(1)], text)
 
 
 def resolve(plan: Plan, out_dir: Path) -> list[Rendered]:
@@ -374,10 +375,15 @@ def resolve(plan: Plan, out_dir: Path) -> list[Rendered]:
             elif not path.exists():
                 raise UserError(f"{where}: {what} {text}: no such file")
         env = {**plan.env, **step.env}
-        env = {k: os.path.expandvars(_fill(v, values)) for k, v in env.items()}
+        env = {k: _expand(_fill(v, values)) for k, v in env.items()}
         rendered.append(Rendered(step=step, argv=tuple(argv), env=env, step_dir=step_dir, takes_out=takes_out,
                                  takes_stop_after=takes_stop))
     return rendered
+
+
+def _expand(text: str) -> str:
+    """``$NAME`` and ``${NAME}`` from the runner's environment, empty where unset (as a shell does)."""
+    return _ENV_VAR.sub(lambda m: os.environ.get(m.group(1) or m.group(2), ""), text)
 
 
 def _abs(text: str, repo: Path) -> Path:

@@ -297,7 +297,8 @@ def dry_run(plan: Plan, out_dir: Path, *, budget_s: float | None = None, log: Lo
                 mark = "" if fits else " [past this call's budget]"
         log(f"  {i + 1}. {r.step.name} [{st}] estimate {r.step.estimate_s:.0f} s{mark}")
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in r.env.items())
-        log(f"     {env + ' ' if env else ''}{shlex.join(_command_line(r, left if st != DONE else None))}")
+        left_then = left if st != DONE and fits else None
+        log(f"     {env + ' ' if env else ''}{shlex.join(_command_line(r, left_then))}")
         if st != DONE and left is not None:
             left = max(left - r.step.estimate_s, 0.0)
     budget = "" if budget_s is None else f" (--budget-s {budget_s:g})"
