@@ -71,7 +71,7 @@ def test_dense_model_elementwise_problems() -> None:
 def test_derivation_matches_the_recorded_facts(spec) -> None:
     # configs/*.json record each model's per-token elementwise ops (checked facts);
     # the derivation from the config fields must agree for the ops tunekit tunes.
-    doc = json.loads((REPO / "tunekit" / "models" / "configs" / f"{spec.name}.json").read_text())
+    doc = json.loads((REPO / "tunekit" / "problems" / "models" / "configs" / f"{spec.name}.json").read_text())
     names = {"rms_norm": "rms_norm", "gemma_rms_norm": "gemma_rms_norm", "fused_add_rms_norm": "fused_add_rms_norm",
              "gemma_fused_add_rms_norm": "gemma_fused_add_rms_norm", "rms_norm_gated": "gated_rms_norm",
              "silu_and_mul": "silu_and_mul"}

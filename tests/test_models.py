@@ -14,7 +14,7 @@ from tunekit.errors import UserError
 from tunekit.problems.models import ModelSpec, list_models, load_model
 from tunekit.problems.shapes import Problem
 
-CONFIGS = Path(__file__).resolve().parents[1] / "tunekit" / "models" / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "tunekit" / "problems" / "models" / "configs"
 BUILTIN_FILES = sorted(CONFIGS.glob("*.json"))
 TPS = (1, 2, 4, 8)
 

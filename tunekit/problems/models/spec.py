@@ -1,39 +1,25 @@
-"""Model specs: a Hugging Face config -> the decode linears vLLM executes.
+"""Model specs: a model's decode geometry -> the GEMVs and fused ops vLLM executes per token.
 
 A :class:`ModelSpec` is built from a model's config (the text fields of a
-Hugging Face ``config.json``), never from a table of shapes: ``linears(tp)``
-derives each (N, K) the way vLLM 0.33 builds its layers (merged qkv / gate_up /
-in_proj_qkvz, TP sharding, padded vocab), so any checkpoint of a supported
-family works, not only the built-ins.
-
-The built-in models live in ``configs/*.json``. Each file holds checked facts:
-the config fields plus the expected ``decode_linears`` per TP, which the tests
-compare the derivation against; this module reads only ``name``, ``hf_id`` and
-``config`` from them.
-
-Families:
-
-* ``"dense"``: llama, mistral (llama.py in vLLM), qwen2, qwen3.
-* ``"qwen3_5"``: the Qwen3.5 hybrid (Gated DeltaNet linear attention plus gated
-  full attention, dense MLP), ``qwen3_5_text`` or ``qwen3_5`` with a nested
-  ``text_config``; ``qwen3_next`` configs use the same fields and are accepted
-  when their MLPs are dense.
+Hugging Face ``config.json``, read by ``hf_config``), never from a table of
+shapes: ``linears(tp)`` derives each (N, K) the way vLLM 0.33 builds its
+layers (merged qkv / gate_up / in_proj_qkvz, TP sharding, padded vocab), so
+any checkpoint of a supported family works, not only the built-ins
+(``load``: ``configs/*.json``, whose checked ``decode_linears`` per TP the
+tests compare this derivation against). ``elementwise``, ``norm_gemvs``,
+``act_gemvs``, ``residual_gemvs``, ``rms_gemvs`` and ``glu_gemvs`` list the
+fused ops around those GEMVs; :meth:`ModelSpec.problems` turns them into
+``tunekit.problems.shapes.Problem``.
 """
 
 from __future__ import annotations
 
-import copy
-import json
-import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
 from tunekit.errors import UserError
+from tunekit.problems.models.hf_config import FULL_ATTENTION, LINEAR_ATTENTION, LinearAttention, spec_fields
 from tunekit.problems.shapes import (
     ACT_GEMV_OPS,
     DTYPE_BYTES,
@@ -48,49 +34,8 @@ from tunekit.problems.shapes import (
     gemv_problems,
 )
 
-#: Model types whose decoder layer is attention + gated MLP (vLLM llama.py / qwen2.py / qwen3.py).
-DENSE_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
-#: Model types of the Qwen3.5 hybrid (vLLM qwen3_5.py; qwen3_next.py shares the layer code).
-HYBRID_MODEL_TYPES: tuple[str, ...] = ("qwen3_5", "qwen3_5_text", "qwen3_next")
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = DENSE_MODEL_TYPES + HYBRID_MODEL_TYPES
-
-FULL_ATTENTION = "full_attention"
-LINEAR_ATTENTION = "linear_attention"
-
 #: ParallelLMHead pads the vocabulary to a multiple of this (vLLM DEFAULT_VOCAB_PADDING_SIZE).
 VOCAB_PADDING = 64
-
-# Config keys that mean the MLP is a mixture of experts (Qwen/Mixtral/DeepSeek spellings).
-_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-
-# HF's own defaults for optional fields (LlamaConfig / Qwen2Config / Qwen3NextConfig).
-_DEFAULT_RMS_NORM_EPS = 1e-6
-
-_BUILTIN_PACKAGE = "tunekit.problems.models"
-_BUILTIN_DIR = "configs"
-
-# Marks a required field in _Reader.positive_int (None is a legal default there).
-_REQUIRED = object()
-
-
-@dataclass(frozen=True)
-class LinearAttention:
-    """Gated DeltaNet head geometry of a Qwen3.5 linear-attention layer (TP=1)."""
-
-    num_key_heads: int
-    num_value_heads: int
-    key_head_dim: int
-    value_head_dim: int
-
-    @property
-    def key_dim(self) -> int:
-        """Width of q and of k (linear_num_key_heads * linear_key_head_dim)."""
-        return self.num_key_heads * self.key_head_dim
-
-    @property
-    def value_dim(self) -> int:
-        """Width of v, of z and of the gated-norm input."""
-        return self.num_value_heads * self.value_head_dim
 
 
 @dataclass(frozen=True)
@@ -136,77 +81,10 @@ class ModelSpec:
 
         ``origin`` names the file in error messages. Raises :class:`UserError`
         (one line naming the file and the field) for a missing or non-integer
-        field, and for a model type that is not supported.
+        field, and for a model type that is not supported
+        (``tunekit.problems.models.hf_config.spec_fields`` reads the fields).
         """
-        if not isinstance(config, Mapping):
-            raise UserError(f"{origin}: expected a JSON object, got {type(config).__name__}")
-        model_type = _model_type(config, origin, "")
-        text, prefix = dict(config), ""
-        if model_type == "qwen3_5" and "text_config" in config:
-            # Qwen3.5 checkpoints are vision-language: the decoder fields sit in
-            # text_config; tie_word_embeddings may live only at the top level.
-            nested = config["text_config"]
-            if not isinstance(nested, Mapping):
-                raise UserError(f"{origin}: field 'text_config' must be an object")
-            text, prefix = dict(nested), "text_config."
-            if "tie_word_embeddings" in config and "tie_word_embeddings" not in text:
-                text["tie_word_embeddings"] = config["tie_word_embeddings"]
-            if "model_type" in text:
-                inner = _model_type(text, origin, prefix)
-                if inner not in HYBRID_MODEL_TYPES:
-                    raise _unsupported(inner, origin, text)
-        read = _Reader(text, origin, prefix)
-        moe = _moe_field(text)
-        if model_type not in SUPPORTED_MODEL_TYPES or moe:
-            raise _unsupported(model_type, origin, text)
-
-        hidden = read.positive_int("hidden_size")
-        num_heads = read.positive_int("num_attention_heads")
-        num_kv_heads = read.positive_int("num_key_value_heads", default=num_heads)
-        head_dim = read.positive_int("head_dim", default=None)
-        if head_dim is None:
-            if hidden % num_heads:
-                raise UserError(
-                    f"{origin}: no {prefix}head_dim and hidden_size={hidden} is not divisible by "
-                    f"num_attention_heads={num_heads}"
-                )
-            head_dim = hidden // num_heads
-        common: dict[str, Any] = {
-            "name": name,
-            "hf_id": hf_id,
-            "config": text,
-            "num_layers": read.positive_int("num_hidden_layers"),
-            "hidden_size": hidden,
-            "intermediate_size": read.positive_int("intermediate_size"),
-            "vocab_size": read.positive_int("vocab_size"),
-            "num_attention_heads": num_heads,
-            "num_key_value_heads": num_kv_heads,
-            "head_dim": head_dim,
-            "rms_norm_eps": read.positive_float("rms_norm_eps", default=_DEFAULT_RMS_NORM_EPS),
-            "origin": origin,
-        }
-        if model_type in DENSE_MODEL_TYPES:
-            # Sliding-window layer_types of qwen2/qwen3 do not change any GEMV shape.
-            layer_types = (FULL_ATTENTION,) * common["num_layers"]
-            return cls(family="dense", layer_types=layer_types, **common)
-
-        layer_types = _hybrid_layer_types(read, common["num_layers"])
-        linear = None
-        if LINEAR_ATTENTION in layer_types:
-            linear = LinearAttention(
-                num_key_heads=read.positive_int("linear_num_key_heads"),
-                num_value_heads=read.positive_int("linear_num_value_heads"),
-                key_head_dim=read.positive_int("linear_key_head_dim"),
-                value_head_dim=read.positive_int("linear_value_head_dim"),
-            )
-        return cls(
-            family="qwen3_5",
-            layer_types=layer_types,
-            # vLLM Qwen3NextAttention: getattr(config, "attn_output_gate", True).
-            attn_output_gate=read.flag("attn_output_gate", default=True),
-            linear_attention=linear,
-            **common,
-        )
+        return cls(**spec_fields(config, name=name, hf_id=hf_id, origin=origin))
 
     # ------------------------------------------------------------- properties
 
@@ -477,198 +355,3 @@ class ModelSpec:
         if set(ops) & set(GLU_GEMV_OPS):
             wanted += [item for item in self.glu_gemvs(tp) if item[1] in ops]
         return out + elementwise_problems(wanted, ms, dtype)
-
-
-# ---------------------------------------------------------------- config parsing
-
-
-class _Reader:
-    """Typed access to config fields; errors name the file and the (nested) field."""
-
-    def __init__(self, config: Mapping[str, Any], origin: str, prefix: str) -> None:
-        self.config, self.origin, self.prefix = config, origin, prefix
-
-    def _field(self, key: str) -> str:
-        return f"{self.origin}: field {self.prefix}{key!r}"
-
-    def positive_int(self, key: str, default: int | None | object = _REQUIRED) -> Any:
-        """A positive integer; ``default`` (may be None) when absent or null, else required."""
-        value = self.config.get(key)
-        if value is None:  # HF writes null for "use the default" (e.g. mistral head_dim)
-            if default is _REQUIRED:
-                raise UserError(f"{self.origin}: missing required field {self.prefix}{key!r}")
-            return default
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise UserError(f"{self._field(key)} must be a positive integer, got {value!r}")
-        return value
-
-    def positive_float(self, key: str, default: float) -> float:
-        value = self.config.get(key)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise UserError(f"{self._field(key)} must be a positive number, got {value!r}")
-        return float(value)
-
-    def flag(self, key: str, default: bool) -> bool:
-        value = self.config.get(key)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise UserError(f"{self._field(key)} must be true or false, got {value!r}")
-        return value
-
-
-def _model_type(config: Mapping[str, Any], origin: str, prefix: str) -> str:
-    value = config.get("model_type")
-    if value is None:
-        raise UserError(f"{origin}: missing required field {prefix}'model_type'")
-    if not isinstance(value, str):
-        raise UserError(f"{origin}: field {prefix}'model_type' must be a string, got {value!r}")
-    return value
-
-
-def _moe_field(config: Mapping[str, Any]) -> str | None:
-    for key in _MOE_KEYS:
-        value = config.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return f"{key}={value}"
-    return None
-
-
-def _unsupported(model_type: str, origin: str, config: Mapping[str, Any]) -> UserError:
-    moe = _moe_field(config)
-    detail = f"; this config has MoE MLPs: {moe}" if moe else ""
-    return UserError(
-        f"{origin}: model_type {model_type} is not supported yet "
-        f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}, with dense MLPs only{detail})"
-    )
-
-
-def _hybrid_layer_types(read: _Reader, num_layers: int) -> tuple[str, ...]:
-    """Per-layer kinds from ``layer_types``, else from ``full_attention_interval``."""
-    types = read.config.get("layer_types")
-    if types is not None:
-        where = f"{read.origin}: field {read.prefix}'layer_types'"
-        if not isinstance(types, list) or len(types) != num_layers:
-            raise UserError(f"{where} must list {num_layers} layers (num_hidden_layers)")
-        bad = sorted({t for t in types if t not in (FULL_ATTENTION, LINEAR_ATTENTION)}, key=str)
-        if bad:
-            raise UserError(f"{where} has unknown kinds {bad} (known: {FULL_ATTENTION}, {LINEAR_ATTENTION})")
-        return tuple(types)
-    if read.config.get("full_attention_interval") is None:
-        raise UserError(
-            f"{read.origin}: missing required field {read.prefix}'layer_types' "
-            f"(or {read.prefix}'full_attention_interval')"
-        )
-    interval = read.positive_int("full_attention_interval")
-    # As HF Qwen3NextConfig / Qwen3_5TextConfig: every interval-th layer (1-based) is full attention.
-    return tuple(FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers))
-
-
-# ----------------------------------------------------------------------- loading
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UserError(f"model config not found: {path}") from None
-    except UnicodeDecodeError:
-        raise UserError(f"{path}: cannot read: not UTF-8 text") from None
-    except OSError as exc:
-        raise UserError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UserError(
-            f"{path}: not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
-        ) from None
-
-
-def _spec_from_document(doc: Any, origin: str, default_name: str) -> ModelSpec:
-    """A HF config.json, or a tunekit model file ({"name", "hf_id", "config", ...})."""
-    if not isinstance(doc, dict):
-        raise UserError(f"{origin}: expected a JSON object, got {type(doc).__name__}")
-    if "model_type" not in doc and isinstance(doc.get("config"), dict):
-        name = doc.get("name") if isinstance(doc.get("name"), str) else default_name
-        hf_id = doc.get("hf_id") if isinstance(doc.get("hf_id"), str) else None
-        return ModelSpec.from_config(copy.deepcopy(doc["config"]), name=name, hf_id=hf_id, origin=origin)
-    hf_id = doc.get("_name_or_path") if isinstance(doc.get("_name_or_path"), str) else None
-    name = os.path.basename(hf_id.rstrip("/")) if hf_id else default_name
-    return ModelSpec.from_config(doc, name=name or default_name, hf_id=hf_id, origin=origin)
-
-
-def load_config_file(path: str | os.PathLike[str]) -> ModelSpec:
-    """Load a Hugging Face ``config.json`` (or a checkpoint folder holding one)."""
-    path = Path(path).expanduser()
-    if path.is_dir():
-        path = path / "config.json"
-    # A snapshot folder's name is the model's; a stray file is named by its stem.
-    default = path.parent.name if path.name == "config.json" and path.parent.name else path.stem
-    return _spec_from_document(_read_json(path), str(path), default)
-
-
-@lru_cache(maxsize=1)
-def _builtin_documents() -> tuple[tuple[str, str, dict[str, Any]], ...]:
-    """(name, file, document) of every built-in model, sorted by name."""
-    folder = resources.files(_BUILTIN_PACKAGE).joinpath(_BUILTIN_DIR)
-    docs = []
-    for entry in folder.iterdir():
-        if entry.name.endswith(".json"):
-            origin = f"tunekit/problems/models/{_BUILTIN_DIR}/{entry.name}"
-            try:
-                doc = json.loads(entry.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as exc:  # a broken install, not user input
-                raise UserError(f"{origin}: built-in model file unreadable: {exc}") from None
-            docs.append((str(doc.get("name") or entry.name[: -len(".json")]), origin, doc))
-    return tuple(sorted(docs, key=lambda item: item[0]))
-
-
-def _builtin_spec(name: str, origin: str, doc: dict[str, Any]) -> ModelSpec:
-    # Deep copy: callers get their own config dict, the cache stays pristine.
-    return _spec_from_document(copy.deepcopy(doc), origin, name)
-
-
-def list_models() -> list[ModelSpec]:
-    """The built-in models, sorted by name."""
-    return [_builtin_spec(*item) for item in _builtin_documents()]
-
-
-def _builtin_index() -> dict[str, tuple[str, str, dict[str, Any]]]:
-    """Lower-case lookup keys -> built-in: names, HF ids, and names without "-instruct"."""
-    index: dict[str, tuple[str, str, dict[str, Any]]] = {}
-    short: dict[str, list[tuple[str, str, dict[str, Any]]]] = {}
-    for item in _builtin_documents():
-        name, _, doc = item
-        index[name.lower()] = item
-        if isinstance(doc.get("hf_id"), str):
-            index.setdefault(doc["hf_id"].lower(), item)
-        short.setdefault(re.sub(r"-instruct$", "", name.lower()), []).append(item)
-    for key, items in short.items():
-        if len(items) == 1:  # only unambiguous aliases ("llama-3.1-8b")
-            index.setdefault(key, items[0])
-    return index
-
-
-def load_model(name_or_path: str | os.PathLike[str]) -> ModelSpec:
-    """A built-in model by name (case-insensitive; HF id or name without "-instruct"
-    also work), else a path to a Hugging Face ``config.json`` or its folder.
-
-    Raises :class:`UserError` for an unknown name, a missing file, or a config
-    that cannot be used.
-    """
-    text = os.fspath(name_or_path).strip()
-    if not text:
-        raise UserError("no model given (a built-in name or a path to a config.json)")
-    item = _builtin_index().get(text.lower())
-    if item is not None:
-        return _builtin_spec(*item)
-    path = Path(text).expanduser()
-    if path.exists() or text.endswith(".json"):
-        return load_config_file(path)
-    names = ", ".join(name for name, _, _ in _builtin_documents())
-    raise UserError(
-        f"unknown model {text!r}: not a built-in ({names}) and no such file "
-        "(give a path to a Hugging Face config.json)"
-    )
