@@ -1,0 +1,418 @@
+"""Every figure in the "Current figures" table of benchmarks/results/README.md, rebuilt from the raw files
+of its folder through tunekit's own code and compared with the figure as stated, to the stated precision.
+
+Served TPOT figures come from the runner results (``runs/*.json``) through
+``tunekit.evidence.serve_bench.analysis``; chain figures from the step times in ``chain.json``; standalone
+per-token and per-problem figures from ``final.csv`` through ``tunekit.evidence.compare.load_comparison``;
+the Hugging Face decode-step figures from the step times in ``serving_check.json`` through
+``tunekit.evidence.check_serving.model_check.timing_summary``. A changed raw number changes the figure
+(``test_a_changed_raw_number_changes_the_figure``), and every row of the table names one test here
+(``test_every_current_figure_has_its_test``).
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import json
+import re
+import shutil
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tunekit.evidence.check_serving.model_check import timing_summary
+from tunekit.evidence.serve_bench import analysis, endpoint
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def stated(value: float, text: str) -> None:
+    """``value``, printed to the precision of the figure as stated (``text``), reads ``text``."""
+    decimals = len(text.split(".", 1)[1]) if "." in text else 0
+    assert f"{value:.{decimals}f}" == text, f"{value!r} reads {value:.{decimals}f}, stated {text}"
+
+
+# ---- served (tunekit serve-bench): runs/*.json -----------------------------------------------------
+
+
+@functools.cache
+def _runs(folder: str | Path) -> dict[str, list[dict[str, Any]]]:
+    return analysis.load_runs(RESULTS / folder / "runs")
+
+
+def served(folder: str | Path, arm: str, batch: int, over: str = "vanilla") -> tuple[float, float, float]:
+    """``over`` / ``arm`` TPOT at ``batch`` (medians of the per-process medians) and its min / max over the
+    process pairs, as serve-bench reports it."""
+    runs = _runs(folder)
+    base, other = analysis.arm_tpot(runs[over], batch), analysis.arm_tpot(runs[arm], batch)
+    pairs = analysis.pair_ratios(base, other)
+    return base["median_ms"] / other["median_ms"], min(pairs), max(pairs)
+
+
+def tpot_ms(folder: str | Path, arm: str, batch: int) -> float:
+    return analysis.arm_tpot(_runs(folder)[arm], batch)["median_ms"]
+
+
+def test_served_default_table_qwen() -> None:
+    folder = "h200-serve-qwen35-27b-a831b66"
+    x, lo, hi = served(folder, "tuned", 1)
+    stated(x, "1.109")
+    stated(lo, "1.107")
+    stated(hi, "1.113")
+    stated(tpot_ms(folder, "vanilla", 1), "15.27")
+    stated(tpot_ms(folder, "tuned", 1), "13.77")
+    for batch, figure in ((2, "1.073"), (4, "1.057"), (8, "1.061")):
+        stated(served(folder, "tuned", batch)[0], figure)
+
+
+def test_served_default_table_llama_and_passthrough() -> None:
+    stated(served("h200-serve-llama31-8b-a831b66/tuned", "tuned", 1)[0], "1.093")
+    x, lo, hi = served("h200-serve-llama31-8b-a831b66/passthrough", "passthrough", 1)
+    stated(x, "0.993")
+    stated(lo, "0.986")
+    stated(hi, "0.999")
+
+
+def test_served_passthrough_within_half_a_percent() -> None:
+    for batch, figure in ((1, "0.999"), (2, "0.995"), (4, "0.996"), (8, "0.999")):
+        x = served("h200-serve-qwen35-27b-2b88dba", "passthrough", batch)[0]
+        stated(x, figure)
+        assert abs(1 - x) < 0.005
+
+
+def test_served_fold() -> None:
+    folder = "h200-serve-fold-8031457"
+    x, lo, hi = served(folder, "folded", 1)
+    stated(x, "1.1224")
+    stated(lo, "1.117")
+    stated(hi, "1.129")
+    stated(served(folder, "tuned", 1)[0], "1.1039")
+
+
+def test_served_fold_with_joined_siblings() -> None:
+    x, lo, hi = served("h200-serve-merge-df17426", "folded", 1)
+    stated(x, "1.1291")
+    stated(lo, "1.126")
+    stated(hi, "1.130")
+
+
+def test_served_fold_at_batch_sizes_the_fused_table_lacks() -> None:
+    folder = "h200-serve-fold-batches-1bf210c"
+    for batch, folded, tuned in ((1, "1.1246", "1.0978"), (2, "1.0950", "1.0627"), (8, "1.0591", "1.0624")):
+        stated(served(folder, "folded", batch)[0], folded)
+        stated(served(folder, "tuned", batch)[0], tuned)
+
+
+def test_served_without_the_eviction_hint() -> None:
+    folder = "h200-serve-noevict-a986fd9/serve"
+    stated(served(folder, "folded", 1)[0], "1.1497")
+    stated(tpot_ms(folder, "vanilla", 1), "14.953")
+    stated(tpot_ms(folder, "folded", 1), "13.006")
+
+
+def test_served_fusion_confirmed_over_processes() -> None:
+    confirm = "h200-serve-confirm-b61588d"
+    x, lo, hi = served(f"{confirm}/lease1-2x2", "folded", 1)
+    stated(x, "1.158")
+    stated(lo, "1.155")
+    stated(hi, "1.161")
+    stated(x, "1.1580")
+    stated(lo, "1.1552")
+    stated(hi, "1.1607")
+    stated(tpot_ms(f"{confirm}/lease1-2x2", "vanilla", 1), "15.108")
+    stated(tpot_ms(f"{confirm}/lease1-2x2", "folded", 1), "13.047")
+    pairs = []
+    for run in ("lease1-2x2", "lease1-pair3", "lease2-pair4"):
+        runs = _runs(f"{confirm}/{run}")
+        pairs += analysis.pair_ratios(analysis.arm_tpot(runs["vanilla"], 1), analysis.arm_tpot(runs["folded"], 1))
+    assert len(pairs) == 4
+    stated(statistics.median(pairs), "1.1547")
+    stated(min(pairs), "1.1428")
+    stated(max(pairs), "1.1607")
+    # every decode call at M=1 ran a table's kernel: tuned calls, no fallback, in each folded process
+    folder = RESULTS / confirm / "lease1-2x2"
+    logs = analysis.dispatch_logs(folder / "dispatch", "folded", _runs(f"{confirm}/lease1-2x2")["folded"])
+    assert len(logs) == 2
+    cov = analysis.coverage_at(analysis.merge_dispatch(logs), 1)
+    assert cov["tuned_calls"] > 0 and cov["fallback_calls"] == 0
+
+
+def test_served_first_token_at_par() -> None:
+    folder = "h200-serve-ttft3-2fac948/ab"
+    for batch, first, tpot in ((1, "0.977", "1.1037"), (8, "0.785", "1.0629")):
+        runs = _runs(folder)
+        vanilla, tuned = (analysis.arm_first_token(runs[arm], batch) for arm in ("vanilla", "tuned"))
+        assert len(tuned["per_process_ms"]) == len(vanilla["per_process_ms"]) == 3
+        stated(tuned["median_ms"] / vanilla["median_ms"], first)
+        stated(served(folder, "tuned", batch)[0], tpot)
+    for batch, figure in ((1, "0.998"), (8, "1.002")):
+        stated(served("h200-serve-ttft3-2fac948/passthrough", "passthrough", batch)[0], figure)
+
+
+def test_served_with_and_without_the_eviction_hint() -> None:
+    stated(served("h200-memory-state-bd038d3/evict-ab/nohint", "folded", 1)[0], "1.1330")
+    stated(served("h200-memory-state-bd038d3/evict-ab/hint", "folded", 1)[0], "1.1204")
+
+
+def test_served_gap_runs() -> None:
+    stated(served("h200-served-gap-ad3a8ee/call1-0802a99/serve", "folded", 1)[0], "1.1290")
+    stated(served("h200-served-gap-ad3a8ee/call2-ad3a8ee/serve", "folded", 1)[0], "1.1319")
+
+
+def test_served_through_vllm_serve() -> None:
+    """The endpoint A/B keeps its raw rounds in serve.json (there are no runner results)."""
+    doc = json.loads((RESULTS / "h200-serve-ranges-477659f/endpoint-llama/serve.json").read_text())
+    summary = endpoint.summarize_endpoints(doc["arms"], doc["endpoints"], doc["settings"])
+    rows = {b["batch"]: b for b in summary["batches"]}
+    for c, tpot, ttft_tuned, ttft_vanilla in ((1, "1.1375", "40.1", "38.1"), (4, "0.999", "66.9", "71.5"),
+                                              (8, "0.999", "68.4", "75.6")):
+        stated(rows[c]["speedup"], tpot)
+        stated(rows[c]["ttft_ms"]["tuned"], ttft_tuned)
+        stated(rows[c]["ttft_ms"]["vanilla"], ttft_vanilla)
+
+
+# ---- the decode-step chain (tunekit chain): chain.json ---------------------------------------------
+
+
+def chain(path: str, m: int, variant: str, over: str = "vendor") -> float:
+    """``over`` / ``variant`` step time at M = ``m``, from the step times ``chain.json`` recorded."""
+    rows = {(r["m"], r["variant"]): r for r in json.loads((RESULTS / path).read_text())["results"]}
+    return rows[(m, over)]["step_us"] / rows[(m, variant)]["step_us"]
+
+
+def chain_row(path: str, m: int, variant: str) -> dict[str, Any]:
+    return next(r for r in json.loads((RESULTS / path).read_text())["results"]
+                if (r["m"], r["variant"]) == (m, variant))
+
+
+def test_chain_m1248() -> None:
+    path = "h200-chain-m1248-59df7cf/chain.json"
+    stated(chain(path, 1, "tuned"), "1.137")
+    stated(chain(path, 1, "tuned_gemv"), "1.116")
+    stated(chain_row(path, 1, "vendor")["step_us"] / 1000, "14.11")
+    stated(chain_row(path, 1, "tuned")["step_us"] / 1000, "12.40")
+    for m, figure in ((2, "1.106"), (4, "1.075"), (8, "1.078")):
+        stated(chain(path, m, "tuned"), figure)
+    row = chain_row(path, 1, "tuned")
+    stated(chain_row(path, 1, "vendor")["step_us"] - row["step_us"], "1704")
+    stated(row["predicted_saving_us"], "1580")
+
+
+def test_chain_m1_fresh_table() -> None:
+    path = "h200-decode-944f424/chain/chain.json"
+    stated(chain(path, 1, "tuned"), "1.143")
+    vendor, tuned = chain_row(path, 1, "vendor"), chain_row(path, 1, "tuned")
+    stated(vendor["step_us"] / 1000, "14.27")
+    stated(tuned["step_us"] / 1000, "12.48")
+    stated(vendor["step_us"] - tuned["step_us"], "1788")
+    stated(tuned["predicted_saving_us"], "1630")
+
+
+def test_chain_with_the_fold() -> None:
+    for call, fused, tuned in (("call4", "1.155", "1.132"), ("call5", "1.165", "1.144")):
+        path = f"h200-fusion-fold-4995aae/{call}/chain/chain.json"
+        stated(chain(path, 1, "tuned_fused"), fused)
+        stated(chain(path, 1, "tuned"), tuned)
+
+
+def test_chain_with_the_glu_epilogue() -> None:
+    for call, figure in (("call2-b060e49", "1.1712"), ("call3-6352057", "1.1723"), ("call4-7f6a916", "1.1726"),
+                         ("call5-9f51eb5", "1.1634")):
+        stated(chain(f"h200-glu/{call}/chain/chain.json", 1, "tuned_fused"), figure)
+
+
+def test_chain_with_the_fold_and_joined_siblings() -> None:
+    path = "h200-serve-merge-df17426/chain/chain.json"
+    stated(chain(path, 1, "tuned_fused"), "1.1816")
+    stated(chain(path, 1, "tuned"), "1.1568")
+
+
+def test_chain_fusion_at_m248_checked_as_a_whole() -> None:
+    path = "h200-chain-m248-b8efa4a/check-a2fa226/chain/chain.json"
+    assert not any(r["variant"] == "tuned_fused" and r["m"] == 2
+                   for r in json.loads((RESULTS / path).read_text())["results"])  # left out: = tuned
+    stated(chain(path, 4, "tuned_fused", over="tuned"), "1.029")
+    stated(chain(path, 8, "tuned_fused", over="tuned"), "1.018")
+
+
+# ---- standalone (tunekit search): final.csv through tunekit compare's loader -----------------------
+
+
+@functools.cache
+def comparison(folder: str) -> Any:
+    from tunekit.evidence.compare import load_comparison  # imports torch (opspec): here, not at collection
+
+    return load_comparison(RESULTS / folder)
+
+
+def problem(folder: str, op: str, m: int, n: int, k: int) -> Any:
+    return next(p for p in comparison(folder).problems if (p.op, p.m, p.n, p.k) == (op, m, n, k))
+
+
+def test_standalone_m1_per_token_both_backends() -> None:
+    (t,) = comparison("h200-m1-triton-hip-5cc8e72").tokens
+    assert (t.m, t.calls) == (1, 305)
+    stated(t.speedup, "1.123")
+    stated(t.vendor_us / 1000, "13.620")
+    stated(t.tuned_us / 1000, "12.130")
+    stated(t.vendor_us / t.only_us["triton"], "1.120")
+    stated(t.vendor_us / t.only_us["hip"], "1.106")
+    x = problem("h200-m1-96x5120-hip-grid-50a1373", "gemv", 1, 96, 5120).best
+    stated(x["hip"].time_us, "2.65")
+    stated(x["triton"].time_us, "2.59")
+
+
+def test_standalone_m1_search_from_scratch() -> None:
+    (t,) = comparison("h200-m1-triton-hip-b1ce9d6").tokens
+    stated(t.speedup, "1.119")
+    stated(t.vendor_us / 1000, "13.67")
+    stated(t.tuned_us / 1000, "12.21")
+    stated(t.floor_us / 1000, "11.30")
+
+
+def test_standalone_m1248_per_token() -> None:
+    speedups = {t.m: t.speedup for t in comparison("h200-m1248-gemv-ew-fab7a9c/gemv").tokens}
+    for m, figure in ((1, "1.117"), (2, "1.093"), (4, "1.052"), (8, "1.064")):
+        stated(speedups[m], figure)
+
+
+def test_standalone_elementwise() -> None:
+    problems = comparison("h200-ew-m1-4096-triton-hip-2265568").problems
+    big = [p for p in problems if p.m == 4096]
+    pct = [p.winner.pct_of_limit for p in big]
+    inductor = [p.baselines["inductor"].time_us / p.winner.time_us for p in big]
+    stated(min(pct), "86.0")
+    stated(max(pct), "105.2")
+    stated(min(inductor), "1.003")
+    stated(max(inductor), "1.41")
+    one = {p.op: p.baselines["inductor"].time_us / p.best["triton"].time_us for p in problems if p.m == 1}
+    rest = [x for op, x in one.items() if op != "silu_and_mul"]
+    stated(min(rest), "1.03")
+    stated(max(rest), "1.93")
+    stated(one["silu_and_mul"], "0.961")
+
+
+def test_elementwise_checks() -> None:
+    log = gzip.decompress((RESULTS / "h200-ew-check-9bd870c/elementwise_check.log.gz").read_bytes()).decode()
+    lines = log.splitlines()
+    assert sum(ln.startswith("PASS") for ln in lines) == 168 and not any(ln.startswith("FAIL") for ln in lines)
+    assert "checks failed: 0" in lines
+    tunekit = [ln for ln in lines if ln.startswith("PASS launches") and ln.split()[2] in ("triton", "hip")]
+    assert tunekit and all(ln.split(": ")[1].startswith("1 ") for ln in tunekit)  # one launch per call
+
+
+def test_standalone_fold_runs_at_gemv_speed() -> None:
+    call = "h200-fusion-fold-4995aae/call4"
+    for n, fused, plain in ((34816, "79.53", "79.37"), (16384, "38.88", "38.77"), (14336, "34.72", "34.42")):
+        stated(problem(f"{call}/fused", "rms_gemv", 1, n, 5120).best["triton"].time_us, fused)
+        stated(problem(f"{call}/main", "gemv", 1, n, 5120).best["triton"].time_us, plain)
+
+
+def test_standalone_glu_epilogue() -> None:
+    call = "h200-glu/call5-9f51eb5"
+    stated(problem(f"{call}/fused", "gemv_silu_mul", 1, 34816, 5120).winner.time_us, "81.79")
+    stated(problem(f"{call}/fused", "rms_gemv_silu_mul", 1, 34816, 5120).winner.time_us, "82.91")
+    stated(problem(f"{call}/main", "gemv", 1, 34816, 5120).winner.time_us, "81.04")
+    stated(problem(f"{call}/fused", "rms_gemv", 1, 34816, 5120).winner.time_us, "81.18")
+    stated(problem(f"{call}/main", "silu_and_mul", 1, 17408, 34816).winner.time_us, "1.26")
+
+
+# ---- Hugging Face models patched (tunekit check-serving): serving_check.json -----------------------
+
+
+def hf(path: str, ratio: str) -> float:
+    doc = json.loads((RESULTS / path / "serving_check.json").read_text())
+    return timing_summary(doc["model"]["timing"]["times_ms"])["ratios"][ratio]["median"]
+
+
+def test_hf_merged_siblings() -> None:
+    for call, graphed, eager in (("call1-b349f32", "1.092", "1.170"), ("call2-a1b7e82", "1.114", "1.149")):
+        stated(hf(f"h200-hf-merge/{call}/check-merge", "patched_speedup_graphed"), graphed)
+        stated(hf(f"h200-hf-merge/{call}/check-merge", "patched_speedup_eager"), eager)
+    stated(hf("h200-hf-merge/call2-a1b7e82/check-main", "patched_speedup_graphed"), "1.027")
+    llama = "h200-hf-merge/call3-95d4b71-llama"
+    stated(hf(f"{llama}/check-merge", "patched_speedup_graphed"), "1.011")
+    stated(hf(f"{llama}/check-main", "patched_speedup_graphed"), "1.003")
+    stated(hf(f"{llama}/check-merge", "patched_speedup_eager"), "1.246")
+
+
+def test_hf_folded_norms() -> None:
+    stated(hf("h200-hf-fold-ab58dfb/check-fold", "patched_speedup_eager"), "1.179")
+    stated(hf("h200-hf-fold-ab58dfb/check-fold", "patched_speedup_graphed"), "1.041")
+    stated(hf("h200-hf-fold-ab58dfb/check", "patched_speedup_graphed"), "1.073")
+    stated(hf("h200-hf-fold-38742fc/check-fold", "patched_speedup_graphed"), "1.070")
+    stated(hf("h200-hf-fold-38742fc/check", "patched_speedup_graphed"), "1.044")
+
+
+def test_hf_own_shape_tables() -> None:
+    stated(hf("h200-serving-cb5d37c/check", "patched_speedup_eager"), "1.156")
+    stated(hf("h200-serving-cb5d37c/check", "patched_speedup_graphed"), "1.066")
+    # per call, eager, on the launch-bound 96x5120 (wall us; benchmarks/probes/dispatch_overhead.py's
+    # definitions): the patched module's vendor path over the unpatched nn.Linear, its tuned path over the
+    # bound launcher net of what the unpatched module costs over F.linear
+    doc = json.loads((RESULTS / "h200-serving-cb5d37c/dispatch.json").read_text())
+    row = next(r for r in doc["rows"] if (r["op"], r["n"], r["k"]) == ("gemv", 96, 5120))
+    stated(row["patched_vendor_wall_us"] - row["module_wall_us"], "1.87")
+    stated(row["patched_tuned_wall_us"] - row["bound_wall_us"] - (row["module_wall_us"] - row["direct_wall_us"]),
+           "4.83")
+
+
+# ---- probes (their own scripts' raw rows) ----------------------------------------------------------
+
+
+def test_probed_and_not_built() -> None:
+    rows = json.loads((RESULTS / "h200-boundary-probes-9af5854/gemv_boundary.json").read_text())["rows"]
+
+    def median(probe: str, variant: str) -> float:
+        return statistics.median(r["layer_us"] for r in rows if (r["probe"], r["variant"]) == (probe, variant))
+
+    fused = min(median("gated", v) for v in {r["variant"] for r in rows if r["probe"] == "gated"}
+                if v.startswith("fused"))
+    stated(fused, "18.60")
+    stated(median("gated", "unfused"), "18.53")
+    pdl = {r["variant"] for r in rows if r["probe"] == "pdl" and r["variant"].startswith("pdl")}
+    assert pdl and all(median("pdl", v) > median("pdl", "plain") for v in pdl)  # no PDL variant gains
+
+
+# ---- the table and the tests ------------------------------------------------------------------------
+
+
+def _current_rows() -> list[str]:
+    text = (RESULTS / "README.md").read_text()
+    section = text.split("## Current figures", 1)[1].split("\n## ", 1)[0]
+    return [ln for ln in section.splitlines() if ln.startswith("| ") and not ln.startswith(("| claim", "| ---"))]
+
+
+def test_every_current_figure_has_its_test() -> None:
+    rows = _current_rows()
+    named = [name for row in rows for name in re.findall(r"`(test_\w+)`", row.rsplit("|", 2)[1])]
+    assert len(named) == len(rows), "each row names one test in its last column"
+    module = sys.modules[__name__]
+    assert all(callable(getattr(module, name, None)) for name in named), [n for n in named if not hasattr(module, n)]
+    figures = {n for n in dir(module) if n.startswith("test_")} - {
+        "test_every_current_figure_has_its_test", "test_a_changed_raw_number_changes_the_figure"}
+    assert figures == set(named), figures ^ set(named)
+    for row in rows:  # the folder cell names folders that exist
+        for folder in re.findall(r"`(h200-[\w.-]+)", row):
+            assert (RESULTS / folder).is_dir(), folder
+
+
+def test_a_changed_raw_number_changes_the_figure(tmp_path: Path) -> None:
+    src = RESULTS / "h200-serve-confirm-b61588d" / "lease1-2x2"
+    shutil.copytree(src / "runs", tmp_path / "runs")
+    path = tmp_path / "runs" / "folded-0.json"
+    doc = json.loads(path.read_text())
+    doc["batches"][0]["tpot_ms_median"] *= 1.001
+    path.write_text(json.dumps(doc))
+    with pytest.raises(AssertionError):
+        stated(served(tmp_path, "folded", 1)[0], "1.1580")
+    chain_doc = json.loads((RESULTS / "h200-serve-merge-df17426/chain/chain.json").read_text())
+    next(r for r in chain_doc["results"] if r["variant"] == "tuned_fused")["step_us"] += 2.0
+    (tmp_path / "chain.json").write_text(json.dumps(chain_doc))
+    with pytest.raises(AssertionError):
+        stated(chain(str(tmp_path / "chain.json"), 1, "tuned_fused"), "1.1816")
