@@ -21,11 +21,11 @@ from tunekit.evidence.campaign import plan as plan_mod
 
 REPO = Path(__file__).resolve().parents[1]
 
-#: A step script: writes DIR/started, sleeps, writes DIR/done, exits with the given status.
+#: A step script: writes DIR/started (its pid), sleeps, writes DIR/done, exits with the given status.
 STEP_SCRIPT = """
-import pathlib, sys, time
+import os, pathlib, sys, time
 out = pathlib.Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
-(out / "started").write_text("1")
+(out / "started").write_text(str(os.getpid()))
 time.sleep(float(sys.argv[2]))
 (out / "done").write_text("1")
 sys.exit(int(sys.argv[3]))
@@ -347,9 +347,10 @@ estimate_s = 5
     proc = subprocess.Popen([sys.executable, "-m", "tunekit", "campaign", str(plan), "--out", str(out)], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
-    while not (out / "long" / "started").exists():
+    while not (out / "long" / "started").exists() or not (out / "long" / "started").read_text():
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.1)
+    step_pid = int((out / "long" / "started").read_text())
     assert _state(out)["steps"][0]["state"] == "running"
     proc.send_signal(signal.SIGTERM)
     stdout, _ = proc.communicate(timeout=60)
@@ -361,6 +362,8 @@ estimate_s = 5
     assert "SIGTERM" in state["calls"][0]["result"] and state["calls"][0]["ended"]
     assert not (out / "long" / "done").exists()
     assert not any(p.name.endswith(".tmp") for p in out.iterdir())  # no half-written state file left
+    with pytest.raises(ProcessLookupError):  # the step's process went with it
+        os.kill(step_pid, 0)
     # a rerun resumes at the stopped step
     script.write_text(STEP_SCRIPT.replace("float(sys.argv[2])", "0"))
     done = _cli(plan, "--out", out)

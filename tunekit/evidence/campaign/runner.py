@@ -42,6 +42,11 @@ Log = Callable[[str], None]
 EARLY_STOP = 3
 
 
+def _print(text: str) -> None:
+    # flushed: the steps' output goes to the same stdout unbuffered, and the order must hold in a log
+    print(text, flush=True)
+
+
 @dataclass(frozen=True)
 class Outcome:
     exit_code: int
@@ -198,7 +203,7 @@ def _pack(out_dir: Path, pack: Path) -> None:
 
 
 def run_campaign(plan: Plan, out_dir: Path, *, budget_s: float | None = None, pack: Path | None = None,
-                 log: Log = print, grace_s: float = 30.0, echo: bool = True) -> Outcome:
+                 log: Log = _print, grace_s: float = 30.0, echo: bool = True) -> Outcome:
     """Run the plan's unfinished steps in order in ``out_dir`` (created; resumed if it holds this campaign)."""
     t_start = time.monotonic()
     out_dir = Path(out_dir).resolve()
@@ -278,7 +283,7 @@ def _signalled(signals: _Signals, where: str) -> Outcome:
                          "resume")
 
 
-def dry_run(plan: Plan, out_dir: Path, *, budget_s: float | None = None, log: Log = print) -> None:
+def dry_run(plan: Plan, out_dir: Path, *, budget_s: float | None = None, log: Log = _print) -> None:
     """Print every step's state and command and the time estimate; run and write nothing."""
     out_dir = Path(out_dir).resolve()
     rendered = resolve(plan, out_dir)
