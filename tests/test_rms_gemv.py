@@ -94,7 +94,7 @@ def test_op_selection_and_ad_hoc_shapes() -> None:
 def test_the_search_builds_it_on_the_gemv_kernel_without_split_k() -> None:
     """Triton serves rms_gemv from the GEMV's module with its tunables but SPLIT_K = 1, so a GEMV table
     seeds it (a split-K winner is left out); the vendor baseline is the unweighted norm then mm."""
-    from tunekit.search.engine import _seeds_from_files
+    from tunekit.search.studies import _seeds_from_files
 
     problem = Problem("rms_gemv", "bf16", 2, 40, 384)
     space = TRITON.space(problem)

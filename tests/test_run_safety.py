@@ -171,11 +171,12 @@ def test_a_tuning_trial_told_while_a_search_reads_the_final_candidates_opens_no_
     from types import SimpleNamespace
 
     from tunekit.problems.shapes import Problem
-    from tunekit.search import engine
+    from tunekit.search import finals
+    from tunekit.search.common import study_name
 
     storage = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'shared.db'}")
     problem = Problem("gemv", "bf16", 1, 24, 64)
-    tuning = optuna.create_study(study_name=engine.study_name("cpu", problem, "triton", "bounded"),
+    tuning = optuna.create_study(study_name=study_name("cpu", problem, "triton", "bounded"),
                                  storage=storage, direction="minimize")
     in_flight = tuning.ask({"BLOCK_N": optuna.distributions.CategoricalDistribution([4, 8])})
     for key, value in (("owner", "elsewhere:1"), ("worker", "elsewhere:1:gpu0"), ("measured", True),
@@ -190,7 +191,7 @@ def test_a_tuning_trial_told_while_a_search_reads_the_final_candidates_opens_no_
         live = SimpleNamespace(begin=lambda trial: trial.set_user_attr("owner", name), end=lambda: None)
         return SimpleNamespace(live=live, device={})
 
-    read = engine._final_candidates
+    read = finals._final_candidates
     calls = []
 
     def candidates_then_a_tells(run, problem):
@@ -200,13 +201,13 @@ def test_a_tuning_trial_told_while_a_search_reads_the_final_candidates_opens_no_
             tuning.tell(in_flight.number, 1.0)
         return candidates
 
-    monkeypatch.setattr(engine, "_final_candidates", candidates_then_a_tells)
-    monkeypatch.setattr(engine, "_final_remeasure", lambda run, ctx, problem, candidates: [
+    monkeypatch.setattr(finals, "_final_candidates", candidates_then_a_tells)
+    monkeypatch.setattr(finals, "_final_remeasure", lambda run, ctx, problem, candidates: [
         {"label": c["label"], "time_us": 1.0, "measured_by": run.name} for c in candidates])
 
-    b_first = engine._final_step(run_of("B"), ctx_of("B"), problem)
-    a_rows = engine._final_step(run_of("A"), ctx_of("A"), problem)
-    b_rows = engine._final_step(run_of("B"), ctx_of("B"), problem)
+    b_first = finals._final_step(run_of("B"), ctx_of("B"), problem)
+    a_rows = finals._final_step(run_of("A"), ctx_of("A"), problem)
+    b_rows = finals._final_step(run_of("B"), ctx_of("B"), problem)
     claims = _final_claims(tmp_path / "shared.db")
     assert [c["status"] for c in claims] == ["ok"], [
         (c["study"], c["number"], c["state"], c["status"], c.get("owner")) for c in claims]

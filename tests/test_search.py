@@ -176,7 +176,7 @@ def test_domain_pruning_keeps_exactly_the_values_some_valid_config_uses() -> Non
     import itertools
 
     from tunekit import backends
-    from tunekit.search.engine import _prune_domains
+    from tunekit.search.studies import _prune_domains
 
     for name, (m, n, k) in [("triton", (1, 96, 256)), ("triton", (8, 96, 5120)), ("triton", (1, 5120, 6144)),
                             ("hip", (2, 24, 64)), ("hip", (1, 34816, 5120))]:

@@ -11,7 +11,8 @@ import pytest
 
 from tunekit.errors import UserError
 from tunekit.problems.shapes import Problem
-from tunekit.search.engine import SearchConfig, _seeds_from_files, read_seed_records, run_search
+from tunekit.search.engine import SearchConfig, read_seed_records, run_search
+from tunekit.search.studies import _seeds_from_files
 
 REPO = Path(__file__).resolve().parents[1]
 RECORDED = REPO / "benchmarks" / "results" / "h200-m1248-triton-ce9f360"
@@ -152,7 +153,7 @@ def test_a_fused_studys_own_records_do_not_crowd_out_the_gemv_winners(tmp_path) 
     # an earlier search of the fused op holds more verified configs than a study takes seeds; the
     # GEMV's winner for the shape (a tile config that search never reached) still comes in
     from tunekit.backends import get
-    from tunekit.search.engine import SEEDS_FROM_FILES
+    from tunekit.search.studies import SEEDS_FROM_FILES
 
     recorded = REPO / "benchmarks" / "results" / "h200-decode-944f424" / "main" / "table.json"
     fused = Problem("gemma_rms_norm_gemv", "bf16", 1, 14336, 5120)

@@ -1,0 +1,225 @@
+"""What the duties of a search share: its configuration, its state, and small helpers on studies.
+
+:mod:`~tunekit.search.studies`, :mod:`~tunekit.search.trials`, :mod:`~tunekit.search.finals` and
+:mod:`~tunekit.search.engine` import it; it imports none of them (of the search, only
+:mod:`~tunekit.search.liveness`, :mod:`~tunekit.search.fleet` and :mod:`~tunekit.search.worker`, which import
+nothing of these).
+:class:`Run` is what the worker threads of one search share (one object per search; its lists and dicts
+change under ``Run.lock``); :class:`WorkerContext` is one worker: its device process and its liveness.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+from tunekit.problems.shapes import Problem
+from tunekit.search import fleet
+from tunekit.search.liveness import Liveness
+from tunekit.search.worker import DEFAULT_TIMEOUT_S, Worker
+
+
+@dataclass
+class SearchConfig:
+    """What ``tunekit search`` was asked: the problems, backends, budget and run folder (``run_search``'s input)."""
+
+    problems: list[Problem]
+    backends: list[str]
+    out_dir: Path
+    trials: int = 40
+    timeout_s: float | None = None  # whole-run budget for the trial phase
+    sampler: str = "tpe"
+    numerics: str = "bounded"
+    storage: str | None = None
+    seed: int = 0
+    min_gain: float = 0.01
+    warm_start: int = 3  # best configs taken from each other study of the op (0: off)
+    seed_from: tuple[Path, ...] = ()  # earlier runs' table.json / trials.csv: their winners are measured first
+    # tunable -> the values (as text) a study may use, for every backend that has the tunable
+    restrict: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    trial_timeout_s: float = DEFAULT_TIMEOUT_S
+    command: str = ""
+    model: str | None = None
+    gpus: str | None = None  # --gpus: None (one worker), "all" or "0,1"
+
+
+@dataclass
+class StudyStats:
+    """The counts of one (problem, backend) study in this search (merged over this process's workers)."""
+
+    problem: Problem
+    backend: str
+    measured_before: int = 0
+    measured_now: int = 0
+    ok: int = 0
+    failed: int = 0
+    invalid: int = 0
+    duplicates: int = 0
+    best_us: float | None = None
+
+
+@dataclass
+class SearchOutcome:
+    """What ``run_search`` returns: the run folder, the study counts, the final rows and the files written."""
+
+    run_dir: Path
+    stats: list[StudyStats] = field(default_factory=list)
+    final_rows: list[dict[str, Any]] = field(default_factory=list)
+    table_path: Path | None = None
+    trials_path: Path | None = None
+    probe: dict[str, Any] = field(default_factory=dict)
+    device: dict[str, Any] = field(default_factory=dict)
+    #: workers, GPUs and hosts whose trials the run's studies hold (fleet.participants)
+    participants: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class WorkerContext:
+    """One worker of this process: its device process, liveness and identity."""
+
+    index: int
+    slot: fleet.Slot
+    worker: Worker
+    live: Liveness
+    device: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Run:
+    """What the workers of one search share (threads of this process)."""
+
+    cfg: SearchConfig
+    storage: Any
+    url: str
+    outcome: SearchOutcome
+    started: float
+    contexts: list[WorkerContext] = field(default_factory=list)
+    usable: list[str] = field(default_factory=list)
+    extra: list[str] = field(default_factory=list)
+    stamp: str = ""
+    stamp_text: str = ""
+    bar: Any = None
+    stop: threading.Event = field(default_factory=threading.Event)
+    errors: list[BaseException] = field(default_factory=list)
+    finals: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    opened: dict[tuple[str, str], Any] = field(default_factory=dict)  # (problem key, backend) -> OpenStudy
+    open_locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def device(self) -> dict[str, Any]:
+        return self.outcome.device
+
+    @property
+    def probe(self) -> dict[str, Any]:
+        return self.outcome.probe
+
+
+class Progress:
+    """Thin adapter over rich.progress; silent when not attached to a console."""
+
+    def __init__(self, enabled: bool, log: Callable[[str], None] = print) -> None:
+        self._progress = None
+        self._log = log
+        self._lock = threading.Lock()
+        self._tasks: dict[str, Any] = {}
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+            from rich.progress import Progress as RichProgress
+
+            self._progress = RichProgress(
+                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                TextColumn("{task.fields[best]}"),
+            )
+            self._progress.start()
+
+    def add(self, description: str, total: int, done: int) -> Any:
+        """The task of one study (one line however many workers run its trials)."""
+        if self._progress is None:
+            return None
+        with self._lock:
+            if description not in self._tasks:
+                self._tasks[description] = self._progress.add_task(description, total=total, completed=done, best="")
+            return self._tasks[description]
+
+    def update(self, task: Any, completed: int, best: str = "") -> None:
+        if self._progress is not None and task is not None:
+            self._progress.update(task, completed=completed, best=best)
+
+    def log(self, message: str) -> None:
+        if self._progress is not None:
+            self._progress.console.log(message)
+        else:
+            self._log(message)
+
+    def stop(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+def study_name(arch: str, problem: Problem, backend: str, numerics: str) -> str:
+    return f"{arch}|{problem.key}|{backend}|{numerics}"
+
+
+def params_key(params: dict[str, Any]) -> str:
+    return json.dumps(params, sort_keys=True)
+
+
+def trial_index(study: optuna.Study, me: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(params key -> first measured trial, params key -> lowest-numbered trial of another worker in flight)."""
+    seen: dict[str, Any] = {}
+    inflight: dict[str, Any] = {}
+    for trial in study.get_trials(deepcopy=False):
+        if trial.user_attrs.get("measured"):
+            seen.setdefault(params_key(trial.params), trial)
+        elif trial.state == TrialState.RUNNING and trial.params and trial.user_attrs.get("worker") != me:
+            inflight.setdefault(params_key(trial.params), trial)
+    return seen, {k: t for k, t in inflight.items() if k not in seen}
+
+
+def best_us(study: optuna.Study) -> float | None:
+    done = [t.value for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if t.user_attrs.get("measured")]
+    return min(done) if done else None
+
+
+def tell(study: optuna.Study, trial: optuna.Trial, value: float | None = None,
+         state: TrialState | None = None) -> None:
+    """study.tell, tolerating GridSampler's stop() request outside optimize().
+
+    GridSampler asks the study to stop from after_trial once the grid is
+    exhausted, which raises under ask/tell; the trial is stored regardless
+    (Optuna writes it in a ``finally``) and the loop checks exhaustion itself.
+    """
+    try:
+        study.tell(trial, value, state=state)
+    except RuntimeError as exc:
+        if "Study.stop" not in str(exc):
+            raise
+
+
+def retrying(action: Callable[[], Any], attempts: int = 5) -> Any:
+    """A storage write that another worker may race (creating one study or attribute at once): retry."""
+    for attempt in range(attempts):
+        try:
+            return action()
+        except (optuna.exceptions.StorageInternalError, optuna.exceptions.DuplicatedStudyError):
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def limit_gbps(problem: Problem, probe: dict[str, Any]) -> float | None:
+    """The measured bandwidth this op's % of limit refers to (read for GEMV, copy for elementwise)."""
+    from tunekit.problems import opspec
+
+    return probe.get(f"{opspec.get(problem.op).limit}_gbps") or None
