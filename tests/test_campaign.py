@@ -140,6 +140,9 @@ arms = "vanilla,folded"
     ('[[step]]\nname = "a"\nverb = "campaign"\nestimate_s = 1\n', "unknown verb 'campaign'"),
     ('[[step]]\nname = "a"\nverb = "check-serving"\nestimate_s = 1\n[step.options]\ntiny = "yes"\n',
      "tiny: expected true or false"),
+    ('[[step]]\nname = "a"\nverb = "show"\nestimate_s = 1\n', "`tunekit show` needs args = [TABLE]"),
+    ('[[step]]\nname = "a"\nverb = "chain"\nestimate_s = 1\n[step.options]\nmodel = "qwen3.5-27b"\n',
+     "`tunekit chain` needs the option(s) --table"),
 ])
 def test_plan_errors_are_caught_when_loading(tmp_path: Path, body: str, fragment: str) -> None:
     with pytest.raises(UserError) as caught:

@@ -274,6 +274,13 @@ def _check_options(specs: dict[str, OptionSpec], verb: str, options: dict[str, A
     if len(args) > len(positional):
         raise UserError(f"{where}: `tunekit {verb}` takes {len(positional)} positional argument(s), "
                         f"got args = {list(args)}")
+    needed = [s.flag for s in positional if s.required]
+    if len(args) < len(needed):
+        raise UserError(f"{where}: `tunekit {verb}` needs args = [{', '.join(needed)}]")
+    given = {flags[k].key for k in (o if o in flags else o.replace("_", "-") for o in options) if k in flags}
+    missing = [s.flag for s in flags.values() if s.required and s.key != "out" and s.key not in given]
+    if missing:
+        raise UserError(f"{where}: `tunekit {verb}` needs the option(s) {', '.join(missing)}")
     for key, value in options.items():
         spec = flags.get(key) or flags.get(key.replace("_", "-"))
         if spec is None:
@@ -311,7 +318,7 @@ def _check_value(spec: OptionSpec, value: object, where: str) -> None:
 
 
 def _single(spec: OptionSpec) -> OptionSpec:
-    return OptionSpec(spec.key, spec.name, spec.flag, spec.negative, False, spec.kind, spec.argument)
+    return OptionSpec(spec.key, spec.name, spec.flag, spec.negative, False, spec.kind, spec.argument, spec.required)
 
 
 def _fill(text: str, values: dict[str, str]) -> str:
@@ -362,7 +369,7 @@ def resolve(plan: Plan, out_dir: Path) -> list[Rendered]:
                 text = _fill(arg, values)
                 argv.append(text)
                 if spec.is_path and spec.key not in _OUTPUT_KEYS:
-                    inputs.append((spec.key.upper(), text))
+                    inputs.append((spec.flag, text))
             takes_out = "out" in specs
             takes_stop = "stop-after" in specs and "stop-after" not in step.options \
                 and "stop_after" not in step.options

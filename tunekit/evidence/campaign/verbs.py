@@ -23,17 +23,18 @@ EXCLUDED = ("campaign",)
 class OptionSpec:
     """One option or argument of a verb.
 
-    ``key`` is how a plan names it: the long flag without its dashes (``seed-from``, ``json``);
-    ``kind`` one of ``str``, ``int``, ``float``, ``bool``, ``Path``.
+    ``key`` is how a plan names it: the long flag without its dashes (``seed-from``, ``json``); ``flag`` the
+    long flag (an argument's metavar); ``kind`` one of ``str``, ``int``, ``float``, ``bool``, ``Path``.
     """
 
     key: str
     name: str
-    flag: str | None
+    flag: str
     negative: str | None
     multiple: bool
     kind: type
     argument: bool
+    required: bool = False
 
     @property
     def is_path(self) -> bool:
@@ -80,8 +81,9 @@ def read_verbs(app: typer.Typer) -> Verbs:
                 continue
             kind, _ = _base_kind(hints.get(param.name, str))
             argument = getattr(param, "param_type_name", "option") == "argument"
-            if argument:
-                key, flag, negative = param.name.replace("_", "-"), None, None
+            if argument:  # flag: how messages name it (its metavar, as the help shows it)
+                key, negative = param.name.replace("_", "-"), None
+                flag = getattr(param, "metavar", None) or param.name.upper()
             else:
                 longs = [o for o in param.opts if o.startswith("--")]
                 flag = longs[0] if longs else param.opts[0]
@@ -89,6 +91,7 @@ def read_verbs(app: typer.Typer) -> Verbs:
                 negative = secondary[0] if secondary else None
                 key = flag.lstrip("-")
             options[key] = OptionSpec(key=key, name=param.name, flag=flag, negative=negative,
-                                      multiple=bool(getattr(param, "multiple", False)), kind=kind, argument=argument)
+                                      multiple=bool(getattr(param, "multiple", False)), kind=kind, argument=argument,
+                                      required=bool(getattr(param, "required", False)))
         out[name] = options
     return out
