@@ -83,7 +83,7 @@ def test_layers_option_truncates_and_is_checked() -> None:
 def test_chain_wiring_follows_the_decoder(tiny: Path) -> None:
     spec = load_model(str(tiny))
     chain = chain_mod.Chain(chain_mod.chain_steps(spec), 2, "cpu")
-    chain.build("vendor", chain_mod._vendor_elementwise(torch.device("cpu")), lambda step: False)
+    chain.build("vendor", chain_mod.vendor_elementwise(torch.device("cpu")), lambda step: False)
     base = chain.forward("vendor").clone()
     assert base.shape == (2, 128) and torch.isfinite(base).all()
 
@@ -163,7 +163,7 @@ def test_corrupt_table_is_an_error_not_a_silent_vendor_run(tiny: Path, tmp_path:
 def test_profiled_replays_are_read_per_replay_with_serve_benchs_key(monkeypatch: pytest.MonkeyPatch) -> None:
     """``--profile-replays``: a graph's N replays under the profiler become one replay's by_launch rows
     (serve-bench's key), largest first. The profiler itself needs a GPU: its trace is stubbed here."""
-    from tunekit.evidence import chain as chain_mod
+    from tunekit.evidence.chain import timing
     from tunekit.evidence.serve_bench import profile
 
     class Graph:
@@ -185,7 +185,7 @@ def test_profiled_replays_are_read_per_replay_with_serve_benchs_key(monkeypatch:
 
     graph = Graph()
     monkeypatch.setattr(profile, "traced", trace)
-    rows = chain_mod._profiled_launches(graph, 4)
+    rows = timing._profiled_launches(graph, 4)
     assert graph.replays == 4
     assert list(rows) == ["tunekit_gemv: _gemv_kernel grid=(16480,1,1) block=(32,1,1) after=_rms_norm_kernel",
                           "tunekit_elementwise: _rms_norm_kernel after=_gemv_kernel",  # 3 of 4 replays' norms

@@ -15,6 +15,8 @@ from test_ops import _entry, make_table, timed_entry
 from tunekit import backends
 from tunekit.dispatch.fused_gemv import joined_rows
 from tunekit.evidence import chain as chain_mod
+from tunekit.evidence.chain import kernels as chain_kernels
+from tunekit.evidence.chain import steps as chain_steps
 from tunekit.problems import shapes
 from tunekit.problems.models import load_model
 from tunekit.problems.models.spec import ModelSpec
@@ -53,7 +55,7 @@ def _default_kernel(m: int, skip: tuple[str, ...] = (), fold: bool = False, merg
 
 def _bound_chain(m: int, fused=None) -> chain_mod.Chain:
     chain = chain_mod.Chain(chain_mod.chain_steps(_spec()), m, CPU)
-    fns = chain_mod._vendor_elementwise(CPU)
+    fns = chain_mod.vendor_elementwise(CPU)
     for variant in chain_mod.VARIANTS:
         chain.build(variant, fns, lambda step: False, fused or _default_kernel(m))
     return chain
@@ -125,7 +127,7 @@ def test_the_residual_epilogue_turns_the_next_norm_plain() -> None:
         assert (total.double() - expected).abs().max() <= 2.0**-6 * expected.abs().max()
         normed, passed = fused[i + 1](total, residual, only.weights[i + 1])
         assert passed is total
-        plain_vendor = chain_mod._vendor_impl(retyped[0], chain_mod._vendor_elementwise(CPU), only)
+        plain_vendor = chain_kernels.vendor_impl(retyped[0], chain_mod.vendor_elementwise(CPU), only)
         assert torch.equal(normed, plain_vendor(total, only.weights[i + 1]))  # served by nothing: vendor's
         assert not torch.equal(normed, vendor[i + 1](total, residual, only.weights[i + 1])[0])  # no second add
 
@@ -334,7 +336,7 @@ def test_folded_norms_leave_no_norm_but_the_final_one() -> None:
     for j, (step, kind) in enumerate(zip(chain.steps, kinds, strict=True)):
         if step.op.endswith("rms_norm"):
             norm = chain.weights[j]
-        elif kind == "fused" and step.op == "gemv" and step.name.endswith(chain_mod._NORM_CONSUMERS):
+        elif kind == "fused" and step.op == "gemv" and step.name.endswith(chain_steps.NORM_CONSUMERS):
             expected = F.linear(unit * (1 + norm.double()), chain.weights[j].double())
             y = chain._impls["tuned_fused"][j](s_in, chain.weights[j])
             assert (y.double() - expected).abs().max() <= 2.0**-6 * expected.abs().max(), step
@@ -602,7 +604,7 @@ def test_a_family_left_out_is_bound_as_the_chain_would_without_its_entries() -> 
     glu = tuple(shapes.GLU_GEMV_OPS)
     assert {s.op for s in full.fused["tuned_fused"]} & set(glu)  # SiLU-and-mul goes into gate_up's epilogue
     chain = chain_mod.Chain(chain_mod.chain_steps(_spec()), m, CPU)
-    fns = chain_mod._vendor_elementwise(CPU)
+    fns = chain_mod.vendor_elementwise(CPU)
     chain.build("tuned_fused", fns, lambda step: False,
                 chain_mod.excluding(_default_kernel(m, fold=True), frozenset(glu)))
     without = _bound_chain(m, _default_kernel(m, skip=glu, fold=True))  # no GLU entry in the tables at all
