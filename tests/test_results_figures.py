@@ -245,7 +245,7 @@ def test_chain_fusion_at_m248_checked_as_a_whole() -> None:
 
 @functools.cache
 def comparison(folder: str) -> Any:
-    from tunekit.evidence.compare import load_comparison  # imports torch (opspec): here, not at collection
+    from tunekit.evidence.comparison import load_comparison  # imports torch (opspec): here, not at collection
 
     return load_comparison(RESULTS / folder)
 
