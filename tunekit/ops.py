@@ -95,13 +95,8 @@ does) and fake impl in ``tunekit.dispatch.elementwise.ELEMENTWISE_IMPLS``;
 from __future__ import annotations
 
 from tunekit.dispatch.gemv import gemv
-from tunekit.dispatch.markers import (
-    dispatch_log,
-    dispatch_stats,
-    maybe_register_atexit,
-    reset_stats,
-    write_dispatch_log,
-)
+from tunekit.dispatch.log import dispatch_log, write_dispatch_log
+from tunekit.dispatch.markers import dispatch_stats, maybe_register_atexit, reset_stats
 from tunekit.dispatch.registry import register
 from tunekit.dispatch.state import DEFAULT_EPS as DEFAULT_EPS
 from tunekit.dispatch.state import (

@@ -1,42 +1,32 @@
-"""Dispatch markers: every served call counted, and the dispatch log written from them.
+"""Dispatch markers: every served call counted, and when the counts are written out (the dispatch log).
 
 Call protocol: each op impl counts each call once with what served it
 (``tuned:<backend>`` or ``fallback:<reason>``, and the vendor of a
 fallback): :func:`count`, or the ``tick()`` of the row's :func:`counter`
 that its per-key route keeps (one C call on the hot path); :func:`dispatch_stats` /
-:func:`reset_stats` read and clear the counters; :func:`dispatch_log` is the JSON document ``TUNEKIT_DISPATCH_LOG``
-names, written by :func:`write_dispatch_log` at interpreter exit once
-:func:`maybe_register_atexit` registered it (on ``import tunekit.ops`` and
-on every :func:`~tunekit.dispatch.tables.load_tables`), at the exit of a
+:func:`reset_stats` read and clear the counters.
+
+Where ``TUNEKIT_DISPATCH_LOG`` is set, :func:`maybe_register_atexit` (on
+``import tunekit.ops`` and on every :func:`~tunekit.dispatch.tables.load_tables`)
+schedules the dispatch log's writes: at interpreter exit, at the exit of a
 forked ``multiprocessing`` child (:func:`_register_child_exit`), and every
 few seconds while the counts change (:func:`_start_flusher`: a process
-killed before its exit hooks keeps what the last rewrite saw).
+killed before its exit hooks keeps what the last rewrite saw). Each write
+calls ``STATE.log_writer``, the writer ``tunekit.dispatch.log`` installs on
+import: the log reports the loaded tables, so this module, which the tables
+import, cannot import it.
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import multiprocessing.util
 import os
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
-from tunekit.dispatch.state import (
-    CAPTURE_NOTE,
-    DEFAULT_VENDOR,
-    EAGER_VENDORS,
-    FALLBACK_REASONS,
-    LOG_ENV,
-    STATE,
-    STATS_FORMAT,
-    CallCounter,
-    logger,
-)
-from tunekit.dispatch.tables import loaded_tables
-from tunekit.dispatch.vendors import vendor_kernels
+from tunekit.dispatch.state import LOG_ENV, STATE, CallCounter
 
 
 def count(op: str, dtype: str, shape: str, m: int, bias: bool, impl: str, capturing: bool,
@@ -90,44 +80,11 @@ def reset_stats() -> None:
         STATE.stats.clear()
 
 
-def dispatch_log() -> dict[str, Any]:
-    """The JSON document ``TUNEKIT_DISPATCH_LOG`` writes: tables, markers and the capture note."""
-    return {
-        "format": STATS_FORMAT,
-        "pid": os.getpid(),
-        "tables": loaded_tables(),
-        "note": CAPTURE_NOTE,
-        "fallback_reasons": FALLBACK_REASONS,
-        "vendors": vendor_kernels(),
-        "eager_vendors": EAGER_VENDORS,
-        "default_vendor": {DEFAULT_VENDOR: "tunekit's Triton kernel at the config of the table's nearest-M Triton "
-                                           "entry for the shape, else the op's default config (valid for every M), "
-                                           "serving an elementwise fallback that has no vendor kernel first"},
-        "calls": dispatch_stats(),
-    }
-
-
-def write_dispatch_log(path: str | os.PathLike | None = None) -> Path | None:
-    """Write :func:`dispatch_log` to ``path`` (default: ``TUNEKIT_DISPATCH_LOG``); ``{pid}`` is expanded.
-
-    Returns the path written, or None when no path is set or writing failed
-    (logged: this runs at interpreter exit, where raising helps nobody).
-    """
-    target = str(path) if path is not None else os.environ.get(LOG_ENV, "")
-    if not target:
-        return None
-    out = Path(target.replace("{pid}", str(os.getpid())))
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        # one temporary file per writer (the flusher thread and an exit hook may write at once): each
-        # writes a whole document, and the atomic replace leaves one of them, never a mix
-        tmp = out.with_name(out.name + f".{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_text(json.dumps(dispatch_log(), indent=2, default=str) + "\n")
-        os.replace(tmp, out)
-    except Exception as exc:
-        logger.error("tunekit: could not write the dispatch log %s: %s", out, exc)
-        return None
-    return out
+def _write_log() -> Any:
+    """Write the dispatch log with the installed writer (``tunekit.dispatch.log.write_dispatch_log``): the
+    path written, or None (none written, or no writer installed)."""
+    writer = STATE.log_writer
+    return None if writer is None else writer()
 
 
 #: seconds between rewrites of the dispatch log while a process runs (``TUNEKIT_DISPATCH_LOG_INTERVAL``)
@@ -142,7 +99,7 @@ def maybe_register_atexit() -> None:
         if STATE.atexit_registered or not os.environ.get(LOG_ENV):
             return
         STATE.atexit_registered = True
-    atexit.register(write_dispatch_log)
+    atexit.register(_write_log)
     _start_flusher()
 
 
@@ -169,7 +126,7 @@ def _start_flusher() -> None:
             time.sleep(interval)
             with STATE.lock:
                 now = dict(STATE.stats)
-            if now != written and write_dispatch_log() is not None:
+            if now != written and _write_log() is not None:
                 written = now
 
     threading.Thread(target=flush, name="tunekit-dispatch-log", daemon=True).start()
@@ -188,7 +145,7 @@ def _register_child_exit(_owner: _ForkHook) -> None:
     path runs ``multiprocessing``'s finalizers instead.
     """
     if STATE.atexit_registered:
-        multiprocessing.util.Finalize(None, write_dispatch_log, exitpriority=0)
+        multiprocessing.util.Finalize(None, _write_log, exitpriority=0)
         _start_flusher()
 
 

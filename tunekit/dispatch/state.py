@@ -2,12 +2,12 @@
 
 Every other module of ``tunekit.dispatch`` reads and mutates :data:`STATE`
 (never a copy of it): the loaded tables, the per-device merged tables, the
-decision cache, the built kernels, the dispatch markers and the installed
-vendor kernels. Every mutation happens under ``STATE.lock``; hot-path reads
-of single dict entries are lock-free (atomic under the GIL). Also here: the
-names the markers use (fallback reasons, vendor names), the op schemas and
-the epsilon the kernels are built with, and the one logger of serving
-(``tunekit.ops``, the name users configure).
+decision cache, the built kernels, the dispatch markers, the installed
+vendor kernels and the dispatch log's writer. Every mutation happens under
+``STATE.lock``; hot-path reads of single dict entries are lock-free (atomic
+under the GIL). Also here: the names the markers use (fallback reasons,
+vendor names), the op schemas and the epsilon the kernels are built with,
+and the one logger of serving (``tunekit.ops``, the name users configure).
 """
 
 from __future__ import annotations
@@ -195,6 +195,10 @@ class State:
         #: vendor kernel (or why none does); cleared with the tables
         self.defaults: dict[tuple, DefaultKernel] = {}
         self.atexit_registered = False
+        #: writes the dispatch log (``tunekit.dispatch.log.write_dispatch_log``, installed when that module is
+        #: imported): what the write schedule (``tunekit.dispatch.markers``) calls, so that the tables, which
+        #: start the schedule, need not import the log that reports them
+        self.log_writer: Callable[[], Any] | None = None
 
     @property
     def stats(self) -> dict[tuple, int]:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from tunekit import table as table_mod
+from tunekit.dispatch.markers import maybe_register_atexit
 from tunekit.dispatch.state import STATE, TABLE_ENV, LoadedTable, log_once
 
 
@@ -54,10 +55,7 @@ def load_tables(paths: str | os.PathLike | Sequence[str | os.PathLike] | None) -
         STATE.built.clear()
         STATE.largest.clear()
         STATE.defaults.clear()
-    # Imported here: the dispatch log (markers) reports the loaded tables, so it imports this module.
-    from tunekit.dispatch.markers import maybe_register_atexit
-
-    maybe_register_atexit()
+    maybe_register_atexit()  # TUNEKIT_DISPATCH_LOG may have been set since import tunekit.ops
     return loaded_tables()
 
 
