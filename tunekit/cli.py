@@ -566,6 +566,7 @@ def serve_bench(
     from tunekit.evidence.serve_bench import bench
     from tunekit.evidence.serve_bench import endpoint as endpoint_mod
     from tunekit.evidence.serve_bench.analysis import DEFAULT_TOL
+    from tunekit.evidence.serve_bench.settings import build_settings, parse_sizes
 
     def log(text: str) -> None:
         console.print(text, markup=False, highlight=False)
@@ -573,7 +574,7 @@ def serve_bench(
     tol = DEFAULT_TOL if logprob_tol is None else logprob_tol
     if endpoint:
         urls = endpoint_mod.parse_endpoints(endpoint)
-        endpoint_mod.run(urls, out or Path("runs") / "serve-endpoints", bench.parse_sizes(concurrency, "--concurrency"),
+        endpoint_mod.run(urls, out or Path("runs") / "serve-endpoints", parse_sizes(concurrency, "--concurrency"),
                          tokens, prompt_len, repeats, model, config, table, log=log)
         return
     if report_only:
@@ -581,8 +582,8 @@ def serve_bench(
             raise UserError("--report-only needs --out DIR (a serve-bench folder)")
         bench.report_dir(out, tol, log)
         return
-    settings = bench.build_settings(
-        model, config, table, bench.parse_sizes(batch, "--batch"), tokens=tokens, prompt_len=prompt_len,
+    settings = build_settings(
+        model, config, table, parse_sizes(batch, "--batch"), tokens=tokens, prompt_len=prompt_len,
         repeats=repeats, processes=processes, layers=layers, arms=[a.strip() for a in arms.split(",") if a.strip()],
         gpu_memory_utilization=gpu_memory_utilization, enforce_eager=eager, agree_steps=agree_steps,
         logprob_tol=tol, python=str(python) if python else sys.executable, runner_timeout_s=runner_timeout,

@@ -10,13 +10,20 @@ Modules:
   arm, one offline vLLM engine with dummy weights, TPOT by the difference of
   two output lengths, one JSON result; ``--probe`` says what a Python can run
   (vLLM, plugins, flashinfer, device, the tables' stamps) without starting vLLM.
-* ``bench``: the parent: model folder, arm schedule, environment per arm
-  (``VLLM_PLUGINS``, ``TUNEKIT_TABLE``, dispatch logs), running and resuming.
+* ``settings``: what a run measures (``Settings``, checked before anything
+  starts) and the model folder vLLM loads.
+* ``bench``: the parent: arm schedule, environment per arm (``VLLM_PLUGINS``,
+  ``TUNEKIT_TABLE``, dispatch logs), running and resuming, the report of a
+  folder rebuilt from its files (``--report-only``).
 * ``analysis``: pure: parse results, TPOT per arm, speedups, the tables'
   predicted saving, dispatch coverage, logprob agreement -> ``serve.json``.
 * ``report``: ``serve.md`` and ``serve.png``.
 * ``endpoint``: the same A/B against running OpenAI-compatible servers
   (streaming ``/v1/completions``, standard library only).
+* ``provenance``: the package root the runners start with, its git commit.
+
+Layers: ``runner`` and ``profile`` at the bottom, then ``analysis``,
+``report``, ``provenance``, ``settings``, ``endpoint``, and ``bench`` on top.
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
-"""The parent of ``tunekit serve-bench``: model folder, arm schedule, environment per arm, resume.
+"""The parent of ``tunekit serve-bench``: arm schedule, environment per arm, running and resuming, the report.
 
 Call protocol::
 
     settings = build_settings(model="qwen3.5-27b", tables=["runs/x/table.json"], batches=[1, 2, 4, 8])
     serve = run_offline(settings, Path("runs/serve-qwen3.5-27b"), log=print)   # -> serve.json, .md, .png
+    serve = report_dir(Path("runs/serve-qwen3.5-27b"))                         # --report-only: from the files
+
+(``build_settings``: ``tunekit.evidence.serve_bench.settings``.)
 
 Every arm runs in its own process (``tunekit.evidence.serve_bench.runner``; ``TUNEKIT_SERVE_RUNNER``
 replaces its command, for tests), rounds alternate the arms (vanilla,
@@ -33,23 +36,19 @@ Environment of an arm (on top of the caller's):
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import json
 import os
 import shlex
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tunekit.errors import Interrupted, UserError
-from tunekit.evidence.serve_bench import ARMS, DEFAULT_ARMS, TABLE_ARMS
+from tunekit.evidence.serve_bench import ARMS, TABLE_ARMS, endpoint
 from tunekit.evidence.serve_bench.analysis import (
     DEFAULT_TOL,
     dispatch_logs,
@@ -58,7 +57,9 @@ from tunekit.evidence.serve_bench.analysis import (
     merge_dispatch,
     summarize,
 )
+from tunekit.evidence.serve_bench.provenance import git_commit, package_root
 from tunekit.evidence.serve_bench.runner import PROBE_FORMAT, PROGRESS
+from tunekit.evidence.serve_bench.settings import Settings, vocab_size, write_model_dir
 
 #: Replaces the runner command (shlex-split; it gets ``--probe ...`` or ``--spec F --out F``).
 RUNNER_ENV = "TUNEKIT_SERVE_RUNNER"
@@ -69,180 +70,12 @@ GENERAL_GROUP = "vllm.general_plugins"
 #: server); listing every name of these would switch them on where an unset VLLM_PLUGINS leaves them off.
 OPT_IN_GROUPS = ("vllm.endpoint_plugins",)
 SETTINGS_FILE = "serve-settings.json"
-#: Architectures vLLM registers for the model types tunekit derives (configs without ``architectures``).
-ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
-    "qwen3_5": "Qwen3_5ForConditionalGeneration",
-}
 INSTALL_HINT = ("install vLLM in its own virtualenv (python -m venv ~/.cache/tunekit/vllm-venv && "
                 "~/.cache/tunekit/vllm-venv/bin/pip install vllm; scripts/setup.sh makes one) and pass "
                 "--python ~/.cache/tunekit/vllm-venv/bin/python, or put a vLLM site folder on PYTHONPATH "
                 "(README, 'Serving a table')")
 PLUGIN_HINT = ("make the entry point visible there: pip install -e . in that Python, or a minimal "
                "tunekit-0.1.0.dist-info with entry_points.txt in its site folder (README, 'Serving a table')")
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What a serve-bench run measures; ``key()`` must match for a resume."""
-
-    model: str
-    model_config: dict[str, Any] = field(repr=False)
-    tables: tuple[str, ...]
-    batches: tuple[int, ...] = (1, 2, 4, 8)
-    tokens: int = 128
-    prompt_len: int = 64
-    repeats: int = 5
-    processes: int = 3
-    arms: tuple[str, ...] = DEFAULT_ARMS
-    layers: int | None = None
-    gpu_memory_utilization: float = 0.85
-    enforce_eager: bool = False
-    agree_steps: int = 8
-    logprobs: int = 5
-    logprob_tol: float = DEFAULT_TOL
-    python: str = sys.executable
-    runner_timeout_s: float = 3600.0
-    #: decode steps profiled per batch size and process (tunekit.evidence.serve_bench.profile); 0: no profile
-    profile_steps: int = 0
-
-    @property
-    def max_model_len(self) -> int:
-        """Prompt + new tokens + a margin, rounded up to 64: small, so the KV cache costs nothing."""
-        return -(-(self.prompt_len + max(self.tokens, self.agree_steps) + 16) // 64) * 64
-
-    def engine(self, model_dir: Path) -> dict[str, Any]:
-        """``LLM(**engine)`` arguments; the runner drops those this vLLM lacks (``gdn_prefill_backend``)."""
-        return {
-            "model": str(model_dir), "load_format": "dummy", "skip_tokenizer_init": True, "dtype": "bfloat16",
-            "max_model_len": self.max_model_len, "max_num_seqs": max(self.batches),
-            "gpu_memory_utilization": self.gpu_memory_utilization, "enforce_eager": self.enforce_eager,
-            "seed": 0, "enable_prefix_caching": False,
-            # the SM90 default is FlashInfer's JIT GDN prefill, absent where flashinfer is
-            "gdn_prefill_backend": "triton",
-        }
-
-    def key(self) -> dict[str, Any]:
-        doc = dataclasses.asdict(self)
-        for volatile in ("python", "runner_timeout_s", "logprob_tol", "processes"):
-            doc.pop(volatile)
-        if not self.profile_steps:  # the key of a run without a profile, as before the option existed
-            doc.pop("profile_steps")
-        doc["tables"] = list(self.tables)
-        doc["batches"], doc["arms"] = list(self.batches), list(self.arms)
-        return doc
-
-
-# ---------------------------------------------------------------------------
-# Settings and the model folder
-# ---------------------------------------------------------------------------
-
-
-def _text_part(config: dict[str, Any]) -> dict[str, Any]:
-    """The decoder fields: a Qwen3.5 vision-language config nests them in ``text_config``."""
-    nested = config.get("text_config")
-    return nested if config.get("model_type") == "qwen3_5" and isinstance(nested, dict) else config
-
-
-def vllm_model_config(config: dict[str, Any], layers: int | None = None) -> dict[str, Any]:
-    """The ``config.json`` vLLM gets: the model's config, ``layers`` decoder layers kept (with
-    ``layer_types``), ``architectures`` and ``torch_dtype`` added where missing, and the Qwen3.5 text
-    model's rotary fields as ``rope_parameters`` (the form of the config that ran on the GPU machine;
-    the M-RoPE sections are for vision inputs and dropped: text-only positions)."""
-    cfg = copy.deepcopy(config)
-    text = _text_part(cfg)
-    total = text.get("num_hidden_layers")
-    if layers is not None:
-        if not isinstance(total, int) or not 1 <= layers <= total:
-            raise UserError(f"--layers must be 1..{total}, got {layers}")
-        text["num_hidden_layers"] = layers
-        if isinstance(text.get("layer_types"), list):
-            text["layer_types"] = text["layer_types"][:layers]
-    model_type = str(cfg.get("model_type"))
-    if "architectures" not in cfg and model_type in ARCHITECTURES:
-        cfg["architectures"] = [ARCHITECTURES[model_type]]
-    cfg.setdefault("torch_dtype", "bfloat16")
-    if text.get("model_type", model_type) in ("qwen3_5_text", "qwen3_5", "qwen3_next") \
-            and "rope_parameters" not in text and "rope_theta" in text:
-        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": text.pop("rope_theta")}
-        if "partial_rotary_factor" in text:
-            rope["partial_rotary_factor"] = text.pop("partial_rotary_factor")
-        text["rope_parameters"] = rope
-        text.pop("mrope_section", None)
-        text.pop("mrope_interleaved", None)
-    return cfg
-
-
-def _model_document(model: str | None, config: Path | None) -> tuple[str, dict[str, Any]]:
-    """(name, raw config dict) of a built-in model or a config file, validated by ``load_model``."""
-    from tunekit.problems.models import load_model
-
-    if bool(model) == bool(config):
-        raise UserError("give one of --model or --config")
-    spec = load_model(str(config) if config else model)  # every config error, one line
-    if config is None:
-        return spec.name, copy.deepcopy(spec.config)  # built-ins are flat text configs
-    path = Path(config).expanduser()
-    doc = load_json(path / "config.json" if path.is_dir() else path, "model config")
-    if "model_type" not in doc and isinstance(doc.get("config"), dict):  # a tunekit model file
-        doc = doc["config"]
-    return spec.name, doc
-
-
-def build_settings(model: str | None, config: Path | None, tables: Sequence[Path | str],
-                   batches: Sequence[int] = (1, 2, 4, 8), **options: Any) -> Settings:
-    """Check everything that can be checked before a process starts; UserError (one line) otherwise."""
-    from tunekit import table as table_mod
-
-    arms = tuple(options.pop("arms", DEFAULT_ARMS))
-    unknown = [a for a in arms if a not in ARMS]
-    if unknown or "vanilla" not in arms or len(set(arms)) != len(arms):
-        raise UserError(f"--arms takes vanilla plus any of passthrough, tuned, folded (got {','.join(arms)})")
-    arms = tuple(a for a in ARMS if a in arms)  # the round order is fixed
-    # Without a tuned arm (vanilla against passthrough: the plugin's own cost) a table is optional;
-    # given, it still feeds the predicted-saving column.
-    if not tables and set(TABLE_ARMS) & set(arms):
-        raise UserError("give at least one --table (the tuned and folded arms serve it)")
-    paths = []
-    for t in tables:
-        table_mod.load(t)  # missing or corrupt: one error line, before anything starts
-        paths.append(str(Path(t).resolve()))
-    name, doc = _model_document(model, config)
-    layers = options.get("layers")
-    cfg = vllm_model_config(doc, layers)
-    s = Settings(model=name, model_config=cfg, tables=tuple(paths), batches=tuple(batches), arms=arms, **options)
-    if not s.batches or any(b < 1 or b > 1024 for b in s.batches) or len(set(s.batches)) != len(s.batches):
-        raise UserError(f"--batch takes distinct sizes 1..1024, got {list(s.batches)}")
-    if s.tokens < 2:
-        raise UserError("--tokens must be at least 2 (TPOT is the difference of a 1-token and a --tokens run)")
-    for opt, value, low in (("--prompt-len", s.prompt_len, 1), ("--repeats", s.repeats, 1),
-                            ("--processes", s.processes, 1), ("--agree-steps", s.agree_steps, 1),
-                            ("--profile-steps", s.profile_steps, 0)):
-        if value < low:
-            raise UserError(f"{opt} must be at least {low}, got {value}")
-    if not 0.05 <= s.gpu_memory_utilization <= 0.99:
-        raise UserError(f"--gpu-memory-utilization must be in 0.05..0.99, got {s.gpu_memory_utilization}")
-    return s
-
-
-def parse_sizes(text: str, option: str) -> list[int]:
-    """``"1,2,4,8"`` -> [1, 2, 4, 8] (batch sizes, concurrencies); UserError naming ``option`` otherwise."""
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise UserError(f"bad {option} {text!r}: expected a comma list such as 1,2,4,8") from None
-    if not values or any(v < 1 for v in values) or len(set(values)) != len(values):
-        raise UserError(f"bad {option} {text!r}: expected distinct positive integers")
-    return values
-
-
-def write_model_dir(out_dir: Path, config: dict[str, Any]) -> Path:
-    """``DIR/model/config.json``: all vLLM reads with dummy weights and no tokenizer."""
-    model_dir = Path(out_dir) / "model"
-    model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return model_dir
 
 
 # ---------------------------------------------------------------------------
@@ -269,12 +102,6 @@ def plugin_allow_lists(entry_points: dict[str, list[str]], user_value: str | Non
     return ",".join(without), ",".join(without + [PLUGIN_NAME])
 
 
-def _package_root() -> str:
-    import tunekit
-
-    return str(Path(tunekit.__file__).resolve().parents[1])
-
-
 def arm_env(arm: str, index: int, base: dict[str, str], settings: Settings, probe: dict[str, Any],
             out_dir: Path) -> dict[str, str]:
     """The environment of process ``index`` of ``arm`` (module docstring)."""
@@ -294,7 +121,7 @@ def arm_env(arm: str, index: int, base: dict[str, str], settings: Settings, prob
     env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                 "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"})
     env.pop("TRITON_INTERPRET", None)
-    root = _package_root()
+    root = package_root()
     rest = [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p and p != root]
     env["PYTHONPATH"] = os.pathsep.join([root, *rest])
     return env
@@ -313,7 +140,7 @@ def runner_command(python: str) -> list[str]:
 def probe(settings: Settings, base_env: dict[str, str] | None = None) -> dict[str, Any]:
     """Ask the runner's Python what it can run; UserError if it has no vLLM or cannot load the plugin."""
     env = dict(base_env if base_env is not None else os.environ)
-    root = _package_root()
+    root = package_root()
     env["PYTHONPATH"] = os.pathsep.join([root, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
     env.pop("TRITON_INTERPRET", None)
     cmd = runner_command(settings.python) + ["--probe", *[a for t in settings.tables for a in ("--table", t)]]
@@ -374,32 +201,6 @@ def _run_process(cmd: list[str], env: dict[str, str], log_path: Path, timeout: f
             raise
         reader.join(timeout=10)
     return rc
-
-
-def _git_commit() -> str | None:
-    """HEAD of the checkout tunekit runs from, or None when that is not a git checkout of its own.
-
-    A copy of the sources inside some other repository (an exported tree on a
-    GPU machine) must not report that repository's HEAD: the toplevel must be
-    the package root itself.
-    """
-    root = _package_root()
-    try:
-        res = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=root, capture_output=True,
-                             text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    lines = res.stdout.split()
-    if res.returncode != 0 or len(lines) != 2 or Path(lines[0]).resolve() != Path(root).resolve():
-        return None
-    # A tree whose tracked files differ from HEAD did not run HEAD: say so (a synced copy on a GPU
-    # machine can carry an older .git than the sources it runs).
-    try:
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                                capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return lines[1] + "+unknown"
-    return lines[1] + ("+dirty" if status.returncode != 0 or status.stdout.strip() else "")
 
 
 def _check_resume(out_dir: Path, settings: Settings) -> None:
@@ -475,7 +276,7 @@ def _run_offline(settings: Settings, out_dir: Path, log: Callable[[str], None], 
         spec = {"arm": arm, "index": i, "engine": settings.engine(model_dir.resolve()),
                 "batches": list(settings.batches), "tokens": settings.tokens, "prompt_len": settings.prompt_len,
                 "repeats": settings.repeats, "agree_steps": settings.agree_steps, "logprobs": settings.logprobs,
-                "vocab_size": int(_vocab(settings.model_config)), "profile_steps": settings.profile_steps}
+                "vocab_size": vocab_size(settings.model_config), "profile_steps": settings.profile_steps}
         spec_path = runs_dir / f"{arm}-{i}.spec.json"
         spec_path.write_text(json.dumps(spec, indent=1) + "\n")
         env = arm_env(arm, i, base, settings, info, out_dir)
@@ -496,24 +297,17 @@ def _run_offline(settings: Settings, out_dir: Path, log: Callable[[str], None], 
     return report_dir(out_dir, settings.logprob_tol, log, table_mismatch=mismatch)
 
 
-def _vocab(config: dict[str, Any]) -> int:
-    return int(_text_part(config).get("vocab_size", 32000))
-
-
 def report_dir(out_dir: Path, tol: float = DEFAULT_TOL, log: Callable[[str], None] = print,
                table_mismatch: dict[str, list[str]] | None = None) -> dict[str, Any]:
-    """Build ``serve.json``, ``serve.md`` and ``serve.png`` from the results in ``out_dir`` (also alone:
-    ``tunekit serve-bench --report-only``)."""
+    """Build ``serve.json``, ``serve.md`` and ``serve.png`` from the files in ``out_dir`` (also alone:
+    ``tunekit serve-bench --report-only``): the settings, the runner results in ``runs/`` and the dispatch
+    logs; an ``--endpoint`` folder's report gets the servers' coverage (``endpoint.add_coverage``)."""
     from tunekit import table as table_mod
     from tunekit.evidence.serve_bench.report import write_reports
     from tunekit.problems.models.spec import ModelSpec
 
     out_dir = Path(out_dir)
     if not (out_dir / SETTINGS_FILE).is_file() and (out_dir / "serve.json").is_file():
-        from tunekit.evidence.serve_bench import (
-            endpoint,  # an --endpoint folder: its report, with the servers' coverage
-        )
-
         if load_json(out_dir / "serve.json", "serve-bench report").get("mode") == "endpoint":
             return endpoint.add_coverage(out_dir, log)
     key = load_json(out_dir / SETTINGS_FILE, "serve-bench settings")
@@ -529,7 +323,7 @@ def report_dir(out_dir: Path, tol: float = DEFAULT_TOL, log: Callable[[str], Non
         table_mismatch = _mismatch_from_logs(coverage.get("tuned"))
     settings = {k: v for k, v in key.items() if k != "model_config"}
     settings["processes"] = max(len(docs) for docs in results.values())  # not in the key: a resume may add some
-    serve = summarize(settings, results, coverage, spec, tables, table_mismatch, tol, _git_commit())
+    serve = summarize(settings, results, coverage, spec, tables, table_mismatch, tol, git_commit())
     doc, md, png = write_reports(serve, out_dir)
     for row in serve["batches"]:
         log(_line(row))

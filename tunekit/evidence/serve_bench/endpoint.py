@@ -39,6 +39,7 @@ from tunekit.evidence.serve_bench.analysis import (
     pair_ratios,
     predicted_saving_us,
 )
+from tunekit.evidence.serve_bench.provenance import git_commit
 from tunekit.evidence.serve_bench.runner import make_prompts
 
 #: The arms an endpoint run takes.
@@ -266,7 +267,6 @@ def run(endpoints: dict[str, str], out_dir: Any, concurrency: Sequence[int] = (1
     from pathlib import Path
 
     from tunekit import table as table_mod
-    from tunekit.evidence.serve_bench.bench import _git_commit
     from tunekit.evidence.serve_bench.report import write_reports
 
     if not concurrency or any(c < 1 or c > 1024 for c in concurrency):
@@ -284,7 +284,7 @@ def run(endpoints: dict[str, str], out_dir: Any, concurrency: Sequence[int] = (1
     vocab = min(spec.vocab_size, 10_100) if spec is not None else 10_100
     settings = {"mode": "endpoint", "model": spec.name if spec else None, "concurrency": list(concurrency),
                 "tokens": tokens, "prompt_len": prompt_len, "repeats": repeats, "arms": list(endpoints),
-                "tunekit_commit": _git_commit()}
+                "tunekit_commit": git_commit()}
     rounds = run_endpoints(endpoints, concurrency, tokens, prompt_len, repeats, vocab, timeout, log)
     serve = summarize_endpoints(rounds, endpoints, settings, spec, loaded)
     out = Path(out_dir)
