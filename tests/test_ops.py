@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import tunekit
 from tunekit import ops
 from tunekit import table as table_mod
-from tunekit.dispatch import elementwise
+from tunekit.dispatch import elementwise, elementwise_fallback
 from tunekit.dispatch import gemv as serving_gemv
 from tunekit.measure.device import detect
 from tunekit.problems import opspec, opspec_gemv
@@ -762,9 +762,10 @@ def test_above_the_table_the_fallback_kernel_borrows_the_nearest_tuned_config(tm
     # the nearest M below the call's is preferred, then the nearest above
     entries = [{"op": "rms_norm", "dtype": "bf16", "n": 8, "k": 8, "m": m, "backend": "triton", "params": {"M": m}}
                for m in (1, 4, 16)]
-    assert [elementwise._nearest_config(entries, "rms_norm", "bf16", m, 8, 8, "triton") for m in (2, 9, 32)] == [
+    nearest = elementwise_fallback._nearest_config
+    assert [nearest(entries, "rms_norm", "bf16", m, 8, 8, "triton") for m in (2, 9, 32)] == [
         {"M": 1}, {"M": 4}, {"M": 16}]
-    assert elementwise._nearest_config(entries, "rms_norm", "bf16", 2, 8, 8, "hip") is None
+    assert nearest(entries, "rms_norm", "bf16", 2, 8, 8, "hip") is None
 
 
 @pytest.mark.skipif(not _triton_has_kernels(), reason="kernels_triton has no elementwise kernels yet")

@@ -78,7 +78,7 @@ vLLM plugin: vLLM's own CUDA / Triton kernels); where none is installed for
 the op and device, tunekit's own Triton kernel at the search space's default
 config (``search_spaces/<op>.toml``, valid for every M), built and cached per
 key as a tuned entry is (``vendor: "tunekit:triton-default"``, see
-``tunekit.dispatch.elementwise._ew_default``); else, or where that cannot serve, the PyTorch math of
+``tunekit.dispatch.elementwise_fallback._ew_default``); else, or where that cannot serve, the PyTorch math of
 vLLM's native implementations (``vllm.ir.ops.rms_norm`` ...), rounding where
 those round. Each fallback row's ``vendor`` says which served it, and why the
 composition did (:data:`EAGER_VENDORS`).

@@ -2,9 +2,9 @@
 
 * ``rms_gemv(x, weight, eps)``: y = (x / rms(x)) @ weight^T, rms per row of x
   over its K values: the GEMV of an RMSNorm whose weight was folded into
-  ``weight`` (``tunekit.problems.opspec.RMS_GEMV``);
+  ``weight`` (``tunekit.problems.opspec_gemv.RMS_GEMV``);
 * ``gemv_add(x, weight, residual)``: y = x @ weight^T + residual, the residual
-  add in the GEMV's epilogue (``tunekit.problems.opspec.GEMV_ADD``);
+  add in the GEMV's epilogue (``tunekit.problems.opspec_gemv.GEMV_ADD``);
 * ``sibling_gemv(x, weights, eps)``: the GEMVs of linears that read the same
   x (``in_proj_qkvz`` and ``in_proj_ba``), as one: y = x @ [W_1; W_2; ...]^T,
   their outputs side by side, ``rms_gemv``'s x / rms(x) where eps is given.
@@ -92,7 +92,7 @@ _UNIT_WEIGHTS: dict[tuple, torch.Tensor] = {}
 def _unweighted_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) rounded to x's dtype, for the vendor path of ``rms_gemv``: in one launch of tunekit's
     Gemma RMSNorm kernel with a zero weight (x * (1 + 0)) at its default config (the table's Triton
-    config of that width at the nearest M, else the family's default: ``elementwise._ew_default``)
+    config of that width at the nearest M, else the family's default: ``elementwise_fallback._ew_default``)
     wherever a table serves the device; else :func:`unweighted_rms_norm`'s PyTorch composition.
 
     Why: the fold rewrote the weights for every M, so above the M its ``rms_gemv`` entries cover (a
@@ -101,7 +101,7 @@ def _unweighted_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     where vLLM's unfolded layer runs one. Same numerics class: fp32 math, one rounding (within the
     norm's bound of the composition, not bit-equal to it). The zero weight is made at an eager call
     only (never inside a CUDA-graph capture, whose pool may hand its memory on)."""
-    from tunekit.dispatch.elementwise import _ew_default
+    from tunekit.dispatch.elementwise_fallback import _ew_default
 
     k = x.shape[-1] if x.dim() else 0
     dtype = DTYPE_NAMES.get(x.dtype)

@@ -33,7 +33,7 @@ def prepare(device: torch.device | str | None = None, ms: Iterable[int] | None =
     elementwise op with no vendor kernel installed for ``device``, the given
     ``ms`` above the table are called too (also where the vendor path takes
     several launches: the default kernel serves first), which builds the default-config
-    kernels serving those fallbacks (:func:`~tunekit.dispatch.elementwise._ew_default`), so captured graphs
+    kernels serving those fallbacks (:func:`~tunekit.dispatch.elementwise_fallback._ew_default`), so captured graphs
     hold them instead of the composition. Each M is
     launched once because decisions are cached per M and Triton specialises
     on M's block size. Inputs come from ``tunekit.problems.opspec`` (random, nothing is
