@@ -12,7 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from serve_bench_helpers import DATA, FAKE_RUNNER, REPO, TABLE, small_settings, use_fake_runner
+from serve_bench_helpers import DATA, FAKE_RUNNER, REPO, TABLE, rebuild, small_settings, use_fake_runner
 
 from tunekit.errors import UserError
 from tunekit.evidence.serve_bench import analysis, bench, provenance, runner
@@ -146,7 +146,8 @@ def test_run_offline_on_the_stub_engine(fake: Path, tmp_path: Path) -> None:
     record = [ln.split() for ln in fake.read_text().splitlines()]
     assert [(a, int(i)) for a, i, _, _ in record] == bench.schedule(("vanilla", "passthrough", "tuned"), 2)
     assert all(arm == seen for arm, _, _, seen in record)  # the stub engine decided the arm from the env alone
-    runs = {(r["arm"], r["index"]): r for docs in serve["arms"].values() for r in docs}
+    runs = {(r["arm"], r["index"]): r for files in serve["runs"].values()
+            for r in (json.loads((out / name).read_text()) for name in files)}
     assert runs[("vanilla", 0)]["env"]["VLLM_PLUGINS"] == "qwen35_text"
     assert runs[("tuned", 1)]["env"]["VLLM_PLUGINS"] == "qwen35_text,tunekit"
     assert runs[("tuned", 1)]["env"]["TUNEKIT_TABLE"] == str(TABLE.resolve())
@@ -201,9 +202,9 @@ def test_run_offline_on_the_stub_engine(fake: Path, tmp_path: Path) -> None:
 
     # files
     on_disk = json.loads((out / "serve.json").read_text())
-    for key in ("model", "device", "vllm", "torch", "tunekit_commit", "arms", "batches"):
+    for key in ("model", "device", "vllm", "torch", "tunekit_commit", "runs", "batches"):
         assert key in on_disk
-    assert set(on_disk["arms"]) == {"vanilla", "passthrough", "tuned"}
+    assert set(on_disk["runs"]) == {"vanilla", "passthrough", "tuned"}
     for key in ("batch", "vanilla_tpot_ms", "passthrough_tpot_ms", "tuned_tpot_ms", "speedup", "speedup_min",
                 "speedup_max", "passthrough_ratio", "predicted_speedup", "predicted_saving_ms",
                 "measured_saving_ms", "tokens_per_s", "coverage", "agreement"):
@@ -223,6 +224,40 @@ def test_run_offline_on_the_stub_engine(fake: Path, tmp_path: Path) -> None:
         bench.run_offline(small_settings(tokens=32), out, lines.append)
     # the report alone, from the files
     assert bench.report_dir(out, log=lines.append)["batches"][1]["agreement"]["verdict"] == "pass"
+
+
+def _run_documents(doc: object) -> list[dict]:
+    """Every runner result (``tunekit.serve_run/1`` document) anywhere inside ``doc``."""
+    if isinstance(doc, dict):
+        found = [doc] if doc.get("format") == runner.FORMAT else []
+        return found + [d for v in doc.values() for d in _run_documents(v)]
+    if isinstance(doc, list):
+        return [d for v in doc for d in _run_documents(v)]
+    return []
+
+
+def test_serve_json_names_its_runs_and_a_report_rebuilt_from_them_has_the_same_figures(fake: Path,
+                                                                                          tmp_path: Path) -> None:
+    """serve.json holds the analysis and names the runner results it came from (DIR/runs/{arm}-{i}.json), never
+    a copy of them; the report rebuilt from a copy of runs/, dispatch/ and the settings alone is the same."""
+    out = tmp_path / "serve"
+    serve = bench.run_offline(small_settings(processes=2, arms=["vanilla", "tuned"]), out, lambda s: None)
+    on_disk = json.loads((out / "serve.json").read_text())
+    assert on_disk == json.loads(json.dumps(serve))
+    assert "arms" not in on_disk and not _run_documents(on_disk)
+    assert on_disk["runs"] == {arm: [f"runs/{arm}-{i}.json" for i in (0, 1)] for arm in ("vanilla", "tuned")}
+    for arm, names in on_disk["runs"].items():
+        for i, name in enumerate(names):
+            assert (out / name).is_file() and analysis.run_file(arm, i) == Path(name).name
+            run = analysis.load_run(out / name)
+            assert (run["arm"], run["index"]) == (arm, i)
+    # --report-only in another folder that holds only the raw files
+    key = json.loads((out / "serve-settings.json").read_text())
+    rebuilt = rebuild(out, tmp_path / "again", key["tables"])
+    for doc in (rebuilt, json.loads((tmp_path / "again" / "serve.json").read_text())):
+        assert {k: v for k, v in doc.items() if k != "tunekit_commit"} == \
+            {k: v for k, v in on_disk.items() if k != "tunekit_commit"}
+    assert (tmp_path / "again" / "serve.md").read_text() == (out / "serve.md").read_text()
 
 
 def test_profile_tells_where_the_saving_came_from(fake: Path, tmp_path: Path) -> None:

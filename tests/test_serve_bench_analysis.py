@@ -349,7 +349,7 @@ def test_the_recorded_passthrough_run_names_only_its_arms(tmp_path: Path) -> Non
     """vanilla against passthrough alone (no table): the report names the two arms that ran, no
     TUNEKIT_TABLE, and the plugin's cost as vanilla / passthrough TPOT (within 1% on the H200)."""
     rebuilt = rebuild(TTFT3 / "passthrough", tmp_path / "serve", [])
-    assert set(rebuilt["arms"]) == {"vanilla", "passthrough"}
+    assert set(rebuilt["runs"]) == {"vanilla", "passthrough"}
     for row in rebuilt["batches"]:
         assert row["speedup"] is None and abs(1 - row["passthrough_ratio"]) < 0.01
         assert bench._line(row).count("passthrough x") == 1 and "speedup" not in bench._line(row)

@@ -16,7 +16,8 @@ Modules:
   ``TUNEKIT_TABLE``, dispatch logs), running and resuming, the report of a
   folder rebuilt from its files (``--report-only``).
 * ``analysis``: pure: parse results, TPOT per arm, speedups, the tables'
-  predicted saving, dispatch coverage, logprob agreement -> ``serve.json``.
+  predicted saving, dispatch coverage, logprob agreement -> ``serve.json``
+  (which names the run files under ``runs/`` and holds no copy of them).
 * ``report``: ``serve.md`` and ``serve.png``.
 * ``endpoint``: the same A/B against running OpenAI-compatible servers
   (streaming ``/v1/completions``, standard library only).

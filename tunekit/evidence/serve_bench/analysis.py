@@ -2,7 +2,9 @@
 
 Pure: reads JSON documents (the runner's ``tunekit.serve_run/1`` results and
 the ``TUNEKIT_DISPATCH_LOG`` files), imports neither torch nor vLLM, so the
-whole parent side is testable on recorded files.
+whole parent side is testable on recorded files. ``serve.json`` holds what is
+derived and names the run files it came from (``runs``, ``run_file``), never a
+copy of them: a report rebuilt from ``runs/`` gives the same figures.
 
 Figures per batch size B:
 
@@ -56,6 +58,8 @@ from tunekit.evidence.serve_bench.runner import FORMAT as RUN_FORMAT
 FORMAT = "tunekit.evidence.serve_bench/1"
 #: Logprob tolerance of the agreement check, nats: 4 u_bf16 (see the module docstring).
 DEFAULT_TOL = 2.0 ** -6
+#: The folder of a serve-bench run that holds one runner result per process (``run_file``).
+RUNS_DIR = "runs"
 _CAPTURE_NOTE = ("dispatch calls are counted when Python runs the op: under CUDA graphs once per capture, "
                  "replays are not counted (rows counted_at=capture are captures, not executions)")
 
@@ -75,6 +79,11 @@ def load_json(path: Path, what: str) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise UserError(f"{path}: corrupt {what} (not a JSON object)")
     return doc
+
+
+def run_file(arm: str, index: int) -> str:
+    """The file name of process ``index`` of ``arm``'s result in ``RUNS_DIR``."""
+    return f"{arm}-{index}.json"
 
 
 def load_run(path: Path) -> dict[str, Any]:
@@ -403,7 +412,8 @@ def summarize(settings: dict[str, Any], results: dict[str, list[dict[str, Any]]]
               tables: Sequence[tuple[str, dict[str, Any]]], table_mismatch: dict[str, list[str]] | None = None,
               tol: float = DEFAULT_TOL, commit: str | None = None) -> dict[str, Any]:
     """The ``serve.json`` document. ``results``: runner results by arm; ``coverage``: ``merge_dispatch``
-    of the tuned and passthrough arms; ``tables``: (path, table) as given to the tuned arm."""
+    of the tuned and passthrough arms; ``tables``: (path, table) as given to the tuned arm. The results
+    are named (``runs``: arm -> their files, relative to the run folder), not copied."""
     table_mismatch = table_mismatch or {}
     usable = [t for path, t in tables if not table_mismatch.get(path)]
     serving = merged_table(usable)
@@ -493,5 +503,6 @@ def summarize(settings: dict[str, Any], results: dict[str, list[dict[str, Any]]]
         "table_mismatch": table_mismatch,
         "engine_start_s": {arm: [res.get("engine_start_s") for res in docs] for arm, docs in results.items()},
         "plugin": {arm: [res.get("plugin") for res in docs] for arm, docs in results.items()},
-        "arms": results, "coverage": coverage, "batches": batches, "notes": notes,
+        "runs": {arm: [f"{RUNS_DIR}/{run_file(arm, res['index'])}" for res in docs] for arm, docs in results.items()},
+        "coverage": coverage, "batches": batches, "notes": notes,
     }

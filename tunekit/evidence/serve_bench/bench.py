@@ -12,7 +12,10 @@ Every arm runs in its own process (``tunekit.evidence.serve_bench.runner``; ``TU
 replaces its command, for tests), rounds alternate the arms (vanilla,
 passthrough, tuned, vanilla, ...), and each process writes
 ``DIR/runs/{arm}-{i}.json``. Rerunning the same command in the same folder
-resumes: finished processes are kept, settings must be the same.
+resumes: finished processes are kept, settings must be the same. The report
+(``serve.json``, ``serve.md``, ``serve.png``) is built from the files of the
+folder alone, ``runs/`` and ``dispatch/``: ``serve.json`` names the run files
+it was made from and holds the analysis, never copies of them.
 
 Environment of an arm (on top of the caller's):
 
@@ -51,10 +54,12 @@ from tunekit.errors import Interrupted, UserError
 from tunekit.evidence.serve_bench import ARMS, TABLE_ARMS, endpoint
 from tunekit.evidence.serve_bench.analysis import (
     DEFAULT_TOL,
+    RUNS_DIR,
     dispatch_logs,
     load_json,
     load_runs,
     merge_dispatch,
+    run_file,
     summarize,
 )
 from tunekit.evidence.serve_bench.provenance import git_commit, package_root
@@ -249,7 +254,7 @@ def _run_offline(settings: Settings, out_dir: Path, log: Callable[[str], None], 
         log(f"warning: {settings.python} could not describe its device: {info['device_error']}")
     _check_resume(out_dir, settings)
     model_dir = write_model_dir(out_dir, settings.model_config)
-    runs_dir = out_dir / "runs"
+    runs_dir = out_dir / RUNS_DIR
     runs_dir.mkdir(exist_ok=True)
     order = schedule(settings.arms, settings.processes)
     log(f"serve-bench {settings.model}: {len(order)} processes ({', '.join(settings.arms)} x "
@@ -258,7 +263,7 @@ def _run_offline(settings: Settings, out_dir: Path, log: Callable[[str], None], 
     started = time.perf_counter()
     longest = 0.0
     for n, (arm, i) in enumerate(order, 1):
-        out = runs_dir / f"{arm}-{i}.json"
+        out = runs_dir / run_file(arm, i)
         if out.is_file():
             try:
                 done = json.loads(out.read_text())
@@ -311,9 +316,9 @@ def report_dir(out_dir: Path, tol: float = DEFAULT_TOL, log: Callable[[str], Non
         if load_json(out_dir / "serve.json", "serve-bench report").get("mode") == "endpoint":
             return endpoint.add_coverage(out_dir, log)
     key = load_json(out_dir / SETTINGS_FILE, "serve-bench settings")
-    results = {arm: docs for arm, docs in load_runs(out_dir / "runs").items() if arm in key["arms"]}
+    results = {arm: docs for arm, docs in load_runs(out_dir / RUNS_DIR).items() if arm in key["arms"]}
     if not results:
-        raise UserError(f"{out_dir}/runs holds no finished runner result")
+        raise UserError(f"{out_dir}/{RUNS_DIR} holds no finished runner result")
     coverage = {arm: merge_dispatch(logs) for arm in (*TABLE_ARMS, "passthrough") if arm in results
                 for logs in [dispatch_logs(out_dir / "dispatch", arm, results[arm])] if logs}
     config = key["model_config"]
