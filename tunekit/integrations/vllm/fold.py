@@ -1,4 +1,5 @@
-"""Fold a vLLM model's decoder norms into the linears that read them, once, after its weights load.
+"""Fold a vLLM model's decoder norms into the linears that read them, after its weights load, each fold
+checked on those weights first.
 
 A decode step of Qwen3.5-27B launches 128 decoder norms, each a separate
 ~2 us kernel between two GEMVs. Folded, a norm costs no launch at all:
@@ -16,21 +17,32 @@ A decode step of Qwen3.5-27B launches 128 decoder norms, each a separate
   where a table holds that op, so a layer's two norms cost no launch.
 
 Which norms: those of a decoder layer whose class :data:`FOLDABLE_LAYERS`
-names, with every linear that reads the norm's output listed there (read
-from the layer's forward in vLLM 0.26 and 0.33: a norm whose output reaches
-anything else is never folded), each of them a plain unquantized linear
-whose GEMM goes through tunekit's route, and whose folded GEMVs the tables'
-M=1 entries say beat the tuned norm plus the GEMVs they replace.
+names, whose children are exactly the ones listed there (any other child
+could read a norm's output) and with every linear that reads the norm's
+output listed there (read from the layer's forward in vLLM 0.26 and 0.33),
+each of them a plain unquantized linear whose GEMM goes through tunekit's
+route, and whose folded GEMVs the tables' M=1 entries say beat the tuned
+norm plus the GEMVs they replace. Not folded, with the reason counted
+(:func:`survey`): a norm whose consumers may carry LoRA adapters (an
+adapter reads the normed input), a quantized consumer, a reader tunekit
+does not know (a layer not exactly as listed), a decoder layer of a class
+not listed.
 
-Opt-in (``TUNEKIT_FOLD_NORMS=1``): a folded model holds rescaled weights, so
-anything that writes weights again after loading (``reload_weights``, RL
-weight refits, LoRA on a folded projection) would put unfolded weights
-behind a norm that no longer applies g. Those uses keep the default.
+Checked before kept: the folded weights are computed aside and
+``rms_gemv`` on them, through the kernels the tables serve, is compared
+with the unfolded sequence on the layer's own weights and seeded
+activations with outlier channels, under the search's BF16 bound
+(``tunekit.integrations.fold_check``). A norm whose check fails is left
+as it was (weights untouched, norm unfolded) and reported with its worst
+error and the bound. On by default; ``TUNEKIT_FOLD_NORMS=0`` turns it off.
+Weights written after loading (a reload, an RL refit) are folded again by
+``tunekit.integrations.vllm.refold``.
 
 Call protocol::
 
-    plan = fold_plan(model, honours)    # [(norm, op, eps, [consumers])]; honours(module) -> bool
-    counts = fold_model(model, honours)  # {"gemma_rms_norm folded": 128, ...}: folds what pays
+    plans, skipped = survey(model, honours, lora=False)  # [FoldPlan], [(norm name, op, reason)]
+    counts = fold_model(model, honours, report=report)    # {"gemma_rms_norm folded": 128, ...}; fills report
+    weights = folded_weights(op, gain, consumers)         # W diag(g) per consumer, rounded once
 
 ``honours(module)``: whether the module's forward (a norm) or GEMM (a
 linear) is tunekit's route, which reads the marks ``marks.FOLDED`` /
@@ -43,21 +55,26 @@ main test tier checks it with stand-in modules.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from tunekit.integrations.fold_check import CheckResult, check_norm_fold, fold_scale
 from tunekit.integrations.vllm.marks import FOLD_EPS, FOLDED, sibling_groups
 
-__all__ = ["FOLDABLE_LAYERS", "fold_model", "fold_plan", "folded_norm_forward"]
+__all__ = ["FOLDABLE_LAYERS", "LORA", "QUANTIZED", "UNKNOWN_LAYER", "UNKNOWN_READER", "FoldPlan", "FoldReport",
+           "check_fold", "commit", "fold_model", "fold_plan", "folded_norm_forward", "folded_weights", "survey"]
 
 #: vLLM decoder-layer class name -> (norm attribute, alternatives of consumer paths). The first
 #: alternative whose first path the layer has is the norm's consumer set, and every path in it must
 #: be there: full attention reads the norm with ``self_attn.qkv_proj``, Qwen3.5's Gated DeltaNet with
 #: ``in_proj_qkvz`` and ``in_proj_ba``. A layer without any (a MoE block in place of ``mlp``, LoRA's
-#: split projections) keeps that norm. From each class's ``forward`` in vLLM 0.26.0 and 0.33.0.
+#: split projections) keeps that norm, and so does a layer with a child not named here. From each
+#: class's ``forward`` in vLLM 0.26.0 and 0.33.0.
 _ATTENTION = ("input_layernorm", (("self_attn.qkv_proj",),))
 _MLP = ("post_attention_layernorm", (("mlp.gate_up_proj",),))
 FOLDABLE_LAYERS: dict[str, tuple[tuple[str, tuple[tuple[str, ...], ...]], ...]] = {
@@ -73,6 +90,36 @@ FOLDABLE_LAYERS: dict[str, tuple[tuple[str, tuple[tuple[str, ...], ...]], ...]] 
 #: after "Tunekit").
 _NORM_OPS = {"RMSNorm": "rms_norm", "GemmaRMSNorm": "gemma_rms_norm"}
 
+#: Why a decoder norm was not folded (the counts' and the log's words).
+LORA = "LoRA"
+QUANTIZED = "quantized consumer"
+UNKNOWN_READER = "unknown reader"
+UNKNOWN_LAYER = "unknown layer"
+
+
+@dataclass
+class FoldPlan:
+    """One norm that can fold: its module path, op (convention), eps and consumers (with their paths)."""
+
+    name: str
+    norm: nn.Module
+    op: str
+    eps: float
+    consumers: list[nn.Module]
+    consumer_names: list[str]
+
+
+@dataclass
+class FoldReport:
+    """What a fold pass did: the norms folded, those kept unfolded by their check (with its worst element),
+    those not folded and why, how many norms were checked and the seconds the checks took."""
+
+    folded: list[FoldPlan] = field(default_factory=list)
+    failed: list[tuple[str, str, CheckResult]] = field(default_factory=list)
+    not_folded: list[tuple[str, str, str]] = field(default_factory=list)
+    checked: int = 0
+    seconds: float = 0.0
+
 
 def folded_norm_forward(x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
     """A folded norm's forward: x itself, or the residual sum as both outputs (each consumer
@@ -83,22 +130,36 @@ def folded_norm_forward(x: torch.Tensor, residual: torch.Tensor | None = None) -
     return summed, summed
 
 
-def _norm_op(norm: nn.Module) -> str | None:
-    name = type(norm).__name__
-    return _NORM_OPS.get(name.removeprefix("Tunekit"))
+def _norm_op(norm: Any) -> str | None:
+    if not isinstance(norm, nn.Module):
+        return None
+    return _NORM_OPS.get(type(norm).__name__.removeprefix("Tunekit"))
 
 
-def _consumers(layer: nn.Module, alternatives: tuple[tuple[str, ...], ...]) -> list[nn.Module] | None:
+def _consumers(layer: nn.Module, alternatives: tuple[tuple[str, ...], ...]) -> list[str] | None:
     for paths in alternatives:
         try:
             layer.get_submodule(paths[0])
         except AttributeError:
             continue
         try:
-            return [layer.get_submodule(p) for p in paths]
+            for p in paths:
+                layer.get_submodule(p)
         except AttributeError:
             return None  # a partial set: some reader of the norm is unknown
+        return list(paths)
     return None
+
+
+def _children_known(layer: nn.Module, spec: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...]) -> str | None:
+    """None where every child of ``layer`` is a norm or a consumer's parent :data:`FOLDABLE_LAYERS` lists,
+    else the first other child's name (it could read a norm's output)."""
+    known = {norm for norm, _ in spec} | {path.split(".")[0] for _, alts in spec for paths in alts for path in paths}
+    return next((name for name, _ in layer.named_children() if name not in known), None)
+
+
+def _is_lora(c: nn.Module) -> bool:
+    return "LoRA" in type(c).__name__ or isinstance(getattr(c, "base_layer", None), nn.Module)
 
 
 def _foldable_linear(c: nn.Module, norm_weight: torch.Tensor, honours: Callable[[nn.Module], bool]) -> bool:
@@ -110,26 +171,73 @@ def _foldable_linear(c: nn.Module, norm_weight: torch.Tensor, honours: Callable[
             and honours(c))
 
 
+def _norm_ok(norm: nn.Module, honours: Callable[[nn.Module], bool]) -> bool:
+    """A weighted RMSNorm (plain or Gemma) not yet folded whose forward is tunekit's route."""
+    weight = getattr(norm, "weight", None)
+    return (isinstance(weight, torch.Tensor) and weight.dim() == 1 and not getattr(norm, FOLDED, False)
+            and getattr(norm, "has_weight", True) and getattr(norm, "variance_size_override", None) is None
+            and honours(norm))
+
+
+def _why_not(layer: nn.Module, spec: tuple, paths: list[str] | None, lora: bool) -> str | None:
+    """Why a norm of a listed layer cannot fold (a reason to count), or None."""
+    child = _children_known(layer, spec)
+    if child is not None:
+        return f"{UNKNOWN_READER} (child {child!r} of {type(layer).__name__})"
+    if paths is None:
+        return f"{UNKNOWN_READER} (the consumers {type(layer).__name__} is listed with are not all there)"
+    consumers = [layer.get_submodule(p) for p in paths]
+    if lora or any(_is_lora(c) for c in consumers):
+        return f"{LORA} (an adapter would read the normed input)"
+    quantized = [type(getattr(c, "quant_method", None)).__name__ for c in consumers
+                 if getattr(c, "quant_method", None) is not None
+                 and type(c.quant_method).__name__ != "UnquantizedLinearMethod"]
+    if quantized:
+        return f"{QUANTIZED} ({quantized[0]})"
+    return None
+
+
+def survey(model: nn.Module, honours: Callable[[nn.Module], bool], lora: bool = False
+           ) -> tuple[list[FoldPlan], list[tuple[str, str, str]]]:
+    """The norms that can fold (:class:`FoldPlan`, consumers all foldable linears: plain, unquantized, of
+    the norm's dtype, width and device, routed by tunekit), and those with no safe fold, as (norm path,
+    op, reason): LoRA (``lora``: the engine runs adapters, or a consumer is LoRA-wrapped), a quantized
+    consumer, an unknown reader, an unknown decoder layer. Norms tunekit does not route are neither."""
+    plans, skipped = [], []
+    for layer_name, layer in model.named_modules():
+        cls = type(layer).__name__
+        spec = FOLDABLE_LAYERS.get(cls)
+        prefix = f"{layer_name}." if layer_name else ""
+        if spec is None:
+            if cls.endswith("DecoderLayer"):
+                for child_name, child in layer.named_children():
+                    op = _norm_op(child)
+                    if op is not None and _norm_ok(child, honours):
+                        skipped.append((prefix + child_name, op, f"{UNKNOWN_LAYER} ({cls})"))
+            continue
+        for norm_name, alternatives in spec:
+            norm = getattr(layer, norm_name, None)
+            op = _norm_op(norm)
+            if op is None or not _norm_ok(norm, honours):
+                continue
+            paths = _consumers(layer, alternatives)
+            why = _why_not(layer, spec, paths, lora)
+            if why is not None:
+                skipped.append((prefix + norm_name, op, why))
+                continue
+            assert paths is not None
+            consumers = [layer.get_submodule(p) for p in paths]
+            if not all(_foldable_linear(c, norm.weight, honours) for c in consumers):
+                continue
+            plans.append(FoldPlan(prefix + norm_name, norm, op, float(norm.variance_epsilon), consumers,
+                                  [prefix + p for p in paths]))
+    return plans, skipped
+
+
 def fold_plan(model: nn.Module, honours: Callable[[nn.Module], bool]) -> list[tuple[nn.Module, str, float,
                                                                                          list[nn.Module]]]:
-    """(norm, its op, eps, consumers) for every norm of a :data:`FOLDABLE_LAYERS` layer that can fold:
-    a weighted RMSNorm (plain or Gemma) not yet folded whose forward ``honours`` the fold, with
-    consumers that are all plain unquantized linears whose GEMM ``honours`` it."""
-    plan = []
-    for layer in model.modules():
-        for norm_name, alternatives in FOLDABLE_LAYERS.get(type(layer).__name__, ()):
-            norm = getattr(layer, norm_name, None)
-            op = _norm_op(norm) if norm is not None else None
-            weight = getattr(norm, "weight", None)
-            if (op is None or getattr(norm, FOLDED, False) or not isinstance(weight, torch.Tensor)
-                    or not honours(norm) or weight.dim() != 1 or not getattr(norm, "has_weight", True)
-                    or getattr(norm, "variance_size_override", None) is not None):
-                continue
-            consumers = _consumers(layer, alternatives)
-            if not consumers or not all(_foldable_linear(c, weight, honours) for c in consumers):
-                continue
-            plan.append((norm, op, float(norm.variance_epsilon), consumers))
-    return plan
+    """(norm, its op, eps, consumers) for every norm :func:`survey` finds foldable."""
+    return [(p.norm, p.op, p.eps, p.consumers) for p in survey(model, honours)[0]]
 
 
 def _fold_pays(op: str, norm: nn.Module, consumers: list[nn.Module], joined: bool = False) -> bool:
@@ -149,29 +257,81 @@ def _fold_pays(op: str, norm: nn.Module, consumers: list[nn.Module], joined: boo
 
 
 @torch.no_grad()
-def _fold(norm: nn.Module, op: str, eps: float, consumers: list[nn.Module]) -> None:
-    g = norm.weight.detach().float()
-    scale = 1.0 + g if op == "gemma_rms_norm" else g
-    # every folded weight first, then the commit: nothing is half-folded if one of them fails
-    folded = [(c.weight.detach().float() * scale).to(c.weight.dtype) for c in consumers]
-    for c, w in zip(consumers, folded, strict=True):
+def folded_weights(op: str, gain: torch.Tensor, consumers: list[nn.Module]) -> list[torch.Tensor]:
+    """Each consumer's weight times the norm's scale (g; Gemma 1 + g) along K, in fp32, rounded once: new
+    tensors, the consumers untouched."""
+    scale = fold_scale(gain, op == "gemma_rms_norm")
+    return [(c.weight.detach().float() * scale).to(c.weight.dtype) for c in consumers]
+
+
+def check_fold(plan: FoldPlan, weights: list[torch.Tensor], joined: bool = False,
+               raws: list[torch.Tensor] | None = None) -> CheckResult:
+    """The worst of ``rms_gemv`` on each folded weight against the unfolded sequence on its consumer's
+    weight (``raws``: the weights folded, default the consumers' own; ``fold_check.check_norm_fold``), and,
+    ``joined``, on the weights joined as the merge step lays them out where the tables hold that shape."""
+    from tunekit.dispatch.state import dtype_name
+    from tunekit.dispatch.tables import covers
+
+    gain = plan.norm.weight.detach()
+    raws = raws if raws is not None else [c.weight.detach() for c in plan.consumers]
+    pairs = list(zip(raws, weights, strict=True))
+    if joined and len(pairs) > 1:
+        raw = torch.cat([r for r, _ in pairs])
+        if covers("rms_gemv", dtype_name(raw.dtype), raw.shape[0], raw.shape[1], str(raw.device)):
+            pairs.append((raw, torch.cat([w for _, w in pairs])))
+    worst: CheckResult | None = None
+    for raw, folded in pairs:
+        result = check_norm_fold(plan.op, gain, plan.eps, raw, folded)
+        worst = result if worst is None else worst.worst(result)
+    assert worst is not None
+    return worst
+
+
+@torch.no_grad()
+def commit(plan: FoldPlan, weights: list[torch.Tensor]) -> None:
+    """Write the folded weights into the consumers (in place: a compiled graph keeps its tensors) and mark
+    both sides."""
+    for c, w in zip(plan.consumers, weights, strict=True):
         c.weight.data.copy_(w)
-        setattr(c, FOLD_EPS, eps)
-    setattr(norm, FOLDED, True)
+        setattr(c, FOLD_EPS, plan.eps)
+    setattr(plan.norm, FOLDED, True)
 
 
-def fold_model(model: nn.Module, honours: Callable[[nn.Module], bool], join_siblings: bool = False) -> dict[str, int]:
-    """Fold every norm of ``model`` that :func:`fold_plan` finds and the tables say pays.
+def _add(counts: dict[str, int], key: str) -> None:
+    counts[key] = counts.get(key, 0) + 1
+
+
+def fold_model(model: nn.Module, honours: Callable[[nn.Module], bool], join_siblings: bool = False,
+               lora: bool = False, report: FoldReport | None = None) -> dict[str, int]:
+    """Fold every norm :func:`survey` finds that the tables say pays and whose check passes.
 
     ``join_siblings``: consumers that form a sibling group (``marks.SIBLING_LINEARS``) are priced
-    as one ``rms_gemv`` on their joined rows, as the merge step that runs next serves them.
-    Returns counts: ``"<op> folded"`` and ``"<op> (fold not in the tables or not paying)"``."""
+    as one ``rms_gemv`` on their joined rows, as the merge step that runs next serves them, and checked
+    so too. ``lora``: the engine runs LoRA adapters (nothing folds). ``report`` is filled with what was
+    folded, kept unfolded and why. Returns counts: ``"<op> folded"``, ``"<op> (fold not in the tables or
+    not paying)"``, ``"<op> (kept unfolded: failed the check)"`` and ``"<op> (not folded: <reason>)"``."""
+    report = report if report is not None else FoldReport()
     groups = {tuple(map(id, linears)) for _, linears in sibling_groups(model)} if join_siblings else set()
     counts: dict[str, int] = {}
-    for norm, op, eps, consumers in fold_plan(model, honours):
-        pays = _fold_pays(op, norm, consumers, tuple(map(id, consumers)) in groups)
-        if pays:
-            _fold(norm, op, eps, consumers)
-        key = f"{op} folded" if pays else f"{op} (fold not in the tables or not paying)"
-        counts[key] = counts.get(key, 0) + 1
+    plans, skipped = survey(model, honours, lora)
+    for name, op, why in skipped:
+        _add(counts, f"{op} (not folded: {why.split(' (')[0]})")
+        report.not_folded.append((name, op, why))
+    for plan in plans:
+        joined = tuple(map(id, plan.consumers)) in groups
+        if not _fold_pays(plan.op, plan.norm, plan.consumers, joined):
+            _add(counts, f"{plan.op} (fold not in the tables or not paying)")
+            continue
+        start = time.perf_counter()
+        weights = folded_weights(plan.op, plan.norm.weight, plan.consumers)
+        result = check_fold(plan, weights, joined)
+        report.checked += 1
+        report.seconds += time.perf_counter() - start
+        if not result.ok:
+            _add(counts, f"{plan.op} (kept unfolded: failed the check)")
+            report.failed.append((plan.name, plan.op, result))
+            continue
+        commit(plan, weights)
+        report.folded.append(plan)
+        _add(counts, f"{plan.op} folded")
     return counts
