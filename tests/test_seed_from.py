@@ -15,7 +15,7 @@ from tunekit.search.engine import SearchConfig, read_seed_records, run_search
 from tunekit.search.studies import _seeds_from_files
 
 REPO = Path(__file__).resolve().parents[1]
-RECORDED = REPO / "benchmarks" / "results" / "h200-m1248-triton-ce9f360"
+RECORDED = REPO / "benchmarks" / "results" / "h200-m1248-gemv-ew-fab7a9c" / "gemv"
 DOMAINS = {"BLOCK_N": [1, 2, 4, 8], "BLOCK_K": [64, 128, 256], "num_warps": [1, 2, 4], "num_stages": [1, 2],
            "SPLIT_K": [1, 2], "W_EVICT": [""], "SPLIT_REDUCE": ["kernel"], "M_MODE": ["tile"]}
 DEFAULT = {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 4, "num_stages": 2, "SPLIT_K": 1, "W_EVICT": "",
@@ -45,14 +45,14 @@ def test_seeds_come_nearest_first_and_skip_failures_duplicates_and_foreign_value
 
 
 def test_recorded_runs_seed_every_m_of_the_model(tmp_path) -> None:
-    records = read_seed_records(RECORDED / "trials.csv")
+    records = read_seed_records(RECORDED / "trials.csv.gz")
     assert {r["m"] for r in records if r["backend"] == "triton"} == {1, 2, 4, 8}
     from tunekit.backends import get
 
     backend = get("triton")
     problem = Problem("gemv", "bf16", 4, 14336, 5120)
     space = backend.space(problem)
-    seeds = _seeds_from_files([RECORDED / "trials.csv", RECORDED / "table.json"], "triton", problem,
+    seeds = _seeds_from_files([RECORDED / "trials.csv.gz", RECORDED / "table.json"], "triton", problem,
                               space.domains, space.default)
     assert seeds, "the recorded M=4 trials give seeds"
     same = [r for r in records if (r["backend"], r["m"], r["n"], r["k"]) == ("triton", 4, 14336, 5120)]
@@ -109,7 +109,7 @@ def test_a_seed_recorded_with_another_value_of_a_pinned_tunable_is_kept() -> Non
     problem = Problem("gemv", "bf16", 1, 96, 5120)
     space = get("hip").space(problem)
     domains = dict(space.domains, REDUCE_DPP=[0])
-    files = [REPO / "benchmarks" / "results" / "h200-m1-triton-hip-b1ce9d6" / "trials.csv"]
+    files = [REPO / "benchmarks" / "results" / "h200-m1-triton-hip-b1ce9d6" / "trials.csv.gz"]
     kept = _seeds_from_files(files, "hip", problem, domains, space.default, {"REDUCE_DPP": 0})
     dropped = _seeds_from_files(files, "hip", problem, domains, space.default)
     best = {"ROWS_PER_BLOCK": 1, "THREADS_PER_ROW": 512, "VEC": 8, "UNROLL": 2, "NONTEMPORAL": 1, "X_IN_SHARED": 0}
