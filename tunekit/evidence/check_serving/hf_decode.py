@@ -48,7 +48,8 @@ import torch
 from tunekit.errors import UserError
 from tunekit.evidence.check_serving.checks import sync
 
-CONFIGS = Path(__file__).resolve().parents[1] / "models" / "configs"
+#: The built-in model configs (``tunekit/problems/models/configs``).
+CONFIGS = Path(__file__).resolve().parents[2] / "problems" / "models" / "configs"
 
 #: Model name -> built-in config file (its "config" block is the Hugging Face config).
 MODELS: dict[str, str] = {"qwen3.5-27b": "qwen3.5-27b.json", "llama-3.1-8b": "llama-3.1-8b-instruct.json"}
