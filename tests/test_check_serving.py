@@ -15,6 +15,7 @@ import torch
 from test_ops import _entry, make_table  # the sibling test module's table helpers (tests/ is on sys.path)
 
 from tunekit.errors import UserError
+from tunekit.evidence.check_serving import judging
 from tunekit.evidence.check_serving import model_check as serving
 from tunekit.evidence.check_serving.hf_decode import layer_types
 
@@ -82,7 +83,7 @@ def test_timing_summary_medians_and_same_run_ratios() -> None:
         "graphed_unpatched": [[2.0, 2.0, 2.0], [4.0, 4.0, 4.0]],
         "graphed_patched": [[1.6, 1.6, 1.6], [4.0, 4.0, 4.0]],
     }
-    s = serving.timing_summary(times)
+    s = judging.timing_summary(times)
     assert s["variants"]["eager_unpatched"]["median_ms"] == 16.0  # over all six steps
     assert s["variants"]["eager_unpatched"]["round_medians_ms"] == [10.0, 20.0]
     eager = s["ratios"]["patched_speedup_eager"]
@@ -91,14 +92,14 @@ def test_timing_summary_medians_and_same_run_ratios() -> None:
     assert graphed["per_round"] == pytest.approx([1.25, 1.0]) and graphed["median"] == pytest.approx(1.125)
     assert (graphed["min"], graphed["max"]) == pytest.approx((1.0, 1.25))
     assert s["ratios"]["graph_speedup_unpatched"]["median"] == pytest.approx(5.0)
-    assert set(s["ratios"]) == set(serving.RATIOS)
+    assert set(s["ratios"]) == set(judging.RATIOS)
 
 
 def test_timing_summary_without_the_graphed_variants_and_with_uneven_rounds() -> None:
-    s = serving.timing_summary({"eager_unpatched": [[2.0]], "eager_patched": [[4.0]]})
+    s = judging.timing_summary({"eager_unpatched": [[2.0]], "eager_patched": [[4.0]]})
     assert set(s["ratios"]) == {"patched_speedup_eager"} and s["ratios"]["patched_speedup_eager"]["median"] == 0.5
     with pytest.raises(ValueError, match="rounds"):
-        serving.timing_summary({"eager_unpatched": [[2.0], [2.0]], "eager_patched": [[4.0]]})
+        judging.timing_summary({"eager_unpatched": [[2.0], [2.0]], "eager_patched": [[4.0]]})
 
 
 def _run_of(rows: list[list[float]]) -> dict:
@@ -109,9 +110,9 @@ def _run_of(rows: list[list[float]]) -> dict:
 def test_agreement_equal_runs_pass() -> None:
     base = _run_of([[0.0, 1.0, 5.0, 2.0], [3.0, 0.0, 1.0, 0.5]])
     fp32 = _run_of([[0.0, 1.0, 5.01, 2.0], [3.01, 0.0, 1.0, 0.5]])
-    result = serving.compare_logits(base, base, fp32, tol_factor=2.0, rel_tol_fallback=0.25)
+    result = judging.compare_logits(base, base, fp32, tol_factor=2.0, rel_tol_fallback=0.25)
     assert result["ok"] and result["max_abs_diff"] == 0.0 and result["tol_abs"] == pytest.approx(3 * 0.01, rel=1e-3)
-    verdict = serving.tokens_verdict(result["steps"], result["tol_abs"])
+    verdict = judging.tokens_verdict(result["steps"], result["tol_abs"])
     assert verdict == {"steps": 2, "agree": 2, "tokens_equal": True, "differing_steps": [], "ok": True}
 
 
@@ -119,13 +120,13 @@ def test_agreement_near_tie_flip_passes_and_a_real_flip_fails() -> None:
     base = _run_of([[0.0, 2.0, 2.02, 1.0], [4.0, 0.0, 1.0, 0.0]])  # step 0: top-2 gap 0.02
     fp32 = _run_of([[0.0, 2.0, 2.05, 1.0], [4.05, 0.0, 1.0, 0.0]])  # max |unpatched - fp32| 0.05
     near = _run_of([[0.0, 2.03, 2.01, 1.0], [4.0, 0.0, 1.0, 0.0]])  # moves two logits by 0.03 / 0.01
-    result = serving.compare_logits(base, near, fp32, tol_factor=2.0, rel_tol_fallback=0.25)
-    verdict = serving.tokens_verdict(result["steps"], result["tol_abs"])
+    result = judging.compare_logits(base, near, fp32, tol_factor=2.0, rel_tol_fallback=0.25)
+    verdict = judging.tokens_verdict(result["steps"], result["tol_abs"])
     assert verdict["differing_steps"] == [0] and verdict["ok"] and not verdict["tokens_equal"]
     assert result["steps"][0]["near_tie"]
     far = _run_of([[0.0, 2.0, 2.02, 1.0], [0.0, 0.0, 1.0, 5.0]])  # step 1: a clear winner replaced
-    result = serving.compare_logits(base, far, fp32, tol_factor=2.0, rel_tol_fallback=0.25)
-    verdict = serving.tokens_verdict(result["steps"], result["tol_abs"])
+    result = judging.compare_logits(base, far, fp32, tol_factor=2.0, rel_tol_fallback=0.25)
+    verdict = judging.tokens_verdict(result["steps"], result["tol_abs"])
     assert verdict["differing_steps"] == [1] and not verdict["ok"] and not result["ok"]
     assert result["steps"][1]["near_tie"] is False
 
@@ -134,8 +135,8 @@ def test_agreement_without_fp32_uses_the_relative_tolerance() -> None:
     base = _run_of([[0.0, 1.0, 2.0, 3.0]])
     off = _run_of([[0.0, 1.0, 2.0, 3.5]])
     std = float(base["logits"][0].std())
-    assert serving.compare_logits(base, off, None, 2.0, rel_tol_fallback=0.5 / std + 1e-6)["ok"]
-    assert not serving.compare_logits(base, off, None, 2.0, rel_tol_fallback=0.5 / std - 1e-3)["ok"]
+    assert judging.compare_logits(base, off, None, 2.0, rel_tol_fallback=0.5 / std + 1e-6)["ok"]
+    assert not judging.compare_logits(base, off, None, 2.0, rel_tol_fallback=0.5 / std - 1e-3)["ok"]
 
 
 def test_dispatch_classification_fails_broken_paths_only() -> None:
@@ -147,7 +148,7 @@ def test_dispatch_classification_fails_broken_paths_only() -> None:
         {"op": "gemv", "shape": "64x128", "m": 1, "impl": "fallback:not_built_at_capture", "calls": 1,
          "counted_at": "capture"},
     ]
-    c = serving.classify_dispatch(rows)
+    c = judging.classify_dispatch(rows)
     assert (c["tuned_calls"], c["calls"]) == (6, 12)
     assert c["broken"] == ["gemv 64x128 m=1: fallback:not_built_at_capture (at capture) x1"]
     assert c["uncovered"] == ["gemv 128x256 m=8: fallback:m_above_table x2"]

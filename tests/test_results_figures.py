@@ -3,9 +3,9 @@ of its folder through tunekit's own code and compared with the figure as stated,
 
 Served TPOT figures come from the runner results (``runs/*.json``) through
 ``tunekit.evidence.serve_bench.analysis``; chain figures from the step times in ``chain.json``; standalone
-per-token and per-problem figures from ``final.csv`` through ``tunekit.evidence.compare.load_comparison``;
+per-token and per-problem figures from ``final.csv`` through ``tunekit.evidence.comparison.load_comparison``;
 the Hugging Face decode-step figures from the step times in ``serving_check.json`` through
-``tunekit.evidence.check_serving.model_check.timing_summary``. A changed raw number changes the figure
+``tunekit.evidence.check_serving.judging.timing_summary``. A changed raw number changes the figure
 (``test_a_changed_raw_number_changes_the_figure``), and every row of the table names one test here
 (``test_every_current_figure_has_its_test``).
 """
@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tunekit.evidence.check_serving.model_check import timing_summary
+from tunekit.evidence.check_serving.judging import timing_summary
 from tunekit.evidence.serve_bench import analysis, endpoint
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,9 +8,11 @@
 * :mod:`tunekit.evidence.check_serving.hf_decode`: a few layers of a Hugging Face Qwen3.5-27B or Llama-3.1-8B
   (random weights, the real sizes), its eager decode and its graphed decode (static cache +
   ``torch.compile(mode="reduce-overhead")``).
+* :mod:`tunekit.evidence.check_serving.judging`: the model check's pure judging and ratio arithmetic (logits
+  against the model's own tolerance, near ties, same-run timing ratios, dispatch markers by kind).
 * :mod:`tunekit.evidence.check_serving.model_check`: the model check (patched vs unpatched logits and greedy tokens,
-  eager and graphed, the interleaved per-step timing of the four variants), its pure judging and
-  ratio arithmetic, and :func:`~tunekit.evidence.check_serving.model_check.run_check`.
+  eager and graphed, the interleaved per-step timing of the four variants), its report, and
+  :func:`~tunekit.evidence.check_serving.model_check.run_check`.
 
 Importing this package imports neither torch nor transformers; the modules do (transformers lazily).
 """
