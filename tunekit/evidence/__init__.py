@@ -1,7 +1,8 @@
 """The three layers of evidence, never mixed, each its own module or package:
 
 * ``compare``: the standalone microbenchmarks of a run (Triton vs HIP vs vendor per problem and per
-  token, percent of the read limit, Amdahl's prediction, plots) -- ``tunekit compare``;
+  token, percent of the read limit, Amdahl's prediction, plots) -- ``tunekit compare``; the figures it
+  reads are ``comparison``'s (final.csv loaded), its PNGs ``plots``';
 * ``chain``: a model's decode-step chain as one CUDA graph, vendor vs tuned -- ``tunekit chain``;
 * ``serve_bench``: the served model in vLLM, vanilla vs passthrough vs tuned -- ``tunekit serve-bench``;
 * ``check_serving``: that a table serves correctly (eager, compiled, graphed; a Hugging Face model's
@@ -9,6 +10,8 @@
 
 ``campaign`` runs the device campaigns that gather them: a plan of tunekit verbs (and scripts) run in order
 within a device-time budget, resumable -- ``tunekit campaign``.
+
+``console`` makes the rich console the command line prints its reports on.
 
 Importing this package imports nothing else.
 """
