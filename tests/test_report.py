@@ -211,3 +211,13 @@ def test_recorded_h200_run(tmp_path) -> None:
     assert "## Best configs" in md and f"| gemv m1 96x5120 | {winner.label} | 2.867x | `{params}` |" in md
     assert all((run / name).stat().st_size > 1000 for name in plots.PLOT_FILES.values())
     assert not (RECORDED / "report.md").exists()
+
+
+def test_the_search_summary_loads_neither_optuna_nor_torch() -> None:
+    """The end-of-search summary and the report's figures are read without the search's or the kernels'
+    libraries: only the report's own (rich; pandas and torch when final.csv is read)."""
+    code = ("import sys, tunekit.search.summary, tunekit.evidence.console; "
+            "print(sorted(m for m in ('optuna', 'torch', 'matplotlib', 'pandas') if m in sys.modules))")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"
