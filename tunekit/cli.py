@@ -90,19 +90,18 @@ def models() -> None:
 _SHAPE_HELP = ("ad-hoc problem (repeatable): NxK is a GEMV; OP:SIZE an elementwise op, e.g. bias_gelu:4096, "
                "gemma_rms_norm:5120, silu_and_mul:17408, gated_rms_norm:48x128 (groups x size)")
 _OPS_HELP = ("ops of the model to list / tune: gemv, rms_norm, fused_add_rms_norm, gated_rms_norm, silu_and_mul, "
-             "bias_gelu (norm families follow the model's weight convention); opt-in fused families (used by "
-             "`tunekit chain`; rms_gemv also by tunekit.patch(fold_norms=True)): rms_norm_gemv (the norm in "
+             "bias_gelu (norm families follow the model's weight convention); fused GEMV families (used by "
+             "`tunekit chain`; rms_gemv and gemv_add also served by the vLLM plugin, rms_gemv by "
+             "tunekit.patch(fold_norms=True)): rms_norm_gemv (the norm in "
              "the prologue of the GEMV that reads it), silu_mul_gemv (SiLU-and-mul in the down projection's "
              "prologue), gemv_add (the residual add in the epilogue of o_proj / out_proj / down_proj), "
              "rms_gemv (the GEMV of a norm folded into its consumers' weights: every GEMV that reads a "
              "decoder norm), gemv_silu_mul (SiLU-and-mul in gate_up_proj's epilogue, plain and after a folded "
              "norm), fused_gemv (all five)")
 _M_HELP = "batch sizes (tokens per step), e.g. 1,2,4,8; gemv takes 1..8, elementwise ops up to 65536"
-#: What `search --model/--config` tunes unless --m / --ops narrow it: M = the small decode
-#: batch sizes vLLM captures as CUDA graphs (GEMV takes 1..8), every op the model runs.
-_MODEL_M = "1,2,4,8"
-_SEARCH_M_HELP = _M_HELP + f" (default: {_MODEL_M} with --model/--config, else 1)"
-_SEARCH_OPS_HELP = _OPS_HELP + " (default: every op the model runs with --model/--config, else gemv)"
+_SEARCH_M_HELP = _M_HELP + " (default: 1,2,4,8 with --model/--config, else 1)"
+_SEARCH_OPS_HELP = _OPS_HELP + (" (default with --model/--config: every op the model runs and the fused families "
+                                "serving uses, rms_gemv and gemv_add; else gemv)")
 
 
 @app.command()
@@ -205,8 +204,10 @@ def search(
     """Search the best verified kernel per problem; write trials and the dispatch table.
 
     With --model/--config: every op the model runs (its GEMVs and fused
-    elementwise ops) at M = 1,2,4,8, unless --ops / --m narrow it; with only
-    --shape: gemv at M=1. One Optuna study per (problem, backend). Every
+    elementwise ops) and the fused GEMV families the vLLM plugin serves
+    (rms_gemv: a norm folded into its consumers' GEMV; gemv_add: the
+    residual add in the GEMV's epilogue) at M = 1,2,4,8, unless --ops / --m
+    narrow it; with only --shape: gemv at M=1. One Optuna study per (problem, backend). Every
     candidate is checked against an fp64 reference before it is timed; the
     vendor path is timed in the same process, and each problem's top
     candidates are re-measured interleaved with it at the end.
@@ -227,12 +228,8 @@ def search(
     from tunekit.search.engine import SearchConfig, read_seed_records, run_search
     from tunekit.search.summary import print_summary, report_after_search
 
-    whole_model = bool(model or config)
-    if m is None:
-        m = _MODEL_M if whole_model else "1"
-    if ops is None:
-        # every op family: the model's spec keeps those it runs
-        ops = ",".join(shapes_mod.OPS) if whole_model else "gemv"
+    # the model's spec keeps, of the default op families, those it runs
+    m, ops = shapes_mod.search_selection(bool(model or config), m, ops)
     if not min_gain >= 0:  # also NaN
         raise UserError(f"--min-gain must be a number >= 0 (got {min_gain}); 0.01 asks a 1% gain")
     spec, problems = _problems(model, shape, tp, m, config, ops)

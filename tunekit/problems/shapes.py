@@ -4,11 +4,13 @@ A ``Problem`` is one distinct (op, dtype, m, n, k); ``count`` is how many times
 per decoded token the model executes it (layers sharing a shape are merged, as
 out_proj and o_proj of Qwen3.5 are: both 5120x6144).
 
-Ops: ``gemv`` and the fused elementwise decode ops (``ELEMENTWISE_OPS``). The
-weight convention of a norm is part of the op name (``gemma_rms_norm``:
-y = x/rms * (1 + w), ``rms_norm``: y = x/rms * w), so ``Problem.key`` keeps its
-form ``op|dtype|mM|nN|kK`` and stays unique. What n and k mean per op is in
-the ``Problem`` docstring.
+Ops: ``gemv``, the fused elementwise decode ops (``ELEMENTWISE_OPS``) and the
+fused GEMV families (``FUSED_GEMV_OPS``). The weight convention of a norm is
+part of the op name (``gemma_rms_norm``: y = x/rms * (1 + w), ``rms_norm``:
+y = x/rms * w), so ``Problem.key`` keeps its form ``op|dtype|mM|nN|kK`` and
+stays unique. What n and k mean per op is in the ``Problem`` docstring. What a
+model's search tunes by default: ``MODEL_OPS`` at ``MODEL_M``
+(``search_selection``).
 """
 
 from __future__ import annotations
@@ -31,25 +33,37 @@ NORM_OPS = ("rms_norm", "gemma_rms_norm", "fused_add_rms_norm", "gemma_fused_add
 ELEMENTWISE_OPS = NORM_OPS + ("gated_rms_norm", "silu_and_mul", "bias_gelu")
 OPS = ("gemv",) + ELEMENTWISE_OPS
 #: RMSNorm in the GEMV prologue (kernels_triton/rms_norm_gemv.py): n, k are the GEMV's, the
-#: norm width is k. Ad-hoc (``--shape OP:NxK``) only, and in no default op set: nothing
-#: serves them yet, so a default search must not tune them.
+#: norm width is k. Opt-in (``--ops rms_norm_gemv``, ``--shape OP:NxK``) and in no default op set:
+#: nothing serves them, so a default search must not tune them.
 NORM_GEMV_OPS = ("rms_norm_gemv", "gemma_rms_norm_gemv", "fused_add_rms_norm_gemv", "gemma_fused_add_rms_norm_gemv")
 #: SiLU-and-mul in the GEMV prologue (kernels_triton/silu_mul_gemv.py): act_fn -> down_proj; n, k
 #: are the GEMV's (the input gate_up is [m, 2k]). Opt-in as the norm family.
 ACT_GEMV_OPS = ("silu_mul_gemv",)
 #: The residual add in the GEMV epilogue (kernels_triton/gemv.py, ``residual=``): o_proj /
-#: out_proj / down_proj -> the residual stream; n, k are the GEMV's. Opt-in as the others.
+#: out_proj / down_proj -> the residual stream; n, k are the GEMV's. Served (``SERVED_FUSED_OPS``).
 GEMV_ADD_OPS = ("gemv_add",)
 #: The GEMV of an RMSNorm whose weight is folded into W (kernels_triton/gemv.py, ``rms_eps=``):
-#: y = (x / rms(x)) @ W'^T for every consumer of a norm; n, k are the GEMV's. Opt-in as the others.
+#: y = (x / rms(x)) @ W'^T for every consumer of a norm; n, k are the GEMV's. Served (``SERVED_FUSED_OPS``).
 RMS_GEMV_OPS = ("rms_gemv",)
 #: SiLU-and-mul in gate_up_proj's epilogue (kernels_triton/gemv.py, ``glu=``): W's rows are
 #: (gate, up) pairs, y[m, n / 2] = silu(x W_gate^T) * (x W_up^T); the ``rms_`` form also
-#: scales by 1/rms (a folded norm before it). n, k are gate_up's. Opt-in as the others.
+#: scales by 1/rms (a folded norm before it). n, k are gate_up's. Opt-in as the norm family.
 GLU_GEMV_OPS = ("gemv_silu_mul", "rms_gemv_silu_mul")
 #: Every op that fuses an elementwise step into a GEMV, before or after it (the problem's n, k
 #: are the GEMV's).
 FUSED_GEMV_OPS = NORM_GEMV_OPS + ACT_GEMV_OPS + GEMV_ADD_OPS + RMS_GEMV_OPS + GLU_GEMV_OPS
+#: The fused GEMV families the vLLM plugin serves: ``rms_gemv`` for the consumers of a folded norm
+#: (``integrations.vllm.fold``; a folded sibling group's ``sibling_gemv`` is one launch of the joined
+#: rows' ``rms_gemv`` entry, which ``ModelSpec.rms_gemvs`` lists), ``gemv_add`` where the compile pass
+#: moves a residual add into the GEMV (``integrations.vllm.graph_routes``). The others are used by
+#: ``tunekit chain`` only.
+SERVED_FUSED_OPS = RMS_GEMV_OPS + GEMV_ADD_OPS
+#: What ``tunekit search --model/--config`` tunes unless ``--ops`` narrows it: every op the model
+#: runs and the fused families serving uses, so the default search yields the default served table.
+MODEL_OPS = OPS + SERVED_FUSED_OPS
+#: ... at these M unless ``--m`` narrows it: the small decode batches vLLM captures as CUDA graphs
+#: (the GEMV kernels take 1..8).
+MODEL_M = (1, 2, 4, 8)
 #: ``--ops`` names -> the ops they select (a family selects both weight conventions;
 #: the model's norm style decides which one its problems use).
 OP_FAMILIES: dict[str, tuple[str, ...]] = {
@@ -61,7 +75,8 @@ OP_FAMILIES: dict[str, tuple[str, ...]] = {
     "bias_gelu": ("bias_gelu",),
     "gemma_rms_norm": ("gemma_rms_norm",),
     "gemma_fused_add_rms_norm": ("gemma_fused_add_rms_norm",),
-    # opt-in only (never in a default op set): the model's norm style and layers pick the ops
+    # fused GEMV families: the model's norm style and layers pick the ops; rms_gemv and gemv_add
+    # are in MODEL_OPS, the others opt-in only
     "rms_norm_gemv": NORM_GEMV_OPS,
     "silu_mul_gemv": ACT_GEMV_OPS,
     "gemv_add": GEMV_ADD_OPS,
@@ -201,6 +216,20 @@ def parse_ops(text: str | Sequence[str]) -> tuple[str, ...]:
             raise UserError(f"bad --ops: unknown op {part!r} (known: {', '.join(OP_FAMILIES)})")
         selected.extend(op for op in OP_FAMILIES[part] if op not in selected)
     return tuple(selected)
+
+
+def search_selection(whole_model: bool, m: str | None, ops: str | None) -> tuple[str, str]:
+    """``tunekit search``'s ``--m`` and ``--ops`` texts with its defaults filled in (``None``: not given).
+
+    With a model (``--model`` / ``--config``): ``MODEL_M`` and ``MODEL_OPS`` (the model's spec keeps
+    the ops it runs); with only ``--shape``: gemv at M=1. Given values are returned as they are, for
+    ``parse_m_list`` / ``parse_ops`` to check.
+    """
+    if m is None:
+        m = ",".join(map(str, MODEL_M)) if whole_model else "1"
+    if ops is None:
+        ops = ",".join(MODEL_OPS) if whole_model else "gemv"
+    return m, ops
 
 
 def gemv_problems(

@@ -267,7 +267,7 @@ class ModelSpec:
     def residual_gemvs(self, tp: int = 1) -> list[tuple[str, str, int, int, int]]:
         """The GEMVs whose output the decoder adds to the residual stream next (o_proj,
         linear_attn.out_proj, down_proj: vLLM's fused_add_rms_norm does the add), as
-        ``gemv_add`` (opt-in only: ``--ops gemv_add`` or ``fused_gemv``).
+        ``gemv_add`` (served: in ``search --model``'s default, ``shapes.MODEL_OPS``; ``--ops gemv_add``).
 
         Entries as ``elementwise``'s: (names, op, n, k, count), n and k the GEMV's. Only at
         tp = 1: a row-parallel layer's partial outputs are all-reduced before the add, so
@@ -280,9 +280,10 @@ class ModelSpec:
                 if name in writes_residual]
 
     def rms_gemvs(self, tp: int = 1) -> list[tuple[str, str, int, int, int]]:
-        """Every GEMV that reads a decoder norm's output, as ``rms_gemv`` (opt-in only: ``--ops
-        rms_gemv`` or ``fused_gemv``): the norm's weight folded into the GEMV's, its 1/rms
-        computed by the GEMV itself, so the norm's launch is gone once each of its consumers is one.
+        """Every GEMV that reads a decoder norm's output, as ``rms_gemv`` (served: in ``search
+        --model``'s default, ``shapes.MODEL_OPS``; ``--ops rms_gemv``): the norm's weight folded into
+        the GEMV's, its 1/rms computed by the GEMV itself, so the norm's launch is gone once each of
+        its consumers is one.
 
         Entries as ``elementwise``'s: (names, op, n, k, count), n and k the GEMV's (k = hidden
         size): input_layernorm -> qkv_proj (full attention) or in_proj_qkvz and in_proj_ba
@@ -332,7 +333,8 @@ class ModelSpec:
     ) -> list[Problem]:
         """Distinct problems per token, one per M: GEMVs (``linears(tp)`` merged by
         shape) when ``"gemv"`` is in ``ops``, then the elementwise ops of
-        ``elementwise(tp)`` whose op name is in ``ops`` (merged by (op, n, k))."""
+        ``elementwise(tp)`` and the fused GEMVs (``norm_gemvs`` ... ``glu_gemvs``) whose op name
+        is in ``ops`` (merged by (op, n, k)). ``shapes.MODEL_OPS``: what ``search --model`` tunes."""
         if dtype not in DTYPE_BYTES:
             raise UserError(f"unknown dtype {dtype!r} (known: {', '.join(DTYPE_BYTES)})")
         ms = list(m_list)
