@@ -23,6 +23,7 @@ from rich.table import Table
 
 from tunekit.errors import Interrupted, UserError
 from tunekit.evidence.console import make_console
+from tunekit.problems.budget import FULL_TRIALS, QUICK_SHARE, QUICK_TRIALS
 
 _EPILOG = (
     "Exit status: 0 done; 1 check-serving found a failed check; 2 a user error (unknown model, malformed "
@@ -177,7 +178,15 @@ def search(
     ops: Annotated[str | None, typer.Option(help=_SEARCH_OPS_HELP, show_default=False)] = None,
     backend: Annotated[str | None, typer.Option(
         help="comma list of backends (default: every tuned backend available here)")] = None,
-    trials: Annotated[int, typer.Option(help="measured trials per (problem, backend) study")] = 40,
+    trials: Annotated[int | None, typer.Option(
+        help=f"measured trials per (problem, backend) study (default: {FULL_TRIALS}; {QUICK_TRIALS} with "
+             "--budget quick)", show_default=False)] = None,
+    budget: Annotated[str, typer.Option(
+        help="full, or quick for a user in a hurry (the CPU interpreter, a first look): M=1 only unless --m "
+             f"is given, per M only the largest problems ({QUICK_SHARE:.0%} of the estimated time per step: "
+             f"bytes moved plus a launch's cost, times calls per step), {QUICK_TRIALS} trials per study "
+             "unless --trials is given; decided from the problem list alone, and one line says what it "
+             "left out")] = "full",
     timeout: Annotated[float | None, typer.Option(help="seconds for the trial phase of the whole run")] = None,
     sampler: Annotated[str, typer.Option(help="tpe, random or grid")] = "tpe",
     numerics: Annotated[str, typer.Option(help="bounded (fp64 reference + BF16 bound) or exact")] = "bounded",
@@ -225,14 +234,18 @@ def search(
     from tunekit import backends as registry
     from tunekit.measure.verify import NUMERICS
     from tunekit.problems import shapes as shapes_mod
+    from tunekit.problems.budget import apply_budget
     from tunekit.search.engine import SearchConfig, read_seed_records, run_search
     from tunekit.search.summary import print_summary, report_after_search
 
+    m_given = m is not None
     # the model's spec keeps, of the default op families, those it runs
     m, ops = shapes_mod.search_selection(bool(model or config), m, ops)
     if not min_gain >= 0:  # also NaN
         raise UserError(f"--min-gain must be a number >= 0 (got {min_gain}); 0.01 asks a 1% gain")
     spec, problems = _problems(model, shape, tp, m, config, ops)
+    planned = apply_budget(budget, problems, trials, m_given)
+    problems, trials = planned.problems, planned.trials
     if numerics not in NUMERICS:
         raise UserError(f"--numerics must be one of {', '.join(NUMERICS)}")
     names = [b.strip() for b in backend.split(",") if b.strip()] if backend else _default_backends()
@@ -249,6 +262,8 @@ def search(
     restricted = _parse_restrict(restrict or [], problems, names)
     run_name = spec.name if spec else "shapes"
     out_dir = out or Path("runs") / run_name
+    if planned.note:
+        console.print(planned.note, soft_wrap=True, markup=False, highlight=False)
     cfg = SearchConfig(
         problems=problems, backends=names, out_dir=out_dir, trials=trials, timeout_s=timeout,
         sampler=sampler, numerics=numerics, storage=storage, seed=seed, min_gain=min_gain, warm_start=warm_start,
