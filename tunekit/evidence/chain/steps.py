@@ -11,7 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tunekit.errors import UserError
-from tunekit.problems.models.spec import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
+from tunekit.problems.models.hf_config import FULL_ATTENTION, LINEAR_ATTENTION
+from tunekit.problems.models.spec import ModelSpec
 
 #: The variants of a chain, in the order they are measured (the module docstring of the package).
 VARIANTS = ("vendor", "tuned_gemv", "tuned", "tuned_fused")

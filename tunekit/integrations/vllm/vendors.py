@@ -19,7 +19,7 @@ by each CustomOp at construction). Where vLLM has none (GemmaRMSNorm runs
 its native math, which vLLM's Inductor compiles to one kernel; CPU wheels
 lack ``_C``) tunekit's own Triton kernel at the op's default config serves,
 one launch as well (``vendor: "tunekit:triton-default"``, see
-``tunekit.dispatch.elementwise._ew_default``), and the op's PyTorch
+``tunekit.dispatch.elementwise_fallback._ew_default``), and the op's PyTorch
 composition only where that cannot (``vendor: "eager:..."`` says why).
 vLLM's fused add + RMSNorm works in place, so served functionally it is two
 launches (an add, then ``_C.rms_norm``): there the default-config kernel
