@@ -416,3 +416,22 @@ def test_a_changed_raw_number_changes_the_figure(tmp_path: Path) -> None:
     (tmp_path / "chain.json").write_text(json.dumps(chain_doc))
     with pytest.raises(AssertionError):
         stated(chain(str(tmp_path / "chain.json"), 1, "tuned_fused"), "1.1816")
+
+
+# ---- search pace: trials.csv -----------------------------------------------------------------------------
+def test_default_search_rate() -> None:
+    folder = RESULTS / "h200-default-search-7465fa3"
+    import csv
+    import io
+
+    rows = list(csv.DictReader(io.StringIO(gzip.decompress((folder / "trials.csv.gz").read_bytes()).decode())))
+    run = json.loads((folder / "run.json").read_text())
+    studies = len(run["problems"]) * len(run["backends"])
+    complete: dict[str, int] = {}
+    for row in rows:
+        complete[row["study"]] = complete.get(row["study"], 0) + (row["state"] == "COMPLETE")
+    finished = sum(n >= run["trials"] for n in complete.values())
+    wall = float(re.search(r"wall_s=([\d.]+)", (folder / "wall1.txt").read_text()).group(1))
+    assert (studies, finished, len(rows)) == (128, 27, 2221)
+    stated(wall, "553.5")
+    stated(wall * studies / finished / 60, "44")
