@@ -1,0 +1,231 @@
+"""serve-bench's evidence that can fail: realistic weights (``weights``), teacher-forced agreement (``forced``,
+``agreement``) and TPOT two ways (``tpot``), on the CPU with a tiny Llama-shaped model (tests/serve_bench_tiny.py)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from serve_bench_tiny import TinyLlama, TinyRMSNorm, forced_record, greedy  # noqa: E402
+
+from tunekit.evidence.serve_bench import agreement, forced, tpot, weights  # noqa: E402
+
+PROMPTS = [[(7 * r + 13 * j) % 500 + 3 for j in range(8)] for r in range(4)]
+TOL = 2.0 ** -6
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Two shared cores: torch's default thread pool makes a 64-wide forward 60x slower here."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.set_num_threads(1)
+    model = TinyLlama()
+    weights.realistic_init_(model, seed=0)
+    return model
+
+
+def test_realistic_weights_give_peaked_logits_and_greedy_tokens_that_move(tiny) -> None:
+    vocab = tiny.lm_head.weight.shape[0]
+    moved = 0
+    for prompt in PROMPTS:
+        tokens = greedy(tiny, prompt, 16)
+        with torch.no_grad():
+            lp = torch.log_softmax(tiny(torch.tensor([prompt + tokens]))[0, len(prompt) - 1:], dim=-1)
+        entropy = -(lp.exp() * lp).sum(-1)
+        assert float(entropy.mean()) < 0.4 * math.log(vocab)  # uniform: ln V; dummy weights sit near it
+        assert float(lp.max(-1).values.exp().mean()) > 0.3  # the top token holds a real share
+        moved += len(set(tokens)) > 1
+    assert moved == len(PROMPTS)
+
+
+def test_dummy_like_weights_are_what_the_recipe_replaces() -> None:
+    """The contrast: vLLM's dummy loader's small uniform weights give a near-uniform next-token distribution."""
+    model = TinyLlama()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.uniform_(-1e-3, 1e-3, generator=torch.Generator().manual_seed(0))
+        lp = torch.log_softmax(model(torch.tensor([PROMPTS[0]]))[0], dim=-1)
+    assert float(-(lp.exp() * lp).sum(-1).mean()) > 0.99 * math.log(512)
+
+
+def test_the_recipe_is_seeded_per_name_and_writes_a_tied_head_once() -> None:
+    a, b, c = TinyLlama(tied=True), TinyLlama(tied=True), TinyLlama(tied=True)
+    counts = weights.realistic_init_(a, seed=3)
+    weights.realistic_init_(b, seed=3)
+    weights.realistic_init_(c, seed=4)
+    assert counts == {"embedding": 1, "linear": 10, "output_linear": 4, "norm": 4, "final_norm": 1}
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+        assert not torch.equal(pa, pc), name
+    assert a.lm_head.weight is a.model.embed_tokens.weight
+    # scales per kind: N(0, 0.02) into the stream's readers, N(0, 0.02 / sqrt(2 L)) for what writes into it
+    q = a.model.layers[0].self_attn.q_proj.weight.detach()
+    o = a.model.layers[0].self_attn.o_proj.weight.detach()
+    assert abs(float(q.std()) - 0.02) < 0.003 and abs(float(o.std()) - 0.01) < 0.002
+    gains = a.model.layers[0].input_layernorm.weight.detach()
+    assert float(gains.max()) >= 10.0 and float(gains.min()) <= 0.05 and 0.7 < float(gains.median()) < 1.4
+
+
+def test_zero_centred_and_gated_norms() -> None:
+    class GemmaRMSNorm(TinyRMSNorm):
+        pass
+
+    class Served(GemmaRMSNorm):  # a plugin's subclass keeps the convention of its base
+        pass
+
+    class Qwen3_5RMSNormGated(TinyRMSNorm):
+        pass
+
+    model = TinyLlama()
+    model.model.layers[0].input_layernorm = Served(64)
+    model.model.layers[1].input_layernorm = Qwen3_5RMSNormGated(64)
+    weights.realistic_init_(model, seed=0)
+    zero_centred = model.model.layers[0].input_layernorm.weight
+    plain = model.model.layers[1].input_layernorm.weight
+    assert abs(float(zero_centred.median())) < 0.4  # gain 1 + w: w near 0
+    assert 0.7 < float(plain.median()) < 1.4
+
+
+def _result(arm: str, index: int, rows: dict[int, dict]) -> dict:
+    return {"arm": arm, "index": index, "batches": [{"batch": b, "forced": rec} for b, rec in rows.items()]}
+
+
+def test_agreement_passes_a_correct_arm_and_fails_a_perturbed_one(tiny) -> None:
+    """Same weights computed in another order pass all three checks; one norm gain 1% off, or one layer's weights
+    rounded to BF16, fail: by the logprobs and the KL even where every greedy token still agrees."""
+    steps, topk = 16, 20
+    forced_tokens = [greedy(tiny, p, steps) for p in PROMPTS]
+    vanilla = forced_record(tiny, PROMPTS, forced_tokens, topk)
+    correct = forced_record(tiny, PROMPTS, forced_tokens, topk, merged=True)
+    off = copy.deepcopy(tiny)
+    rounded = copy.deepcopy(tiny)
+    with torch.no_grad():
+        off.model.layers[1].input_layernorm.weight.mul_(1.01)
+        for p in rounded.model.layers[0].parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    arms = {"vanilla": [_result("vanilla", i, {4: vanilla}) for i in range(2)],
+            "tuned": [_result("tuned", 0, {4: correct})],
+            "folded": [_result("folded", 0, {4: forced_record(off, PROMPTS, forced_tokens, topk)})],
+            "passthrough": [_result("passthrough", 0, {4: forced_record(rounded, PROMPTS, forced_tokens, topk)})]}
+    doc = agreement.forced_agreement(arms, 4, TOL)
+    assert doc["thresholds"] == {"logprob": TOL, "kl": TOL * TOL / 2, "hard_share": 0.0}  # vanilla's spread is 0
+    tuned = doc["tuned"]
+    assert tuned["ok"] and tuned["equal_share"] == 1.0 and tuned["positions"] == 4 * steps
+    assert tuned["max_abs_logprob_diff"] < 1e-3 and tuned["kl_max"] < 1e-8
+    for arm in ("folded", "passthrough"):
+        bad = doc[arm]
+        assert not bad["ok"], arm
+        assert not bad["checks"]["logprob"] and not bad["checks"]["kl"], arm
+        assert bad["max_abs_logprob_diff"] > 4 * TOL and bad["kl_max"] > 2 * agreement.kl_floor(TOL), arm
+    assert agreement.verdict(doc, ("tuned",)) == "pass"
+    assert agreement.verdict(doc, ("tuned", "folded")) == "fail"
+    assert "FAIL" in agreement.line("folded", doc["folded"], doc) and "FAIL" not in agreement.line("tuned", tuned, doc)
+
+
+def test_a_flipped_token_is_hard_unless_a_near_tie_and_the_spread_sets_the_bar() -> None:
+    def rec(tops: list[list[list]]) -> dict:
+        return {"forced": [1, 1], "top": tops}
+
+    ref = rec([[[1, -0.1], [2, -2.5]], [[1, -0.69], [2, -0.70]]])
+    tie = rec([[[1, -0.1], [2, -2.5]], [[2, -0.692], [1, -0.697]]])  # step 1 flips within 0.005 nats
+    hard = rec([[[2, -0.1], [1, -2.5]], [[1, -0.69], [2, -0.70]]])  # step 0 flips by 2.4 nats
+    s_tie = agreement.summarize([agreement.compare_requests(ref, tie)], TOL)
+    s_hard = agreement.summarize([agreement.compare_requests(ref, hard)], TOL)
+    assert (s_tie["first_divergence"], s_tie["mismatches"], s_tie["hard_mismatches"]) == (1, 1, 0)
+    assert (s_hard["first_divergence"], s_hard["hard_mismatches"], s_hard["equal_share"]) == (0, 1, 0.5)
+    assert agreement.compare_requests(ref, {"forced": [1, 2], "top": ref["top"]}) is None  # other contexts
+    # vanilla at batch 1 against batch 2: 0.02 nats apart, so the logprob bar is 2 x 0.02
+    wobble = rec([[[1, -0.12], [2, -2.5]], [[1, -0.69], [2, -0.70]]])
+    arms = {"vanilla": [_result("vanilla", 0, {1: {"requests": [ref]}, 2: {"requests": [wobble]}})],
+            "tuned": [_result("tuned", 0, {1: {"requests": [tie]}, 2: {"requests": [tie]}})]}
+    doc = agreement.forced_agreement(arms, 1, TOL)
+    assert doc["thresholds"]["logprob"] == pytest.approx(0.04) and doc["spread"]["processes"] is None
+    assert doc["spread"]["batches"]["max_abs_logprob_diff"] == pytest.approx(0.02)
+    assert doc["tuned"]["ok"]
+
+
+class _Completion:
+    def __init__(self, ids: list[int], lps: list[dict]) -> None:
+        self.token_ids, self.logprobs = ids, lps
+
+
+class _FakeEngine:
+    """Greedy next token = (last + 1) % 50, except ``flip`` = {(request's first prompt id, context length)} where
+    the other token wins; every call logged."""
+
+    def __init__(self, flip: set[tuple[int, int]]) -> None:
+        self.flip, self.calls = flip, []
+
+    def generate(self, prompts: list[list[int]], params: list) -> list:
+        self.calls.append([(len(p), sp.max_tokens, sp.logprobs) for p, sp in zip(prompts, params, strict=True)])
+        outs = []
+        for p, sp in zip(prompts, params, strict=True):
+            ctx, ids, lps = list(p), [], []
+            for _ in range(sp.max_tokens):
+                best, other = (ctx[-1] + 1) % 50, (ctx[-1] + 2) % 50
+                if (p[0], len(ctx)) in self.flip:
+                    best, other = other, best
+                ids.append(best)
+                lps.append({best: SimpleNamespace(logprob=-0.2), other: SimpleNamespace(logprob=-1.8)})
+                ctx.append(best)
+            outs.append(SimpleNamespace(outputs=[_Completion(ids, lps if sp.logprobs else None)]))
+        return outs
+
+
+def _sampling(max_tokens: int, logprobs: int | None) -> SimpleNamespace:
+    return SimpleNamespace(max_tokens=max_tokens, logprobs=logprobs)
+
+
+def test_teacher_forcing_restarts_after_a_differing_token() -> None:
+    prompts = [[10, 11], [20, 21], [30, 31]]
+    vanilla = forced.teacher_forced(_FakeEngine(set()).generate, _sampling, prompts, 2, 6, 2)
+    assert vanilla["rounds"] == 1 and [r["forced_from"] for r in vanilla["requests"]] == ["self", "self"]
+    assert vanilla["requests"][0]["forced"] == [12, 13, 14, 15, 16, 17]
+    # the arm prefers another token after 2 + 3 tokens of request 0's context: that position is kept, and the
+    # request starts again from the prompt plus the forced tokens through it
+    engine = _FakeEngine({(10, 5)})
+    arm = forced.teacher_forced(engine.generate, _sampling, prompts, 2, 6, 2,
+                                forced=[r["forced"] for r in vanilla["requests"]], forced_from="vanilla-0")
+    r0 = arm["requests"][0]
+    assert arm["rounds"] == 2 and r0["prefill_steps"] == [0, 4] and r0["forced_from"] == "vanilla-0"
+    assert [t[0][0] for t in r0["top"]] == [12, 13, 14, 16, 16, 17]  # step 3: its own choice, then forced again
+    assert engine.calls[1] == [(2 + 4, 2, 2), (2, 6, None), (2, 6, None)]  # the rest run as filler
+    doc = agreement.summarize([agreement.compare_requests(v, a) for v, a in
+                               zip(vanilla["requests"], arm["requests"], strict=True)], TOL)
+    assert doc["first_divergence"] == 3 and doc["hard_mismatches"] == 1 and doc["positions"] == 12
+
+
+def test_token_clock_and_the_two_tpot_figures() -> None:
+    class Processor:
+        def process_outputs(self, outputs, engine_core_timestamp=None):
+            return len(outputs)
+
+    processor = Processor()
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(output_processor=processor))
+    with tpot.TokenClock(llm) as clock:
+        for step in range(5):
+            time.sleep(0.002)
+            out = [SimpleNamespace(request_id=r, new_token_ids=[step]) for r in ("a", "b")]
+            assert llm.llm_engine.output_processor.process_outputs(out) == 2
+    assert "process_outputs" not in vars(processor)  # the class's method again
+    rec = clock.record()
+    assert rec["steps"] == 5 and rec["requests"] == 2 and rec["tokens"] == 10 and rec["tpot_ms"] >= 1.9
+    assert tpot.TokenClock(SimpleNamespace()).__enter__().record() is None  # no engine to clock
+    assert tpot.stamps_ms([{"tpot_ms": 2.0}, None, {"tpot_ms": 4.0}, {"tpot_ms": 3.0}]) == 3.0
+    assert tpot.compare(10.0, 10.15)["disagree"] is False
+    flagged = tpot.compare(10.0, 10.3)
+    assert flagged["disagree"] is True and flagged["ratio"] == pytest.approx(1.03)
+    assert tpot.compare(10.0, None)["disagree"] is None
