@@ -133,7 +133,7 @@ def render() -> str:
     """The whole page, as ``python -m tunekit.docgen`` prints it."""
     group = _group()
     lines = [
-        f"<!-- Generated from tunekit/cli.py by `{REGENERATE}`; edit the help there, not here. -->",
+        f"<!-- Generated from tunekit/cli/ by `{REGENERATE}`; edit the help there, not here. -->",
         "",
         "# tunekit commands",
         "",

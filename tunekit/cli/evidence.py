@@ -1,0 +1,262 @@
+"""The verbs of evidence: chain, serve-bench, check-serving, campaign (the library is tunekit.evidence)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from tunekit.cli.app import app, console
+from tunekit.errors import UserError
+
+
+@app.command()
+def chain(
+    table: Annotated[list[Path], typer.Option(help="dispatch table to serve (repeatable; the first wins a key)")],
+    model: Annotated[str | None, typer.Option(help="built-in model name")] = None,
+    config: Annotated[Path | None, typer.Option(help="path to a Hugging Face config.json")] = None,
+    tp: Annotated[int, typer.Option(help="tensor-parallel size (one rank's shards)")] = 1,
+    m: Annotated[str, typer.Option(help="tokens per step, e.g. 1,4 (1..8)")] = "1",
+    layers: Annotated[int | None, typer.Option(help="first N decoder layers only (default: all)")] = None,
+    iters: Annotated[int, typer.Option(help="graph replays per timing")] = 20,
+    repeats: Annotated[int, typer.Option(help="interleaved timings per variant (median)")] = 15,
+    out: Annotated[Path | None, typer.Option(help="folder for chain.json")] = None,
+    profile_replays: Annotated[int, typer.Option(
+        help="after the timing, profile N replays of each variant's graph: kernel time and launch gap per "
+             "launch shape and predecessor (by_launch, as serve-bench --profile-steps reads a served step)")] = 0,
+) -> None:
+    """Time the model's tuned decode-step chain as one CUDA graph: vendor vs tuned GEMVs vs all tuned.
+
+    Every GEMV and fused elementwise op of the model in vLLM's order, with
+    distinct full-size weights per layer (attention and the recurrence left
+    out), captured as one CUDA graph per variant and replayed interleaved:
+    vendor, tuned_gemv (tuned GEMVs), tuned (everything a table serves),
+    and tuned_fused at the Ms where the table holds fused entries
+    (norm / SiLU-and-mul -> GEMV, residual-epilogue gemv_add, folded-norm
+    rms_gemv, gate_up + SiLU-and-mul gemv_silu_mul); on a GPU the fused
+    families are checked as a whole, and one measured slower than leaving
+    it out is left out.
+
+    Reports the measured saving per step next to the one the table's
+    standalone figures predict, and each variant's logits against the same
+    chain in fp32; writes DIR/chain.json. Without a GPU the variants'
+    logits are compared and nothing is timed.
+    """
+    from tunekit.evidence import chain as chain_mod
+    from tunekit.problems import shapes
+    from tunekit.problems.models import load_model
+
+    if bool(model) == bool(config):
+        raise UserError("give one of --model or --config")
+    spec = load_model(str(config) if config else model)
+    m_list = shapes.parse_m_list(m, ("gemv",))
+    if iters < 1 or repeats < 1:
+        raise UserError("--iters and --repeats must be at least 1")
+    if profile_replays < 0:
+        raise UserError("--profile-replays must be 0 (off) or more")
+    missing = [str(p) for p in table if not p.exists()]
+    if missing:
+        raise UserError(f"no such table: {', '.join(missing)}")
+    from tunekit import table as table_mod
+
+    for path in table:  # a bad table is one line here, not a served fallback and a log line later
+        try:
+            table_mod.load(path)
+        except table_mod.TableError as exc:
+            raise UserError(f"table not usable: {exc}") from None
+    report = chain_mod.run(spec, [str(p) for p in table], m_list, tp=tp, layers=layers, iters=iters,
+                           repeats=repeats, log=console.print, profile_replays=profile_replays)
+    if not report["timed"]:
+        console.print("no GPU: the variants' logits were compared eagerly; nothing was timed")
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "chain.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+        console.print(f"wrote {out / 'chain.json'}")
+
+
+@app.command("serve-bench")
+def serve_bench(
+    table: Annotated[list[Path], typer.Option(
+        help="dispatch table the tuned arm serves (repeatable; the first wins a key)")] = [],  # noqa: B006
+    model: Annotated[str | None, typer.Option(help="built-in model name")] = None,
+    config: Annotated[Path | None, typer.Option(help="path to a Hugging Face config.json")] = None,
+    batch: Annotated[str, typer.Option(help="batch sizes (concurrent sequences), e.g. 1,2,4,8")] = "1,2,4,8",
+    tokens: Annotated[int, typer.Option(help="new tokens per timed generate (TPOT: vs a 1-token generate)")] = 128,
+    prompt_len: Annotated[int, typer.Option(help="prompt tokens per sequence")] = 64,
+    repeats: Annotated[int, typer.Option(help="timed (1, --tokens) pairs per batch size and process")] = 5,
+    processes: Annotated[int, typer.Option(help="processes (engine starts) per arm, arms alternated")] = 3,
+    layers: Annotated[int | None, typer.Option(help="first N decoder layers only (a quick run)")] = None,
+    out: Annotated[Path | None, typer.Option(help="folder (default runs/serve-<model>); rerun to resume")] = None,
+    endpoint: Annotated[list[str], typer.Option(
+        help="ARM=URL of a running OpenAI-compatible server (vanilla=, tuned=, optional passthrough=; "
+             "repeatable): A/B against servers instead of offline engines")] = [],  # noqa: B006
+    concurrency: Annotated[str, typer.Option(help="--endpoint: concurrent requests, e.g. 1,4,8")] = "1,4,8",
+    arms: Annotated[str, typer.Option(
+        help="vanilla plus any of passthrough, tuned, folded (tuned with the decoder norms folded: "
+             "TUNEKIT_FOLD_NORMS=1)")] = "vanilla,passthrough,tuned",
+    gpu_memory_utilization: Annotated[float, typer.Option(help="vLLM's share of GPU memory")] = 0.85,
+    python: Annotated[Path | None, typer.Option(
+        help="Python with vLLM that runs the engines (default: this one)")] = None,
+    eager: Annotated[bool, typer.Option(help="vLLM enforce_eager (no CUDA graphs, no compile)")] = False,
+    agree_steps: Annotated[int, typer.Option(help="decode steps whose logprobs are compared")] = 8,
+    logprob_tol: Annotated[float | None, typer.Option(
+        help="agreement tolerance in nats (default 2^-6: four BF16 roundoffs)")] = None,
+    runner_timeout: Annotated[float, typer.Option(help="seconds before one engine process is killed")] = 3600.0,
+    stop_after: Annotated[float | None, typer.Option(
+        help="start no engine process that would end past this many seconds; exit status 3 (rerun resumes)")] = None,
+    report_only: Annotated[bool, typer.Option(help="rebuild serve.json/.md/.png from --out's results")] = False,
+    profile_steps: Annotated[int, typer.Option(
+        help="after the timing, profile this many decode steps per batch size and process (torch's profiler): "
+             "kernel time per category, vanilla vs tuned (0: off)")] = 0,
+) -> None:
+    """vLLM decode end to end: vanilla vs plugin without table vs tuned, TPOT per batch size, vs the prediction.
+
+    Offline engines with dummy weights, one per process, arms alternated:
+    vanilla (the tunekit plugin excluded by VLLM_PLUGINS), passthrough
+    (plugin, no table), tuned (plugin + TUNEKIT_TABLE), folded (opt-in:
+    tuned + TUNEKIT_FOLD_NORMS=1, reported over vanilla and over tuned).
+    --table is needed only for the tuned and folded arms. The plugin must
+    be visible to importlib.metadata in the Python that runs vLLM
+    (--python): docs/serving.md.
+
+    Per batch size: decode TPOT by the difference of a --tokens and a
+    1-token generate, speedup with its spread over process pairs, next to
+    the tables' predicted saving; the 1-token generate itself (prefill +
+    one step) per arm, with a note when the table makes it >5% later, and
+    what each timed generate spent in Python's garbage collector, CUDA
+    allocator stalls and Triton JIT compiles; dispatch coverage from every
+    process's TUNEKIT_DISPATCH_LOG; logprob agreement with vanilla.
+
+    --profile-steps N: after the timing, N decode steps under torch's
+    profiler: kernel time per category (tunekit, vendor GEMM, Inductor,
+    attention ...) vanilla against tuned, the kernels that changed most,
+    each launch's kernel time and gap by launch shape and predecessor
+    (by_launch), the time TPOT spends outside kernels, and the host side of
+    a 1-token generate (its kernels and Python calls counted per arm). With
+    TUNEKIT_PROFILE_KERNELS=1 each served tuned kernel is also timed
+    standalone in the engine's own process (in_process).
+
+    Writes DIR/serve.json, serve.md, serve.png; a rerun resumes. --endpoint
+    vanilla=URL --endpoint tuned=URL runs the same A/B against running
+    OpenAI-compatible servers (streaming: TTFT, TPOT, throughput per
+    --concurrency); --report-only --out DIR rebuilds a report, and for an
+    endpoint folder adds the tuned server's dispatch coverage from its logs.
+    """
+    from tunekit.evidence.serve_bench import bench
+    from tunekit.evidence.serve_bench import endpoint as endpoint_mod
+    from tunekit.evidence.serve_bench.analysis import DEFAULT_TOL
+    from tunekit.evidence.serve_bench.settings import build_settings, parse_sizes
+
+    def log(text: str) -> None:
+        console.print(text, markup=False, highlight=False)
+
+    tol = DEFAULT_TOL if logprob_tol is None else logprob_tol
+    if endpoint:
+        urls = endpoint_mod.parse_endpoints(endpoint)
+        endpoint_mod.run(urls, out or Path("runs") / "serve-endpoints", parse_sizes(concurrency, "--concurrency"),
+                         tokens, prompt_len, repeats, model, config, table, log=log)
+        return
+    if report_only:
+        if out is None:
+            raise UserError("--report-only needs --out DIR (a serve-bench folder)")
+        bench.report_dir(out, tol, log)
+        return
+    settings = build_settings(
+        model, config, table, parse_sizes(batch, "--batch"), tokens=tokens, prompt_len=prompt_len,
+        repeats=repeats, processes=processes, layers=layers, arms=[a.strip() for a in arms.split(",") if a.strip()],
+        gpu_memory_utilization=gpu_memory_utilization, enforce_eager=eager, agree_steps=agree_steps,
+        logprob_tol=tol, python=str(python) if python else sys.executable, runner_timeout_s=runner_timeout,
+        profile_steps=profile_steps)
+    serve = bench.run_offline(settings, out or Path("runs") / f"serve-{settings.model}", log, stop_after_s=stop_after)
+    if serve is None:
+        sys.exit(3)  # stopped early on purpose: not an error, not done
+
+
+@app.command("check-serving")
+def check_serving(
+    table: Annotated[list[Path], typer.Option(
+        help="dispatch table to serve (repeatable; the first wins a key; default: TUNEKIT_TABLE)")] = [],  # noqa: B006
+    model: Annotated[str, typer.Option(help="qwen3.5-27b or llama-3.1-8b (Hugging Face classes, random "
+                                            "weights, the real sizes)")] = "qwen3.5-27b",
+    layers: Annotated[int, typer.Option(help="decoder layers of the model")] = 4,
+    steps: Annotated[int, typer.Option(help="greedy tokens decoded and compared")] = 16,
+    prompt_len: Annotated[int, typer.Option(help="random prompt tokens")] = 8,
+    iters: Annotated[int, typer.Option(help="timed decode steps per variant and round")] = 10,
+    rounds: Annotated[int, typer.Option(help="interleaved timing rounds (ratios: median over rounds)")] = 5,
+    warmup: Annotated[int, typer.Option(help="untimed decode steps per variant first")] = 5,
+    seed: Annotated[int, typer.Option(help="weights, prompt and op-input seed")] = 0,
+    tol_factor: Annotated[float, typer.Option(
+        help="a variant may be this many times as far from fp32 as the unpatched model (>= 1)")] = 2.0,
+    tiny: Annotated[bool, typer.Option(
+        help="tiny sizes: the correctness parts on the CPU (TRITON_INTERPRET=1)")] = False,
+    skip_ops: Annotated[bool, typer.Option(help="skip the per-entry op check")] = False,
+    skip_model: Annotated[bool, typer.Option(help="skip the model check")] = False,
+    skip_graphed: Annotated[bool, typer.Option(help="no graphed decode (eager variants only)")] = False,
+    fold_norms: Annotated[bool, typer.Option(
+        help="the patched model folds its decoder norms into their consumers (rms_gemv) where the tables' "
+             "entries say it pays")] = False,
+    merge_siblings: Annotated[bool, typer.Option(
+        "--merge-siblings/--no-merge-siblings",
+        help="the patched model runs the linears a module calls on one input (q/k/v, gate/up, Gated "
+             "DeltaNet's qkv/z and b/a) as one GEMV of vLLM's merged shape where a table covers it "
+             "(tunekit.patch's default)")] = True,
+    out: Annotated[Path | None, typer.Option(help="folder for serving_check.json")] = None,
+) -> None:
+    """Serving evidence: the tables' ops under compile / CUDA graphs; a patched HF model's tokens and step times.
+
+    Every table entry's op eagerly, under torch.compile and CUDA-graph
+    replay (bitwise equal to eager, within the BF16 bound). A few layers of
+    the Hugging Face model at real sizes (random weights) decoded unpatched
+    and patched (tunekit.patch), eager and graphed (static cache +
+    torch.compile reduce-overhead): logits and greedy tokens judged against
+    an fp32 copy, a differing token only as a near tie. One decode step of
+    the four variants timed interleaved, next to the graphed speedup the
+    tables' standalone savings predict. Writes DIR/serving_check.json; exit
+    status 1 if a check fails. Timing and graphs need a GPU; --tiny runs the
+    correctness parts on the CPU.
+
+    What to tune for it: python benchmarks/probes/serving_check.py --print-shapes
+    (and --print-m); with --fold-norms also --print-shapes --only rms_gemv.
+    With --merge-siblings (the default) the merged shapes are vLLM's, which
+    the table of tunekit search --model covers.
+    """
+    from tunekit.evidence.check_serving import model_check as serving
+
+    settings = serving.Settings(
+        model=model, tables=[str(p) for p in table], layers=layers, steps=steps, prompt_len=prompt_len, iters=iters,
+        rounds=rounds, warmup=warmup, seed=seed, tol_factor=tol_factor, tiny=tiny, skip_ops=skip_ops,
+        skip_model=skip_model, skip_graphed=skip_graphed, fold_norms=fold_norms, merge_siblings=merge_siblings,
+        out=str(out) if out is not None else None)
+    serving.validate(settings)
+    results = serving.run_check(settings, log=lambda s: console.print(s, markup=False, highlight=False),
+                                argv=["tunekit"] + sys.argv[1:])
+    if results["failures"]:
+        sys.exit(1)
+
+
+
+@app.command()
+def campaign(
+    plan: Annotated[Path, typer.Argument(help="campaign plan (TOML), e.g. benchmarks/plans/serve_fold.toml")],
+    out: Annotated[Path, typer.Option(help="campaign folder: campaign.json, README.md, a folder per step")],
+    budget_s: Annotated[float | None, typer.Option(
+        help="device seconds for this call: no step starts whose estimate does not fit; a running one is "
+             "stopped at the end (exit status 3; rerun to resume)")] = None,
+    pack: Annotated[Path | None, typer.Option(help="after every step, the folder packed into this .tgz")] = None,
+    dry_run: Annotated[bool, typer.Option(help="print the commands and the time estimate; run nothing")] = False,
+) -> None:
+    """Run a campaign plan's steps in order within a device-time budget; a rerun resumes where it stopped."""
+    from tunekit.evidence import campaign as campaign_mod
+
+    loaded = campaign_mod.load_plan(plan, campaign_mod.read_verbs(app))
+    if dry_run:
+        campaign_mod.dry_run(loaded, out, budget_s=budget_s)
+        return
+    outcome = campaign_mod.run_campaign(loaded, out, budget_s=budget_s, pack=pack)
+    if outcome.exit_code:
+        sys.exit(outcome.exit_code)
+
+
