@@ -291,7 +291,7 @@ def test_a_fused_table_of_fewer_ms_keeps_the_tuned_gemv_above_its_entries(plugin
         assert folded_err <= 2 * plain_err, (m, folded_err, plain_err)
 
 
-def test_nothing_folds_without_rms_gemv_entries_or_the_switch(plugin, compile_ranges, monkeypatch) -> None:
+def test_nothing_folds_without_rms_gemv_entries_or_with_the_switch_off(plugin, compile_ranges, monkeypatch) -> None:
     from vllm.config import set_current_vllm_config
 
     config = compile_ranges([e for e in _entries(True) if e["op"] != "rms_gemv"])
@@ -301,11 +301,13 @@ def test_nothing_folds_without_rms_gemv_entries_or_the_switch(plugin, compile_ra
         p.data.normal_(1.0, 0.15)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     _load_folded(plugin, monkeypatch, model)
-    assert vllm_load.FOLDS == {"rms_norm (fold not in the tables or not paying)": 4}, vllm_load.FOLDS
+    assert vllm_load.FOLDS == {}, vllm_load.FOLDS  # no rms_gemv entry at all: no fold is even considered
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     assert not any(getattr(m, "_tunekit_folded", False) for m in model.modules())
-    # without TUNEKIT_FOLD_NORMS the hook is not installed at all
+    # with TUNEKIT_FOLD_NORMS=0 the hook is not installed at all (unset, it is: the fold is on by default)
     monkeypatch.delenv("TUNEKIT_FOLD_NORMS")
+    assert vllm_load.install_fold()[0]
+    monkeypatch.setenv("TUNEKIT_FOLD_NORMS", "0")
     done, why = vllm_load.install_fold()
-    assert not done and "TUNEKIT_FOLD_NORMS" in why
-    assert os.environ.get("TUNEKIT_FOLD_NORMS") is None
+    assert not done and "TUNEKIT_FOLD_NORMS=0" in why
+    assert os.environ.get("TUNEKIT_FOLD_NORMS") == "0"

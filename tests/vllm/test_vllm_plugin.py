@@ -114,15 +114,18 @@ def _vendors(**match) -> list[tuple]:
 def test_entry_point_loads_once_and_installs_every_hook(plugin) -> None:
     eps = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "tunekit"]
     assert [ep.value for ep in eps] == ["tunekit.integrations.vllm.plugin:register"]
+    # the fold is on by default (TUNEKIT_FOLD_NORMS=0 turns it off: tests/vllm/test_vllm_refold.py)
     assert set(plugin.installed()) == {"linear", "RMSNorm", "GemmaRMSNorm", "RMSNormGated", "SiluAndMul",
-                                       "compile_cache_key", "merge_siblings"}
+                                       "compile_cache_key", "fold_norms", "merge_siblings"}
+    assert "passes its check" in plugin.installed()["fold_norms"]
     # the session's table is empty: no M to end a compile range at (test_token_counts_above_the_tables_...)
-    assert plugin.skipped() == {"compile_ranges": "the named tables hold no entry",
-                                "fold_norms": "TUNEKIT_FOLD_NORMS is not 1: decoder norms run as separate layers"}
+    assert plugin.skipped() == {"compile_ranges": "the named tables hold no entry"}
     # the tables join vLLM's compile-cache key: a graph traced under another table is not reused
     import vllm.envs as envs
 
-    assert envs.compile_factors()[vllm_compile.COMPILE_FACTOR] == vllm_compile.tables_digest()
+    # and so does what the load checks decided (the norms folded, the shapes refused), read at compile time
+    assert envs.compile_factors()[vllm_compile.COMPILE_FACTOR] == vllm_compile.tables_digest() + \
+        vllm_compile.load_outcome()
     import vllm.model_executor.layers.linear as linear
     import vllm.model_executor.layers.utils as utils
     import vllm.model_executor.layers.vocab_parallel_embedding as vocab

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["CheckResult", "activations", "check_norm_fold", "check_residual_add", "checked_ms", "fold_scale",
-           "quiet_markers", "refuse_kernels"]
+           "quiet_markers", "refuse_kernels", "tables_hold"]
 
 #: the channels of a row with large-magnitude activations, and their scale range
 OUTLIER_CHANNELS, OUTLIER_SCALE = 4, (50.0, 100.0)
@@ -121,6 +121,15 @@ def refuse_kernels(op: str, dtype: str, n: int, k: int, device: str) -> int:
             STATE.choices[(op, dtype, m, n, k, device)] = Choice("fallback:kernel_error")
         STATE.epoch += 1
     return top
+
+
+def tables_hold(op: str, device: str) -> bool:
+    """Whether a table serving ``device`` holds any entry of ``op`` (no ``rms_gemv`` entry: no fold can pay,
+    and none is considered)."""
+    from tunekit.dispatch.tables import serving_table
+
+    merged = serving_table(device)
+    return any(e["op"] == op for e in (merged or {}).get("entries", ()))
 
 
 def checked_ms(op: str, dtype: str, n: int, k: int, device: str) -> list[int]:

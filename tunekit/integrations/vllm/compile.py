@@ -5,7 +5,9 @@ the tables compile vLLM's own math.
   vLLM traces the model and baked into the graph, so the tables' digest
   (:data:`COMPILE_FACTOR` = ``TUNEKIT_TABLE_DIGEST``, :func:`tables_digest`)
   joins vLLM's compile-cache factors: a graph traced under one table (or
-  under plain vLLM) is never loaded under another.
+  under plain vLLM) is never loaded under another. So does what the load
+  checks decided (:func:`load_outcome`: the norms folded, the fused keys
+  refused), read when vLLM compiles, after the load.
 * ``compile_ranges``: vLLM compiles each graph piece once per token-count
   range (``CompilationConfig.compile_ranges_endpoints``) and runs its
   post-grad passes per range. The hook adds endpoints, the tables' largest
@@ -31,6 +33,7 @@ made inside the op; the ranges split the token counts once, at compile time.
 Call protocol::
 
     done, why = install_compile_factor()   # the plugin's hooks; each (installed, what) or (False, why not)
+    load_outcome()                         # "" before a load that folded or refused anything, else "+<hash>"
     done, why = install_compile_ranges()
 """
 
@@ -38,14 +41,16 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 from collections.abc import Callable
 from typing import Any
 
-from tunekit.integrations.vllm.state import MARK, fold_requested, logger, merge_requested, table_paths
+from tunekit.integrations.vllm.marks import REFUSED
+from tunekit.integrations.vllm.state import MARK, STATE, fold_requested, logger, merge_requested, table_paths
 
 __all__ = ["COMPILE_FACTOR", "RANGE_FUSIONS", "RANGE_MERGES", "RANGE_ROUTES", "install_compile_factor",
-           "install_compile_ranges", "range_endpoints", "tables_digest", "tables_tops"]
+           "install_compile_ranges", "load_outcome", "range_endpoints", "tables_digest", "tables_tops"]
 
 
 # ---------------------------------------------------------------------------
@@ -71,6 +76,15 @@ def tables_digest() -> str:
     return h.hexdigest()
 
 
+def load_outcome() -> str:
+    """What the load checks decided that a traced graph bakes in (the norms folded, ``marks.REFUSED``): "" where
+    nothing was folded or refused, else "+" and a hash of both."""
+    folded = STATE.get("fold_outcome") or []
+    if not folded and not REFUSED:
+        return ""
+    return "+" + hashlib.sha256(json.dumps([folded, sorted(REFUSED)]).encode()).hexdigest()[:16]
+
+
 def install_compile_factor() -> tuple[bool, str]:
     """The hook ``compile_cache_key``: :func:`tables_digest` as vLLM's compile factor :data:`COMPILE_FACTOR`."""
     # Which layers reach a tunekit op is decided while vLLM traces the model
@@ -86,7 +100,7 @@ def install_compile_factor() -> tuple[bool, str]:
     if not isinstance(factors, dict) or not hasattr(envs, "compile_factors"):
         return False, "this vLLM has no envs.environment_variables / compile_factors: compile cache not keyed"
     digest = tables_digest()  # hashed here (bytes only): the tables are parsed at the first op call
-    factors[COMPILE_FACTOR] = lambda: digest
+    factors[COMPILE_FACTOR] = lambda: digest + load_outcome()  # read at compile time, after the load
     return True, f"{COMPILE_FACTOR}={digest[:12]} joins vLLM's compile-cache factors"
 
 
@@ -195,7 +209,7 @@ def _range_pass(base: type, get_pass_context: Callable[[], Any]) -> Any:
             start = compile_range.start
 
             def keep(*key: Any) -> bool:  # a tunekit op stays where the tables serve this range
-                return graph_routes.within_table(*key, start=start)
+                return graph_routes.within_table(*key, start=start) and key not in REFUSED
 
             merged = graph_routes.merge_siblings(graph, keep, vllm_merge.JOINED)
             if merged:
@@ -225,7 +239,8 @@ def _range_pass(base: type, get_pass_context: Callable[[], Any]) -> Any:
                 from tunekit.dispatch import elementwise
 
                 sources = (inspect.getsource(obj) for obj in (graph_routes, elementwise, _range_pass))
-                self._uuid = base.hash_dict({"source": base.hash_source(*sources), "tables": tables_digest()})
+                self._uuid = base.hash_dict({"source": base.hash_source(*sources),
+                                             "tables": tables_digest() + load_outcome()})
             return self._uuid
 
     return TunekitRangeRoutes()

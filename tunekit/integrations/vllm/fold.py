@@ -66,8 +66,9 @@ from torch import nn
 from tunekit.integrations.fold_check import CheckResult, check_norm_fold, fold_scale
 from tunekit.integrations.vllm.marks import FOLD_EPS, FOLDED, sibling_groups
 
-__all__ = ["FOLDABLE_LAYERS", "LORA", "QUANTIZED", "UNKNOWN_LAYER", "UNKNOWN_READER", "FoldPlan", "FoldReport",
-           "check_fold", "commit", "fold_model", "fold_plan", "folded_norm_forward", "folded_weights", "survey"]
+__all__ = ["FOLDABLE_LAYERS", "LORA", "QUANTIZED", "UNKNOWN_LAYER", "UNKNOWN_READER", "ZERO_SCALE", "FoldPlan",
+           "FoldReport", "check_fold", "commit", "fold_model", "fold_plan", "folded_norm_forward", "folded_weights",
+           "survey", "zero_columns"]
 
 #: vLLM decoder-layer class name -> (norm attribute, alternatives of consumer paths). The first
 #: alternative whose first path the layer has is the norm's consumer set, and every path in it must
@@ -107,6 +108,10 @@ class FoldPlan:
     eps: float
     consumers: list[nn.Module]
     consumer_names: list[str]
+    #: channels whose scale is (near) 0, and each consumer's raw columns there (set at commit): a fold
+    #: multiplies them away, a later write of the gain alone needs them back (``refold``)
+    zero_channels: torch.Tensor | None = None
+    zero_columns: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -287,10 +292,24 @@ def check_fold(plan: FoldPlan, weights: list[torch.Tensor], joined: bool = False
     return worst
 
 
+#: a scale below this multiplies a BF16 weight into zero or subnormals: its raw column is kept aside
+ZERO_SCALE = 2.0**-100
+
+
+def zero_columns(op: str, gain: torch.Tensor, raws: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The channels whose fold scale is (near) 0 and each raw weight's columns there (copies, few: a norm
+    has at most a handful of dead channels)."""
+    scale = fold_scale(gain, op == "gemma_rms_norm")
+    channels = torch.nonzero(scale.abs() < ZERO_SCALE).flatten()
+    return channels, [w[:, channels].clone() for w in raws]
+
+
 @torch.no_grad()
 def commit(plan: FoldPlan, weights: list[torch.Tensor]) -> None:
     """Write the folded weights into the consumers (in place: a compiled graph keeps its tensors) and mark
     both sides."""
+    plan.zero_channels, plan.zero_columns = zero_columns(plan.op, plan.norm.weight,
+                                                         [c.weight.detach() for c in plan.consumers])
     for c, w in zip(plan.consumers, weights, strict=True):
         c.weight.data.copy_(w)
         setattr(c, FOLD_EPS, plan.eps)

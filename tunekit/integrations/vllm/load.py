@@ -1,22 +1,30 @@
 """The vLLM plugin's load-time steps (hooks ``fold_norms`` and ``merge_siblings``): one wrapper of
 vLLM's ``BaseModelLoader.load_model`` runs them after the weights load.
 
-* ``fold_norms`` (``TUNEKIT_FOLD_NORMS=1``): decoder norms folded into the
-  linears that read them (``tunekit.integrations.vllm.fold``), where the
-  tables' ``rms_gemv`` entries pay;
+* ``fold_norms`` (on unless ``TUNEKIT_FOLD_NORMS=0``): decoder norms folded
+  into the linears that read them (``tunekit.integrations.vllm.fold``),
+  where the tables' ``rms_gemv`` entries pay and the fold passes its check
+  on the loaded weights; none where the engine runs LoRA adapters;
+* the ``gemv_add`` check: every linear the compile pass could give the
+  residual add's epilogue is checked on its weight, a failing shape refused
+  (``tunekit.integrations.vllm.verify_fold``);
 * ``merge_siblings`` (on unless ``TUNEKIT_MERGE_SIBLINGS=0``): then the
   weights of sibling linears joined into one tensor
-  (``tunekit.integrations.vllm.merge``), where the tables' joined GEMV pays.
+  (``tunekit.integrations.vllm.merge``), where the tables' joined GEMV pays;
+* what was folded and checked is registered for weights written later
+  (``tunekit.integrations.vllm.refold``: fold again, check again).
 
-Both steps act only on modules whose forward or GEMM is tunekit's route
+The steps act only on modules whose forward or GEMM is tunekit's route
 (:func:`_module_honours_fold`): those read the marks the steps set
 (``tunekit.integrations.vllm.marks``). What the last load did is kept in
-:data:`FOLDS` and :data:`MERGES`.
+:data:`FOLDS`, :data:`FOLD_REPORT` and :data:`MERGES`, logged, and added to
+the ``fold_norms`` line of ``plugin.installed()``.
 
 Call protocol::
 
     done, why = install_fold()    # the plugin's hooks; each (installed, what) or (False, why not)
     done, why = install_merge()   # both share one load_model wrapper, installed once
+    FOLD_REPORT                   # {"folded": 4, "kept unfolded": {...}, "not folded": {...}, "check seconds": ...}
 """
 
 from __future__ import annotations
@@ -28,14 +36,28 @@ from typing import Any
 
 import torch
 
+from tunekit.integrations.fold_check import tables_hold
 from tunekit.integrations.vllm import fold as vllm_fold
 from tunekit.integrations.vllm import merge as vllm_merge
-from tunekit.integrations.vllm.state import FOLD_ENV, MARK, MERGE_ENV, fold_requested, logger, merge_requested
+from tunekit.integrations.vllm import refold, verify_fold
+from tunekit.integrations.vllm.state import (
+    FOLD_ENV,
+    MARK,
+    MERGE_ENV,
+    STATE,
+    fold_requested,
+    logger,
+    merge_requested,
+)
 
-__all__ = ["FOLDS", "MERGES", "install_fold", "install_merge"]
+__all__ = ["FOLDS", "FOLD_REPORT", "MERGES", "install_fold", "install_merge"]
 
-#: What the last model load folded: {"gemma_rms_norm folded": 128, ...} (the dispatch log's evidence).
+#: What the last model load folded: {"gemma_rms_norm folded": 128, "rms_norm (not folded: LoRA)": 2, ...}.
 FOLDS: dict[str, int] = {}
+#: What the last load's checks found: "folded" (count), "kept unfolded" (norm path -> its worst element),
+#: "not folded" (reason -> norm paths), "gemv_add refused" (shape -> layer and worst element), "checked"
+#: ({"norms": n, "linears": n}), "check seconds", "refold" (the writers wrapped for later writes).
+FOLD_REPORT: dict[str, Any] = {}
 #: What the last model load joined: {"in_proj_qkvz+in_proj_ba joined": 48, ...}.
 MERGES: dict[str, int] = {}
 _LOAD_MARK = "_tunekit_load_transforms"
@@ -60,20 +82,52 @@ def _gemm_honours_fold(layer: torch.nn.Module) -> bool:
     return bool(getattr(impl, MARK, False))
 
 
-def _transform_loaded(model: torch.nn.Module) -> None:
-    """The load-time steps, in order: fold the decoder norms (priced joined where the merge will join
-    their consumers), then join sibling linears' weights."""
+def _lora_enabled(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the engine that loads (``load_model(vllm_config, model_config)``) runs LoRA adapters: vLLM wraps
+    the linears for them after loading, and an adapter reads the normed input a fold would take away."""
+    config = kwargs.get("vllm_config", args[0] if args else None)
+    return getattr(config, "lora_config", None) is not None
+
+
+def _transform_loaded(model: torch.nn.Module, lora: bool = False) -> None:
+    """The load-time steps, in order: fold the decoder norms (priced and checked joined where the merge will
+    join their consumers), check the linears gemv_add could serve, join sibling linears' weights, and keep
+    what was folded and checked for later writes."""
     FOLDS.clear()
     MERGES.clear()
-    if fold_requested():
-        counts = vllm_fold.fold_model(model, _module_honours_fold, join_siblings=merge_requested())
+    FOLD_REPORT.clear()
+    report = vllm_fold.FoldReport()
+    weight = next((p for p in model.parameters() if p.is_floating_point()), None)
+    if fold_requested() and weight is not None and not tables_hold("rms_gemv", str(weight.device)):
+        logger.info("tunekit vLLM plugin: folded norms: none (no table holds an rms_gemv entry)")
+    elif fold_requested():
+        counts = vllm_fold.fold_model(model, _module_honours_fold, join_siblings=merge_requested(), lora=lora,
+                                      report=report)
         FOLDS.update(counts)
         logger.info("tunekit vLLM plugin: folded norms: %s", counts or "none (no foldable decoder layer)")
+    adds = verify_fold.check_residual_adds(model, _module_honours_fold)
+    verify_fold.log_outcome(report, adds)
     if merge_requested():
         counts = vllm_merge.merge_model(model, _module_honours_fold)
         MERGES.update(counts)
         if counts:
             logger.info("tunekit vLLM plugin: sibling linears: %s", counts)
+    refold.register(model, report.folded, adds.passed)
+    wrapped = refold.install() if report.folded or adds.passed else []
+    FOLD_REPORT.update({
+        "folded": len(report.folded),
+        "kept unfolded": {name: result.describe() for name, _, result in report.failed},
+        "not folded": {why: [n for n, _, w in report.not_folded if w == why] for _, _, why in report.not_folded},
+        "gemv_add refused": {f"{k[1]} {k[2]}x{k[3]}": f"{name}: {result.describe()}"
+                             for name, k, result in adds.failed},
+        "checked": {"norms": report.checked, "linears": adds.checked},
+        "check seconds": round(report.seconds + adds.seconds, 3),
+        "refold": wrapped,
+    })
+    STATE["fold_outcome"] = sorted(p.name for p in report.folded)
+    if "fold_norms" in STATE["installed"]:
+        base = STATE["installed"]["fold_norms"].split("; last load: ")[0]
+        STATE["installed"]["fold_norms"] = f"{base}; last load: {verify_fold.outcome_text(report, adds)}"
 
 
 def _wrap_load_model() -> str | None:
@@ -88,7 +142,7 @@ def _wrap_load_model() -> str | None:
         @functools.wraps(load_model)
         def load_model_and_transform(self: Any, *args: Any, **kwargs: Any) -> Any:
             model = load_model(self, *args, **kwargs)
-            _transform_loaded(model)
+            _transform_loaded(model, _lora_enabled(args, kwargs))
             return model
 
         setattr(load_model_and_transform, _LOAD_MARK, True)
@@ -109,9 +163,10 @@ def _load_step_installer(requested: Callable[[], bool], off: str, nothing: str, 
 
 
 install_fold = _load_step_installer(
-    fold_requested, f"{FOLD_ENV} is not 1: decoder norms run as separate layers", "nothing folded",
-    "after loading, decoder norms the tables' rms_gemv entries pay for are folded into their consumers' weights; "
-    "the residual add goes into the previous GEMV where gemv_add is tabulated")
+    fold_requested, f"{FOLD_ENV}=0: decoder norms run as separate layers", "nothing folded",
+    "after loading, decoder norms the tables' rms_gemv entries pay for are folded into their consumers' weights "
+    "where the fold passes its check on those weights; the residual add goes into the previous GEMV where gemv_add "
+    "is tabulated and passes its check; weights written later are folded and checked again")
 install_merge = _load_step_installer(
     merge_requested, f"{MERGE_ENV} is 0: sibling linears run as separate GEMVs", "nothing joined",
     "after loading, sibling linears (in_proj_qkvz + in_proj_ba) whose joined GEMV the tables pay for get one "

@@ -55,8 +55,13 @@ reports; ``state`` holds what they share):
   a post-grad pass (``graph_routes``) that hands ranges above the tables
   back to vLLM's math, merges sibling GEMVs and fuses residual adds;
 * ``fold_norms`` and ``merge_siblings`` (``load``): after the weights load,
-  decoder norms folded into their consumers (``fold``, opt-in) and sibling
-  linears' weights joined (``merge``), each only where the tables pay.
+  decoder norms folded into their consumers (``fold``) and sibling linears'
+  weights joined (``merge``), each only where the tables pay; each fold,
+  and each linear ``gemv_add`` could serve, checked on the loaded weights
+  first (``fold``, ``verify_fold``), and folded and checked again when
+  weights are written later (``refold``). What the last load folded, kept
+  unfolded and why, and what the checks cost, is the end of the
+  ``fold_norms`` line of :func:`installed`.
 
 Every vLLM name is feature-detected; an older vLLM (the forks DCU users run)
 missing one gets that hook skipped with a log line naming what is missing.

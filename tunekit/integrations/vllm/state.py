@@ -7,7 +7,7 @@ none of them imports another duty for it. Imports neither vLLM nor torch.
 Call protocol::
 
     table_paths()            # the tables TUNEKIT_TABLE names (os.pathsep-separated); [] = plugin off
-    fold_requested()         # TUNEKIT_FOLD_NORMS=1
+    fold_requested()         # TUNEKIT_FOLD_NORMS unless 0
     merge_requested()        # TUNEKIT_MERGE_SIBLINGS unless 0
     env_flag("VLLM_X", False)  # vLLM's parse of a boolean env var
     getattr(fn, MARK, False)   # True on whatever the plugin wrapped or registered: installs stay idempotent
@@ -30,7 +30,8 @@ logger = logging.getLogger("vllm.tunekit")
 
 #: The tables to serve (os.pathsep-separated paths); unset or empty: the plugin installs nothing.
 TABLE_ENV = "TUNEKIT_TABLE"
-#: Set to 1 to fold decoder norms into the linears that read them (``tunekit.integrations.vllm.fold``).
+#: Set to 0 to keep decoder norms unfolded (``tunekit.integrations.vllm.fold``; on by default: it folds only
+#: where the tables' rms_gemv entries pay and the fold passes its check on the loaded weights).
 FOLD_ENV = "TUNEKIT_FOLD_NORMS"
 #: Set to 0 to keep sibling linears' weights apart (``tunekit.integrations.vllm.merge``; on by default:
 #: it joins only where the tables' entries for the joined shape pay, and moves no value).
@@ -41,8 +42,9 @@ MARK = "_tunekit_wrapped"
 
 #: Guards ``STATE["registered"]``: ``register`` runs once per process.
 LOCK = threading.Lock()
-#: This process's plugin: registered yet, and hook -> what it does / why it was not installed.
-STATE: dict[str, Any] = {"registered": False, "installed": {}, "skipped": {}}
+#: This process's plugin: registered yet, hook -> what it does / why it was not installed, and the paths of
+#: the norms the last load folded (``fold_outcome``: part of the compile-cache key, a graph traces them).
+STATE: dict[str, Any] = {"registered": False, "installed": {}, "skipped": {}, "fold_outcome": []}
 
 
 def table_paths() -> list[str]:
@@ -51,8 +53,8 @@ def table_paths() -> list[str]:
 
 
 def fold_requested() -> bool:
-    """Whether ``TUNEKIT_FOLD_NORMS`` asks for the fold (opt-in)."""
-    return os.environ.get(FOLD_ENV, "").strip().lower() in ("1", "true")
+    """Whether the fold runs (on unless ``TUNEKIT_FOLD_NORMS`` is 0 or false)."""
+    return os.environ.get(FOLD_ENV, "1").strip().lower() not in ("0", "false")
 
 
 def merge_requested() -> bool:
