@@ -13,6 +13,7 @@ from torch import nn
 
 import tunekit
 from tunekit import ops
+from tunekit.backends.triton import TritonBackend
 from tunekit.integrations import torch_merge, torch_patch
 
 HIDDEN, INTER = 64, 96
@@ -233,13 +234,13 @@ def test_hugging_face_llama_norms_are_routed() -> None:
     assert {r["impl"] for r in tunekit.dispatch_stats()} == {"fallback:no_table"}
 
 
-def _fold_table(tmp_path: Path, model: nn.Module, fold_us: float, norm_op: str) -> Path:
+def _fold_table(tmp_path: Path, model: nn.Module, fold_us: float, norm_op: str, backend: str = "triton") -> Path:
     """M=1 entries for every folded-consumer shape (rms_gemv at ``fold_us``, the GEMV at 1.0 us) and the
-    norm (1.0 us): the fold pays where ``fold_us`` < 1.0 + the norm's share."""
+    norm (1.0 us): the fold pays where ``fold_us`` < 1.0 + the norm's share. ``backend``: rms_gemv's."""
     rows = [timed_entry(norm_op, HIDDEN, HIDDEN, 1.0)]
     for n, k in torch_patch.fold_shapes(model):
-        rows += [timed_entry("rms_gemv", n, k, fold_us), timed_entry("gemv", n, k, 1.0)]
-    return make_table(tmp_path / f"fold-{fold_us}.json", rows)
+        rows += [dict(timed_entry("rms_gemv", n, k, fold_us), backend=backend), timed_entry("gemv", n, k, 1.0)]
+    return make_table(tmp_path / f"fold-{fold_us}-{backend.replace(':', '-')}.json", rows)
 
 
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
@@ -464,3 +465,132 @@ def test_merged_siblings_compile_to_one_gemv_per_group_without_recompiling(tmp_p
     # per layer: qkv, o_proj, gate_up, down_proj; and the lm_head
     assert len(gemvs) == 2 * 4 + 1
     torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------------------- the fold by default, checked
+
+
+class _WrongRmsGemv(TritonBackend):
+    """Triton's rms_gemv with outputs 25% off: a table entry whose kernel is broken (``test_torch_patch:WRONG``)."""
+
+    name = "wrong"
+
+    def build(self, problem, params, device):
+        good = super().build(problem, params, device)
+
+        def kernel(inputs, out, eps: float = 1e-6):
+            good(inputs, out, eps=eps)
+            out.mul_(1.25)
+
+        return kernel
+
+
+WRONG = _WrongRmsGemv()
+
+
+def _llama_with_gains(seed: int = 0) -> nn.Module:
+    """A one-layer HF Llama whose decoder norms have checkpoint-like gains: most near 1, some above 10, some
+    near 0, one 0."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=96, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layers.0." in name and name.endswith("layernorm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape))
+                p[:4] = torch.tensor([12.0, 25.0, 1e-3, 0.0])
+    return model
+
+
+def _logits_err(model: nn.Module, ids: torch.Tensor, ref: torch.Tensor) -> float:
+    with torch.no_grad():
+        return (model(ids).logits.float() - ref).abs().max().item()
+
+
+def _fp32_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    import copy
+
+    with torch.no_grad():
+        return copy.deepcopy(model).float()(ids).logits
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
+def test_folding_is_the_default_and_passes_its_check_under_realistic_gains(tmp_path: Path) -> None:
+    model = _llama_with_gains()
+    ids = torch.tensor([[1, 2, 3]])
+    ref = _fp32_logits(model, ids)
+    floor = _logits_err(model, ids, ref)
+    counts = tunekit.patch(model, table=_fold_table(tmp_path, model, 0.9, "rms_norm"))  # no fold_norms: the default
+    assert counts["rms_norm folded"] == 2 and counts["rms_gemv"] == 5
+    assert not [k for k in counts if "kept unfolded" in k or "not folded" in k]
+    # within twice the unpatched model's error, plus one BF16 ulp of the largest logit
+    assert _logits_err(model, ids, ref) <= 2 * floor + 2**-7 * ref.abs().max().item()
+    tunekit.unpatch(model)
+    # the switch: nothing folds
+    counts = tunekit.patch(model, fold_norms=False)
+    assert "rms_norm folded" not in counts and "rms_gemv" not in counts
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
+def test_a_broken_rms_gemv_kernel_is_caught_and_the_norms_stay_norms(tmp_path: Path, caplog) -> None:
+    model = _llama_with_gains()
+    ids = torch.tensor([[1, 2, 3]])
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    table = _fold_table(tmp_path, model, 0.9, "rms_norm", backend="test_torch_patch:WRONG")
+    with caplog.at_level("WARNING", logger="tunekit"):
+        counts = tunekit.patch(model, table=table)
+    assert counts["rms_norm (kept unfolded: failed the check)"] == 2 and "rms_gemv" not in counts
+    assert counts["rms_norm"] == 3  # the two decoder norms run as norms, and the final one
+    assert "model.layers.0.input_layernorm (rms_norm) kept unfolded" in caplog.text and "bound" in caplog.text
+    assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters())
+    with torch.no_grad():
+        out = model(ids).logits
+    assert not [r for r in tunekit.dispatch_stats() if r["op"] == "rms_gemv"]
+    tunekit.unpatch(model)
+    tunekit.patch(model, fold_norms=False)
+    with torch.no_grad():
+        assert torch.equal(out, model(ids).logits)  # exactly the unfolded patched model
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
+def test_state_dict_is_unfolded_and_load_state_dict_folds_again(tmp_path: Path) -> None:
+    model, other = _llama_with_gains(0), _llama_with_gains(1)
+    ids = torch.tensor([[4, 5, 6]])
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    assert tunekit.patch(model, table=_fold_table(tmp_path, model, 0.9, "rms_norm"))["rms_norm folded"] == 2
+    saved = model.state_dict()
+    assert saved.keys() == original.keys() and all(torch.equal(saved[k], original[k]) for k in original)
+    # another checkpoint written into the patched model: folded and checked again
+    new = other.state_dict()
+    model.load_state_dict(new)
+    ref = _fp32_logits(other, ids)
+    assert _logits_err(model, ids, ref) <= 2 * _logits_err(other, ids, ref) + 2**-7 * ref.abs().max().item()
+    q = model.model.layers[0].self_attn.q_proj
+    g = new["model.layers.0.input_layernorm.weight"].float()
+    assert torch.equal(q.weight, (new["model.layers.0.self_attn.q_proj.weight"].float() * g).bfloat16())
+    tunekit.unpatch(model)
+    assert all(torch.equal(v, new[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
+def test_norms_with_an_adapter_or_a_quantized_reader_are_not_folded(tmp_path: Path) -> None:
+    class LoraLinear(nn.Module):  # peft's shape: the adapted linear as base_layer
+        def __init__(self, base: nn.Linear) -> None:
+            super().__init__()
+            self.base_layer = base
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.base_layer(x)
+
+    model = _llama_with_gains()
+    table = _fold_table(tmp_path, model, 0.9, "rms_norm")
+    layer = model.model.layers[0]
+    layer.mlp.up_proj = LoraLinear(layer.mlp.up_proj)
+    q = layer.self_attn.q_proj
+    q.weight = nn.Parameter(torch.zeros(q.weight.shape, dtype=torch.int8), requires_grad=False)
+    counts = tunekit.patch(model, table=table)
+    assert counts["rms_norm (not folded: LoRA)"] == 1 and counts["rms_norm (not folded: quantized consumer)"] == 1
+    assert "rms_norm folded" not in counts

@@ -26,10 +26,11 @@ _moved.install()
 __all__ = ["__version__", "dispatch_stats", "patch", "unpatch"]
 
 
-def patch(model: Any, table: Any = None, only_covered: bool = True, fold_norms: bool = False,
+def patch(model: Any, table: Any = None, only_covered: bool = True, fold_norms: bool = True,
           merge_siblings: bool = True) -> dict[str, int]:
-    """Route ``model``'s modules that a table covers through the tunekit ops (``fold_norms``: fold the
-    decoder norms into their consumers where the tables say it pays; ``merge_siblings``, on by default: run
+    """Route ``model``'s modules that a table covers through the tunekit ops (``fold_norms``, on by default:
+    fold the decoder norms into their consumers where the tables say it pays and the fold passes its check on
+    the model's weights; ``fold_norms=False`` keeps them; ``merge_siblings``, on by default: run
     the linears a module calls on one input, q/k/v or gate/up, as one GEMV of vLLM's merged shape where a
     table covers it); see
     ``tunekit.integrations.torch_patch.patch``."""

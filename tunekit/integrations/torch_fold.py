@@ -1,18 +1,48 @@
-"""``patch(fold_norms=True)``: a Hugging Face decoder norm folded into the linears that read it.
+"""``patch(fold_norms=True)``, the default: a Hugging Face decoder norm folded into the linears that read it,
+each fold checked on the model's own weights first.
 
 The norm's weight goes into each consumer's weight (W diag(g), or diag(1 + g) for a zero-centred norm),
 the norm passes its input on, and each consumer runs ``tunekit::rms_gemv``, which computes 1/rms itself.
+Before a fold is kept, ``rms_gemv`` on the folded weights (through the kernels the tables serve) is
+compared with the unfolded sequence on the original weights, on seeded activations with outlier
+channels, under the search's BF16 bound (``tunekit.integrations.fold_check``); a norm that fails stays
+unfolded and is logged with its worst error and the bound. Not folded, with the reason counted: a
+consumer with a LoRA adapter (it reads the normed input), a quantized consumer, a reader ``patch`` does
+not know (a layer with a child :data:`FOLDABLE_LAYERS` does not list), a decoder layer not listed.
+
+The originals stay on the consumers (``unpatch`` puts them back), and the folded model keeps to them for
+its weights' traffic: ``state_dict()`` gives the original weights (a saved patched model is an unfolded
+checkpoint), and ``load_state_dict`` writes into the originals, then folds and checks again.
+
+Call protocol::
+
+    folded = fold_norms(model, counts)   # in patch(): folds what pays and passes; counts what it did
+    fold_shapes(model)                   # the (N, K) a table needs rms_gemv entries for
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tunekit.integrations.torch_routes import _ROUTE, _TRACING, ELEMENTWISE_ROUTES, _eps, _needs_autograd, _set_forward
+from tunekit.integrations.fold_check import CheckResult, check_norm_fold, fold_scale, tables_hold
+from tunekit.integrations.torch_routes import (
+    _ROUTE,
+    _SAVED,
+    _TRACING,
+    ELEMENTWISE_ROUTES,
+    _eps,
+    _needs_autograd,
+    _set_forward,
+)
+
+logger = logging.getLogger("tunekit")
 
 #: Decoder-layer class name -> (norm attribute, the linears that read its output), from the layer's
 #: forward in transformers' modeling code: ``patch(fold_norms=True)`` folds a norm only into all of
@@ -37,6 +67,10 @@ FOLDABLE_LAYERS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
 
 #: Attribute holding a folded linear's original weight Parameter (``unpatch`` puts it back).
 _FOLD_SAVED = "_tunekit_unfolded_weight"
+#: Attribute holding the hook handles a fold added to a module (``unpatch`` removes them).
+_FOLD_HOOKS = "_tunekit_fold_hooks"
+#: Attribute of the patched model: its folds, (norm, op, consumers), for ``load_state_dict``'s refold.
+_FOLDS = "_tunekit_folds"
 
 
 def _folded_norm_forward(hidden_states: torch.Tensor) -> torch.Tensor:
@@ -62,33 +96,70 @@ def _folded_linear_forward(module: nn.Linear, eps: float) -> Callable[[torch.Ten
     return forward
 
 
-def _fold_plan(model: nn.Module) -> list[tuple[nn.Module, str, list[nn.Linear]]]:
-    """(norm, its op, its consumers) for every norm of a ``FOLDABLE_LAYERS`` layer that can be folded:
-    a plain or zero-centred RMSNorm whose consumers are all bias-free linears of its dtype and width."""
-    plan = []
-    for layer in model.modules():
-        for norm_name, paths in FOLDABLE_LAYERS.get(type(layer).__name__, ()):
-            norm = getattr(layer, norm_name, None)
-            op = ELEMENTWISE_ROUTES.get(type(norm).__name__)
-            if op not in ("rms_norm", "gemma_rms_norm") or getattr(norm, _ROUTE, None):
-                continue
-            consumers = [layer.get_submodule(p) for p in paths if _has_submodule(layer, p)]
-            weight = norm.weight
-            if not consumers or any(
-                    not isinstance(c, nn.Linear) or c.bias is not None or getattr(c, _ROUTE, None)
-                    or c.weight.dtype != weight.dtype or c.weight.shape[1] != weight.shape[0]
-                    or c.weight.device != weight.device for c in consumers):
-                continue
-            plan.append((norm, op, consumers))
-    return plan
-
-
 def _has_submodule(module: nn.Module, path: str) -> bool:
     try:
         module.get_submodule(path)
     except AttributeError:
         return False
     return True
+
+
+def _why_not(layer: nn.Module, spec: tuple, consumers: list[nn.Module]) -> str | None:
+    """Why a norm of a listed layer cannot fold (counted), or None."""
+    known = {norm for norm, _ in spec} | {p.split(".")[0] for _, paths in spec for p in paths}
+    child = next((name for name, _ in layer.named_children() if name not in known), None)
+    if child is not None:
+        return f"unknown reader (child {child!r} of {type(layer).__name__})"
+    for c in consumers:
+        if isinstance(getattr(c, "base_layer", None), nn.Module) or "lora" in type(c).__module__.lower():
+            return "LoRA (an adapter reads the normed input)"
+        weight = getattr(c, "weight", None)
+        module = type(c).__module__.lower()
+        if (isinstance(weight, torch.Tensor) and not weight.is_floating_point()) or any(
+                q in module for q in ("bitsandbytes", "quant", "awq", "gptq")):
+            return f"quantized consumer ({type(c).__name__})"
+    return None
+
+
+def _fold_survey(model: nn.Module) -> tuple[list[tuple[str, nn.Module, str, list[nn.Linear]]],
+                                            list[tuple[str, str, str]]]:
+    """(path, norm, its op, its consumers) for every norm of a ``FOLDABLE_LAYERS`` layer that can be folded
+    (a plain or zero-centred RMSNorm whose consumers are all bias-free linears of its dtype and width), and
+    (path, op, reason) for the decoder norms with no safe fold."""
+    plans, skipped = [], []
+    for layer_name, layer in model.named_modules():
+        prefix = f"{layer_name}." if layer_name else ""
+        spec = FOLDABLE_LAYERS.get(type(layer).__name__)
+        if spec is None:
+            if type(layer).__name__.endswith("DecoderLayer"):
+                for child_name, child in layer.named_children():
+                    op = ELEMENTWISE_ROUTES.get(type(child).__name__)
+                    if op in ("rms_norm", "gemma_rms_norm") and not getattr(child, _ROUTE, None):
+                        skipped.append((prefix + child_name, op, f"unknown layer ({type(layer).__name__})"))
+            continue
+        for norm_name, paths in spec:
+            norm = getattr(layer, norm_name, None)
+            op = ELEMENTWISE_ROUTES.get(type(norm).__name__)
+            if op not in ("rms_norm", "gemma_rms_norm") or getattr(norm, _ROUTE, None):
+                continue
+            consumers = [layer.get_submodule(p) for p in paths if _has_submodule(layer, p)]
+            why = _why_not(layer, spec, consumers)
+            if why is not None:
+                skipped.append((prefix + norm_name, op, why))
+                continue
+            weight = norm.weight
+            if not consumers or any(
+                    not isinstance(c, nn.Linear) or c.bias is not None or getattr(c, _ROUTE, None)
+                    or c.weight.dtype != weight.dtype or c.weight.shape[1] != weight.shape[0]
+                    or c.weight.device != weight.device for c in consumers):
+                continue
+            plans.append((prefix + norm_name, norm, op, consumers))
+    return plans, skipped
+
+
+def _fold_plan(model: nn.Module) -> list[tuple[nn.Module, str, list[nn.Linear]]]:
+    """(norm, its op, its consumers) for every norm :func:`_fold_survey` finds foldable."""
+    return [(norm, op, consumers) for _, norm, op, consumers in _fold_survey(model)[0]]
 
 
 def _fold_pays(op: str, norm: nn.Module, consumers: list[nn.Linear]) -> bool:
@@ -99,22 +170,126 @@ def _fold_pays(op: str, norm: nn.Module, consumers: list[nn.Linear]) -> bool:
     return fold_pays((op,), norm.weight, [tuple(c.weight.shape) for c in consumers])
 
 
-def _fold(norm: nn.Module, op: str, consumers: list[nn.Linear]) -> None:
-    """Fold ``norm``'s weight into each consumer's (W diag(g), Gemma diag(1 + g), rounded once to the
-    weight's dtype) and route the norm to the identity and the consumers to ``rms_gemv``.
+@torch.no_grad()
+def _folded(norm: nn.Module, op: str, raws: list[torch.Tensor]) -> tuple[list[torch.Tensor], CheckResult]:
+    """The folded weights (W diag(g), Gemma diag(1 + g), in fp32, rounded once to the weight's dtype) and the
+    worst of their checks against the unfolded sequence on ``raws``."""
+    scale = fold_scale(norm.weight, op == "gemma_rms_norm")
+    weights = [(w.detach().float() * scale).to(w.dtype) for w in raws]
+    worst: CheckResult | None = None
+    for raw, folded in zip(raws, weights, strict=True):
+        result = check_norm_fold(op, norm.weight.detach(), _eps(norm), raw.detach(), folded)
+        worst = result if worst is None else worst.worst(result)
+    assert worst is not None
+    return weights, worst
+
+
+def _fold(norm: nn.Module, op: str, consumers: list[nn.Linear], weights: list[torch.Tensor]) -> None:
+    """Route the norm to the identity and the consumers to ``rms_gemv`` on their folded weights.
 
     The folded weight is a new Parameter on the consumer (the original one is kept for ``unpatch``, so
     a module tree sharing the original parameters, as ``tunekit check-serving``'s unpatched twin, is
     untouched): the consumers' weights take twice their memory while patched."""
-    g = norm.weight.detach().float()
-    scale = 1.0 + g if op == "gemma_rms_norm" else g
     eps = _eps(norm)
-    for c in consumers:
-        original = c.weight
-        object.__setattr__(c, _FOLD_SAVED, original)
-        c.weight = nn.Parameter((original.detach().float() * scale).to(original.dtype), requires_grad=False)
+    for c, w in zip(consumers, weights, strict=True):
+        object.__setattr__(c, _FOLD_SAVED, c.weight)
+        c.weight = nn.Parameter(w, requires_grad=False)
+        object.__setattr__(c, _FOLD_HOOKS, [c.register_state_dict_post_hook(_original_in_state_dict)])
         _set_forward(c, "rms_gemv", _folded_linear_forward(c, eps))
     _set_forward(norm, f"{op} folded", _folded_norm_forward)
+
+
+def _original_in_state_dict(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """A folded consumer's ``state_dict`` holds its original weight: a saved patched model is unfolded."""
+    original = module.__dict__.get(_FOLD_SAVED)
+    if original is not None and prefix + "weight" in state_dict:
+        state_dict[prefix + "weight"] = original.detach()
+
+
+def _add(counts: dict[str, int], key: str, n: int = 1) -> None:
+    counts[key] = counts.get(key, 0) + n
+
+
+def fold_norms(model: nn.Module, counts: dict[str, int]) -> int:
+    """Fold each norm :func:`_fold_survey` finds whose fold the tables pay for and whose check passes; count
+    what was folded (``"<op> folded"``, ``"rms_gemv"`` per consumer), not paying, kept unfolded by its check
+    and not folded and why. Returns how many folded; the model's ``load_state_dict`` then refolds. Where no
+    table serving the model's device holds an ``rms_gemv`` entry, nothing is considered or counted."""
+    weight = next((p for p in model.parameters() if p.is_floating_point()), None)
+    if weight is None or not tables_hold("rms_gemv", str(weight.device)):
+        return 0  # no table holds a fold: none is considered (nor counted)
+    plans, skipped = _fold_survey(model)
+    for _, op, why in skipped:
+        _add(counts, f"{op} (not folded: {why.split(' (')[0]})")
+    for why in sorted({why for *_, why in skipped}):
+        names = [name for name, _, w in skipped if w == why]
+        logger.info("tunekit.patch: %d decoder norm(s) not folded: %s (%s)", len(names), why, ", ".join(names[:3]))
+    folds, checked, start = [], 0, time.perf_counter()
+    for name, norm, op, consumers in plans:
+        if not _fold_pays(op, norm, consumers):
+            _add(counts, f"{op} (fold not in the tables or not paying)")
+            continue
+        weights, result = _folded(norm, op, [c.weight for c in consumers])
+        checked += 1
+        if not result.ok:
+            _add(counts, f"{op} (kept unfolded: failed the check)")
+            logger.warning("tunekit.patch: %s (%s) kept unfolded: rms_gemv on its folded weights failed the check "
+                           "against the unfolded sequence: %s", name, op, result.describe())
+            continue
+        _fold(norm, op, consumers, weights)
+        folds.append((name, norm, op, consumers))
+        _add(counts, f"{op} folded")
+        _add(counts, "rms_gemv", len(consumers))
+    if checked:
+        logger.info("tunekit.patch: fold checks took %.2f s over %d norm(s) (%d kept unfolded)",
+                    time.perf_counter() - start, checked, checked - len(folds))
+    if folds:
+        object.__setattr__(model, _FOLDS, model.__dict__.get(_FOLDS, []) + folds)
+        if _FOLD_HOOKS not in model.__dict__:
+            object.__setattr__(model, _FOLD_HOOKS, [model.register_load_state_dict_pre_hook(_unfold_for_load),
+                                                    model.register_load_state_dict_post_hook(_refold_after_load)])
+    return len(folds)
+
+
+def _unfold_for_load(module: nn.Module, *args: Any) -> None:
+    """Before ``load_state_dict`` writes: each folded consumer holds its original Parameter again."""
+    for _, _, _, consumers in module.__dict__.get(_FOLDS, []):
+        for c in consumers:
+            original = c.__dict__.get(_FOLD_SAVED)
+            if original is not None:
+                c.weight = original
+
+
+def _refold_after_load(module: nn.Module, incompatible_keys: Any) -> None:
+    """After ``load_state_dict``: each fold made again from what was written, checked; a failing one unfolded."""
+    kept = []
+    for name, norm, op, consumers in module.__dict__.get(_FOLDS, []):
+        weights, result = _folded(norm, op, [c.__dict__[_FOLD_SAVED] for c in consumers])
+        if result.ok:
+            for c, w in zip(consumers, weights, strict=True):
+                c.weight = nn.Parameter(w, requires_grad=False)
+            kept.append((name, norm, op, consumers))
+            continue
+        logger.warning("tunekit.patch: %s (%s) unfolded after load_state_dict: rms_gemv on its new folded weights "
+                       "failed the check: %s", name, op, result.describe())
+        for m in (norm, *consumers):
+            _unroute(m)
+    object.__setattr__(module, _FOLDS, kept)
+
+
+def _unroute(module: nn.Module) -> None:
+    """A folded module back to its own forward and weight (``unpatch``'s restore, for one module)."""
+    kind, previous = module.__dict__.pop(_SAVED, ("class", None))
+    if kind == "instance":
+        module.forward = previous
+    else:
+        module.__dict__.pop("forward", None)
+    original = module.__dict__.pop(_FOLD_SAVED, None)
+    if original is not None:
+        module.weight = original
+    for handle in module.__dict__.pop(_FOLD_HOOKS, []):
+        handle.remove()
+    module.__dict__.pop(_ROUTE, None)
 
 
 def fold_shapes(model: nn.Module) -> list[tuple[int, int]]:

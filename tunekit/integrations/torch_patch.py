@@ -60,7 +60,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tunekit.integrations.torch_fold import _FOLD_SAVED, FOLDABLE_LAYERS, _fold, _fold_pays, _fold_plan, fold_shapes
+from tunekit.integrations.torch_fold import _FOLD_HOOKS, _FOLD_SAVED, _FOLDS, FOLDABLE_LAYERS, fold_shapes
+from tunekit.integrations.torch_fold import fold_norms as fold_norms_of
 from tunekit.integrations.torch_merge import (
     _MERGED,
     SIBLING_LINEARS,
@@ -194,7 +195,7 @@ def _covered(route: str, module: nn.Module) -> bool:
 
 
 def patch(model: nn.Module, table: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
-          only_covered: bool = True, fold_norms: bool = False, merge_siblings: bool = True) -> dict[str, int]:
+          only_covered: bool = True, fold_norms: bool = True, merge_siblings: bool = True) -> dict[str, int]:
     """Route ``model``'s linears (and supported norms/activations) through the tunekit ops.
 
     ``table``: a path, a ``:``-separated string or a list of paths, loaded
@@ -207,17 +208,23 @@ def patch(model: nn.Module, table: str | os.PathLike | Sequence[str | os.PathLik
     (``"<route> (not in the tables)"``), and per module kind with no tunekit
     op yet how many were left as they are.
 
-    ``fold_norms``: first, each decoder norm of a ``FOLDABLE_LAYERS`` layer
-    whose consumers all have ``rms_gemv`` entries, and whose entries at M=1
-    beat the tuned norm and GEMVs they replace, is folded: its weight goes
-    into the consumers' weights (W diag(g), or diag(1 + g) for Qwen3.5's
-    zero-centred norm; new weight tensors, the originals kept for ``unpatch``),
-    the norm passes its input on and each consumer runs
-    ``rms_gemv``, which computes 1/rms itself: no norm kernel runs. The
+    ``fold_norms`` (on by default; ``False`` keeps every norm a norm): first,
+    each decoder norm of a ``FOLDABLE_LAYERS`` layer whose consumers all have
+    ``rms_gemv`` entries, whose entries at M=1 beat the tuned norm and GEMVs
+    they replace, and whose fold passes its check on the model's own weights
+    (``rms_gemv`` through the served kernels against the unfolded sequence,
+    the search's BF16 bound: ``tunekit.integrations.torch_fold``), is folded:
+    its weight goes into the consumers' weights (W diag(g), or diag(1 + g)
+    for Qwen3.5's zero-centred norm; new weight tensors, the originals kept
+    for ``unpatch``, for ``state_dict`` and for ``load_state_dict``, which
+    folds and checks again), the norm passes its input on and each consumer
+    runs ``rms_gemv``, which computes 1/rms itself: no norm kernel runs. The
     numerics move by one BF16 rounding of W diag(g') instead of one of the
-    normalised activation. Counted as ``"rms_gemv"`` and
-    ``"<norm op> folded"``; a token count the table lacks runs the norm's
-    math then the vendor GEMM per consumer.
+    normalised activation. Counted as ``"rms_gemv"`` and ``"<norm op>
+    folded"``, ``"<op> (kept unfolded: failed the check)"`` and ``"<op> (not
+    folded: <reason>)"`` (LoRA, a quantized consumer, an unknown reader or
+    layer); a token count the table lacks runs the norm's math then the
+    vendor GEMM per consumer. With no table paying for a fold, nothing folds.
 
     ``merge_siblings`` (on by default): then, each group of ``SIBLING_LINEARS`` (the linears
     a module calls on one input: q/k/v, gate/up, Gated DeltaNet's qkv/z and
@@ -241,14 +248,7 @@ def patch(model: nn.Module, table: str | os.PathLike | Sequence[str | os.PathLik
             raise TableError(errors[0]["error"])
     counts: dict[str, int] = {}
     if fold_norms:
-        for norm, op, consumers in _fold_plan(model):
-            if not _fold_pays(op, norm, consumers):
-                counts[f"{op} (fold not in the tables or not paying)"] = counts.get(
-                    f"{op} (fold not in the tables or not paying)", 0) + 1
-                continue
-            _fold(norm, op, consumers)
-            counts[f"{op} folded"] = counts.get(f"{op} folded", 0) + 1
-            counts["rms_gemv"] = counts.get("rms_gemv", 0) + len(consumers)
+        fold_norms_of(model, counts)
     if merge_siblings:
         for _, linears in _merge_plan(model):
             if not _merge_pays(linears, only_covered):
@@ -275,7 +275,10 @@ def patch(model: nn.Module, table: str | os.PathLike | Sequence[str | os.PathLik
 def unpatch(model: nn.Module) -> int:
     """Restore every module ``patch`` changed in ``model``; returns how many."""
     restored = 0
+    model.__dict__.pop(_FOLDS, None)
     for module in model.modules():
+        for handle in module.__dict__.pop(_FOLD_HOOKS, []):
+            handle.remove()  # a folded consumer's state_dict hook; the model's load_state_dict refold
         saved = module.__dict__.get(_SAVED)
         if saved is None:
             continue
