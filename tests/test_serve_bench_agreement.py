@@ -93,8 +93,8 @@ def test_zero_centred_and_gated_norms() -> None:
     model.model.layers[0].input_layernorm = Served(64)
     model.model.layers[1].input_layernorm = Qwen3_5RMSNormGated(64)
     weights.realistic_init_(model, seed=0)
-    zero_centred = model.model.layers[0].input_layernorm.weight
-    plain = model.model.layers[1].input_layernorm.weight
+    zero_centred = model.model.layers[0].input_layernorm.weight.detach()
+    plain = model.model.layers[1].input_layernorm.weight.detach()
     assert abs(float(zero_centred.median())) < 0.4  # gain 1 + w: w near 0
     assert 0.7 < float(plain.median()) < 1.4
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from serve_bench_helpers import REPO, RESULTS, rebuild
 
-from tunekit.evidence.serve_bench import analysis, bench
+from tunekit.evidence.serve_bench import agreement, analysis, bench
 
 # ---------------------------------------------------------------------------
 # Prediction
@@ -191,17 +191,17 @@ def _seq(ids, lps, tops=None):
 
 
 def test_compare_sequences() -> None:
-    tol = analysis.DEFAULT_TOL
-    same = analysis.compare_sequences(_seq([1, 2], [-1.0, -2.0]), _seq([1, 2], [-1.001, -2.0]), tol)
+    tol = agreement.DEFAULT_TOL
+    same = agreement.compare_sequences(_seq([1, 2], [-1.0, -2.0]), _seq([1, 2], [-1.001, -2.0]), tol)
     assert same["ok"] and same["ids_equal"] and same["max_abs_logprob_diff"] == pytest.approx(0.001)
-    far = analysis.compare_sequences(_seq([1, 2], [-1.0, -2.0]), _seq([1, 2], [-1.0, -2.1]), tol)
+    far = agreement.compare_sequences(_seq([1, 2], [-1.0, -2.0]), _seq([1, 2], [-1.0, -2.1]), tol)
     assert not far["ok"] and far["max_abs_logprob_diff"] == pytest.approx(0.1)
     tie_a = _seq([1, 5], [-1.0, -2.0], [[[1, -1.0]], [[5, -2.0], [6, -2.004]]])
     tie_b = _seq([1, 6], [-1.0, -2.0], [[[1, -1.0]], [[6, -2.0], [5, -2.003]]])
-    tie = analysis.compare_sequences(tie_a, tie_b, tol)
+    tie = agreement.compare_sequences(tie_a, tie_b, tol)
     assert tie["ok"] and tie["first_divergence"] == 1 and tie["divergence_margin"] == pytest.approx(0.004)
     # a different token that is not even in the other run's top-K is a failure
-    apart = analysis.compare_sequences(tie_a, _seq([1, 7], [-1.0, -2.0]), tol)
+    apart = agreement.compare_sequences(tie_a, _seq([1, 7], [-1.0, -2.0]), tol)
     assert not apart["ok"] and apart["divergence_margin"] is None
 
 

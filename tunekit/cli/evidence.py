@@ -111,10 +111,20 @@ def serve_bench(
     profile_steps: Annotated[int, typer.Option(
         help="after the timing, profile this many decode steps per batch size and process (torch's profiler): "
              "kernel time per category, vanilla vs tuned (0: off)")] = 0,
+    weights: Annotated[str, typer.Option(
+        help="dummy (vLLM's dummy loader: nearly uniform logits, every token a near tie) or realistic (the dummy "
+             "load, then a seeded recipe on the GPU: per-kind scales, norm gains with outlier channels, peaked "
+             "logits; the teacher-forced agreement gives the verdict)")] = "dummy",
+    model_dir: Annotated[Path | None, typer.Option(
+        help="a model folder with its checkpoint (config.json and weight files), loaded by vLLM's own loader: "
+             "the agreement on your weights; instead of --model / --config")] = None,
+    logprobs: Annotated[int | None, typer.Option(
+        help="top-K logprobs per decode position for the agreement (default 5 on dummy weights, 20 otherwise: "
+             "vLLM's max_logprobs, raised for the engine when more)")] = None,
 ) -> None:
     """vLLM decode end to end: vanilla vs plugin without table vs tuned, TPOT per batch size, vs the prediction.
 
-    Offline engines with dummy weights, one per process, arms alternated:
+    Offline engines, one per process, arms alternated:
     vanilla (the tunekit plugin excluded by VLLM_PLUGINS), passthrough
     (plugin, no table), tuned (plugin + TUNEKIT_TABLE), folded (opt-in:
     tuned + TUNEKIT_FOLD_NORMS=1, reported over vanilla and over tuned).
@@ -128,7 +138,22 @@ def serve_bench(
     one step) per arm, with a note when the table makes it >5% later, and
     what each timed generate spent in Python's garbage collector, CUDA
     allocator stalls and Triton JIT compiles; dispatch coverage from every
-    process's TUNEKIT_DISPATCH_LOG; logprob agreement with vanilla.
+    process's TUNEKIT_DISPATCH_LOG; logprob agreement with vanilla. TPOT
+    also from per-token timestamps inside the --tokens generate (no 1-token
+    generate in it): the report flags a batch size where the two differ by
+    more than 2%.
+
+    Weights: --weights dummy (the default: the speeds recorded so far ran
+    on it) gives near-uniform logits, on which every token is a near tie:
+    an agreement check there cannot fail. --weights realistic (a seeded
+    recipe applied at the end of the dummy load, before the plugin folds
+    norms and before the CUDA graphs are captured; no disk) or --model-dir
+    (your checkpoint) make the agreement a test: every arm decodes vanilla
+    #0's greedy tokens teacher-forced, and per batch size the report gives
+    greedy tokens (share equal, first divergence), max |dlogprob| over the
+    top-K (--logprobs) and KL(vanilla || arm), each passing within
+    max(2 x vanilla's own spread, floor); the spread is measured in the
+    same run, between vanilla processes and across batch sizes.
 
     --profile-steps N: after the timing, N decode steps under torch's
     profiler: kernel time per category (tunekit, vendor GEMM, Inductor,
@@ -147,7 +172,7 @@ def serve_bench(
     """
     from tunekit.evidence.serve_bench import bench
     from tunekit.evidence.serve_bench import endpoint as endpoint_mod
-    from tunekit.evidence.serve_bench.analysis import DEFAULT_TOL
+    from tunekit.evidence.serve_bench.agreement import DEFAULT_TOL
     from tunekit.evidence.serve_bench.settings import build_settings, parse_sizes
 
     def log(text: str) -> None:
@@ -169,7 +194,8 @@ def serve_bench(
         repeats=repeats, processes=processes, layers=layers, arms=[a.strip() for a in arms.split(",") if a.strip()],
         gpu_memory_utilization=gpu_memory_utilization, enforce_eager=eager, agree_steps=agree_steps,
         logprob_tol=tol, python=str(python) if python else sys.executable, runner_timeout_s=runner_timeout,
-        profile_steps=profile_steps)
+        profile_steps=profile_steps, weights=weights, model_dir=str(model_dir) if model_dir else None,
+        logprobs=logprobs)
     serve = bench.run_offline(settings, out or Path("runs") / f"serve-{settings.model}", log, stop_after_s=stop_after)
     if serve is None:
         sys.exit(3)  # stopped early on purpose: not an error, not done

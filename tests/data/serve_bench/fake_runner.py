@@ -6,11 +6,16 @@ set (vanilla 2.0 ms, passthrough 2.4 ms, tuned 1.6 ms; folded 1.5 ms, otherwise 
 vLLM's VLLM_PLUGINS allow-list when it
 "loads" the tunekit plugin (a stub plugin module and a stub ``tunekit.ops`` whose dispatch log is written
 to TUNEKIT_DISPATCH_LOG), and returns deterministic greedy tokens and logprobs (tuned: 1e-3 nats off;
-at B=2 request 1 flips to a near tie at step 5). Every call appends "arm index pid" to FAKE_RECORD.
+at B=2 request 1 flips to a near tie at step 5). With the runner's realistic-weights hook on the stub
+dummy loader (``--weights realistic``; the recipe itself is stubbed: no torch here), the stub is a model
+with peaked logits instead: each token follows from the one before, the top token at -0.12 nats, the
+arms within 1e-3 nats of vanilla, no flip. Every call appends "arm index pid" to FAKE_RECORD.
 
 Environment knobs: FAKE_PROBE (JSON merged into the probe answer), FAKE_TUNED_MISMATCH=1 (the tuned arm's
 ops find the table tuned elsewhere: every call env_mismatch), FAKE_FAIL_ARM=ARM (that arm's engine raises),
-FAKE_ENGINE_SLEEP (seconds the engine takes to start).
+FAKE_ENGINE_SLEEP (seconds the engine takes to start), FAKE_SLOW_ONE_TOKEN_MS (a 1-token generate takes that many
+ms longer: the difference method's TPOT drops below the timestamps'), FAKE_PERTURB_ARM=ARM (realistic weights: that
+arm's distributions are 0.05-0.2 nats off, as a wrong kernel would make them).
 """
 
 from __future__ import annotations
@@ -87,29 +92,52 @@ def _routed_call() -> int:
     return total
 
 
+class _OutputProcessor:
+    """vLLM v1's output processor, as far as the runner's token clock reads it: one call per engine step."""
+
+    def process_outputs(self, outputs: list, engine_core_timestamp: float | None = None) -> None:
+        return None
+
+
+class DummyModelLoader:
+    """vLLM's dummy loader, as far as the runner's realistic-weights hook reads it."""
+
+    def load_weights(self, model: object, model_config: object) -> None:
+        return None
+
+
 class LLM:
     def __init__(self, **kwargs: object) -> None:
         self.kwargs = kwargs
+        self.llm_engine = types.SimpleNamespace(output_processor=_OutputProcessor())
         self.arm = _arm()
         self.batches_seen: set[int] = set()
         if os.environ.get("FAKE_FAIL_ARM") == self.arm:
             raise RuntimeError("CUDA out of memory (stub)")
         if _plugins_allowed("tunekit"):
             _load_stub_plugin(self)
+        if kwargs.get("load_format") == "dummy":
+            DummyModelLoader().load_weights(types.SimpleNamespace(), None)
+        self.realistic = getattr(DummyModelLoader.load_weights, "_tunekit_realistic", False)
         time.sleep(float(os.environ.get("FAKE_ENGINE_SLEEP", "0.01")))
 
-    def generate(self, prompts: list[dict], params: SamplingParams, use_tqdm: bool = True) -> list[_Output]:
+    def generate(self, prompts: list[dict], params: SamplingParams | list[SamplingParams],
+                 use_tqdm: bool = True) -> list[_Output]:
         self.batches_seen.add(len(prompts))
-        LLM.last = (self.arm, params.max_tokens)  # what a profile of this call would see
-        time.sleep((1.0 + params.max_tokens * TPOT_MS[self.arm]) / 1000.0)
+        per_request = params if isinstance(params, list) else [params] * len(prompts)
+        longest = max(sp.max_tokens for sp in per_request)
+        LLM.last = (self.arm, longest)  # what a profile of this call would see
+        self._decode(len(prompts), longest)
         if self.arm in ("tuned", "folded"):
             for _ in range(10):  # Python work per routed call, as a tuned prefill's ops do (cProfile sees it)
                 _routed_call()
+        if self.realistic:
+            return [self._peaked(p["prompt_token_ids"], sp) for p, sp in zip(prompts, per_request, strict=True)]
         outs = []
-        for r, p in enumerate(prompts):
+        for r, (p, sp) in enumerate(zip(prompts, per_request, strict=True)):
             ids = p["prompt_token_ids"]
             tokens, lps = [], []
-            for s in range(params.max_tokens):
+            for s in range(sp.max_tokens):
                 tid = 100 + (sum(ids) + 31 * s + 7 * r) % 900
                 alt = tid + 1
                 lp = -12.42 + 0.001 * ((s + r) % 5)
@@ -121,11 +149,39 @@ class LLM:
                 lps.append({tid: Logprob(lp, 1), alt: Logprob(lp - 0.002, 2), tid + 2: Logprob(lp - 0.5, 3)})
                 if self.arm in ("tuned", "folded") and len(prompts) == 2 and r == 1 and s >= 5:
                     break  # a different token: the rest of the sequence is another text
-            while len(tokens) < params.max_tokens:
+            while len(tokens) < sp.max_tokens:
                 tokens.append(999)
                 lps.append({999: Logprob(-12.0, 1)})
-            outs.append(_Output(_Completion(tokens, lps if params.logprobs is not None else None)))
+            outs.append(_Output(_Completion(tokens, lps if sp.logprobs is not None else None)))
         return outs
+
+    def _peaked(self, ids: list[int], sp: SamplingParams) -> _Output:
+        """Realistic weights: the next token a function of the last one, a peaked distribution over three."""
+        lps = [-0.12, -2.5, -4.0]
+        if self.arm in ("tuned", "folded", "passthrough"):
+            lps = [lp + 0.001 for lp in lps]
+        if os.environ.get("FAKE_PERTURB_ARM") == self.arm:
+            lps = [-0.17, -2.3, -3.9]
+        ctx, tokens, steps = list(ids), [], []
+        for _ in range(sp.max_tokens):
+            tid = 100 + (ctx[-1] * 31 + 7) % 900
+            tokens.append(tid)
+            alts = (tid, tid + 1, tid + 2)
+            steps.append({t: Logprob(lp, k + 1) for k, (t, lp) in enumerate(zip(alts, lps, strict=True))})
+            ctx.append(tid)
+        return _Output(_Completion(tokens, steps if sp.logprobs is not None else None))
+
+    def _decode(self, requests: int, tokens: int) -> None:
+        """The stub engine's time: a prefill and the first token, then one step per further token, each step's new
+        tokens handed to the output processor (FAKE_SLOW_ONE_TOKEN_MS: a 1-token generate takes that much longer)."""
+        step = TPOT_MS[self.arm] / 1000.0
+        slow = float(os.environ.get("FAKE_SLOW_ONE_TOKEN_MS", "0")) / 1000.0 if tokens == 1 else 0.0
+        time.sleep(0.001 + step + slow)
+        for s in range(tokens):
+            if s:
+                time.sleep(step)
+            self.llm_engine.output_processor.process_outputs(
+                [types.SimpleNamespace(request_id=str(r), new_token_ids=[s]) for r in range(requests)])
 
 
 def _load_stub_plugin(llm: LLM) -> None:
@@ -188,6 +244,9 @@ def _install_stubs() -> None:
     _module("vllm.inputs", TokensPrompt=lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids})
     _module("vllm.engine")
     _module("vllm.engine.arg_utils", EngineArgs=EngineArgs)
+    for name in ("vllm.model_executor", "vllm.model_executor.model_loader"):
+        _module(name)
+    _module("vllm.model_executor.model_loader.dummy_loader", DummyModelLoader=DummyModelLoader)
 
 
 def main() -> int:
@@ -217,7 +276,8 @@ def main() -> int:
         return {"aten::mm": {"us": 500.0, "calls": 10},
                 "tunekit::gemv": {"us": 2000.0 if served else 0.0, "calls": 10 if served else 0}}
 
-    from tunekit.evidence.serve_bench import profile
+    from tunekit.evidence.serve_bench import profile, weights
+    weights.realistic_init_ = lambda model, seed=0, recipe=None: {"linear": 7, "norm": 3, "embedding": 1}
     profile.profile_totals = profile_totals
     profile.host_profile = host_profile
     if "--probe" not in sys.argv:

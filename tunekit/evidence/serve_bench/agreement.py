@@ -1,6 +1,7 @@
-"""Agreement with vanilla at teacher-forced positions, three ways, each judged against vanilla's own spread.
+"""Agreement with vanilla: teacher-forced, three ways against vanilla's own spread; free-running on dummy weights.
 
-Pure (no torch, no vLLM): reads the runner's ``forced`` records. Every
+Pure (no torch, no vLLM): reads the runner's records. Teacher-forced
+(:func:`forced_agreement`, the runner's ``forced`` records): every
 process of every arm decodes the same contexts: the prompt followed by
 vanilla #0's greedy tokens (``tunekit.evidence.serve_bench.forced``), so
 position s of every arm is the next-token distribution after the same
@@ -33,8 +34,25 @@ when the arm is within max(``factor`` x spread, floor): floors ``tol``
 (a logit error of ``tol`` spread over the distribution, to second order),
 and no hard mismatch unless vanilla has them too.
 
+Free-running (:func:`compare_arms`, the runner's ``agreement`` records; the
+verdict on dummy weights). vLLM's dummy loader fills every weight from a
+small uniform range with a fixed seed, so all processes hold the same weights
+and the next-token distribution is nearly uniform (every logprob near
+-ln(vocab)). Greedy tokens are then near ties that a rounding can flip, and
+the text means nothing; what is compared is, per request and decode step, the
+logprob of the chosen token while the token ids agree, and at the first
+step where they differ whether both tokens lie within the tolerance of each
+other in both arms (a near tie). Tolerance (``DEFAULT_TOL``): 2^-6 nats, four
+BF16 unit roundoffs (u = 2^-8): lp = z_c - logsumexp(z), one BF16 rounding
+of the hidden state and one of the logits on each of the two terms, for
+unit-scale logits. Deep stacks amplify roundings layer by layer (the chain's
+finding), so the vanilla-vs-vanilla gap across processes is reported beside
+it as the observed floor; a gap above the tolerance is reported as a failure,
+never dropped.
+
 Call protocol::
 
+    row = agreement_row(results_by_arm, batch, tol, weights)  # serve.json's per-batch "agreement", both checks
     doc = forced_agreement(results_by_arm, batch, tol)    # per arm: figures, checks, ok; the spread; thresholds
     doc["tuned"]["ok"], doc["tuned"]["checks"]          # {"greedy": True, "logprob": True, "kl": False}
 """
@@ -45,6 +63,10 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from tunekit.evidence.serve_bench import TABLE_ARMS
+
+#: Logprob tolerance of both checks' floor, nats: 4 u_bf16 (module docstring).
+DEFAULT_TOL = 2.0 ** -6
 #: An arm passes within this many times vanilla's spread (or the floor, if larger).
 SPREAD_FACTOR = 2.0
 #: Arms compared with vanilla, in report order.
@@ -230,3 +252,91 @@ def line(arm: str, a: dict[str, Any], doc: dict[str, Any]) -> str:
 
 def _ok(flag: bool) -> str:
     return "pass" if flag else "FAIL"
+
+
+# ---------------------------------------------------------------------------
+# Free-running (dummy weights)
+# ---------------------------------------------------------------------------
+
+
+def _margin(top: list[list[Any]], mine: int, other: int) -> float:
+    """lp(mine) - lp(other) in one arm's top-K of a step; inf when ``other`` is not in it."""
+    lps = {int(i): float(lp) for i, lp in top}
+    if mine not in lps or other not in lps:
+        return math.inf
+    return lps[mine] - lps[other]
+
+
+def compare_sequences(a: dict[str, Any], b: dict[str, Any], tol: float) -> dict[str, Any]:
+    """Chosen-token logprobs of two runs of one request, step by step while the ids agree; at the first
+    differing id, whether the two tokens are within ``tol`` of each other in both runs (a near tie)."""
+    steps = min(len(a["token_ids"]), len(b["token_ids"]))
+    gap, diverged, margin = 0.0, None, None
+    compared = 0
+    for s in range(steps):
+        ta, tb = a["token_ids"][s], b["token_ids"][s]
+        if ta != tb:
+            diverged = s
+            ma = _margin(a["top"][s], ta, tb) if s < len(a["top"]) else math.inf
+            mb = _margin(b["top"][s], tb, ta) if s < len(b["top"]) else math.inf
+            margin = max(ma, mb)
+            break
+        la, lb = a["logprobs"][s] if s < len(a["logprobs"]) else None, b["logprobs"][s] if s < len(
+            b["logprobs"]) else None
+        if la is not None and lb is not None:
+            gap = max(gap, abs(float(la) - float(lb)))
+        compared += 1
+    ok = gap <= tol and (diverged is None or (margin is not None and margin <= tol))
+    return {"steps_compared": compared, "ids_equal": diverged is None, "first_divergence": diverged,
+            "divergence_margin": None if margin is None or math.isinf(margin) else margin,
+            "max_abs_logprob_diff": gap, "ok": ok}
+
+
+def compare_arms(xs: Sequence[dict[str, Any]], ys: Sequence[dict[str, Any]], batch: int,
+                 tol: float, same_arm: bool = False) -> dict[str, Any] | None:
+    """Every request of process i of arm X against process i of arm Y (``same_arm``: process i against
+    process i + 1, the run-to-run floor)."""
+    pairs = list(zip(xs[1:], xs[:-1], strict=False)) if same_arm else list(zip(xs, ys, strict=False))
+    results = []
+    for x, y in pairs:
+        rx, ry = _row(x, batch), _row(y, batch)
+        if not rx or not ry or "agreement" not in rx or "agreement" not in ry:
+            continue
+        for qa, qb in zip(rx["agreement"]["requests"], ry["agreement"]["requests"], strict=False):
+            results.append(compare_sequences(qa, qb, tol))
+    if not results:
+        return None
+    return {
+        "pairs": len(pairs), "sequences": len(results),
+        "ids_equal": sum(r["ids_equal"] for r in results),
+        "max_abs_logprob_diff": max(r["max_abs_logprob_diff"] for r in results),
+        "near_ties": sum(1 for r in results if not r["ids_equal"] and r["ok"]),
+        "failed": sum(1 for r in results if not r["ok"]),
+        "first_divergence": min((r["first_divergence"] for r in results if r["first_divergence"] is not None),
+                                default=None),
+        "ok": all(r["ok"] for r in results),
+    }
+
+
+def agreement_row(arms: dict[str, list[dict[str, Any]]], batch: int, tol: float, weights: str = "dummy",
+                  batches: Sequence[int] | None = None) -> dict[str, Any]:
+    """``serve.json``'s agreement at ``batch``: the free-running check (``X_vs_vanilla``) and the teacher-forced
+    one (``forced``). The verdict is the teacher-forced check's where the weights mean something (realistic, a
+    checkpoint) and it has figures, else the free-running one's; ``judged_by`` says which."""
+    vanilla = arms.get("vanilla", [])
+    out: dict[str, Any] = {"tolerance": tol}
+    first = _row(vanilla[0], batch) if vanilla else None
+    if first and "agreement" in first:
+        out["steps"] = first["agreement"]["steps"]
+    out["vanilla_vs_vanilla"] = compare_arms(vanilla, vanilla, batch, tol, same_arm=True)
+    for arm in (*TABLE_ARMS, "passthrough"):
+        if arm in arms:
+            out[f"{arm}_vs_vanilla"] = compare_arms(arms[arm], vanilla, batch, tol)
+    served = [out[f"{arm}_vs_vanilla"] for arm in TABLE_ARMS if f"{arm}_vs_vanilla" in out]
+    out["verdict"] = "n/a" if not served else ("pass" if all(c["ok"] for c in served) else "fail")
+    out["forced"] = forced_agreement(arms, batch, tol, batches)
+    out["judged_by"] = "free-running logprobs"
+    judged = verdict(out["forced"], TABLE_ARMS) if weights != "dummy" else None
+    if judged is not None:
+        out["verdict"], out["judged_by"] = judged, "teacher-forced"
+    return out

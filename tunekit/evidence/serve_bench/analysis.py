@@ -25,26 +25,19 @@ Figures per batch size B:
   Tables tuned for another environment are left out (the ops serve nothing
   from them either).
 
-Agreement (dummy weights): vLLM's dummy loader fills every weight from a
-small uniform range with a fixed seed, so all processes hold the same weights
-and the next-token distribution is nearly uniform (every logprob near
--ln(vocab)). Greedy tokens are then near ties that a rounding can flip, and
-the text means nothing; what is compared is, per request and decode step, the
-logprob of the chosen token while the token ids agree, and at the first
-step where they differ whether both tokens lie within the tolerance of each
-other in both arms (a near tie). Tolerance (``DEFAULT_TOL``): 2^-6 nats, four
-BF16 unit roundoffs (u = 2^-8): lp = z_c - logsumexp(z), one BF16 rounding
-of the hidden state and one of the logits on each of the two terms, for
-unit-scale logits. Deep stacks amplify roundings layer by layer (the chain's
-finding), so the vanilla-vs-vanilla gap across processes is reported beside
-it as the observed floor; a gap above the tolerance is reported as a failure,
-never dropped.
+TPOT is also read from per-token timestamps (``tpot.py``); a batch size where
+the two figures differ by more than 2% gets a note.
+
+Agreement with vanilla (``agreement.py``): with real or realistic weights
+the teacher-forced check (greedy tokens, max |Δlogprob| over the top-K, KL,
+each against vanilla's own spread) gives the verdict; with dummy weights,
+whose every token is a near tie, the free-running check of chosen-token
+logprobs does, the teacher-forced figures reported beside it.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -52,12 +45,12 @@ from typing import Any
 
 from tunekit.errors import UserError
 from tunekit.evidence.serve_bench import ARMS, TABLE_ARMS
+from tunekit.evidence.serve_bench.agreement import DEFAULT_TOL, agreement_row
 from tunekit.evidence.serve_bench.profile import arm_profile, compare
 from tunekit.evidence.serve_bench.runner import FORMAT as RUN_FORMAT
+from tunekit.evidence.serve_bench.tpot import arm_methods, disagreement_note
 
 FORMAT = "tunekit.evidence.serve_bench/1"
-#: Logprob tolerance of the agreement check, nats: 4 u_bf16 (see the module docstring).
-DEFAULT_TOL = 2.0 ** -6
 #: The folder of a serve-bench run that holds one runner result per process (``run_file``).
 RUNS_DIR = "runs"
 _CAPTURE_NOTE = ("dispatch calls are counted when Python runs the op: under CUDA graphs once per capture, "
@@ -316,85 +309,6 @@ def coverage_at(coverage: dict[str, Any] | None, m: int) -> dict[str, Any] | Non
 
 
 # ---------------------------------------------------------------------------
-# Agreement
-# ---------------------------------------------------------------------------
-
-
-def _margin(top: list[list[Any]], mine: int, other: int) -> float:
-    """lp(mine) - lp(other) in one arm's top-K of a step; inf when ``other`` is not in it."""
-    lps = {int(i): float(lp) for i, lp in top}
-    if mine not in lps or other not in lps:
-        return math.inf
-    return lps[mine] - lps[other]
-
-
-def compare_sequences(a: dict[str, Any], b: dict[str, Any], tol: float) -> dict[str, Any]:
-    """Chosen-token logprobs of two runs of one request, step by step while the ids agree; at the first
-    differing id, whether the two tokens are within ``tol`` of each other in both runs (a near tie)."""
-    steps = min(len(a["token_ids"]), len(b["token_ids"]))
-    gap, diverged, margin = 0.0, None, None
-    compared = 0
-    for s in range(steps):
-        ta, tb = a["token_ids"][s], b["token_ids"][s]
-        if ta != tb:
-            diverged = s
-            ma = _margin(a["top"][s], ta, tb) if s < len(a["top"]) else math.inf
-            mb = _margin(b["top"][s], tb, ta) if s < len(b["top"]) else math.inf
-            margin = max(ma, mb)
-            break
-        la, lb = a["logprobs"][s] if s < len(a["logprobs"]) else None, b["logprobs"][s] if s < len(
-            b["logprobs"]) else None
-        if la is not None and lb is not None:
-            gap = max(gap, abs(float(la) - float(lb)))
-        compared += 1
-    ok = gap <= tol and (diverged is None or (margin is not None and margin <= tol))
-    return {"steps_compared": compared, "ids_equal": diverged is None, "first_divergence": diverged,
-            "divergence_margin": None if margin is None or math.isinf(margin) else margin,
-            "max_abs_logprob_diff": gap, "ok": ok}
-
-
-def compare_arms(xs: Sequence[dict[str, Any]], ys: Sequence[dict[str, Any]], batch: int,
-                 tol: float, same_arm: bool = False) -> dict[str, Any] | None:
-    """Every request of process i of arm X against process i of arm Y (``same_arm``: process i against
-    process i + 1, the run-to-run floor)."""
-    pairs = list(zip(xs[1:], xs[:-1], strict=False)) if same_arm else list(zip(xs, ys, strict=False))
-    results = []
-    for x, y in pairs:
-        rx, ry = _batch_row(x, batch), _batch_row(y, batch)
-        if not rx or not ry or "agreement" not in rx or "agreement" not in ry:
-            continue
-        for qa, qb in zip(rx["agreement"]["requests"], ry["agreement"]["requests"], strict=False):
-            results.append(compare_sequences(qa, qb, tol))
-    if not results:
-        return None
-    return {
-        "pairs": len(pairs), "sequences": len(results),
-        "ids_equal": sum(r["ids_equal"] for r in results),
-        "max_abs_logprob_diff": max(r["max_abs_logprob_diff"] for r in results),
-        "near_ties": sum(1 for r in results if not r["ids_equal"] and r["ok"]),
-        "failed": sum(1 for r in results if not r["ok"]),
-        "first_divergence": min((r["first_divergence"] for r in results if r["first_divergence"] is not None),
-                                default=None),
-        "ok": all(r["ok"] for r in results),
-    }
-
-
-def agreement(arms: dict[str, list[dict[str, Any]]], batch: int, tol: float) -> dict[str, Any]:
-    vanilla = arms.get("vanilla", [])
-    out: dict[str, Any] = {"tolerance": tol}
-    first = _batch_row(vanilla[0], batch) if vanilla else None
-    if first and "agreement" in first:
-        out["steps"] = first["agreement"]["steps"]
-    out["vanilla_vs_vanilla"] = compare_arms(vanilla, vanilla, batch, tol, same_arm=True)
-    for arm in (*TABLE_ARMS, "passthrough"):
-        if arm in arms:
-            out[f"{arm}_vs_vanilla"] = compare_arms(arms[arm], vanilla, batch, tol)
-    served = [out[f"{arm}_vs_vanilla"] for arm in TABLE_ARMS if f"{arm}_vs_vanilla" in out]
-    out["verdict"] = "n/a" if not served else ("pass" if all(c["ok"] for c in served) else "fail")
-    return out
-
-
-# ---------------------------------------------------------------------------
 # serve.json
 # ---------------------------------------------------------------------------
 
@@ -458,6 +372,9 @@ def summarize(settings: dict[str, Any], results: dict[str, list[dict[str, Any]]]
                                     and vm > row["predicted_saving_ms"] else None)
         row["measured_saving_ms"] = vm - t["median_ms"] if v and t else None
         row["tokens_per_s"] = {arm: tp["tokens_per_s"] for arm, tp in tpot.items() if tp}
+        row["tpot_methods"] = arm_methods(results, tpot, batch)
+        if (note := disagreement_note(batch, row["tpot_methods"])) is not None:
+            notes.append(note)
         # the time to the first token: "never slower" covers the prefill too, which runs eager above the
         # captured sizes (a routed layer's op then costs host time on every call)
         first = {arm: arm_first_token(results.get(arm, []), batch) for arm in ARMS if arm in results}
@@ -479,7 +396,7 @@ def summarize(settings: dict[str, Any], results: dict[str, list[dict[str, Any]]]
             notes.append(f"B={batch}: the prediction counts ops that ran no tuned call in vLLM ("
                          + ", ".join(f"{op} {us:.0f} us" for op, us in gaps.items())
                          + "): a routing gap or a fallback; the dispatch coverage says which")
-        row["agreement"] = agreement(results, batch, tol)
+        row["agreement"] = agreement_row(results, batch, tol, settings.get("weights", "dummy"), settings["batches"])
         profiles = {arm: arm_profile((_batch_row(res, batch) or {}).get("profile") for res in results.get(arm, []))
                     for arm in ARMS if arm in results}
         profile_errors = sorted({err for res in (r for docs in results.values() for r in docs)
@@ -491,7 +408,10 @@ def summarize(settings: dict[str, Any], results: dict[str, list[dict[str, Any]]]
             row["profile_compare"] = compare(profiles.get("vanilla"), profiles.get("tuned"),
                                              {arm: row[f"{arm}_tpot_ms"] for arm in ("vanilla", "tuned")})
         if row["agreement"]["verdict"] == "fail":
-            notes.append(f"B={batch}: tuned and vanilla disagree beyond the logprob tolerance {tol:.4g}")
+            notes.append(f"B={batch}: tuned and vanilla disagree beyond the logprob tolerance {tol:.4g}"
+                         if row["agreement"]["judged_by"] != "teacher-forced" else
+                         f"B={batch}: an arm serving the tables disagrees with vanilla beyond vanilla's own spread "
+                         "(teacher-forced check; serve.md says which figure)")
         batches.append(row)
     short = sum(r.get("short_outputs", 0) for docs in results.values() for res in docs for r in res["batches"])
     if short:

@@ -35,6 +35,9 @@ Environment of an arm (on top of the caller's):
   removed (interpreted kernels would take the vendor path on a GPU);
 * ``PYTHONPATH`` starts with this tunekit's folder, so the runner and the
   plugin load this code.
+
+Every process after vanilla #0 gets vanilla #0's greedy tokens in its spec
+(``forced``): the contexts of the teacher-forced agreement check.
 """
 
 from __future__ import annotations
@@ -52,8 +55,8 @@ from typing import Any
 
 from tunekit.errors import Interrupted, UserError
 from tunekit.evidence.serve_bench import ARMS, TABLE_ARMS, endpoint
+from tunekit.evidence.serve_bench.agreement import DEFAULT_TOL
 from tunekit.evidence.serve_bench.analysis import (
-    DEFAULT_TOL,
     RUNS_DIR,
     dispatch_logs,
     load_json,
@@ -281,7 +284,9 @@ def _run_offline(settings: Settings, out_dir: Path, log: Callable[[str], None], 
         spec = {"arm": arm, "index": i, "engine": settings.engine(model_dir.resolve()),
                 "batches": list(settings.batches), "tokens": settings.tokens, "prompt_len": settings.prompt_len,
                 "repeats": settings.repeats, "agree_steps": settings.agree_steps, "logprobs": settings.logprobs,
-                "vocab_size": vocab_size(settings.model_config), "profile_steps": settings.profile_steps}
+                "vocab_size": vocab_size(settings.model_config), "profile_steps": settings.profile_steps,
+                "weights": settings.weights, "weights_seed": settings.weights_seed,
+                "forced": None if (arm, i) == ("vanilla", 0) else forced_tokens(runs_dir)}
         spec_path = runs_dir / f"{arm}-{i}.spec.json"
         spec_path.write_text(json.dumps(spec, indent=1) + "\n")
         env = arm_env(arm, i, base, settings, info, out_dir)
@@ -300,6 +305,20 @@ def _run_offline(settings: Settings, out_dir: Path, log: Callable[[str], None], 
             raise UserError(f"{arm} #{i} failed: {why} (log: {log_path}); finished processes are kept, "
                             "rerun the same command to resume")
     return report_dir(out_dir, settings.logprob_tol, log, table_mismatch=mismatch)
+
+
+def forced_tokens(runs_dir: Path) -> dict[str, list[list[int]]] | None:
+    """Vanilla #0's teacher-forced tokens per batch size (``{"1": [[ids of request 0]], ...}``) from its result
+    in ``runs_dir``: every later process decodes these contexts (``tunekit.evidence.serve_bench.forced``).
+    None while there is none (the processes then force their own tokens, and the report compares none)."""
+    path = Path(runs_dir) / run_file("vanilla", 0)
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    out = {str(row["batch"]): [req["forced"] for req in row["forced"]["requests"]]
+           for row in doc.get("batches", []) if (row.get("forced") or {}).get("requests")}
+    return out or None
 
 
 def report_dir(out_dir: Path, tol: float = DEFAULT_TOL, log: Callable[[str], None] = print,

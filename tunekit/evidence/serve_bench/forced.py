@@ -30,6 +30,7 @@ Call protocol::
     # generate(list of token-id prompts, list of sampling params) -> vLLM RequestOutputs, in order
     # sampling(max_tokens, logprobs or None) -> SamplingParams
     rec["requests"][r]["forced"], rec["requests"][r]["top"][s]   # [[token id, logprob], ...] best first
+    row["forced"] = forced_row(llm, sampling, TokensPrompt, ids, spec, batch, known)   # the runner's call
 """
 
 from __future__ import annotations
@@ -92,3 +93,23 @@ def teacher_forced(generate: Callable[[list[list[int]], list[Any]], list[Any]],
     return {"steps": steps, "topk": topk, "rounds": rounds,
             "requests": [{"forced": tokens[r], "forced_from": origin[r], "top": tops[r],
                           "prefill_steps": prefill[r]} for r in range(n)]}
+
+
+def forced_row(llm: Any, sampling: Any, tokens_prompt: Any, ids: list[list[int]], spec: dict[str, Any], batch: int,
+                known: dict[int, list[int]]) -> dict[str, Any]:
+    """The teacher-forced record at ``batch`` (``tunekit.evidence.serve_bench.forced``): forced with vanilla #0's
+    tokens from the spec, else with the tokens a request got at an earlier batch size of this process, else with
+    its own; ``known`` keeps them for the next batch sizes."""
+    requests = min(batch, int(spec.get("agree_requests", 8)))
+    given = (spec.get("forced") or {}).get(str(batch))
+    forced = [given[r] if given and r < len(given) and given[r] else known.get(r) for r in range(requests)]
+
+    def generate(prompts: list[list[int]], params: list[Any]) -> list[Any]:
+        return llm.generate([tokens_prompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+
+    rec = teacher_forced(generate, sampling, ids, requests, int(spec["agree_steps"]),
+                         int(spec.get("forced_topk", spec["logprobs"])), forced,
+                         forced_from="vanilla-0" if given else "self")
+    for r, req in enumerate(rec["requests"]):
+        known.setdefault(r, req["forced"])
+    return rec

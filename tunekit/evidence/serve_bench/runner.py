@@ -26,9 +26,22 @@ for every batch size:
   steps of B sequences;
 * greedy (temperature 0), ``ignore_eos``, no detokenizer; prefix caching
   off so both calls of a pair prefill alike;
+* each timed generate also notes when each request's tokens reach the
+  engine's output processor (``tpot.TokenClock``): the decode TPOT from
+  per-token timestamps, which needs no 1-token generate;
 * afterwards (untimed, logprobs cost a top-k over the vocabulary per step)
   one ``generate`` of ``agree_steps`` tokens with ``logprobs=K``: the chosen
-  token ids and logprobs of the first requests, for the agreement check.
+  token ids and logprobs of the first requests, for the agreement check;
+  then the same requests teacher-forced with vanilla #0's tokens (the
+  spec's ``forced``; ``tunekit.evidence.serve_bench.forced``), top-K per
+  position, for the agreement against vanilla's spread.
+
+Weights (the spec's ``weights``): ``dummy`` (vLLM's dummy loader, the
+default), ``realistic`` (the dummy load followed by the seeded recipe of
+``tunekit.evidence.serve_bench.weights``, applied at the end of the load:
+before the plugin folds norms and before the CUDA graphs are captured) or
+``checkpoint`` (the engine's ``load_format`` is vLLM's default: the model
+folder's own weights).
 
 Result (``format`` = ``tunekit.serve_run/1``; the parent's parse test reads it)::
 
@@ -39,7 +52,11 @@ Result (``format`` = ``tunekit.serve_run/1``; the parent's parse test reads it):
                   "tpot_ms": [...], "tpot_ms_median", "tpot_ms_min", "tpot_ms_max", "tokens_per_s",
                   "short_outputs", "vllm_metrics": {...} | None,
                   "t_1_host" / "t_tokens_host": [HostEvents.record() per timed generate],
-                  "agreement": {"steps", "logprobs", "requests": [{"token_ids", "logprobs", "top"}]}}],
+                  "t_tokens_clock": [TokenClock.record() per timed --tokens generate], "tpot_stamps_ms_median",
+                  "agreement": {"steps", "logprobs", "requests": [{"token_ids", "logprobs", "top"}]},
+                  "forced": {"steps", "topk", "rounds", "requests": [{"forced", "forced_from", "top",
+                                                                      "prefill_steps"}]}}],
+     "weights": {"mode", "seed", "applied", "counts"},
      "error": None | "Type: message", "traceback"}
 """
 
@@ -61,6 +78,10 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+from tunekit.evidence.serve_bench.forced import forced_row
+from tunekit.evidence.serve_bench.tpot import TokenClock, stamps_ms
+from tunekit.evidence.serve_bench.weights import describe, weights_after_start, weights_before_start
 
 FORMAT = "tunekit.serve_run/1"
 PROBE_FORMAT = "tunekit.serve_probe/1"
@@ -314,16 +335,19 @@ def measure_batch(llm: Any, prompts: list[Any], sampling: Any, batch: int, spec:
     t_tokens, t_one, short, last = [], [], 0, None
     host_tokens: list[dict[str, Any]] = []
     host_one: list[dict[str, Any]] = []
+    clocks: list[dict[str, Any] | None] = []
     for r in range(repeats):
         # alternate the order so that a drift within the pair charges both lengths alike
         for n in ((1, tokens) if r % 2 == 0 else (tokens, 1)):
-            with HostEvents() as events:
+            # the clock runs in both lengths: its cost per engine step cancels in the difference
+            with HostEvents() as events, TokenClock(llm) as clock:
                 start = time.perf_counter()
                 outs = llm.generate(prompts, long_params if n == tokens else one_params, use_tqdm=False)
                 elapsed = time.perf_counter() - start
             if n == tokens:
                 t_tokens.append(elapsed)
                 host_tokens.append(events.record())
+                clocks.append(clock.record())
                 short += sum(1 for o in outs if len(o.outputs[0].token_ids) != tokens)
                 last = outs
             else:
@@ -338,6 +362,7 @@ def measure_batch(llm: Any, prompts: list[Any], sampling: Any, batch: int, spec:
         "tokens_per_s": batch / (med / 1000.0) if med > 0 else None,
         "short_outputs": short, "vllm_metrics": vllm_metrics(last or []),
         "t_1_host": host_one, "t_tokens_host": host_tokens,
+        "t_tokens_clock": clocks, "tpot_stamps_ms_median": stamps_ms(clocks),
     }
     return row
 
@@ -377,9 +402,14 @@ def _run(spec: dict[str, Any], result: dict[str, Any]) -> None:
     kwargs, dropped = engine_kwargs(spec["engine"], accepted_fields(EngineArgs))
     result["engine_args"], result["engine_args_dropped"] = kwargs, dropped
     progress(f"{spec['arm']} #{spec['index']}: starting vLLM {result['vllm']} (pid {os.getpid()})")
+    why_not = weights_before_start(spec)
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     result["engine_start_s"] = time.perf_counter() - t0
+    result["weights"] = weights_after_start(spec, llm, why_not)
+    if result["weights"].get("counts"):
+        progress(f"{spec['arm']} #{spec['index']}: realistic weights {result['weights']['applied']} "
+                 f"({describe(result['weights']['counts'])})")
     result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     progress(f"{spec['arm']} #{spec['index']}: engine up in {result['engine_start_s']:.1f} s on {result['device']}")
     sp_fields = accepted_fields(SamplingParams)
@@ -387,14 +417,16 @@ def _run(spec: dict[str, Any], result: dict[str, Any]) -> None:
     def sampling(n: int, logprobs: int | None = None) -> Any:
         return _sampling(SamplingParams, sp_fields, n, logprobs)
 
+    known: dict[int, list[int]] = {}  # request -> the tokens it was forced with (its prompt is the same at every B)
     for batch in spec["batches"]:
         ids = make_prompts(batch, int(spec["prompt_len"]), int(spec["vocab_size"]))
         prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
         row = measure_batch(llm, prompts, sampling, batch, spec)
         steps, k = int(spec["agree_steps"]), int(spec["logprobs"])
         outs = llm.generate(prompts, sampling(steps, k), use_tqdm=False)
-        row["agreement"] = {"steps": steps, "logprobs": k,
-                            "requests": agreement_record(outs, int(spec.get("agree_requests", 8)))}
+        requests = int(spec.get("agree_requests", 8))
+        row["agreement"] = {"steps": steps, "logprobs": k, "requests": agreement_record(outs, requests)}
+        row["forced"] = forced_row(llm, sampling, TokensPrompt, ids, spec, batch, known)
         profile_steps = int(spec.get("profile_steps", 0))
         if profile_steps > 0:  # after the timing: the profiler's overhead never enters a TPOT
             row.update(profile_row(lambda n, prompts=prompts: llm.generate(prompts, sampling(n), use_tqdm=False),

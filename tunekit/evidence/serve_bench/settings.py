@@ -22,7 +22,8 @@ from typing import Any
 
 from tunekit.errors import UserError
 from tunekit.evidence.serve_bench import ARMS, DEFAULT_ARMS, TABLE_ARMS
-from tunekit.evidence.serve_bench.analysis import DEFAULT_TOL, load_json
+from tunekit.evidence.serve_bench.agreement import DEFAULT_TOL
+from tunekit.evidence.serve_bench.analysis import load_json
 
 #: Architectures vLLM registers for the model types tunekit derives (configs without ``architectures``).
 ARCHITECTURES: dict[str, str] = {
@@ -55,6 +56,12 @@ class Settings:
     runner_timeout_s: float = 3600.0
     #: decode steps profiled per batch size and process (tunekit.evidence.serve_bench.profile); 0: no profile
     profile_steps: int = 0
+    #: "dummy" (vLLM's dummy loader), "realistic" (the dummy load, then tunekit.evidence.serve_bench.weights'
+    #: seeded recipe) or "checkpoint" (``model_dir``'s own weights through vLLM's loader)
+    weights: str = "dummy"
+    weights_seed: int = 0
+    #: a model folder with a checkpoint (config.json and weights); None: DIR/model with config.json alone
+    model_dir: str | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -62,14 +69,20 @@ class Settings:
         return -(-(self.prompt_len + max(self.tokens, self.agree_steps) + 16) // 64) * 64
 
     def engine(self, model_dir: Path) -> dict[str, Any]:
-        """``LLM(**engine)`` arguments; the runner drops those this vLLM lacks (``gdn_prefill_backend``)."""
+        """``LLM(**engine)`` arguments; the runner drops those this vLLM lacks (``gdn_prefill_backend``).
+        ``model_dir``: the folder of ``write_model_dir`` (``self.model_dir``, a checkpoint, replaces it)."""
+        extra: dict[str, Any] = {}
+        if self.logprobs > 20:  # vLLM's default max_logprobs: the engine must allow the top-K asked for
+            extra["max_logprobs"] = self.logprobs
         return {
-            "model": str(model_dir), "load_format": "dummy", "skip_tokenizer_init": True, "dtype": "bfloat16",
+            "model": self.model_dir or str(model_dir),
+            "load_format": "auto" if self.weights == "checkpoint" else "dummy",
+            "skip_tokenizer_init": True, "dtype": "bfloat16",
             "max_model_len": self.max_model_len, "max_num_seqs": max(self.batches),
             "gpu_memory_utilization": self.gpu_memory_utilization, "enforce_eager": self.enforce_eager,
             "seed": 0, "enable_prefix_caching": False,
             # the SM90 default is FlashInfer's JIT GDN prefill, absent where flashinfer is
-            "gdn_prefill_backend": "triton",
+            "gdn_prefill_backend": "triton", **extra,
         }
 
     def key(self) -> dict[str, Any]:
@@ -78,6 +91,9 @@ class Settings:
             doc.pop(volatile)
         if not self.profile_steps:  # the key of a run without a profile, as before the option existed
             doc.pop("profile_steps")
+        if self.weights == "dummy":  # likewise for the weights
+            for name in ("weights", "weights_seed", "model_dir"):
+                doc.pop(name)
         doc["tables"] = list(self.tables)
         doc["batches"], doc["arms"] = list(self.batches), list(self.arms)
         return doc
@@ -123,7 +139,7 @@ def _model_document(model: str | None, config: Path | None) -> tuple[str, dict[s
     from tunekit.problems.models import load_model
 
     if bool(model) == bool(config):
-        raise UserError("give one of --model or --config")
+        raise UserError("give one of --model or --config (or --model-dir, a checkpoint)")
     spec = load_model(str(config) if config else model)  # every config error, one line
     if config is None:
         return spec.name, copy.deepcopy(spec.config)  # built-ins are flat text configs
@@ -152,6 +168,13 @@ def build_settings(model: str | None, config: Path | None, tables: Sequence[Path
     for t in tables:
         table_mod.load(t)  # missing or corrupt: one error line, before anything starts
         paths.append(str(Path(t).resolve()))
+    options = _weights_options(options)
+    if options.get("model_dir"):
+        if config is not None or model:
+            raise UserError("--model-dir is the model: give it without --model or --config")
+        if options.get("layers") is not None:
+            raise UserError("--layers cannot cut a checkpoint's layers (--model-dir): its weights name them all")
+        config = Path(options["model_dir"])
     name, doc = _model_document(model, config)
     layers = options.get("layers")
     cfg = vllm_model_config(doc, layers)
@@ -168,6 +191,34 @@ def build_settings(model: str | None, config: Path | None, tables: Sequence[Path
     if not 0.05 <= s.gpu_memory_utilization <= 0.99:
         raise UserError(f"--gpu-memory-utilization must be in 0.05..0.99, got {s.gpu_memory_utilization}")
     return s
+
+
+#: ``--weights`` values (``checkpoint`` is what ``--model-dir`` makes).
+WEIGHTS = ("dummy", "realistic")
+
+
+def _weights_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``weights``, ``model_dir`` and the ``logprobs`` that go with them: a checkpoint folder must hold a
+    config.json and weight files; ``logprobs`` defaults to 5 on dummy weights (as before the option) and to
+    20 otherwise (vLLM's default ``max_logprobs``: the top-K of the KL)."""
+    out = dict(options)
+    weights = out.get("weights") or "dummy"
+    model_dir = out.get("model_dir")
+    if weights not in WEIGHTS and not (weights == "checkpoint" and model_dir):
+        raise UserError(f"--weights takes {' or '.join(WEIGHTS)}, got {weights!r}")
+    if model_dir:
+        if weights not in ("dummy", "checkpoint"):
+            raise UserError("--weights is for the dummy loader; --model-dir loads the checkpoint's own weights")
+        path = Path(model_dir).expanduser().resolve()
+        if not (path / "config.json").is_file():
+            raise UserError(f"--model-dir {model_dir}: no config.json there")
+        if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")) and not any(path.glob("*.pt")):
+            raise UserError(f"--model-dir {model_dir}: no weight files (*.safetensors, *.bin, *.pt) there")
+        out["model_dir"], weights = str(path), "checkpoint"
+    out["weights"] = weights
+    if out.get("logprobs") is None:
+        out["logprobs"] = 5 if weights == "dummy" else 20
+    return out
 
 
 def parse_sizes(text: str, option: str) -> list[int]:

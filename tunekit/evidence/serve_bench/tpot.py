@@ -96,3 +96,30 @@ def compare(difference_ms: float | None, stamps: float | None, tol: float = DISA
         return {"difference_ms": difference_ms, "timestamps_ms": stamps, "ratio": None, "disagree": None}
     ratio = stamps / difference_ms
     return {"difference_ms": difference_ms, "timestamps_ms": stamps, "ratio": ratio, "disagree": abs(ratio - 1) > tol}
+
+
+def arm_methods(results_by_arm: dict[str, list[dict[str, Any]]], tpot_by_arm: dict[str, Any],
+                batch: int) -> dict[str, dict[str, Any]]:
+    """Per arm at ``batch``: the difference method's TPOT (``tpot_by_arm[arm]["median_ms"]``, the median over
+    processes) beside the timestamps' (each process's median over its timed generates, then the median over
+    processes), and :func:`compare` of the two."""
+    out = {}
+    for arm, diff in tpot_by_arm.items():
+        per = []
+        for res in results_by_arm.get(arm, []):
+            row = next((r for r in res.get("batches", []) if r["batch"] == batch), None)
+            value = stamps_ms((row or {}).get("t_tokens_clock") or [])
+            if value is not None:
+                per.append(value)
+        out[arm] = compare(diff["median_ms"] if diff else None, statistics.median(per) if per else None)
+    return out
+
+
+def disagreement_note(batch: int, methods: dict[str, dict[str, Any]], tol: float = DISAGREE) -> str | None:
+    """The report's note for the arms whose two TPOT figures differ by more than ``tol`` at ``batch``."""
+    off = [f"{arm} {m['difference_ms']:.3f} vs {m['timestamps_ms']:.3f} ms ({m['ratio']:.3f}x)"
+           for arm, m in methods.items() if m.get("disagree")]
+    if not off:
+        return None
+    return (f"B={batch}: TPOT by difference and by per-token timestamps differ by more than {tol:.0%}: "
+            + "; ".join(off) + " (a first token slower in one of the two generates moves the difference)")

@@ -39,6 +39,9 @@ Call protocol::
 
     counts = realistic_init_(model, seed=0)   # {"linear": 14, "norm": 5, "embedding": 1, ...}
     describe(counts)                          # one line for the log
+
+    why_not = weights_before_start(spec)      # the runner, before LLM(...): the load hook where the spec asks
+    doc = weights_after_start(spec, llm, why_not)   # {"mode", "seed", "applied", "counts"} for the result
 """
 
 from __future__ import annotations
@@ -202,9 +205,21 @@ def realistic_init_(model: Any, seed: int = 0, recipe: Recipe | None = None) -> 
     return counts
 
 
+#: Elements drawn at a time: a 248k x 5120 embedding drawn whole would take a 5 GB fp32 temporary during the load.
+_CHUNK = 1 << 26
+
+
 def _normal_(torch: Any, data: Any, std: float, gen: Any) -> None:
-    # drawn in fp32 and rounded once: bf16 tensors get the same values on every device generation
-    data.copy_(torch.randn(data.shape, generator=gen, device=data.device, dtype=torch.float32) * std)
+    # drawn in fp32 and rounded once, in blocks of rows (one generator drawn in order, a fixed block size: the
+    # same values in every process)
+    if not data.is_contiguous():
+        data.copy_(torch.randn(data.shape, generator=gen, device=data.device, dtype=torch.float32) * std)
+        return
+    rows = data.view(data.shape[0], -1) if data.dim() > 1 else data.view(1, -1)
+    step = max(1, _CHUNK // max(1, rows.shape[1]))
+    for r in range(0, rows.shape[0], step):
+        block = rows[r:r + step]
+        block.copy_(torch.randn(block.shape, generator=gen, device=data.device, dtype=torch.float32) * std)
 
 
 def describe(counts: dict[str, int]) -> str:
@@ -266,3 +281,28 @@ def apply_after_start(llm: Any, seed: int = 0) -> dict[str, int]:
         counts = llm.collective_rpc(init_worker)[0]
     APPLIED.update({"applied": "after engine start", "counts": counts})
     return counts
+
+
+def weights_before_start(spec: dict[str, Any]) -> str | None:
+    """``--weights realistic``: the recipe at the end of the dummy load, before the plugin's load-time steps and
+    the graph capture (``weights.install_load_hook``); None, or why not (then after the start)."""
+    if spec.get("weights", "dummy") != "realistic":
+        return None
+    why = install_load_hook(int(spec.get("weights_seed", 0)))
+    if why is not None and spec["arm"] == "folded":  # the fold reads the weights at load: they must be final
+        raise RuntimeError(f"--weights realistic in the folded arm needs the recipe at load: {why}")
+    return why
+
+
+def weights_after_start(spec: dict[str, Any], llm: Any, why_not: str | None) -> dict[str, Any]:
+    """What the engine's weights are: ``{"mode": "dummy" | "realistic" | "checkpoint", ...}``."""
+    mode = spec.get("weights", "dummy")
+    doc: dict[str, Any] = {"mode": mode}
+    if mode == "realistic":
+        if why_not is not None:
+            apply_after_start(llm, int(spec.get("weights_seed", 0)))
+            doc["load_hook"] = why_not
+        doc.update({"seed": int(spec.get("weights_seed", 0)), **APPLIED})
+        if "counts" not in doc:
+            raise RuntimeError("--weights realistic: the dummy loader never ran the recipe")
+    return doc
