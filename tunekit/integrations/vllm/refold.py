@@ -31,10 +31,10 @@ holds layers on the meta device) what changed is found:
   folded values by g_new / g_old (the raw weights are gone: one more BF16
   rounding), the columns of channels whose old gain was (near) 0 from the
   copies the fold keeps of them (``fold.zero_columns``: a norm has at most
-  a handful of dead channels). Written in one ``load_weights`` call with the norm,
-  or one session, reload or ``update_weights`` refit, every consumer row is
-  raw again and the fold is exact; only a norm written apart from its
-  consumers (per-parameter calls in checkpoint order) takes the rescale;
+  a handful of dead channels). A reload, a session, or one ``load_weights``
+  call writing a norm with its consumers leaves no such row: the fold is
+  exact. Only rows whose norm is written after them, or without them
+  (per-parameter calls, the consumers first), keep the rescale;
 
 then checked as at load (``fold.check_fold``) and written in place. A
 compiled graph cannot unfold a layer, so where the check fails now, the
