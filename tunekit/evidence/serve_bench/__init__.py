@@ -7,9 +7,18 @@ process, arms alternated over processes.
 Modules:
 
 * ``runner``: the child process (``python -m tunekit.evidence.serve_bench.runner``): one
-  arm, one offline vLLM engine with dummy weights, TPOT by the difference of
-  two output lengths, one JSON result; ``--probe`` says what a Python can run
-  (vLLM, plugins, flashinfer, device, the tables' stamps) without starting vLLM.
+  arm, one offline vLLM engine (dummy, realistic or checkpoint weights), TPOT
+  by the difference of two output lengths, one JSON result; ``--probe`` says
+  what a Python can run (vLLM, plugins, flashinfer, device, the tables'
+  stamps) without starting vLLM.
+* ``weights``: the seeded realistic-weights recipe (pure, on any torch module
+  tree) and its hook at the end of vLLM's dummy load.
+* ``forced``: teacher-forced decoding through ``generate`` (vanilla #0's
+  tokens, restarts after a differing one), run by the runner.
+* ``tpot``: the token clock (per-token timestamps inside a generate) and the
+  two TPOT figures side by side.
+* ``agreement``: pure: every arm against vanilla, teacher-forced (greedy
+  tokens, max |Δlogprob|, KL against vanilla's spread) and free-running.
 * ``settings``: what a run measures (``Settings``, checked before anything
   starts) and the model folder vLLM loads.
 * ``bench``: the parent: arm schedule, environment per arm (``VLLM_PLUGINS``,
@@ -23,7 +32,8 @@ Modules:
   (streaming ``/v1/completions``, standard library only).
 * ``provenance``: the package root the runners start with, its git commit.
 
-Layers: ``runner`` and ``profile`` at the bottom, then ``analysis``,
+Layers: ``weights``, ``forced``, ``tpot``, ``agreement`` and ``profile`` at the
+bottom (standard library at import), ``runner`` on them, then ``analysis``,
 ``report``, ``provenance``, ``settings``, ``endpoint``, and ``bench`` on top.
 """
 
