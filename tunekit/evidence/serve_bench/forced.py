@@ -108,7 +108,7 @@ def forced_row(llm: Any, sampling: Any, tokens_prompt: Any, ids: list[list[int]]
         return llm.generate([tokens_prompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 
     rec = teacher_forced(generate, sampling, ids, requests, int(spec["agree_steps"]),
-                         int(spec.get("forced_topk", spec["logprobs"])), forced,
+                         int(spec["logprobs"]), forced,
                          forced_from="vanilla-0" if given else "self")
     for r, req in enumerate(rec["requests"]):
         known.setdefault(r, req["forced"])

@@ -31,9 +31,13 @@ Anything else (buffers, rotary tables, unknown parameters) keeps what the
 loader wrote. Each parameter draws from its own generator, seeded by the
 recipe's seed and the parameter's name, on the parameter's device: the
 values do not depend on the order of the walk, and every process with the
-same model, device and seed holds the same weights. No vLLM import: the
-recipe walks a plain ``torch.nn.Module`` tree (vLLM's module names and
-Hugging Face's alike), so the CPU tests run it on a tiny model.
+same model, device and seed holds the same weights. The recipe needs no
+vLLM: it walks a plain ``torch.nn.Module`` tree (vLLM's module names and
+Hugging Face's alike), so the CPU tests run it on a tiny model. The hooks
+at the bottom import vLLM when called: the recipe runs at the end of vLLM's
+dummy load (before tunekit's fold reads the weights and before the CUDA
+graphs are captured), or, where that loader cannot be wrapped, in place on
+the started engine.
 
 Call protocol::
 
