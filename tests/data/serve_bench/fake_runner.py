@@ -176,10 +176,10 @@ class LLM:
         tokens handed to the output processor (FAKE_SLOW_ONE_TOKEN_MS: a 1-token generate takes that much longer)."""
         step = TPOT_MS[self.arm] / 1000.0
         slow = float(os.environ.get("FAKE_SLOW_ONE_TOKEN_MS", "0")) / 1000.0 if tokens == 1 else 0.0
-        time.sleep(0.001 + step + slow)
+        start = time.perf_counter() + 0.001 + slow
         for s in range(tokens):
-            if s:
-                time.sleep(step)
+            # to a deadline, not by steps: a sleep's overshoot on a loaded machine does not add up over the tokens
+            time.sleep(max(0.0, start + (s + 1) * step - time.perf_counter()))
             self.llm_engine.output_processor.process_outputs(
                 [types.SimpleNamespace(request_id=str(r), new_token_ids=[s]) for r in range(requests)])
 
