@@ -229,3 +229,16 @@ def test_token_clock_and_the_two_tpot_figures() -> None:
     flagged = tpot.compare(10.0, 10.3)
     assert flagged["disagree"] is True and flagged["ratio"] == pytest.approx(1.03)
     assert tpot.compare(10.0, None)["disagree"] is None
+
+
+def test_without_the_load_hook_an_arm_that_folds_refuses_realistic_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Applied after the engine started, the recipe would leave the fold's W diag(g) of the dummy weights behind."""
+    monkeypatch.setattr(weights, "install_load_hook", lambda seed=0: "no DummyModelLoader in this vLLM")
+    monkeypatch.delenv("TUNEKIT_FOLD_NORMS", raising=False)
+    spec = {"weights": "realistic", "arm": "tuned"}
+    with pytest.raises(RuntimeError, match="folds norms at load"):
+        weights.weights_before_start(spec)
+    assert weights.weights_before_start({**spec, "arm": "vanilla"}) == "no DummyModelLoader in this vLLM"
+    monkeypatch.setenv("TUNEKIT_FOLD_NORMS", "0")
+    assert weights.weights_before_start(spec) == "no DummyModelLoader in this vLLM"
+    assert weights.weights_before_start({"weights": "dummy", "arm": "tuned"}) is None

@@ -51,9 +51,12 @@ Call protocol::
 from __future__ import annotations
 
 import math
+import os
 import zlib
 from dataclasses import dataclass
 from typing import Any
+
+from tunekit.evidence.serve_bench import TABLE_ARMS
 
 #: Norm classes whose gain is 1 + weight (besides any class with "Gemma" in its name): Qwen3-Next and Qwen3.5 in
 #: Hugging Face. Their gated norms (``...RMSNormGated``) are plain.
@@ -271,8 +274,9 @@ def apply_after_start(llm: Any, seed: int = 0) -> dict[str, int]:
     vLLM captured its CUDA graphs at engine start with the weights' addresses; writing into the same
     tensors (``copy_`` of fresh values) keeps every address, so the graphs stay valid and replay the new
     values. Anything computed from the weights at load (tunekit's folded norms: W diag(g)) is not redone:
-    a folded arm must not use this. The model is reached by ``LLM.apply_model`` where this vLLM has it,
-    else by ``LLM.collective_rpc`` with a function of the worker (its model runner's model)."""
+    an arm whose plugin folds must not use this (:func:`weights_before_start` refuses it). The model is
+    reached by ``LLM.apply_model`` where this vLLM has it, else by ``LLM.collective_rpc`` with a function
+    of the worker (its model runner's model)."""
     def init_worker(worker: Any) -> dict[str, int]:
         runner = getattr(worker, "worker", worker).model_runner
         model = runner.get_model() if hasattr(runner, "get_model") else runner.model
@@ -293,8 +297,11 @@ def weights_before_start(spec: dict[str, Any]) -> str | None:
     if spec.get("weights", "dummy") != "realistic":
         return None
     why = install_load_hook(int(spec.get("weights_seed", 0)))
-    if why is not None and spec["arm"] == "folded":  # the fold reads the weights at load: they must be final
-        raise RuntimeError(f"--weights realistic in the folded arm needs the recipe at load: {why}")
+    # the plugin's fold (on unless TUNEKIT_FOLD_NORMS is 0) reads the weights at load: they must be final by then
+    folds = spec["arm"] in TABLE_ARMS and os.environ.get("TUNEKIT_FOLD_NORMS", "1").strip().lower() not in ("0",
+                                                                                                          "false")
+    if why is not None and folds:
+        raise RuntimeError(f"--weights realistic where the plugin folds norms at load needs the recipe at load: {why}")
     return why
 
 
