@@ -593,14 +593,15 @@ def test_git_commit_marks_sources_that_differ_from_head(tmp_path: Path) -> None:
 
 
 def test_the_folded_arm_serves_the_tables_with_the_fold_on(fake: Path, tmp_path: Path) -> None:
-    """--arms vanilla,tuned,folded: the folded arm is the tuned arm plus TUNEKIT_FOLD_NORMS=1 (never set in the
-    others, even when the caller's environment has it), reported over vanilla and over tuned, same run."""
+    """--arms vanilla,tuned,folded: the folded arm is the plugin's default (the tables, TUNEKIT_FOLD_NORMS unset
+    whatever the caller's environment holds), the tuned arm the tables with the fold off (TUNEKIT_FOLD_NORMS=0),
+    reported over vanilla and over tuned, same run."""
     settings = build_settings("qwen3.5-27b", None, [TABLE], [1])
     probe = {"entry_points": {"vllm.general_plugins": ["tunekit"]}, "flashinfer": True}
     base = {"TUNEKIT_FOLD_NORMS": "1"}
     envs = {arm: bench.arm_env(arm, 0, base, settings, probe, tmp_path) for arm in ("vanilla", "tuned", "folded")}
-    assert envs["folded"]["TUNEKIT_FOLD_NORMS"] == "1" and envs["folded"]["TUNEKIT_TABLE"] == str(TABLE.resolve())
-    assert "TUNEKIT_FOLD_NORMS" not in envs["tuned"] and "TUNEKIT_FOLD_NORMS" not in envs["vanilla"]
+    assert "TUNEKIT_FOLD_NORMS" not in envs["folded"] and envs["folded"]["TUNEKIT_TABLE"] == str(TABLE.resolve())
+    assert envs["tuned"]["TUNEKIT_FOLD_NORMS"] == "0" and "TUNEKIT_FOLD_NORMS" not in envs["vanilla"]
     assert build_settings("qwen3.5-27b", None, [TABLE]).arms == ("vanilla", "passthrough", "tuned")
     with pytest.raises(UserError, match="--table"):
         build_settings("qwen3.5-27b", None, [], arms=["vanilla", "folded"])
@@ -619,7 +620,7 @@ def test_the_folded_arm_serves_the_tables_with_the_fold_on(fake: Path, tmp_path:
         assert row["coverage"]["folded"]["by_op"]["gemv"] == row["coverage"]["tuned"]["by_op"]["gemv"]
         assert row["agreement"]["folded_vs_vanilla"]["ok"] and row["agreement"]["verdict"] == "pass"
     md = (out / "serve.md").read_text()
-    assert "folded speedup" in md and "folded vs vanilla" in md and "TUNEKIT_FOLD_NORMS=1" in md
+    assert "folded speedup" in md and "folded vs vanilla" in md and "TUNEKIT_FOLD_NORMS=0" in md and "the default" in md
     assert any(ln.startswith("B=1") and "folded x" in ln for ln in lines)
 
 

@@ -95,8 +95,8 @@ def serve_bench(
              "repeatable): A/B against servers instead of offline engines")] = [],  # noqa: B006
     concurrency: Annotated[str, typer.Option(help="--endpoint: concurrent requests, e.g. 1,4,8")] = "1,4,8",
     arms: Annotated[str, typer.Option(
-        help="vanilla plus any of passthrough, tuned, folded (tuned with the decoder norms folded: "
-             "TUNEKIT_FOLD_NORMS=1)")] = "vanilla,passthrough,tuned",
+        help="vanilla plus any of passthrough, tuned (the table, the fold off: TUNEKIT_FOLD_NORMS=0), "
+             "folded (the plugin's default: the table with the decoder norms folded)")] = "vanilla,passthrough,tuned",
     gpu_memory_utilization: Annotated[float, typer.Option(help="vLLM's share of GPU memory")] = 0.85,
     python: Annotated[Path | None, typer.Option(
         help="Python with vLLM that runs the engines (default: this one)")] = None,
@@ -126,8 +126,8 @@ def serve_bench(
 
     Offline engines, one per process, arms alternated:
     vanilla (the tunekit plugin excluded by VLLM_PLUGINS), passthrough
-    (plugin, no table), tuned (plugin + TUNEKIT_TABLE), folded (opt-in:
-    tuned + TUNEKIT_FOLD_NORMS=1, reported over vanilla and over tuned).
+    (plugin, no table), tuned (plugin + TUNEKIT_TABLE, TUNEKIT_FOLD_NORMS=0),
+    folded (the plugin's default: TUNEKIT_TABLE with the norms folded, reported over vanilla and over tuned).
     --table is needed only for the tuned and folded arms. The plugin must
     be visible to importlib.metadata in the Python that runs vLLM
     (--python): docs/serving.md.

@@ -60,7 +60,7 @@ def _arm() -> str:
         return "vanilla"
     if not os.environ.get("TUNEKIT_TABLE"):
         return "passthrough"
-    return "folded" if os.environ.get("TUNEKIT_FOLD_NORMS") == "1" else "tuned"
+    return "tuned" if os.environ.get("TUNEKIT_FOLD_NORMS") == "0" else "folded"  # the plugin folds by default
 
 
 class Logprob:

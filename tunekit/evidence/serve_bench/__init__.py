@@ -39,8 +39,9 @@ bottom (standard library at import), ``runner`` on them, then ``analysis``,
 
 from __future__ import annotations
 
-#: The arms, in the order every round runs them. ``folded``: tuned with ``TUNEKIT_FOLD_NORMS=1`` (decoder
-#: norms folded into their consumers, ``tunekit.integrations.vllm.fold``); opt-in, as the fold is.
+#: The arms, in the order every round runs them. ``tuned``: the tables with the fold off
+#: (``TUNEKIT_FOLD_NORMS=0``); ``folded``: the plugin's default, the tables with the decoder norms folded into
+#: their consumers where verified (``tunekit.integrations.vllm.fold``).
 ARMS: tuple[str, ...] = ("vanilla", "passthrough", "tuned", "folded")
 #: The arms a run takes unless told.
 DEFAULT_ARMS: tuple[str, ...] = ("vanilla", "passthrough", "tuned")

@@ -120,8 +120,9 @@ def arm_env(arm: str, index: int, base: dict[str, str], settings: Settings, prob
     env.pop("TUNEKIT_FOLD_NORMS", None)
     if arm in TABLE_ARMS:
         env["TUNEKIT_TABLE"] = os.pathsep.join(settings.tables)
-    if arm == "folded":
-        env["TUNEKIT_FOLD_NORMS"] = "1"
+    if arm == "tuned":
+        # the plugin folds by default: the tuned arm is the table with the fold off, the folded arm the default
+        env["TUNEKIT_FOLD_NORMS"] = "0"
     env["TUNEKIT_DISPATCH_LOG"] = str(Path(out_dir).resolve() / "dispatch" / f"{arm}-{index}-{{pid}}.json")
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if not probe.get("flashinfer"):

@@ -53,7 +53,7 @@ def parse_endpoints(items: Sequence[str]) -> dict[str, str]:
         arm, sep, url = item.partition("=")
         arm, url = arm.strip(), url.strip().rstrip("/")
         # the endpoint report compares vanilla, passthrough and tuned servers (a folded server is a tuned
-        # one started with TUNEKIT_FOLD_NORMS=1: give it as tuned)
+        # one started with the fold on, the default: give it as tuned)
         if not sep or arm not in ENDPOINT_ARMS or not url.startswith(("http://", "https://")):
             raise UserError(f"--endpoint {item!r}: expected ARM=http://HOST:PORT with ARM one of "
                             f"{', '.join(ENDPOINT_ARMS)}")

@@ -58,8 +58,9 @@ def _arm_text(arm: str, serve: dict[str, Any]) -> str:
              else "; sibling linears apart (TUNEKIT_MERGE_SIBLINGS=0)" if apart and len(apart) == len(records)
              else "")
     if arm == "folded":
-        return f"folded = plugin with TUNEKIT_TABLE = {tables} and TUNEKIT_FOLD_NORMS=1 (decoder norms folded{merge})"
-    return f"tuned = plugin with TUNEKIT_TABLE = {tables}" + (f" ({merge[2:]})" if merge else "")
+        return f"folded = plugin with TUNEKIT_TABLE = {tables}, the default (decoder norms folded{merge})"
+    unfolded = f"tuned = plugin with TUNEKIT_TABLE = {tables} and TUNEKIT_FOLD_NORMS=0"
+    return unfolded + (f" ({merge[2:]})" if merge else "")
 
 
 def _arms(serve: dict[str, Any]) -> list[str]:
