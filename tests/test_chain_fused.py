@@ -22,7 +22,10 @@ from tunekit.problems.models import load_model
 from tunekit.problems.models.spec import ModelSpec
 from tunekit.problems.shapes import Problem
 
-pytestmark = pytest.mark.usefixtures("clean_ops")  # conftest.py: no table, markers or vendor GEMM leak
+# The slow tier (`python -m pytest -q -m slow`, run by .ci/run):
+# the fused chain variants on the interpreter.
+# clean_ops (conftest.py): no table, markers or vendor GEMM leak.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("clean_ops")]
 
 CPU = torch.device("cpu")
 

@@ -18,6 +18,10 @@ import optuna
 import postgres_server
 import pytest
 
+# The slow tier (`python -m pytest -q -m slow`, run by .ci/run):
+# searches of several processes on a throwaway PostgreSQL.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 #: fixed costs and a vendor slower than every candidate: the table is decided by the trials alone
 FIXED = ["--shape", "24x64", "--backend", "fixed_time_backend:FIXED", "--sampler", "grid", "--trials", "8",

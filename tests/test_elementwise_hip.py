@@ -36,6 +36,10 @@ from tunekit.measure.device import DeviceInfo
 from tunekit.problems import opspec
 from tunekit.problems.shapes import Problem
 
+# The slow tier (`python -m pytest -q -m slow`, run by .ci/run):
+# every elementwise HIP variant compiled and run.
+pytestmark = pytest.mark.slow
+
 #: Define sets per family (the backend sets WAVE, N_COLS and GEMMA; here given by hand).
 COMBOS: dict[str, list[dict[str, int]]] = {
     "rms_norm": [

@@ -33,6 +33,10 @@ from tunekit.backends.hip import BACKEND, GEMV_PARAMS, gemv_invalid_reason, k_la
 from tunekit.measure.device import DeviceInfo
 from tunekit.problems.shapes import Problem
 
+# The slow tier (`python -m pytest -q -m slow`, run by .ci/run):
+# every HIP variant compiled by hipcc and NVRTC.
+pytestmark = pytest.mark.slow
+
 # The GEMV define combinations below apply to gemv.hip; the elementwise families
 # (kernels_hip/*.hip besides gemv) have theirs in test_elementwise_hip.py.
 HIP_SOURCES = [SOURCE_DIR / "gemv.hip"]

@@ -58,7 +58,10 @@ def _model() -> nn.Module:
     return model
 
 
-pytestmark = pytest.mark.usefixtures("clean_ops")  # conftest.py: no table, markers or vendor GEMM leak
+# The slow tier (`python -m pytest -q -m slow`, run by .ci/run):
+# patched Hugging Face models decoded on the interpreter.
+# clean_ops (conftest.py): no table, markers or vendor GEMM leak.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("clean_ops")]
 
 
 @pytest.fixture

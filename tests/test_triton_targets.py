@@ -25,6 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
+# The slow tier (`python -m pytest -q -m slow`, run by .ci/run):
+# every launched Triton kernel compiled to PTX and AMDGCN.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 TARGETS = {"cuda:sm_90", "hip:gfx90a"}
 NEGATIVE = "negative: kernel reads a plain (non-constexpr) module global"

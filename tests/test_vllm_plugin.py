@@ -16,6 +16,10 @@ from pathlib import Path
 
 import pytest
 
+# The slow tier (`python -m pytest -q -m slow`, run by .ci/run):
+# the vLLM 0.33 tier in its own virtualenv.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 VENV = Path(os.environ.get("TUNEKIT_VLLM_VENV", Path.home() / ".cache" / "tunekit" / "vllm-venv"))
 PYTHON = VENV / "bin" / "python"
