@@ -273,12 +273,12 @@ def _refold_after_load(module: nn.Module, incompatible_keys: Any) -> None:
         logger.warning("tunekit.patch: %s (%s) unfolded after load_state_dict: rms_gemv on its new folded weights "
                        "failed the check: %s", name, op, result.describe())
         for m in (norm, *consumers):
-            _unroute(m)
+            unroute(m)
     object.__setattr__(module, _FOLDS, kept)
 
 
-def _unroute(module: nn.Module) -> None:
-    """A folded module back to its own forward and weight (``unpatch``'s restore, for one module)."""
+def unroute(module: nn.Module) -> None:
+    """A routed module back to its own forward and weight (what ``unpatch`` does for each module it changed)."""
     kind, previous = module.__dict__.pop(_SAVED, ("class", None))
     if kind == "instance":
         module.forward = previous

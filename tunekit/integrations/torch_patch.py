@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tunekit.integrations.torch_fold import _FOLD_HOOKS, _FOLD_SAVED, _FOLDS, FOLDABLE_LAYERS, fold_shapes
+from tunekit.integrations.torch_fold import _FOLD_HOOKS, _FOLDS, FOLDABLE_LAYERS, fold_shapes, unroute
 from tunekit.integrations.torch_fold import fold_norms as fold_norms_of
 from tunekit.integrations.torch_merge import (
     _MERGED,
@@ -279,21 +279,12 @@ def unpatch(model: nn.Module) -> int:
     for module in model.modules():
         for handle in module.__dict__.pop(_FOLD_HOOKS, []):
             handle.remove()  # a folded consumer's state_dict hook; the model's load_state_dict refold
-        saved = module.__dict__.get(_SAVED)
-        if saved is None:
+        if module.__dict__.get(_SAVED) is None:
             continue
-        kind, previous = saved
-        if kind == "instance":
-            module.forward = previous
-        else:
-            module.__dict__.pop("forward", None)
-        unfolded = module.__dict__.pop(_FOLD_SAVED, None)
-        if unfolded is not None:
-            module.weight = unfolded
-        if module.__dict__.pop(_MERGED, None) is not None:
+        merged = module.__dict__.pop(_MERGED, None) is not None
+        unroute(module)
+        if merged:
             _own_storage(module)
-        module.__dict__.pop(_SAVED, None)
-        module.__dict__.pop(_ROUTE, None)
         restored += 1
     return restored
 
