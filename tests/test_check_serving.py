@@ -200,6 +200,7 @@ def test_tiny_model_patched_agrees_with_unpatched_on_the_cpu(tmp_path: Path, mod
 
 @pytest.mark.usefixtures("clean_ops")
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
+@pytest.mark.slow  # over 10 s on 2 cores: the slow tier
 def test_tiny_qwen3_5_with_folded_norms_agrees_with_unpatched_on_the_cpu(tmp_path: Path) -> None:
     """--fold-norms: the decoder norms go into their consumers' weights where the table's M=1 entries say
     it pays (rms_gemv 0.9 us against the GEMV's 1.0), and the patched model still agrees."""

@@ -63,6 +63,7 @@ def test_bare_tunekit_prints_the_help_and_one_error_line() -> None:
     assert _run("--help").returncode == 0
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: the slow tier
 def test_bad_files_are_one_line(tmp_path) -> None:
     run = tmp_path / "run"
     shutil.copytree(RECORDED, run)
@@ -100,6 +101,7 @@ def test_an_unreadable_final_csv_is_kept_beside_the_new_one(tmp_path) -> None:
     assert aside.read_bytes() == b'\x00garbage"\n"a'
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: the slow tier
 def test_out_at_a_file_under_a_file_and_in_a_read_only_folder(tmp_path) -> None:
     afile = tmp_path / "afile"
     afile.write_text("not a folder\n")

@@ -162,6 +162,7 @@ def test_cli_elementwise_user_errors(args, fragment) -> None:
     assert len(lines) == 1 and lines[0].startswith("error:") and fragment in lines[0], res.stderr
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: the slow tier
 def test_cli_search_elementwise_on_the_cpu(tmp_path) -> None:
     # The acceptance command: Triton interpreter, two ops of the model, M = 1.
     out = tmp_path / "run"

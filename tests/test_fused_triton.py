@@ -185,6 +185,7 @@ def test_shapes_parse_the_fused_ops() -> None:
         == 2 * (4 * 8 + 8 + 8 + 4 + 2 * 8)
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: the slow tier
 def test_cli_search_of_a_tiny_fused_problem(tmp_path) -> None:
     out = tmp_path / "run"
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}")

@@ -114,6 +114,7 @@ def test_per_row_accumulator_path_every_m_with_tails(m: int) -> None:
     _check(m, 37, 200, GemvConfig(BLOCK_N=2, BLOCK_K=64, num_warps=1, M_MODE="rows"), seed=20 + m)
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: the slow tier
 def test_per_row_path_with_fused_split_k() -> None:
     _check(6, 21, 330, GemvConfig(BLOCK_N=2, BLOCK_K=16, num_warps=1, M_MODE="rows", SPLIT_K=3,
                                   SPLIT_REDUCE="fused"))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import optuna
 import pandas as pd
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SEARCH = ["search", "--shape", "96x256", "--backend", "triton", "--no-progress", "--sampler", "random"]
@@ -81,6 +82,7 @@ def _done(trials: dict) -> dict:
             for key, t in trials.items() if t.state.is_finished()}
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: the slow tier
 def test_a_second_search_on_a_locked_run_folder_is_refused_and_touches_nothing(tmp_path) -> None:
     out = tmp_path / "run"
     first = _start(*SEARCH, "--trials", "3", "--out", str(out))
@@ -125,6 +127,7 @@ def _final_claims(db: Path) -> list[dict]:
     return claims
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: the slow tier
 def test_two_searches_sharing_one_storage_both_finish_and_fail_none_of_the_others_trials(tmp_path) -> None:
     db = tmp_path / "shared.db"
     storage = f"sqlite:///{db}"
@@ -215,6 +218,7 @@ def test_a_tuning_trial_told_while_a_search_reads_the_final_candidates_opens_no_
     assert [r["label"] for r in a_rows] == ["vendor", f"triton#{in_flight.number}"]
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: the slow tier
 def test_ctrl_c_exits_130_with_one_line_and_a_rerun_resumes(tmp_path) -> None:
     out = tmp_path / "run"
     args = [*SEARCH, "--trials", "6", "--out", str(out)]
@@ -253,6 +257,7 @@ def _storage_with_trials(db: Path, count: int) -> None:
                                                   user_attrs={"measured": True, "status": "ok"}))
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: the slow tier
 def test_an_empty_or_corrupt_database_is_refused_and_left_as_it_is(tmp_path) -> None:
     out = tmp_path / "run"
     out.mkdir()

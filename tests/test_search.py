@@ -14,6 +14,7 @@ from pathlib import Path
 
 import optuna
 import pandas as pd
+import pytest
 
 from tunekit import table as table_mod
 from tunekit.problems.shapes import Problem
@@ -32,6 +33,7 @@ def _tunekit(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=900)
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: the slow tier
 def test_cli_search_leaves_trials_and_a_table_that_show_accepts(tmp_path) -> None:
     out = tmp_path / "run"
     res = _tunekit("search", "--shape", "96x256", "--backend", "triton", "--trials", "4", "--out", str(out),
@@ -56,6 +58,7 @@ def test_cli_search_leaves_trials_and_a_table_that_show_accepts(tmp_path) -> Non
     assert bool(table["entries"]) == bool(beat)
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: the slow tier
 def test_worker_isolation_records_every_fault_and_completes(tmp_path) -> None:
     cfg = SearchConfig(
         problems=[Problem("gemv", "bf16", 1, 24, 64)], backends=["fault_backend:BACKEND"], out_dir=tmp_path,
@@ -98,6 +101,7 @@ def _count_measured(db: Path) -> int:
         return 0
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: the slow tier
 def test_resume_after_kill_never_remeasures_a_finished_trial(tmp_path) -> None:
     out = tmp_path / "run"
     args = [sys.executable, "-m", "tunekit", "search", "--shape", "64x128", "--backend", "triton",
@@ -127,6 +131,7 @@ def test_resume_after_kill_never_remeasures_a_finished_trial(tmp_path) -> None:
         assert (trials[trials["status"] == "interrupted"]["state"] == "FAIL").all()
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: the slow tier
 def test_exact_numerics_refuses_a_one_ulp_difference_that_bounded_accepts(tmp_path) -> None:
     def run(numerics: str) -> dict[int, str]:
         cfg = SearchConfig(
@@ -144,6 +149,7 @@ def test_exact_numerics_refuses_a_one_ulp_difference_that_bounded_accepts(tmp_pa
     assert exact[64][0] == "fail" and "bit-identical" in exact[64][1]
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: the slow tier
 def test_parameters_a_backend_pins_for_the_device_are_not_searched(tmp_path) -> None:
     cfg = SearchConfig(
         problems=[Problem("gemv", "bf16", 1, 24, 64)], backends=["fault_backend:PINNED"], out_dir=tmp_path,
@@ -155,6 +161,7 @@ def test_parameters_a_backend_pins_for_the_device_are_not_searched(tmp_path) -> 
     assert set(measured["p_BLOCK_N"]) == {4}  # 32 (wrong results) never reached the worker
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: the slow tier
 def test_restrict_narrows_every_measured_trial_and_an_empty_restriction_measures_nothing(tmp_path) -> None:
     problem = Problem("gemv", "bf16", 1, 24, 64)
     cfg = SearchConfig(problems=[problem], backends=["fault_backend:BACKEND"], out_dir=tmp_path,
@@ -171,6 +178,7 @@ def test_restrict_narrows_every_measured_trial_and_an_empty_restriction_measures
     assert any("--restrict BLOCK_N=128 leaves no valid value" in line for line in logs), logs
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: the slow tier
 def test_domain_pruning_keeps_exactly_the_values_some_valid_config_uses() -> None:
     # The sampled fast path must give the same domains as enumerating the whole product.
     import itertools
@@ -194,6 +202,7 @@ def test_domain_pruning_keeps_exactly_the_values_some_valid_config_uses() -> Non
         assert _prune_domains(backend, problem, space.domains, space.fixed) == exact, (name, m, n, k)
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: the slow tier
 def test_a_default_config_invalid_for_the_shape_is_not_enqueued(tmp_path, monkeypatch) -> None:
     # Enqueuing it would give Optuna a value outside the pruned domain (a crash, before).
     from tunekit import backends

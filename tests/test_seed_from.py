@@ -78,12 +78,14 @@ def _seeded_trials(tmp_path: Path, seed: dict, trials: int, **options) -> list:
     return optuna.load_study(study_name=summary.study_name, storage=storage).get_trials(deepcopy=False)
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: the slow tier
 def test_search_measures_the_seed_right_after_the_default(tmp_path) -> None:
     seed = {"BLOCK_N": 2, "BLOCK_K": 128, "num_warps": 2}
     trials = _seeded_trials(tmp_path, seed, 2)
     assert {k: trials[1].params[k] for k in seed} == seed
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: the slow tier
 def test_a_seed_without_a_restricted_tunable_takes_the_allowed_value(tmp_path) -> None:
     # recorded without num_stages (as if before it existed); --restrict leaves its default (2) out
     seed = {"BLOCK_N": 2, "BLOCK_K": 128, "num_warps": 2}
@@ -91,6 +93,7 @@ def test_a_seed_without_a_restricted_tunable_takes_the_allowed_value(tmp_path) -
     assert {k: first.params[k] for k in seed} == seed and first.params["num_stages"] == 3
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: the slow tier
 def test_a_seed_recorded_with_a_fixed_tunable_keeps_its_tile_config(tmp_path) -> None:
     # trials recorded while W_EVICT was searched (evict_first) seed the same tile without the hint
     seed = {"BLOCK_N": 2, "BLOCK_K": 128, "num_warps": 2, "W_EVICT": "evict_first"}

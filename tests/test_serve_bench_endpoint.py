@@ -59,6 +59,7 @@ def test_endpoint_ab_against_fake_servers(tmp_path: Path) -> None:
     assert any(ln.startswith("C=3") and "speedup" in ln for ln in lines)
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: the slow tier
 def test_endpoint_script_starts_both_servers_runs_the_ab_and_stops_them(tmp_path: Path) -> None:
     """benchmarks/endpoint_ab.sh against two stand-in `vllm serve` processes (tests/data/fake_vllm_serve):
     each server gets its arm's environment and the serve options, the A/B runs, both stop cleanly."""
