@@ -6,6 +6,10 @@ Loaded by name as ``fault_backend:BACKEND`` (the registry imports any
 16 -> the build fails with a compiler log, 32 -> wrong results,
 64 -> correct within the BF16 bound but one element rounded the other way
 (passes "bounded", fails "exact").
+
+``fault_backend:WRONG`` is a table entry whose kernel is broken: Triton's fused
+GEMV with outputs 25% off, for the load checks (``tunekit.patch``'s and the
+vLLM plugin's) to catch.
 """
 
 from __future__ import annotations
@@ -90,3 +94,23 @@ class _SlowBackend(FaultBackend):
 
 #: slow but correct candidates (three names of one kernel)
 SLOW = _SlowBackend([4, 32, 64])
+
+
+class _WrongFusedGemv(TritonBackend):
+    """Triton's fused GEMVs (rms_gemv, gemv_add) with outputs 25% off: a table entry whose kernel is broken
+    (``fault_backend:WRONG``)."""
+
+    name = "wrong"
+
+    def build(self, problem, params, device):
+        good = super().build(problem, params, device)
+
+        def kernel(inputs, out, eps: float = 1e-6):
+            good(inputs, out, eps=eps)
+            out.mul_(1.25)
+
+        return kernel
+
+
+#: Triton's fused GEMV with outputs 25% off (the load checks' broken kernel)
+WRONG = _WrongFusedGemv()

@@ -13,7 +13,6 @@ from torch import nn
 
 import tunekit
 from tunekit import ops
-from tunekit.backends.triton import TritonBackend
 from tunekit.integrations import torch_merge, torch_patch
 
 HIDDEN, INTER = 64, 96
@@ -473,24 +472,6 @@ def test_merged_siblings_compile_to_one_gemv_per_group_without_recompiling(tmp_p
 # ----------------------------------------------------------------------------- the fold by default, checked
 
 
-class _WrongRmsGemv(TritonBackend):
-    """Triton's rms_gemv with outputs 25% off: a table entry whose kernel is broken (``test_torch_patch:WRONG``)."""
-
-    name = "wrong"
-
-    def build(self, problem, params, device):
-        good = super().build(problem, params, device)
-
-        def kernel(inputs, out, eps: float = 1e-6):
-            good(inputs, out, eps=eps)
-            out.mul_(1.25)
-
-        return kernel
-
-
-WRONG = _WrongRmsGemv()
-
-
 def _llama_with_gains(seed: int = 0) -> nn.Module:
     """A one-layer HF Llama whose decoder norms have checkpoint-like gains: most near 1, some above 10, some
     near 0, one 0."""
@@ -542,7 +523,7 @@ def test_a_broken_rms_gemv_kernel_is_caught_and_the_norms_stay_norms(tmp_path: P
     model = _llama_with_gains()
     ids = torch.tensor([[1, 2, 3]])
     weights = {name: p.detach().clone() for name, p in model.named_parameters()}
-    table = _fold_table(tmp_path, model, 0.9, "rms_norm", backend="test_torch_patch:WRONG")
+    table = _fold_table(tmp_path, model, 0.9, "rms_norm", backend="fault_backend:WRONG")
     with caplog.at_level("WARNING", logger="tunekit"):
         counts = tunekit.patch(model, table=table)
     assert counts["rms_norm (kept unfolded: failed the check)"] == 2 and "rms_gemv" not in counts

@@ -16,7 +16,6 @@ from test_ops import make_table, timed_entry
 from torch import nn
 
 from tunekit import ops
-from tunekit.backends.triton import TritonBackend
 from tunekit.integrations import fold_check
 from tunekit.integrations.vllm import fold as vllm_fold
 from tunekit.integrations.vllm import marks
@@ -141,24 +140,6 @@ def test_the_folded_norm_passes_x_on_or_returns_the_residual_sum_twice() -> None
 # ----------------------------------------------------------------------------- the check at load
 
 
-class _WrongFusedGemv(TritonBackend):
-    """Triton's fused GEMVs, their outputs 25% off: a table entry whose kernel is broken."""
-
-    name = "wrong"
-
-    def build(self, problem, params, device):
-        good = super().build(problem, params, device)
-
-        def kernel(inputs, out, eps: float = 1e-6):
-            good(inputs, out, eps=eps)
-            out.mul_(1.25)
-
-        return kernel
-
-
-WRONG = _WrongFusedGemv()
-
-
 def _realistic(layer: nn.Module, seed: int = 1) -> None:
     """Norm gains as checkpoints have them (scale 1 + g: most near 1, some above 10, some near 0, one 0) and
     weights at the GEMV's scale."""
@@ -203,7 +184,7 @@ def test_a_broken_rms_gemv_kernel_is_caught_at_load_and_the_layer_stays_unfolded
     layer = _layer("Qwen3_5DecoderLayer")
     _realistic(layer)
     state = {k: v.clone() for k, v in layer.state_dict().items()}
-    _fold_tables(tmp_path, "test_vllm_fold:WRONG")
+    _fold_tables(tmp_path, "fault_backend:WRONG")
     report = vllm_fold.FoldReport()
     counts = vllm_fold.fold_model(nn.ModuleList([layer]), _everything, report=report)
     assert counts == {"gemma_rms_norm (kept unfolded: failed the check)": 2}
@@ -348,7 +329,7 @@ def test_a_write_that_fails_its_check_refuses_the_kernel_and_serves_the_fallback
     from tunekit.integrations.vllm import refold
 
     model, layer = _folded_layer(tmp_path)
-    _fold_tables(tmp_path, "test_vllm_fold:WRONG")  # the kernel serving rms_gemv breaks
+    _fold_tables(tmp_path, "fault_backend:WRONG")  # the kernel serving rms_gemv breaks
     gate_up = layer.mlp.gate_up_proj
     new_raw = (torch.randn(N_GU, H, generator=torch.Generator().manual_seed(3)) * H**-0.5).bfloat16()
     gate_up.weight.data.copy_(new_raw)

@@ -23,6 +23,8 @@ REPO = HERE.parents[1]
 for path in (str(REPO), str(HERE)):
     if path not in sys.path:
         sys.path.insert(0, path)
+if str(HERE.parent) not in sys.path:  # tests/fault_backend.py (fault_backend:WRONG); after this folder's modules
+    sys.path.append(str(HERE.parent))
 
 collect_ignore_glob = [] if os.environ.get("TUNEKIT_VLLM_TESTS") == "1" else ["test_*.py"]
 

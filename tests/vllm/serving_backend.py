@@ -1,10 +1,9 @@
-"""Test-only backends: the elementwise ops written in torch (``serving_backend:BACKEND``), and broken fused
-GEMVs (``serving_backend:WRONG``).
+"""Test-only backend: the elementwise ops written in torch (``serving_backend:BACKEND``). The broken fused
+GEMVs are ``fault_backend:WRONG`` (tests/fault_backend.py, on this tier's path too).
 
 The plugin tests check routing (which vLLM layer reaches which tunekit op and
 what the markers say), not kernels: these compute the ops' fp32 math and
-take ``eps=`` like the real elementwise kernels do. ``WRONG`` is Triton's
-fused GEMVs made wrong on purpose, for the load checks to catch.
+take ``eps=`` like the real elementwise kernels do.
 """
 
 from __future__ import annotations
@@ -62,26 +61,3 @@ class TorchElementwiseBackend:
 
 
 BACKEND = TorchElementwiseBackend()
-
-
-def _wrong_fused_gemv():
-    """Triton's fused GEMVs (rms_gemv, gemv_add) with outputs 25% off: a table entry whose kernel is broken
-    (``serving_backend:WRONG``), for the load checks to catch."""
-    from tunekit.backends.triton import TritonBackend
-
-    class WrongFusedGemv(TritonBackend):
-        name = "wrong"
-
-        def build(self, problem, params, device):
-            good = super().build(problem, params, device)
-
-            def kernel(inputs, out, eps: float = 1e-6):
-                good(inputs, out, eps=eps)
-                out.mul_(1.25)
-
-            return kernel
-
-    return WrongFusedGemv()
-
-
-WRONG = _wrong_fused_gemv()

@@ -169,7 +169,7 @@ def test_broken_kernels_are_caught_at_load_and_the_model_serves_the_unfolded_mat
                                                                                    monkeypatch) -> None:
     from vllm.config import set_current_vllm_config
 
-    entries = [dict(e, backend="serving_backend:WRONG") if e["op"] in ("rms_gemv", "gemv_add") else e
+    entries = [dict(e, backend="fault_backend:WRONG") if e["op"] in ("rms_gemv", "gemv_add") else e
                for e in fold_tests._entries(True)]
     config = compile_ranges(entries)  # compiled: the graph pass would fuse the residual adds
     state, xs = _weights(1, _names(config)), _xs(3)
