@@ -21,6 +21,21 @@ def interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+#: Why Triton has nothing to run on, in one line (``no_driver_reason``).
+NO_DRIVER = ("no GPU driver is visible here (torch sees no CUDA or ROCm device); TRITON_INTERPRET=1 runs the "
+             "Triton kernels on the CPU (for development: its timings are not evidence)")
+
+
+def no_driver_reason() -> str | None:
+    """:data:`NO_DRIVER` when Triton would find no active driver (no GPU, no interpreter), else None.
+
+    Without it Triton's own message is "0 active drivers ([]). There should only be one."
+    """
+    if interpret_mode() or torch.cuda.is_available():
+        return None
+    return NO_DRIVER
+
+
 @dataclass(frozen=True)
 class DeviceInfo:
     vendor: str  # "nvidia", "amd" or "cpu"

@@ -84,15 +84,17 @@ def parse_gpus(text: str | None, gpu_count: int, interpreter: bool) -> list[Slot
 
     Indices are those of this process's visible devices (``CUDA_VISIBLE_DEVICES``
     / ``HIP_VISIBLE_DEVICES`` already set are honoured: index i is their i-th
-    entry). Without a GPU, under the Triton interpreter, explicit indices give
-    that many CPU workers (the pipeline, not a speed-up).
+    entry). Without a GPU, under the Triton interpreter, ``--gpus 0,...,N-1``
+    gives N CPU workers (the pipeline, not a speed-up); any other value there
+    (``all``, ``5``) asks for GPUs that are not there and is refused, as it is
+    without the interpreter, with the count of visible GPUs.
     """
     if text is None:
         return [Slot("gpu0" if gpu_count else "cpu", {})]
     text = text.strip()
     if text == "all":
         if gpu_count == 0:
-            raise UserError("--gpus all: no GPU is visible here")
+            raise UserError(f"--gpus all: {_no_gpu(interpreter)}")
         indices = list(range(gpu_count))
     else:
         try:
@@ -103,12 +105,12 @@ def parse_gpus(text: str | None, gpu_count: int, interpreter: bool) -> list[Slot
             raise UserError(f"--gpus {text!r}: expected 'all' or device indices like 0,1")
         if len(set(indices)) != len(indices):
             raise UserError(f"--gpus {text!r}: an index is given twice")
-        if gpu_count == 0 and not interpreter:
-            raise UserError(f"--gpus {text}: no GPU is visible here (set TRITON_INTERPRET=1 for CPU workers)")
+        if gpu_count == 0 and not (interpreter and sorted(indices) == list(range(len(indices)))):
+            raise UserError(f"--gpus {text}: {_no_gpu(interpreter)}")
         if gpu_count and max(indices) >= gpu_count:
-            raise UserError(f"--gpus {text}: this host shows {gpu_count} GPU(s) (indices 0..{gpu_count - 1})")
+            raise UserError(f"--gpus {text}: {gpu_count} GPU(s) visible here (indices 0..{gpu_count - 1})")
     if gpu_count == 0:
-        return [Slot(f"cpu{i}", {}) for i in indices]
+        return [Slot(f"cpu{i}", {}) for i in sorted(indices)]
     slots = []
     for i in indices:
         env = {}
@@ -117,6 +119,14 @@ def parse_gpus(text: str | None, gpu_count: int, interpreter: bool) -> list[Slot
             env[var] = visible[i] if i < len(visible) else str(i)
         slots.append(Slot(f"gpu{i}", env))
     return slots
+
+
+def _no_gpu(interpreter: bool) -> str:
+    """The rest of the one line for ``--gpus`` asking for GPUs on a host that shows none."""
+    if interpreter:
+        return ("no GPU is visible here (0 GPUs); under TRITON_INTERPRET=1, --gpus 0,1,...,N-1 runs N CPU workers "
+                "(the pipeline, not a speed-up)")
+    return "no GPU is visible here (0 GPUs; TRITON_INTERPRET=1 runs the Triton kernels on the CPU)"
 
 
 def visible_gpu_count() -> int:

@@ -2,8 +2,9 @@
 
 SQLite in the run folder unless ``--storage URL``: a SQLite file is checked first (an empty or corrupt one is
 refused, not recreated), put in WAL mode and opened with a busy timeout, so several searches may share it;
-PostgreSQL (searches on several hosts) through psycopg 3. The heartbeat is on (:mod:`~tunekit.search.liveness`
-records it), and a trial whose worker died has its parameters asked again (:data:`MAX_RETRY` times).
+PostgreSQL (searches on several hosts) through psycopg 3, ``postgres://`` taken as ``postgresql://``. The
+heartbeat is on (:mod:`~tunekit.search.liveness` records it), and a trial whose worker died has its parameters
+asked again (:data:`MAX_RETRY` times).
 """
 
 from __future__ import annotations
@@ -64,15 +65,42 @@ def _retry_kwarg() -> dict[str, Any]:
     return {name: _retry_callback()}
 
 
+#: What to install for a PostgreSQL storage, in the one line that says a driver is missing.
+POSTGRES_DRIVER_HINT = "pip install 'psycopg[binary]' (tunekit's postgres extra: pip install -e '.[postgres]')"
+
+
+def _has_module(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
 def postgres_driver(url: str) -> str:
-    """``postgresql://`` with the driver tunekit installs (psycopg 3, the ``postgres`` extra): SQLAlchemy's
-    default driver for the bare scheme differs between its versions. A URL naming its driver is kept."""
-    if url.startswith("postgresql://"):
-        try:
-            import psycopg  # noqa: F401
-        except ImportError:
-            return url
-        return "postgresql+psycopg://" + url[len("postgresql://"):]
+    """A PostgreSQL URL as SQLAlchemy opens it; any other URL unchanged.
+
+    ``postgres://`` (libpq's and most hosting services' spelling) becomes ``postgresql://``, which is the only
+    one SQLAlchemy knows. A bare scheme gets the driver tunekit installs (psycopg 3, the ``postgres`` extra),
+    else psycopg2 where only that one is installed: SQLAlchemy's default driver for the bare scheme differs
+    between its versions. A URL naming its driver keeps it. Raises :class:`UserError` (one line saying what to
+    install) when the driver the URL needs is not installed.
+    """
+    if url.startswith(("postgres://", "postgres+")):
+        url = "postgresql" + url[len("postgres"):]
+    scheme, sep, rest = url.partition("://")
+    if not sep or not (scheme == "postgresql" or scheme.startswith("postgresql+")):
+        return url
+    driver = scheme.partition("+")[2]
+    if not driver:
+        if _has_module("psycopg"):
+            return "postgresql+psycopg://" + rest
+        if _has_module("psycopg2"):
+            return "postgresql+psycopg2://" + rest
+        raise UserError(f"storage {fleet.redact(url)}: no PostgreSQL driver is installed: {POSTGRES_DRIVER_HINT}")
+    if driver in ("psycopg", "psycopg2") and not _has_module(driver):
+        raise UserError(f"storage {fleet.redact(url)}: the {driver} driver it names is not installed: "
+                        f"{POSTGRES_DRIVER_HINT}" if driver == "psycopg" else
+                        f"storage {fleet.redact(url)}: the psycopg2 driver it names is not installed: pip install "
+                        "psycopg2-binary, or name tunekit's driver: postgresql+psycopg://")
     return url
 
 

@@ -70,7 +70,8 @@ def spec_fields(config: Mapping[str, Any], *, name: str, hf_id: str | None, orig
 
     ``origin`` names the file in error messages. Raises :class:`UserError`
     (one line naming the file and the field) for a missing or non-integer
-    field, and for a model type that is not supported.
+    field, for head counts that do not divide (query heads by KV heads, linear
+    value heads by key heads), and for a model type that is not supported.
     """
     if not isinstance(config, Mapping):
         raise UserError(f"{origin}: expected a JSON object, got {type(config).__name__}")
@@ -97,6 +98,12 @@ def spec_fields(config: Mapping[str, Any], *, name: str, hf_id: str | None, orig
     hidden = read.positive_int("hidden_size")
     num_heads = read.positive_int("num_attention_heads")
     num_kv_heads = read.positive_int("num_key_value_heads", default=num_heads)
+    if num_heads % num_kv_heads:
+        # vLLM's attention shares each KV head among a whole group of query heads
+        raise UserError(
+            f"{origin}: {prefix}num_attention_heads={num_heads} is not divisible by "
+            f"{prefix}num_key_value_heads={num_kv_heads} (each KV head serves a whole group of query heads)"
+        )
     head_dim = read.positive_int("head_dim", default=None)
     if head_dim is None:
         if hidden % num_heads:
@@ -133,6 +140,13 @@ def spec_fields(config: Mapping[str, Any], *, name: str, hf_id: str | None, orig
             key_head_dim=read.positive_int("linear_key_head_dim"),
             value_head_dim=read.positive_int("linear_value_head_dim"),
         )
+        if linear.num_value_heads % linear.num_key_heads:
+            # Gated DeltaNet repeats each key head over a whole group of value heads
+            raise UserError(
+                f"{origin}: {prefix}linear_num_value_heads={linear.num_value_heads} is not divisible by "
+                f"{prefix}linear_num_key_heads={linear.num_key_heads} (each key head serves a whole group "
+                "of value heads)"
+            )
     return {
         "family": "qwen3_5",
         "layer_types": layer_types,
