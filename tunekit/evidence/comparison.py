@@ -1,5 +1,13 @@
-"""The figures of one run's final re-measure: per problem the baselines and each tuned backend's best, per M
-the per-token prediction.
+"""The figures of one run's final re-measure: per problem the baselines, the peers and each tuned backend's
+best, per M the per-token prediction.
+
+Baselines are the backends of kind "vendor" (``tunekit.backends.BASELINES``). ``vendor`` is the stock path;
+every other baseline is a **peer** (Inductor, and any other kernel a user could pick instead of tunekit's:
+vLLM's skinny GEMM, FlashInfer), timed in the same interleaved session. Where no table entry serves, the
+serving stack runs its own path, the fastest of :data:`STOCK_BASELINES` measured; the dispatch table admits
+a tuned kernel only where it beats every baseline, peers included (``tunekit.table``), so "tuned" here is
+the best tuned candidate where it beats them all and the stock path elsewhere. Per token the problems are
+summed over the path the plugin serves, each layer once (``tunekit.evidence.served_path``).
 
 Call protocol: ``load_comparison(run_dir)`` reads RUN/run.json and RUN/final.csv into a :class:`Comparison`;
 ``tunekit.evidence.compare`` prints it and writes report.md, ``tunekit.evidence.plots`` draws it. Imports
@@ -8,21 +16,34 @@ neither rich nor matplotlib; torch (through ``tunekit.problems.opspec``) only in
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tunekit.errors import UserError
+from tunekit.evidence import served_path
 
 #: Tuned families always given a column (``-`` when absent); plugin backends are appended.
 REPORT_BACKENDS = ("triton", "hip")
+#: Baselines the serving stack itself runs where no table entry serves: the vendor path, and Inductor's
+#: kernels for the elementwise ops (vLLM's compiled graphs run them). "tuned" falls back to the fastest of
+#: these; every other peer is a kernel to compare with, never what tunekit's fallback runs.
+STOCK_BASELINES = ("vendor", "inductor")
+#: final.csv's column of a problem's peer record (JSON: peer -> "ok" or why it was not timed).
+PEERS_COLUMN = "peers"
 
 
 def baseline_names() -> tuple[str, ...]:
-    """The baselines' backend names (vendor, inductor): measured with every problem, never tabulated."""
+    """The baselines' backend names (vendor and the peers): measured with every problem, never tabulated."""
     from tunekit.backends import BASELINES
 
     return BASELINES
+
+
+def peer_names() -> tuple[str, ...]:
+    """Every baseline other than vendor, in ``BASELINES`` order."""
+    return tuple(b for b in baseline_names() if b != "vendor")
 
 
 @dataclass(frozen=True)
@@ -43,10 +64,13 @@ class ProblemResult:
     """A problem's baselines and the best candidate of each tuned backend.
 
     ``vendor`` is the vendor path (cuBLAS; the eager composition for elementwise
-    ops); ``baselines`` the other baselines measured (Inductor); ``baseline``
-    the fastest of them all, against which speedups are taken and which the
-    dispatch table must beat (as tunekit.table does). For GEMV runs there is
-    only vendor, so ``baseline`` is ``vendor``.
+    ops); ``baselines`` the peers measured (every other baseline: Inductor,
+    vLLM's skinny GEMM ...); ``baseline`` the fastest of them all, which the
+    dispatch table must beat (as tunekit.table does); ``stock`` the fastest
+    of ``STOCK_BASELINES``, what serves where the table holds no entry and what
+    speedups are taken against. Without peers ``stock`` is ``baseline``.
+    ``peer_status``: the run's record per peer ("ok" or why it was not timed);
+    empty where final.csv predates the record.
     """
 
     op: str
@@ -62,6 +86,7 @@ class ProblemResult:
     best: dict[str, Measure]  # tuned backend -> its fastest candidate
     baselines: dict[str, Measure] = field(default_factory=dict)  # other baselines (Inductor) -> time
     limit_gbps: float | None = None  # the measured limit of this op (read for GEMV, copy for elementwise)
+    peer_status: dict[str, str] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -82,31 +107,59 @@ class ProblemResult:
         return min([self.vendor, *self.baselines.values()], key=lambda x: x.time_us)
 
     @property
+    def stock(self) -> Measure:
+        """The fastest of the stock baselines (vendor; Inductor where measured): what serves without an entry."""
+        return min([self.vendor, *(x for b, x in self.baselines.items() if b in STOCK_BASELINES)],
+                   key=lambda x: x.time_us)
+
+    @property
+    def best_peer(self) -> Measure | None:
+        """The fastest peer measured on this problem; None where none was."""
+        return min(self.baselines.values(), key=lambda x: x.time_us) if self.baselines else None
+
+    @property
     def winner(self) -> Measure:
         """Fastest of all candidates, baselines included (vendor wins ties)."""
         return min([self.vendor, *self.baselines.values(), *self.best.values()], key=lambda x: x.time_us)
 
     def served_us(self, backend: str | None = None) -> float:
-        """What a dispatch table serves: min(best tuned, fastest baseline), over all backends or one."""
+        """What a dispatch table serves, over all tuned backends or one: the best tuned candidate where it
+        beats every baseline (the table's gate, peers included), else the stock path."""
         tuned = [m.time_us for b, m in self.best.items() if backend is None or b == backend]
-        return min([self.baseline.time_us, *tuned])
+        if tuned and min(tuned) < self.baseline.time_us:
+            return min(tuned)
+        return self.stock.time_us
 
 
 @dataclass(frozen=True)
 class TokenPrediction:
-    """Per-token time of the problems of one M (sum of count x time), in microseconds."""
+    """Per-token time of the problems of one M (sum of counted calls x time), in microseconds.
+
+    ``vendor_us`` is the stock path (each problem's ``stock``); ``peer_us[peer]`` the time if that peer served
+    every problem it was measured on and the stock path the others (``peer_calls[peer]``: the calls it
+    served); ``best_peer_us`` per problem the fastest peer measured, the stock path where none was (None
+    where no peer was measured at this M).
+    """
 
     m: int
-    calls: int
+    calls: float
     vendor_us: float
     tuned_us: float
     only_us: dict[str, float]  # backend -> tuned with that backend alone
     floor_us: float | None  # every call at the read limit
+    peer_us: dict[str, float] = field(default_factory=dict)
+    peer_calls: dict[str, float] = field(default_factory=dict)
+    best_peer_us: float | None = None
 
     @property
     def speedup(self) -> float:
         """Local speedup s of the linear part: vendor / tuned."""
         return self.vendor_us / self.tuned_us
+
+    @property
+    def over_best_peer(self) -> float | None:
+        """Tuned over the best peer: best peer / tuned (None without a peer)."""
+        return None if self.best_peer_us is None else self.best_peer_us / self.tuned_us
 
 
 @dataclass
@@ -120,6 +173,12 @@ class Comparison:
     problems: list[ProblemResult]
     tokens: list[TokenPrediction]
     notes: list[str] = field(default_factory=list)
+    #: calls per token counted per problem ((op, dtype, m, n, k) -> calls): the served path, each layer once
+    counted: dict[tuple, float] = field(default_factory=dict)
+    #: what the per-token sums counted in place of what, one line per group of M (served_path)
+    path_lines: list[str] = field(default_factory=list)
+    #: one line per peer: where it was measured, and why not elsewhere
+    peer_lines: list[str] = field(default_factory=list)
 
     @property
     def read_gbps(self) -> float | None:
@@ -129,6 +188,16 @@ class Comparison:
     def present(self) -> list[str]:
         """Tuned backends with at least one re-measured candidate."""
         return [b for b in self.backends if any(b in p.best for p in self.problems)]
+
+    @property
+    def peers(self) -> list[str]:
+        """Peers measured on at least one problem (the report's peer columns), in ``BASELINES`` order."""
+        found = {b for p in self.problems for b in p.baselines}
+        return [b for b in peer_names() if b in found] + sorted(found - set(peer_names()))
+
+    def calls(self, p: ProblemResult) -> float:
+        """Calls per token of ``p`` counted in the sums (its count where the served path keeps it whole)."""
+        return self.counted.get(served_path.id_of(p), float(p.count))
 
     @property
     def gpu(self) -> str:
@@ -208,8 +277,10 @@ def load_comparison(run_dir: Path) -> Comparison:
             raise UserError(f"{run_dir}/final.csv: {exc.args[0]}") from None
         # % of limit against the op's own limit: read bandwidth for GEMV, copy for elementwise
         limit_gbps = None if cpu else probe.get(f"{spec.limit}_gbps") or None
-        # speedups against the fastest baseline, as the engine and the dispatch table take them
-        base_us = min(float(r["time_us"]) for r in group if r["backend"] in baselines)
+        # speedups against the stock path (vendor; Inductor where measured): over "vendor" as the report says;
+        # the fastest peer has its own column
+        stock = [float(r["time_us"]) for r in group if r["backend"] in STOCK_BASELINES]
+        base_us = min(stock or [float(vendor_row["time_us"])])
         best: dict[str, Measure] = {}
         others: dict[str, Measure] = {}
         for row in group:
@@ -222,24 +293,90 @@ def load_comparison(run_dir: Path) -> Comparison:
         nbytes = spec.bytes_moved(Problem(op, dtype, m, n, k))
         problems.append(ProblemResult(op, dtype, m, n, k, int(vendor_row["count"] or 1),
                                       str(vendor_row.get("names") or ""), Problem(op, dtype, m, n, k).weight_bytes,
-                                      nbytes, _measure(vendor_row, limit_gbps, base_us, cpu), best, others, limit_gbps))
+                                      nbytes, _measure(vendor_row, limit_gbps, base_us, cpu), best, others, limit_gbps,
+                                      _peer_status(group)))
     found = {b for p in problems for b in p.best}
     backends = list(REPORT_BACKENDS) + sorted(found - set(REPORT_BACKENDS))
     kinds = sorted({str(r.get("timing_kind") or "?") for g in groups.values() for r in g})
     comp = Comparison(run_dir, meta, "+".join(kinds), backends, problems, [], notes)
-    comp.tokens = [_token(m, [p for p in problems if p.m == m], comp.present)
-                   for m in sorted({p.m for p in problems})]
+    comp.counted, comp.path_lines = served_path.served_counts(problems)
+    comp.tokens = [_token(comp, m) for m in sorted({p.m for p in problems})]
+    comp.peer_lines = peer_lines(comp)
     return comp
 
 
-def _token(m: int, problems: list[ProblemResult], backends: list[str]) -> TokenPrediction:
-    only = {b: sum(p.count * p.served_us(b) for p in problems) for b in backends}
+def _peer_status(group: list[dict[str, Any]]) -> dict[str, str]:
+    """The problem's peer record (final.csv's ``peers`` column, on every row of the problem); {} if absent."""
+    for row in group:
+        text = row.get(PEERS_COLUMN)
+        if isinstance(text, str) and text.strip():
+            try:
+                record = json.loads(text)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                return {str(k): str(v) for k, v in record.items()}
+    return {}
+
+
+def _token(comp: Comparison, m: int) -> TokenPrediction:
+    problems = [p for p in comp.problems if p.m == m]
+    calls = {served_path.id_of(p): comp.calls(p) for p in problems}
+
+    def total(time_of) -> float:
+        return sum(calls[served_path.id_of(p)] * time_of(p) for p in problems)
+
+    only = {b: total(lambda p, b=b: p.served_us(b)) for b in comp.present}
+    peers = [b for b in comp.peers if any(b in p.baselines for p in problems)]
+    peer_us = {b: total(lambda p, b=b: p.baselines[b].time_us if b in p.baselines else p.stock.time_us)
+               for b in peers}
+    peer_calls = {b: sum(calls[served_path.id_of(p)] for p in problems if b in p.baselines) for b in peers}
+    best_peer = (total(lambda p: p.best_peer.time_us if p.best_peer else p.stock.time_us) if peers else None)
     # each problem at its own limit (read for GEMV, copy for elementwise ops)
-    limits = [p.limit_gbps for p in problems]
-    floor = (sum(p.count * p.bytes_moved / (p.limit_gbps * 1e3) for p in problems)
-             if problems and all(limits) else None)
-    return TokenPrediction(m, sum(p.count for p in problems), sum(p.count * p.baseline.time_us for p in problems),
-                           sum(p.count * p.served_us() for p in problems), only, floor)
+    counted = [p for p in problems if calls[served_path.id_of(p)]]
+    floor = (sum(calls[served_path.id_of(p)] * p.bytes_moved / (p.limit_gbps * 1e3) for p in counted)
+             if counted and all(p.limit_gbps for p in counted) else None)
+    n_calls = sum(calls.values())
+    return TokenPrediction(m, int(n_calls) if float(n_calls).is_integer() else n_calls,
+                           total(lambda p: p.stock.time_us), total(lambda p: p.served_us()), only, floor,
+                           peer_us, peer_calls, best_peer)
+
+
+def peer_lines(comp: Comparison) -> list[str]:
+    """One line per peer (every baseline but vendor, and any other found): the problems it was timed on and,
+    for the others, why not: the run's record (package missing, architecture, op or shape unsupported, a
+    failed build), or that the run predates the record."""
+    lines = []
+    total = len(comp.problems)
+    for peer in dict.fromkeys([*peer_names(), *comp.peers]):
+        timed = [p for p in comp.problems if peer in p.baselines]
+        why: dict[str, list[ProblemResult]] = {}
+        for p in comp.problems:
+            if peer in p.baselines:
+                continue
+            status = p.peer_status.get(peer)
+            if status is None:
+                status = ("not recorded (this run's final.csv predates the peer record)" if not p.peer_status
+                          else "not in this run's peer record")
+            why.setdefault(status, []).append(p)
+        if not timed and not any(p.peer_status for p in comp.problems):
+            lines.append(f"{peer}: not measured in this run (its final.csv records no peer arms: the run predates "
+                         "them)")
+            continue
+        head = f"{peer}: measured on {len(timed)} of {total} problems" if timed else f"{peer}: not measured"
+        parts = [f"{_problems_text(ps)}: {status}" for status, ps in why.items()]
+        lines.append(head + ("; not on " + "; ".join(parts) if parts and timed else
+                             ": " + "; ".join(parts) if parts else ""))
+    return lines
+
+
+def _problems_text(problems: list[ProblemResult]) -> str:
+    """``3 problems (gemv m1, m2; rms_gemv m1)``: how many, and their ops with their Ms."""
+    by_op: dict[str, list[int]] = {}
+    for p in problems:
+        by_op.setdefault(p.op, []).append(p.m)
+    ops = "; ".join(f"{op} m{', m'.join(map(str, sorted(set(ms))))}" for op, ms in by_op.items())
+    return f"{len(problems)} problem{'s' if len(problems) != 1 else ''} ({ops})"
 
 
 # ---- formatting, shared by the report's tables and its plots -------------------------------------
