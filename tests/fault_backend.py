@@ -7,13 +7,16 @@ Loaded by name as ``fault_backend:BACKEND`` (the registry imports any
 64 -> correct within the BF16 bound but one element rounded the other way
 (passes "bounded", fails "exact").
 
-``fault_backend:WRONG`` is a table entry whose kernel is broken: Triton's fused
+``fault_backend:RAISE_AFTER`` and ``fault_backend:DRIFT`` serve right for a few
+calls, then raise or drift (a kernel failing mid-serve, for the serving
+fallback and the canary). ``fault_backend:WRONG`` is a table entry whose kernel is broken: Triton's fused
 GEMV with outputs 25% off, for the load checks (``tunekit.patch``'s and the
 vLLM plugin's) to catch.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 
@@ -114,3 +117,38 @@ class _WrongFusedGemv(TritonBackend):
 
 #: Triton's fused GEMV with outputs 25% off (the load checks' broken kernel)
 WRONG = _WrongFusedGemv()
+
+
+#: how many calls each built kernel of RAISE_AFTER and DRIFT serves right before its fault
+AFTER_CALLS = 3
+
+
+class _AfterCalls(TritonBackend):
+    """Triton's kernels (every op it serves), right for the first ``AFTER_CALLS`` calls of each built kernel, then
+    faulty: ``raise`` raises at every later launch, ``drift`` writes outputs 6.25% off (far outside any op's
+    BF16 bound, still finite): a kernel that fails in the middle of serving, after its warm-up."""
+
+    def __init__(self, fault: str) -> None:
+        self.fault = fault
+        self.name = f"after-calls-{fault}"
+
+    def build(self, problem, params, device):
+        good = super().build(problem, params, device)
+        calls = itertools.count(1)
+
+        def kernel(inputs, out, **kwargs):
+            served = next(calls)
+            if self.fault == "raise" and served > AFTER_CALLS:
+                raise RuntimeError(f"injected fault after {AFTER_CALLS} calls")
+            good(inputs, out, **kwargs)
+            if self.fault == "drift" and served > AFTER_CALLS:
+                for t in out if isinstance(out, tuple) else (out,):
+                    t.mul_(1.0625)
+
+        return kernel
+
+
+#: raises from its AFTER_CALLS + 1-th call on (``fault_backend:RAISE_AFTER``)
+RAISE_AFTER = _AfterCalls("raise")
+#: 6.25% off from its AFTER_CALLS + 1-th call on (``fault_backend:DRIFT``)
+DRIFT = _AfterCalls("drift")

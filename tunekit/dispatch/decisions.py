@@ -6,8 +6,8 @@ table of the device (``tunekit.table.lookup``'s M rule), builds the entry's
 kernel through its backend and caches the :class:`~tunekit.dispatch.state.Choice`
 (a built kernel, or ``fallback:<reason>``). Under CUDA-graph capture
 (:func:`is_capturing`) nothing is built and the fallback is not cached. A
-kernel that raises at launch is marked broken (:func:`mark_broken`): the
-key serves the vendor path from then on. Never raises for a table entry's
+kernel that raises at launch, or that the canary catches, is marked broken
+(:func:`mark_broken`): the key serves the vendor path from then on. Never raises for a table entry's
 sake: a build failure is a logged, reasoned fallback.
 """
 
@@ -108,13 +108,25 @@ def kernel_takes_eps(kernel: Callable[..., Any]) -> bool:
     return "eps" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
-def mark_broken(op: str, dtype: str, m: int, n: int, k: int, device: torch.device, exc: BaseException) -> None:
-    log_once(f"kernel:{op}:{dtype}:{m}:{n}:{k}:{device}", logging.WARNING,
-              "tunekit: %s %s M=%d N=%d K=%d: tuned kernel raised %s: %s; vendor path from now on",
-              op, dtype, m, n, k, type(exc).__name__, exc)
+def mark_broken(op: str, dtype: str, m: int, n: int, k: int, device: torch.device, exc: BaseException) -> str:
+    """Put one key on the vendor path for good after its tuned kernel raised (or the canary caught it:
+    ``tunekit.dispatch.canary``), logged once per key; returns the fallback's ``impl`` for the call's marker."""
+    from tunekit.dispatch.canary import CanaryMismatch
+
+    if isinstance(exc, CanaryMismatch):
+        impl = "fallback:canary_mismatch"
+        log_once(f"kernel:{op}:{dtype}:{m}:{n}:{k}:{device}", logging.WARNING,
+                  "tunekit: %s %s M=%d N=%d K=%d: the canary found the tuned kernel wrong (%s); vendor path "
+                  "from now on", op, dtype, m, n, k, exc)
+    else:
+        impl = "fallback:kernel_error"
+        log_once(f"kernel:{op}:{dtype}:{m}:{n}:{k}:{device}", logging.WARNING,
+                  "tunekit: %s %s M=%d N=%d K=%d: tuned kernel raised %s: %s; vendor path from now on",
+                  op, dtype, m, n, k, type(exc).__name__, exc)
     with STATE.lock:
-        STATE.choices[(op, dtype, m, n, k, str(device))] = Choice("fallback:kernel_error")
+        STATE.choices[(op, dtype, m, n, k, str(device))] = Choice(impl)
         STATE.epoch += 1
+    return impl
 
 
 #: torch.cuda.is_current_stream_capturing without its Python wrapper (per call on the hot path)

@@ -154,10 +154,10 @@ def _ew_serve(
             else:
                 route.run(inputs, out)
     except Exception as exc:  # the serving path never raises for tunekit's sake
-        mark_broken(op, dtype, m, n, k, x.device, exc)
+        impl = mark_broken(op, dtype, m, n, k, x.device, exc)
         out, served_by = _ew_vendor(op, x.device, vendor_args, vendor, lambda: _ew_default(
             op, dtype, m, n, k, x, capturing, inputs, make_out, finish, eps))
-        count(op, dtype, route.shape, m, False, "fallback:kernel_error", capturing, served_by)
+        count(op, dtype, route.shape, m, False, impl, capturing, served_by)
         return _dense(out)
     route.ticks[capturing]()
     if express_key is not None and route.launcher is not None:
@@ -183,7 +183,10 @@ def _express(key: tuple, inputs: Callable[[], tuple[torch.Tensor, ...]], x: torc
     except RuntimeError:  # rows not viewable: the full path says why
         return None
     out = x.new_empty((m, n))
-    if not route.launcher(views, out, None, True):
+    try:
+        if not route.launcher(views, out, None, True):
+            return None
+    except Exception:  # noqa: BLE001 - the full path launches again and puts a raising kernel on its fallback
         return None
     route.ticks[is_capturing(x)]()
     return out

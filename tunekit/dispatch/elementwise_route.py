@@ -16,7 +16,7 @@ from functools import partial
 
 import torch
 
-from tunekit.dispatch import launch
+from tunekit.dispatch import canary, launch
 from tunekit.dispatch.decisions import resolve
 from tunekit.dispatch.markers import counter
 from tunekit.dispatch.state import DEFAULT_EPS, STATE
@@ -53,7 +53,9 @@ class _EwRoute:
         self.default, self.drun, self.dlauncher, self.dseen = None, None, None, 0
         kernel = self.choice.kernel
         if kernel is not None:
-            self.run = _at_eps(kernel, self.choice.takes_eps, eps)
-            if self.choice.impl == "tuned:triton":
+            self.run = run = _at_eps(kernel, self.choice.takes_eps, eps)
+            # the canary's check wraps the call (TUNEKIT_CANARY; off: the call itself, bound as ever)
+            self.run = canary.guard(op, dtype, m, n, k, device, run, eps)
+            if self.run is run and self.choice.impl == "tuned:triton":
                 tried, self.launcher = launch.bound(self.run)
                 self.bind = not tried

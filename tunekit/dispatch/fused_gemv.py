@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from tunekit.dispatch import launch
+from tunekit.dispatch import canary, launch
 from tunekit.dispatch.decisions import is_capturing, kernel_takes_eps, mark_broken, resolve
 from tunekit.dispatch.gemv import _layout_reason as gemv_layout_reason
 from tunekit.dispatch.gemv import _static_reason, gemv_impl
@@ -177,7 +177,11 @@ class _Route:
                     self.run = lambda inputs, out, kernel=kernel, eps=eps: kernel(inputs, out, eps=eps)
                 else:  # a kernel built for the default epsilon only
                     impl = "fallback:eps"
-            if self.run is not None and impl == "tuned:triton":
+            if self.run is not None:
+                # the canary's check wraps the call (TUNEKIT_CANARY; off: the call itself, bound as ever)
+                run = self.run
+                self.run = canary.guard(op, self.dtype, self.m, self.n, self.k, x.device, run, eps)
+            if self.run is not None and self.run is run and impl == "tuned:triton":
                 tried, self.launcher = launch.bound(self.run)
                 self.bind = not tried
         vendor = None if self.run is not None else _vendor_name(op)
@@ -234,8 +238,8 @@ def _serve(op: str, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
             else:
                 route.run(inputs, out)
     except Exception as exc:  # the serving path never raises for tunekit's sake
-        mark_broken(op, route.dtype, route.m, route.n, route.k, x.device, exc)
-        count(op, route.dtype, route.shape, route.m, False, "fallback:kernel_error", capturing, _vendor_name(op))
+        impl = mark_broken(op, route.dtype, route.m, route.n, route.k, x.device, exc)
+        count(op, route.dtype, route.shape, route.m, False, impl, capturing, _vendor_name(op))
         out = vendor()
         return out if out.is_contiguous() else out.contiguous()
     route.ticks[capturing]()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tunekit.dispatch import launch
+from tunekit.dispatch import canary, launch
 from tunekit.dispatch.decisions import _stream_capturing, is_capturing, mark_broken, resolve
 from tunekit.dispatch.markers import count, counter
 from tunekit.dispatch.state import DTYPE_NAMES, STATE, dtype_name
@@ -98,8 +98,11 @@ class _Route:
         if self.static is None:
             self.choice = STATE.choices.get(self.ckey) or resolve(
                 "gemv", self.dtype, self.m, self.n, self.k, x.device, capturing)
-            self.kernel = self.choice.kernel
-            if self.kernel is not None and self.choice.impl == "tuned:triton":
+            self.kernel = kernel = self.choice.kernel
+            if kernel is not None:
+                # the canary's check wraps the kernel (TUNEKIT_CANARY; off: the kernel itself, bound as ever)
+                self.kernel = canary.guard("gemv", self.dtype, self.m, self.n, self.k, x.device, kernel)
+            if self.kernel is kernel and kernel is not None and self.choice.impl == "tuned:triton":
                 tried, self.launcher = launch.bound(self.kernel)
                 self.bind = not tried
         self.impl = self.choice.impl if self.static is None else f"fallback:{self.static}"
@@ -174,9 +177,8 @@ def _serve_tuned(route: _Route, x: torch.Tensor, weight: torch.Tensor, bias: tor
             # the GEMV alone; a fused bias epilogue is not a tuned family yet.
             out.add_(bias)
     except Exception as exc:  # the serving path never raises for tunekit's sake
-        mark_broken("gemv", route.dtype, route.m, route.n, route.k, x.device, exc)
-        count("gemv", route.dtype, route.shape, route.m, bias is not None, "fallback:kernel_error", capturing,
-              _gemv_vendor_name(x))
+        impl = mark_broken("gemv", route.dtype, route.m, route.n, route.k, x.device, exc)
+        count("gemv", route.dtype, route.shape, route.m, bias is not None, impl, capturing, _gemv_vendor_name(x))
         return _vendor_gemv(x, weight, bias)
     route.ticks[bias is not None][capturing]()
     return out if route.x2d else out.view(route.final_shape)

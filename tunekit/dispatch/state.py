@@ -54,6 +54,8 @@ FALLBACK_REASONS: dict[str, str] = {
     "not_built_at_capture": "met first under CUDA-graph capture, where kernels are never built: the graph keeps "
                             "the vendor path for this size (call tunekit.ops.prepare() or run a warm-up first)",
     "kernel_error": "the tuned kernel raised at launch (logged once; the key stays on the vendor path)",
+    "canary_mismatch": "TUNEKIT_CANARY checked a call of the tuned kernel and found it outside the op's error "
+                       "bound of the fp64 reference (logged once; the key stays on the vendor path)",
 }
 
 #: The ``vendor`` of an elementwise fallback served by tunekit's Triton kernel at a config valid for every M:
