@@ -114,6 +114,12 @@ class Run:
     open_locks: dict[tuple[str, str], threading.Lock] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def backends_for(self, problem: Problem) -> list[str]:
+        """The usable tuned backends that implement ``problem.op``: one study each (HIP has no ``gemv_add``)."""
+        from tunekit import backends as backend_registry
+
+        return [name for name in self.usable if problem.op in backend_registry.get(name).ops]
+
     @property
     def device(self) -> dict[str, Any]:
         return self.outcome.device
@@ -121,48 +127,6 @@ class Run:
     @property
     def probe(self) -> dict[str, Any]:
         return self.outcome.probe
-
-
-class Progress:
-    """Thin adapter over rich.progress; silent when not attached to a console."""
-
-    def __init__(self, enabled: bool, log: Callable[[str], None] = print) -> None:
-        self._progress = None
-        self._log = log
-        self._lock = threading.Lock()
-        self._tasks: dict[str, Any] = {}
-        if enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
-            from rich.progress import Progress as RichProgress
-
-            self._progress = RichProgress(
-                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                TextColumn("{task.fields[best]}"),
-            )
-            self._progress.start()
-
-    def add(self, description: str, total: int, done: int) -> Any:
-        """The task of one study (one line however many workers run its trials)."""
-        if self._progress is None:
-            return None
-        with self._lock:
-            if description not in self._tasks:
-                self._tasks[description] = self._progress.add_task(description, total=total, completed=done, best="")
-            return self._tasks[description]
-
-    def update(self, task: Any, completed: int, best: str = "") -> None:
-        if self._progress is not None and task is not None:
-            self._progress.update(task, completed=completed, best=best)
-
-    def log(self, message: str) -> None:
-        if self._progress is not None:
-            self._progress.console.log(message)
-        else:
-            self._log(message)
-
-    def stop(self) -> None:
-        if self._progress is not None:
-            self._progress.stop()
 
 
 def study_name(arch: str, problem: Problem, backend: str, numerics: str) -> str:

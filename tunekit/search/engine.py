@@ -48,9 +48,10 @@ from tunekit import backends as backend_registry
 from tunekit.errors import UserError
 from tunekit.problems.shapes import Problem
 from tunekit.search import fleet
-from tunekit.search.common import Progress, Run, SearchConfig, SearchOutcome, StudyStats, WorkerContext, study_name
+from tunekit.search.common import Run, SearchConfig, SearchOutcome, StudyStats, WorkerContext, study_name
 from tunekit.search.finals import final_phase, final_rows
 from tunekit.search.liveness import HEARTBEAT_S, STALE_AFTER_S, Liveness
+from tunekit.search.progress import Progress
 from tunekit.search.storage import open_storage, storage_url, stored_trials
 from tunekit.search.studies import SAMPLERS, read_seed_records
 from tunekit.search.trials import trial_phase
@@ -60,12 +61,14 @@ from tunekit.search.worker import Worker
 __all__ = ["SearchConfig", "SearchOutcome", "StudyStats", "open_storage", "read_seed_records", "run_search"]
 
 
-def run_search(cfg: SearchConfig, progress: bool = True, log: Callable[[str], None] = print) -> SearchOutcome:
+def run_search(cfg: SearchConfig, progress: bool | str = True, log: Callable[[str], None] = print) -> SearchOutcome:
     """Run (or resume) the search described by ``cfg``; see the module docstring.
 
     Holds the run folder's lock throughout. When the run stops early (Ctrl-C,
     an error), the trials in flight are recorded as interrupted and trials.csv
-    is written from the storage before the exception goes on.
+    is written from the storage before the exception goes on. ``progress``: True or "bars" (progress
+    bars), "lines" (``progress:`` lines, for a pipe or a file), False (none); see
+    :mod:`~tunekit.search.progress`.
     """
     from tunekit.search import results
 
@@ -101,7 +104,8 @@ def run_search(cfg: SearchConfig, progress: bool = True, log: Callable[[str], No
                 ctx.live.close()
 
 
-def _run_locked(run: Run, slots: Sequence[fleet.Slot], progress: bool, log: Callable[[str], None]) -> SearchOutcome:
+def _run_locked(run: Run, slots: Sequence[fleet.Slot], progress: bool | str,
+                log: Callable[[str], None]) -> SearchOutcome:
     from tunekit import table as table_mod
     from tunekit.search import results
 
@@ -147,7 +151,10 @@ def _run_locked(run: Run, slots: Sequence[fleet.Slot], progress: bool, log: Call
         results.write_run_json(out_dir, cfg, run.url, device, probe, run.usable)
         run.extra = _extra_baselines(cfg.problems, device, log)
 
-        run.bar = Progress(progress, log)
+        studies = sum(len(run.backends_for(p)) for p in cfg.problems)
+        run.bar = Progress(progress, log, studies=studies, trials=cfg.trials, workers=len(run.contexts),
+                           cpu=probe["kind"] == "cpu")
+        run.bar.plan(len(cfg.problems), len(run.usable))
         try:
             if len(run.contexts) == 1:
                 _worker_main(run, run.contexts[0])  # in this thread: Ctrl-C stays deferred around each ask
@@ -161,7 +168,7 @@ def _run_locked(run: Run, slots: Sequence[fleet.Slot], progress: bool, log: Call
 
     outcome.final_rows.extend(final_rows(run))
     outcome.stats = _merged_stats(outcome.stats)
-    names = [study_name(device["arch"], p, b, cfg.numerics) for p in cfg.problems for b in run.usable]
+    names = [study_name(device["arch"], p, b, cfg.numerics) for p in cfg.problems for b in run.backends_for(p)]
     outcome.participants = fleet.participants(run.storage, names) | {
         "here": {"host": fleet.host_name(), "workers": [ctx.slot.label for ctx in run.contexts]}}
     part = outcome.participants
@@ -211,7 +218,7 @@ def _run_threads(run: Run) -> None:
 
 def _worker_main(run: Run, ctx: WorkerContext) -> None:
     """Trials of every study that still needs some, then the final re-measures no one has claimed."""
-    studies = [(problem, backend) for problem in run.cfg.problems for backend in run.usable]
+    studies = [(problem, backend) for problem in run.cfg.problems for backend in run.backends_for(problem)]
     trial_phase(run, ctx, _rotated(studies, ctx.index, len(run.contexts)))
     if not run.stop.is_set():
         final_phase(run, ctx, _rotated(list(run.cfg.problems), ctx.index, len(run.contexts)))

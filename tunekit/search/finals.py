@@ -67,7 +67,7 @@ def _final_step(run: Run, ctx: WorkerContext, problem: Problem) -> list[dict[str
             return stored["rows"]
         if study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             return None  # claimed by a live worker
-    for backend in run.usable:  # tuning trials of this problem still in flight elsewhere: they may change the top
+    for backend in run.backends_for(problem):  # tuning trials of this problem still in flight elsewhere: they may change the top
         tuning = optuna.load_study(study_name=study_name(run.device["arch"], problem, backend, cfg.numerics),
                                    storage=storage)
         fail_dead_trials(tuning, storage)
@@ -111,7 +111,7 @@ def _final_candidates(run: Run, problem: Problem) -> list[dict[str, Any]]:
     for name in run.extra:
         if problem.op in backend_registry.get(name).ops:
             candidates.append({"label": name, "backend": name, "params": {}, "optional": True})
-    for backend_name in run.usable:
+    for backend_name in run.backends_for(problem):
         name = study_name(run.device["arch"], problem, backend_name, run.cfg.numerics)
         study = optuna.load_study(study_name=name, storage=run.storage)
         fixed = backend_registry.get(backend_name).space(problem).fixed
