@@ -1,13 +1,16 @@
-"""``tunekit compare``: vendor vs Triton vs HIP per problem and per token, Amdahl's prediction, report.md.
+"""``tunekit compare``: vendor vs the peers vs Triton vs HIP per problem and per token, Amdahl's prediction.
 
 Call protocol: ``compare_run(run_dir, console)`` loads the run's final re-measure
 (``tunekit.evidence.comparison``), prints the three tables on ``console``, draws the plots
-(``tunekit.evidence.plots``) and writes RUN/report.md; the ``*_table`` functions give the
-tables as (header, rows) for other callers.
+(``tunekit.evidence.plots``) and writes RUN/report.md and the tables as RUN/compare_problems.csv and
+RUN/compare_tokens.csv (the cells of report.md's tables); the ``*_table`` functions give the tables as
+(header, rows) for other callers. Every peer (each baseline but vendor) gets a column where it was
+measured and one line saying where it was not, and why.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -15,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tunekit.evidence.comparison import Comparison, Measure, format_gbps, format_value, load_comparison
-from tunekit.evidence.plots import write_plots
+from tunekit.evidence.plots import plot_notes, write_plots
 
 #: Shares of decode time spent in these GEMVs for the Amdahl service prediction.
 AMDAHL_SHARES = (0.5, 0.7, 0.9)
@@ -37,44 +40,57 @@ def _bw(x: Measure) -> str:
     return f"{format_gbps(x.gbps)} ({format_value(x.pct_of_limit, '.1f', '%')})"
 
 
+def _ratio(num: float | None, den: float | None) -> str:
+    return "-" if num is None or not den else f"{num / den:.3f}x"
+
+
 def problem_table(comp: Comparison, compact: bool = False) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the per-problem comparison.
 
-    The markdown form has one column per figure; ``compact`` (the console) puts
-    each backend's time, speedup, GB/s and % of limit in one two-line cell.
+    The markdown (and CSV) form has one column per figure; ``compact`` (the console) puts each backend's
+    time, speedup, GB/s and % of limit in one two-line cell. Columns: vendor, each peer measured in the run,
+    each tuned backend (speedup over the stock path), then tuned (what the table serves), tuned over vendor,
+    the best peer and tuned over it; "counted/token" where the per-token sums count fewer calls than listed.
     """
-    # baselines besides vendor (Inductor, elementwise ops) get columns only when measured
-    extra = sorted({b for p in comp.problems for b in p.baselines})
+    peers = comp.peers
+    partial = any(comp.calls(p) != p.count for p in comp.problems)
     if compact:
-        head = ["problem", "count", "weight MB", "vendor", *extra, *comp.backends, "winner"]
+        head = ["problem", "count", "weight MB", "vendor", *peers, *comp.backends, "tuned", "winner"]
     else:
-        head = ["op", "M", "N", "K", "count/token", "weight MB", "vendor µs", "vendor GB/s (% limit)"]
-        for b in extra:
+        head = ["op", "M", "N", "K", "count/token", *(["counted/token"] if partial else []), "weight MB",
+                "vendor µs", "vendor GB/s (% limit)"]
+        for b in peers:
             head += [f"{b} µs", f"{b} GB/s (% limit)"]
         for b in comp.backends:
             head += [f"{b} µs", f"{b} GB/s (% limit)", f"{b} speedup"]
-        head.append("winner")
+        head += ["tuned µs", "tuned / vendor", "best peer", "tuned / best peer", "winner"]
     rows = []
     for p in comp.problems:
-        v = p.vendor
+        v, served, peer = p.vendor, p.served_us(), p.best_peer
+        peer_us = None if peer is None else peer.time_us
         if compact:
-            row = [f"{p.op} {p.label}", str(p.count), f"{p.weight_bytes / 1e6:.2f}",
-                   f"{v.time_us:.2f} µs\n{_rate(v)}"]
-            for b in extra:
+            count = str(p.count) if comp.calls(p) == p.count else f"{p.count}\n({comp.calls(p):g} counted)"
+            row = [f"{p.op} {p.label}", count, f"{p.weight_bytes / 1e6:.2f}", f"{v.time_us:.2f} µs\n{_rate(v)}"]
+            for b in peers:
                 x = p.baselines.get(b)
                 row.append("-" if x is None else f"{x.time_us:.2f} µs\n{_rate(x)}")
             for b in comp.backends:
                 x = p.best.get(b)
                 row.append("-" if x is None else f"{x.time_us:.2f} µs {x.speedup:.3f}x\n{_rate(x)}")
+            row.append(f"{served:.2f} µs\n{_ratio(p.stock.time_us, served)} vendor, {_ratio(peer_us, served)} "
+                       f"{'peer' if peer is None else peer.label}")
         else:
-            row = [p.op, str(p.m), str(p.n), str(p.k), str(p.count), f"{p.weight_bytes / 1e6:.2f}",
+            row = [p.op, str(p.m), str(p.n), str(p.k), str(p.count),
+                   *([f"{comp.calls(p):g}"] if partial else []), f"{p.weight_bytes / 1e6:.2f}",
                    f"{v.time_us:.2f}", _bw(v)]
-            for b in extra:
+            for b in peers:
                 x = p.baselines.get(b)
                 row += ["-", "-"] if x is None else [f"{x.time_us:.2f}", _bw(x)]
             for b in comp.backends:
                 x = p.best.get(b)
                 row += ["-", "-", "-"] if x is None else [f"{x.time_us:.2f}", _bw(x), f"{x.speedup:.3f}x"]
+            row += [f"{served:.2f}", _ratio(p.stock.time_us, served),
+                    "-" if peer is None else f"{peer.label} {peer.time_us:.2f}", _ratio(peer_us, served)]
         row.append(p.winner.label)
         rows.append(row)
     return head, rows
@@ -93,16 +109,30 @@ def config_table(comp: Comparison) -> tuple[list[str], list[list[str]]]:
 
 
 def token_table(comp: Comparison) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the per-token prediction, one row per M (times in ms)."""
+    """Header and rows of the per-token prediction, one row per M (times in ms).
+
+    vendor: the stock path; tuned: what the table serves; "<backend> only": tuned with that backend alone;
+    "<peer> ms": that peer on every problem it was measured on, the stock path elsewhere, with its speedup
+    over vendor and the calls it served; best peer: per problem the fastest peer (stock where none)."""
     calls = "GEMV calls" if all(p.op == "gemv" for p in comp.problems) else "calls"
     head = ["M", calls, "vendor ms", "tuned ms", "s (tuned)",
-            *(f"{b} only ms (s)" for b in comp.backends), "floor ms", "% of limit vendor / tuned"]
+            *(f"{b} only ms (s)" for b in comp.backends), *(f"{b} ms (s; calls served)" for b in comp.peers),
+            "best peer ms", "tuned / best peer", "floor ms", "% of limit vendor / tuned"]
     rows = []
     for t in comp.tokens:
-        row = [str(t.m), str(t.calls), f"{t.vendor_us / 1e3:.3f}", f"{t.tuned_us / 1e3:.3f}", f"{t.speedup:.4f}"]
+        row = [f"{t.calls:g}", f"{t.vendor_us / 1e3:.3f}", f"{t.tuned_us / 1e3:.3f}", f"{t.speedup:.4f}"]
+        row.insert(0, str(t.m))
         for b in comp.backends:
             us = t.only_us.get(b)
             row.append("-" if us is None else f"{us / 1e3:.3f} ({t.vendor_us / us:.4f})")
+        for b in comp.peers:
+            us = t.peer_us.get(b)
+            row.append("-" if us is None else
+                       f"{us / 1e3:.3f} ({t.vendor_us / us:.4f}; {t.peer_calls[b]:g} of {t.calls:g})")
+        if t.best_peer_us is None:
+            row += ["-", "-"]
+        else:
+            row += [f"{t.best_peer_us / 1e3:.3f}", f"{t.over_best_peer:.4f}"]
         if t.floor_us is None:
             row += ["-", "-"]
         else:
@@ -113,12 +143,15 @@ def token_table(comp: Comparison) -> tuple[list[str], list[list[str]]]:
 
 
 def amdahl_table(comp: Comparison) -> tuple[list[str], list[list[str]]]:
-    """Predicted service speedup 1 / ((1 - f) + f / s) per M, variant and share f."""
+    """Predicted service speedup 1 / ((1 - f) + f / s) per M, variant and share f (peers: s = vendor / peer)."""
     head = ["M", "variant", "s (linear part)"] + [f"f = {f:.0%}" for f in AMDAHL_SHARES]
     rows = []
     for t in comp.tokens:
         variants = [("tuned (all backends)", t.speedup)]
         variants += [(f"{b} only", t.vendor_us / us) for b, us in t.only_us.items()]
+        variants += [(f"{b} (peer)", t.vendor_us / us) for b, us in t.peer_us.items()]
+        if t.best_peer_us is not None:
+            variants.append(("best peer", t.vendor_us / t.best_peer_us))
         for name, s in variants:
             rows.append([str(t.m), name, f"{s:.4f}"] + [f"{amdahl(f, s):.4f}x" for f in AMDAHL_SHARES])
     return head, rows
@@ -152,9 +185,15 @@ def print_comparison(console: Console, comp: Comparison) -> None:
         console.print(f"[bold red]{_CPU_WARNING}[/]")
     for note in comp.notes:
         console.print(f"[yellow]note: {escape(note)}[/]")
-    tables = (("per problem: best of each backend, speedup over vendor, GB/s and % of read limit",
+    for line in comp.peer_lines:
+        console.print(f"peer {escape(line)}")
+    for line in comp.path_lines:
+        console.print(f"per-token path, {escape(line)}")
+    tables = (("per problem: best of each backend, speedup over vendor, GB/s and % of read limit; tuned over "
+               "vendor and over the best peer",
                problem_table(comp, compact=True), None),
-              ("per token: sum of count x time; tuned = min(best tuned, vendor) per problem; s = vendor / tuned",
+              ("per token: sum of counted calls x time; tuned = best tuned where it beats every baseline, else "
+               "vendor; s = vendor / tuned; a peer on the problems it was measured on, vendor elsewhere",
                token_table(comp), None),
               ("predicted service speedup 1 / ((1 - f) + f / s), f = share of decode time in these GEMVs",
                amdahl_table(comp), EVIDENCE))
@@ -186,13 +225,24 @@ def write_markdown(comp: Comparison, plots: list[Path], path: Path | None = None
     baseline_note = (" Elementwise ops: % of the measured copy bandwidth, and speedups over the faster baseline "
                      "(PyTorch eager = vendor, or Inductor where measured), as the dispatch table gates them."
                      if elementwise else "")
+    out += ["## Peers", "", "Every baseline other than vendor is a peer: timed in the same interleaved session, "
+            "with the same weight rotation and graphs, on each problem it can run. Where a peer was not timed, "
+            "the run's record says why.", ""]
+    out += [f"- {line}" for line in comp.peer_lines] + [""]
     out += ["## Per problem", "", "Best candidate of each backend; GB/s over the bytes one call must move, "
             "% of the measured read limit; speedup over vendor in the same session; winner = fastest incl. "
-            "vendor." + baseline_note, "", _md_table(*problem_table(comp)), ""]
-    out += ["## Per token", "", f"Sum over problems of count x time per decoded token. tuned = per problem "
-            f"min(best tuned, vendor), what the dispatch table serves (the table also requires a gain of at least "
-            f"min_gain = {format_value(comp.meta.get('min_gain'), '.1%')}); floor = every call at the read limit. "
-            f"This is a {EVIDENCE}.", "", _md_table(*token_table(comp)), ""]
+            "vendor and the peers. tuned = the best tuned candidate where it beats every baseline (the dispatch "
+            "table's gate, peers included), vendor elsewhere; tuned / vendor and tuned / best peer are time "
+            "ratios (above 1: tuned is faster)." + baseline_note, "", _md_table(*problem_table(comp)), ""]
+    counted = [f"- {line}" for line in comp.path_lines] or [
+        "- every problem of the run counted as listed (no served fused family overlaps another problem)"]
+    out += ["## Per token", "", f"Sum over problems of counted calls x time per decoded token. tuned = per "
+            f"problem as above, what the dispatch table serves (the table also requires a gain of at least "
+            f"min_gain = {format_value(comp.meta.get('min_gain'), '.1%')}); a peer's column: that peer on every "
+            "problem it was measured on (calls served of all), vendor elsewhere; best peer: per problem the "
+            "fastest peer, vendor where none; floor = every call at the read limit. "
+            f"This is a {EVIDENCE}.", "", "Path counted (one served path per layer):", "", *counted, "",
+            _md_table(*token_table(comp)), ""]
     out += ["### Predicted service speedup (Amdahl)", "", "If a share f of decode time is spent in these GEMVs "
             "and the rest is unchanged: 1 / ((1 - f) + f / s). A prediction from standalone microbenchmarks, "
             "to be checked end to end.", "", _md_table(*amdahl_table(comp)), ""]
@@ -201,8 +251,9 @@ def write_markdown(comp: Comparison, plots: list[Path], path: Path | None = None
         out += ["## Best configs", "", "The config of each backend's best candidate (the kernel's own tunable "
                 "names), to read which variant won: for GEMV, Triton's `M_MODE`, HIP's `MMA`.", "",
                 _md_table(*configs), ""]
-    if plots:
-        out += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
+    notes = plot_notes(comp)  # one line per chart left out, in its place
+    if plots or notes:
+        out += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [f"- {n}" for n in notes] + [""]
     path.write_text("\n".join(out))
     return path
 
@@ -221,5 +272,21 @@ def compare_run(run_dir: Path, console: Console) -> Comparison:
         plots = []
         console.print("[yellow]matplotlib is not installed: no plots (pip install matplotlib)[/]")
     md = write_markdown(comp, plots)
-    console.print(f"wrote {md}" + "".join(f", {p.name}" for p in plots))
+    tables = write_csv(comp)
+    console.print(f"wrote {md}" + "".join(f", {p.name}" for p in [*tables, *plots]))
     return comp
+
+
+def write_csv(comp: Comparison) -> list[Path]:
+    """RUN/compare_problems.csv and RUN/compare_tokens.csv: the cells of report.md's per-problem and
+    per-token tables, one row each (the same strings, so the three outputs agree)."""
+    paths = []
+    for name, (head, rows) in (("compare_problems.csv", problem_table(comp)), ("compare_tokens.csv",
+                                                                              token_table(comp))):
+        path = comp.run_dir / name
+        with path.open("w", newline="") as handle:
+            writer = csv.writer(handle)
+            writer.writerow(head)
+            writer.writerows(rows)
+        paths.append(path)
+    return paths
