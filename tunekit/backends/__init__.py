@@ -1,8 +1,13 @@
 """Backend registry: name -> module path, imported lazily.
 
-Built-in names are ``triton``, ``hip`` (tuned families), ``vendor`` (cuBLAS /
-rocBLAS for GEMV, the PyTorch eager composition for elementwise ops) and
-``inductor`` (torch.compile of that composition). Any other name of the
+Built-in names are ``triton``, ``hip``, ``vllm_skinny`` (tuned families; the
+last is vLLM's CuTe-DSL skinny GEMM searched over its SkinnyGemmConfig, where
+vLLM and the CuTe DSL are installed), ``vendor`` (cuBLAS / rocBLAS for GEMV,
+the PyTorch eager composition for elementwise ops), ``inductor``
+(torch.compile of that composition) and the peers (``PEERS``: other projects'
+kernels as their stacks run them, ``vllm_skinny_heuristic`` and
+``flashinfer``; each says in one line why it cannot run where it cannot,
+``unavailable_reason``, or why a shape is not its, ``invalid_reason``). Any other name of the
 form ``package.module:ATTR`` is imported as a third-party backend (used by
 tests to inject failing candidates, and by plugins).
 """
@@ -13,20 +18,28 @@ import importlib
 
 from tunekit.backends.base import Backend, BuildError, SearchSpace
 
-__all__ = ["Backend", "BuildError", "SearchSpace", "get", "BUILTIN", "TUNED", "BASELINES"]
+__all__ = ["Backend", "BuildError", "SearchSpace", "get", "BUILTIN", "TUNED", "PEERS", "BASELINES"]
 
 BUILTIN: dict[str, str] = {
     "triton": "tunekit.backends.triton:BACKEND",
     "hip": "tunekit.backends.hip:BACKEND",
     "vendor": "tunekit.backends.vendor:BACKEND",
     "inductor": "tunekit.backends.inductor:BACKEND",
+    "vllm_skinny": "tunekit.backends.vllm_skinny:BACKEND",
+    "vllm_skinny_heuristic": "tunekit.backends.vllm_skinny:HEURISTIC",
+    "flashinfer": "tunekit.backends.flashinfer:BACKEND",
 }
-#: Searchable families, in report order.
-TUNED = ("triton", "hip")
+#: Searchable families, in report order. The default ``--backend`` is every one usable here
+#: (``unavailable_reason`` None): vllm_skinny only where vLLM and the CuTe DSL run.
+TUNED = ("triton", "hip", "vllm_skinny")
+#: Baselines from other projects (kind "vendor"): vLLM's skinny GEMM at its heuristic config, FlashInfer's
+#: BF16 mm as vLLM's --linear-backend runs it. Report order.
+PEERS = ("vllm_skinny_heuristic", "flashinfer")
 #: Baselines (kind "vendor"), never searched: "vendor" is always measured; the
 #: others join the final re-measure for the ops they implement where they can
-#: run. A tuned kernel must beat the fastest of them (tunekit.table).
-BASELINES = ("vendor", "inductor")
+#: run (else one logged line says why). A tuned kernel must beat the fastest of
+#: them (tunekit.table).
+BASELINES = ("vendor", "inductor", *PEERS)
 
 
 def get(name: str) -> Backend:
