@@ -9,6 +9,8 @@
 #  - tunekit itself (editable) with the test, NVRTC and Hugging Face extras, at
 #    the newest versions pyproject.toml allows (a new user's versions);
 #    TUNEKIT_CONSTRAINTS=FILE pins them instead (constraints/ has the GPU stack).
+#    Not the peers extra (the CuTe DSL, quack, FlashInfer: ~1.1 GB of GPU-only
+#    packages): `pip install -e .[peers]` adds them where vLLM runs.
 #
 #   bash scripts/setup.sh --vllm-tier   also builds the vLLM test tier: vLLM
 #       0.33.0 in its own virtualenv (it pins its own torch): ~9.4 GB of disk and
@@ -61,6 +63,7 @@ names = ("torch", "triton", "optuna", "numpy", "pandas", "typer", "click", "rich
          "psycopg")
 print("setup: versions: " + ", ".join(f"{n} {m.version(n)}" for n in names))
 PY
+echo "setup: not installed: the peers extra (the CuTe DSL, quack, FlashInfer for --backend vllm_skinny and the peer baselines); pip install -e .[peers] adds them"
 
 if [ "$vllm_tier" = 1 ]; then
   VLLM_VENV="${TUNEKIT_VLLM_VENV:-$HOME/.cache/tunekit/vllm-venv}"
