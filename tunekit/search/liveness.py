@@ -123,23 +123,32 @@ def _fail_interrupted(storage, study: optuna.Study, trial_id: int,
 
 @contextlib.contextmanager
 def stops_deferred():
-    """Ctrl-C waits until the block ends: a trial is asked and its owner recorded as one step,
-    so a stop never leaves a RUNNING trial that no process owns (only age would tell it dead)."""
+    """Ctrl-C (and SIGTERM / SIGHUP where the CLI handles them) waits until the block ends: a trial is
+    asked and its owner recorded as one step, so a stop never leaves a RUNNING trial that no process owns
+    (only age would tell it dead). SIGTERM and SIGHUP are deferred only under a Python handler; under
+    the default action they end the process as they would anyway."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     caught: list[tuple[int, Any]] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append((signum, frame)))
+    previous: dict[int, Any] = {}
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        handler = signal.getsignal(signum)
+        if signum == signal.SIGINT or callable(handler):
+            previous[signum] = signal.signal(signum, lambda num, frame: caught.append((num, frame)))
     try:
         yield
     finally:
-        # None: a handler set outside Python, which cannot be put back; Python's own is the nearest
-        signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
+        for signum, handler in previous.items():
+            # None: a handler set outside Python, which cannot be put back; Python's own is the nearest
+            signal.signal(signum, signal.default_int_handler if handler is None else handler)
         if caught:
-            if callable(previous):
-                previous(*caught[0])  # raises now (the CLI's Interrupted, or KeyboardInterrupt)
-            elif previous == signal.SIG_DFL:
-                signal.raise_signal(signal.SIGINT)
+            signum, frame = caught[0]
+            handler = previous[signum]
+            if callable(handler):
+                handler(signum, frame)  # raises now (the CLI's Interrupted, or KeyboardInterrupt)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(signum)
 
 
 def _pid_alive(pid: int) -> bool:

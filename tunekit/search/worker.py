@@ -13,13 +13,22 @@ Call protocol (parent side)::
 Task kinds handled in the child: ``device`` (describe the device), ``probe``
 (bandwidth limit), ``trial`` (build + verify + time one candidate),
 ``final`` (interleaved re-measure of several verified candidates + vendor).
+
+A worker never outlives the search that started it, however the search dies
+(``kill -9`` included): on Linux the kernel kills it when its parent goes
+(``PR_SET_PDEATHSIG``), and everywhere a watchdog thread in the child exits
+as soon as the child is re-parented. The signals that stop a search (SIGINT,
+SIGTERM, SIGHUP; a terminal or a scheduler sends them to the whole process
+group) are the parent's to handle: the child ignores them.
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -28,6 +37,11 @@ from typing import Any
 #: Hard cap for one reply; a first Triton compile takes a few seconds, a big
 #: problem's verification (fp64 reference of a 2.5 GB weight) well under one.
 DEFAULT_TIMEOUT_S = 180.0
+
+#: Signals the search handles (it stops, keeps the trials and closes its workers); its worker ignores them.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+#: Seconds between the child's looks at its parent (the watchdog, where the kernel's death signal is missing).
+_PARENT_POLL_S = 0.5
 
 
 class Worker:
@@ -48,7 +62,7 @@ class Worker:
 
     def _start(self) -> None:
         parent, child = self._ctx.Pipe()
-        self._proc = self._ctx.Process(target=_child_main, args=(child, self._env), daemon=True)
+        self._proc = self._ctx.Process(target=_child_main, args=(child, self._env, os.getpid()), daemon=True)
         # Ctrl-C reaches the whole process group: the parent decides (it stops the
         # search, keeps the trials and closes the worker), so the worker must not
         # die on it with a traceback of its own. An ignored SIGINT survives the
@@ -103,14 +117,17 @@ class Worker:
         return reply
 
 
-def _child_main(conn, env: dict[str, str]) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C (see Worker._start)
+def _child_main(conn, env: dict[str, str], parent_pid: int | None = None) -> None:
+    for signum in STOP_SIGNALS:  # the parent handles them (see Worker._start and the module docstring)
+        signal.signal(signum, signal.SIG_IGN)
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
     os.environ.update(env)
     state = _ChildState()
     while True:
         try:
             task = conn.recv()
-        except EOFError:
+        except (EOFError, OSError):  # the parent is gone
             return
         if task is None:
             return
@@ -118,7 +135,36 @@ def _child_main(conn, env: dict[str, str]) -> None:
             reply = state.handle(task)
         except Exception as exc:  # a candidate's error is data, not a worker failure
             reply = {"status": "fail", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-        conn.send(reply)
+        try:
+            conn.send(reply)
+        except OSError:  # BrokenPipeError: the parent died while this trial ran; nothing to report to
+            os._exit(0)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """End this process when ``parent_pid`` (its parent) dies, however it dies.
+
+    Linux: ``prctl(PR_SET_PDEATHSIG, SIGKILL)``, the kernel's signal at the parent's
+    death (strictly: the death of the parent's thread that started this process; the
+    search closes every worker before such a thread ends). Everywhere, and as a
+    backstop: a daemon thread that exits the process once it is re-parented. A parent
+    already gone when this runs is caught by the first look.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+        except (OSError, AttributeError):  # no libc prctl: the watchdog alone
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(_PARENT_POLL_S)
+        os._exit(0)  # no cleanup to run: the parent recorded (or will fail) the trial in flight
+
+    threading.Thread(target=watch, name="tunekit-parent-watchdog", daemon=True).start()
 
 
 class _ChildState:
