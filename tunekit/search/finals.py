@@ -1,8 +1,13 @@
 """The final re-measure of each problem: its top candidates and baselines timed interleaved, once per storage.
 
-Per problem, the top :data:`FINAL_TOP_K` trials of every backend, vendor and each extra baseline (Inductor)
-that implements the op are re-measured interleaved in one graph session (the ranking that counts); the
-speedups of the rows are against the faster baseline. The re-measure is claimed through the storage
+Per problem, the top :data:`FINAL_TOP_K` trials of every backend, vendor and every peer (each other
+baseline of ``tunekit.backends.BASELINES``: Inductor, vLLM's skinny GEMM, FlashInfer ...) that can run the
+problem here are re-measured interleaved in one graph session, same rotation and graphs (the ranking that
+counts); the speedups of the rows are against the fastest baseline. Every row of a problem carries its peer
+record (column ``peers``, JSON: peer -> ``"ok"`` or the one-line reason it was not timed: it cannot be
+loaded, ``unavailable_reason(device)``, no kernel for the op, ``invalid_reason(problem, {})``, or its build
+failed in the worker), so a peer missing from a report is never a silent omission; final.csv files written
+before the record have no such column. The re-measure is claimed through the storage
 (:mod:`~tunekit.search.fleet`: a study ``final|...`` keyed by the candidates; the lowest-numbered live trial
 holds the claim, under the heartbeat) and its rows are stored there, so it runs once however many workers
 and hosts share the storage, and a rerun with no new trials reads it. :func:`final_rows` are the rows of
@@ -11,6 +16,7 @@ and hosts share the storage, and a rerun with no new trials reads it. :func:`fin
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import warnings
@@ -28,6 +34,77 @@ from tunekit.search.liveness import fail_dead_trials, stops_deferred
 #: Candidates per backend carried into the interleaved final re-measure.
 FINAL_TOP_K = 3
 FINAL_REPEATS = 30
+#: The column of final.csv holding a problem's peer record (read by ``tunekit.evidence.comparison``).
+PEERS_COLUMN = "peers"
+#: Longest reason kept in a peer record (one line).
+REASON_CHARS = 300
+
+
+def peer_names() -> tuple[str, ...]:
+    """The peers: every baseline other than vendor, in ``BASELINES`` order."""
+    return tuple(name for name in backend_registry.BASELINES if name != "vendor")
+
+
+def _one_line(text: str) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= REASON_CHARS else text[:REASON_CHARS - 3] + "..."
+
+
+@functools.lru_cache(maxsize=64)
+def _peer_here(name: str, device_json: str) -> tuple[str | None, tuple[str, ...]]:
+    """(why peer ``name`` cannot run on this device or None, the ops it implements); asked once per device."""
+    from tunekit.measure.device import DeviceInfo
+
+    try:
+        backend = backend_registry.get(name)
+        ops = tuple(backend.ops)
+    except Exception as exc:  # noqa: BLE001 - a peer's package or module that will not load: its reason
+        return _one_line(f"cannot be loaded here ({type(exc).__name__}: {exc})"), ()
+    try:
+        why = backend.unavailable_reason(DeviceInfo(**json.loads(device_json)))
+    except Exception as exc:  # noqa: BLE001 - a peer that fails to answer is unavailable, with what it raised
+        return _one_line(f"unavailable here (asking raised {type(exc).__name__}: {exc})"), ops
+    return (None if why is None else _one_line(f"unavailable here: {why}")), ops
+
+
+def peer_arms(problem: Problem, device: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """The peers that join ``problem``'s final re-measure, as optional candidates (a failed build costs that
+    peer, not the re-measure), and why each other peer does not: {peer: one-line reason}."""
+    candidates: list[dict[str, Any]] = []
+    left_out: dict[str, str] = {}
+    for name in peer_names():
+        why, ops = _peer_here(name, json.dumps(device, sort_keys=True, default=str))
+        if ops and problem.op not in ops:  # the op first: true on any device
+            why = f"no {name} kernel for op {problem.op}"
+        if why is None:
+            try:
+                invalid = backend_registry.get(name).invalid_reason(problem, {})
+            except Exception as exc:  # noqa: BLE001 - recorded, never a traceback
+                invalid = f"the shape check raised {type(exc).__name__}: {exc}"
+            why = None if invalid is None else _one_line(f"shape unsupported: {invalid}")
+        if why is None:
+            candidates.append({"label": name, "backend": name, "params": {}, "optional": True})
+        else:
+            left_out[name] = why
+    return candidates, left_out
+
+
+def peer_record(candidates: list[dict[str, Any]], timings: dict[str, Any], dropped: dict[str, str],
+                left_out: dict[str, str]) -> dict[str, str]:
+    """Every peer's outcome in one re-measure: "ok" (timed), or why not (left out before, dropped by the
+    worker, or no time returned)."""
+    record = dict(left_out)
+    for cand in candidates:
+        if cand["backend"] not in peer_names():
+            continue
+        label = cand["label"]
+        if label in timings:
+            record[label] = "ok"
+        elif label in dropped:
+            record[label] = _one_line(f"build or first call failed in the worker: {dropped[label]}")
+        else:
+            record[label] = "not timed (the worker returned no time for it)"
+    return {name: record[name] for name in peer_names() if name in record}
 
 
 def final_phase(run: Run, ctx: WorkerContext, problems: list[Problem]) -> None:
@@ -67,7 +144,8 @@ def _final_step(run: Run, ctx: WorkerContext, problem: Problem) -> list[dict[str
             return stored["rows"]
         if study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             return None  # claimed by a live worker
-    for backend in run.backends_for(problem):  # tuning trials of this problem still in flight elsewhere: they may change the top
+    # tuning trials of this problem still in flight elsewhere: they may change the top
+    for backend in run.backends_for(problem):
         tuning = optuna.load_study(study_name=study_name(run.device["arch"], problem, backend, cfg.numerics),
                                    storage=storage)
         fail_dead_trials(tuning, storage)
@@ -103,14 +181,11 @@ def _final_step(run: Run, ctx: WorkerContext, problem: Problem) -> list[dict[str
 def _final_candidates(run: Run, problem: Problem) -> list[dict[str, Any]]:
     """Top candidates of each backend (from the storage) and the baselines.
 
-    Baselines: vendor always; each extra baseline (Inductor) that implements
-    the op, as an optional candidate the worker may drop (a failed compile
-    costs that baseline, not the re-measure).
+    Baselines: vendor always; each peer that can run the problem here (``peer_arms``), as an optional
+    candidate the worker may drop (a failed compile costs that peer, not the re-measure).
     """
     candidates = [{"label": "vendor", "backend": "vendor", "params": {}}]
-    for name in run.extra:
-        if problem.op in backend_registry.get(name).ops:
-            candidates.append({"label": name, "backend": name, "params": {}, "optional": True})
+    candidates += peer_arms(problem, run.device)[0]
     for backend_name in run.backends_for(problem):
         name = study_name(run.device["arch"], problem, backend_name, run.cfg.numerics)
         study = optuna.load_study(study_name=name, storage=run.storage)
@@ -148,6 +223,8 @@ def _final_remeasure(run: Run, ctx: WorkerContext, problem: Problem,
     base_label = min(baselines, key=lambda label: timings[label]["time_us"])
     base = timings[base_label]
     limit = limit_gbps(problem, probe)
+    peers = json.dumps(peer_record(candidates, timings, reply.get("dropped", {}), peer_arms(problem, run.device)[1]),
+                       sort_keys=True)
     rows = []
     for cand in measured:
         t = timings[cand["label"]]
@@ -171,5 +248,6 @@ def _final_remeasure(run: Run, ctx: WorkerContext, problem: Problem,
             "err_ratio": cand.get("err_ratio"),
             "timing_kind": t["timing_kind"],
             "numerics": cfg.numerics,
+            PEERS_COLUMN: peers,
         })
     return rows
