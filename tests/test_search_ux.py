@@ -157,3 +157,204 @@ def test_a_missing_postgres_driver_is_one_line_saying_what_to_install(monkeypatc
     assert "secret" not in text and "\n" not in text
     monkeypatch.setattr(storage, "_has_module", lambda name: name == "psycopg2")
     assert storage.postgres_driver("postgres://u@db/tk") == "postgresql+psycopg2://u@db/tk"
+
+
+# ------------------------------------------------------------------ progress lines and the estimate
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _lines_progress(clock: _Clock, **options):
+    from tunekit.search.progress import Progress
+
+    lines: list[str] = []
+    bar = Progress("lines", lines.append, clock=clock, **options)
+    return bar, lines
+
+
+def test_progress_lines_per_finished_study_and_at_most_one_per_interval() -> None:
+    clock = _Clock()
+    bar, lines = _lines_progress(clock, studies=3, trials=4, workers=1, cpu=False)
+    bar.plan(problems=3, backends=1)
+    assert lines == ["plan: 3 problem(s) x 1 backend(s) = 3 studies x 4 trials = 12 trials at most "
+                     "(a resumed study measures only what it lacks)"]
+    a = bar.add("gemv m1 16x64 triton", total=4, done=0)
+    for completed in (1, 2, 3):
+        clock.now += 3  # 9 s: no line before the interval
+        bar.update(a, completed)
+    assert len(lines) == 1
+    clock.now += 3
+    bar.update(a, 4)  # the study's last trial: its line, whatever the interval
+    assert lines[1] == "progress: study done: gemv m1 16x64 triton; 1/3 studies, 4/12 trials, 12 s elapsed, ETA 24 s"
+    b = bar.add("gemv m1 24x64 triton", total=4, done=1)  # resumed: one trial stored
+    clock.now += 5
+    bar.update(b, 2)
+    assert len(lines) == 2  # 5 s since the last line
+    clock.now += 6
+    bar.update(b, 3)  # 11 s since the last line
+    assert lines[2].startswith("progress: 1/3 studies, 7/12 trials, 23 s elapsed, ETA ")
+    bar.finish(b)  # stopped short (exhausted): the plan shrinks by what it will not measure
+    assert lines[3].startswith("progress: study done: gemv m1 24x64 triton; 2/3 studies, 7/11 trials")
+    bar.finish(b)
+    assert len(lines) == 4  # a study is reported done once
+
+
+def test_progress_resumed_complete_study_counts_done_without_a_line() -> None:
+    clock = _Clock()
+    bar, lines = _lines_progress(clock, studies=2, trials=4)
+    bar.add("done already", total=4, done=4)
+    task = bar.add("new", total=4, done=0)
+    clock.now += 2
+    bar.update(task, 1)
+    assert lines == []
+    bar.finish(task)
+    assert lines == ["progress: study done: new; 2/2 studies, 5/5 trials, 2 s elapsed, ETA 0 s"]
+
+
+def test_no_progress_prints_no_lines_and_bars_mode_is_rich() -> None:
+    clock = _Clock()
+    from tunekit.search.progress import Progress
+
+    lines: list[str] = []
+    bar = Progress(False, lines.append, studies=1, trials=1, clock=clock)
+    bar.update(bar.add("s", 1, 0), 1)
+    bar.finish("s")
+    assert lines == []
+    bar.log("message")
+    assert lines == ["message"]
+    with pytest.raises(ValueError):
+        Progress("dots", lines.append)
+
+
+def test_cpu_estimate_from_the_first_trial_warns_before_hours() -> None:
+    # the default search of a 27B model on the CPU: 44 problems x 40 trials, a trial of 2 minutes
+    clock = _Clock()
+    bar, lines = _lines_progress(clock, studies=44, trials=40, cpu=True)
+    bar.plan(problems=44, backends=1)
+    assert "1760 trials at most" in lines[0] and "the first trial gives an estimate" in lines[0]
+    task = bar.add("gemv m1 5120x17408 triton", total=40, done=0)
+    clock.now += 120
+    bar.update(task, 1)
+    assert lines[1] == ("estimate: the first trial took 2 min on the CPU interpreter; the 1759 trials left would "
+                        "take about 58.6 h")
+    assert lines[2].startswith("warning: this CPU search would take about 58.6 h: make it smaller with "
+                               "--budget quick, --ops")
+    assert "--m 1" in lines[2] and "--trials N" in lines[2]
+    clock.now += 120
+    bar.update(task, 2)
+    assert sum(line.startswith(("estimate:", "warning:")) for line in lines) == 2  # once per search
+
+
+def test_cpu_estimate_of_a_short_search_has_no_warning_and_counts_workers() -> None:
+    clock = _Clock()
+    bar, lines = _lines_progress(clock, studies=2, trials=4, cpu=True, workers=2)
+    task = bar.add("s", total=4, done=0)
+    clock.now += 6
+    bar.update(task, 1)
+    assert lines == ["estimate: the first trial took 6 s on the CPU interpreter; the 7 trials left would take "
+                     "about 21 s over 2 workers"]
+    gpu_clock = _Clock()
+    bar, lines = _lines_progress(gpu_clock, studies=2, trials=4, cpu=False)
+    gpu_clock.now += 6000
+    bar.update(bar.add("s", total=4, done=0), 1)
+    assert not [line for line in lines if line.startswith(("estimate:", "warning:"))]
+
+
+def test_search_picks_lines_when_stdout_is_not_a_terminal(monkeypatch) -> None:
+    from tunekit.cli import tune
+
+    class _Out:
+        def __init__(self, tty: bool) -> None:
+            self.tty = tty
+
+        def isatty(self) -> bool:
+            return self.tty
+
+    monkeypatch.setattr(tune.sys, "stdout", _Out(False))
+    assert tune._progress_mode(True) == "lines"
+    assert tune._progress_mode(False) is False
+    monkeypatch.setattr(tune.sys, "stdout", _Out(True))
+    assert tune._progress_mode(True) == "bars"
+
+
+TINY = ["--backend", "triton", "--warm-start", "0", "--sampler", "random"]
+
+
+@pytest.mark.slow
+def test_a_piped_search_prints_plan_estimate_and_progress_lines(tmp_path) -> None:
+    proc = _tunekit("search", "--shape", "16x64", "--shape", "24x64", "--trials", "2", *TINY,
+                    "--out", str(tmp_path / "run"), env=_env(TRITON_INTERPRET="1"), timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert ("plan: 2 problem(s) x 1 backend(s) = 2 studies x 2 trials = 4 trials at most (a resumed study "
+            "measures only what it lacks); on the CPU interpreter the first trial gives an estimate of the whole"
+            ) in lines
+    assert [line for line in lines if line.startswith("estimate: the first trial took ")]
+    done = [line for line in lines if line.startswith("progress: study done: ")]
+    assert len(done) == 2, proc.stdout
+    assert " 1/2 studies, 2/4 trials, " in done[0] and " ETA " in done[0]
+    assert " 2/2 studies, 4/4 trials, " in done[1] and done[1].endswith("ETA 0 s")
+    assert not [line for line in lines if line.startswith("warning:")]
+    text = " ".join(proc.stdout.split())
+    assert "measured = ok + failed: trials this search built, verified and timed" in text
+    assert "stored before: measured trials the storage held for the study before this search" in text
+    rerun = _tunekit("search", "--shape", "16x64", "--shape", "24x64", "--trials", "2", *TINY, "--no-progress",
+                     "--out", str(tmp_path / "run"), env=_env(TRITON_INTERPRET="1"), timeout=600)
+    assert rerun.returncode == 0, rerun.stderr
+    assert not [line for line in rerun.stdout.splitlines() if line.startswith(("progress:", "estimate:"))]
+
+
+@pytest.mark.slow
+def test_a_cpu_search_of_hours_warns_after_its_first_trial(tmp_path) -> None:
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "tunekit", "search", "--shape", "16x64", "--trials", "5000",
+                             *TINY, "--out", str(tmp_path / "run")], cwd=REPO, env=_env(TRITON_INTERPRET="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: list[str] = []
+    try:
+        for line in proc.stdout:
+            seen.append(line.rstrip("\n"))
+            if line.startswith("warning: this CPU search"):
+                break
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=300)
+    warning = seen[-1]
+    assert warning.startswith("warning: this CPU search would take about ") and " h: make it smaller" in warning
+    assert "--budget quick" in warning and "--trials N" in warning
+    assert seen[-2].startswith("estimate: the first trial took ") and "4999 trials left" in seen[-2]
+    assert proc.returncode == 130, err
+
+
+# ------------------------------------------------------------------ the summary's columns
+def test_summary_columns_count_this_search_and_say_so(tmp_path) -> None:
+    from rich.console import Console
+
+    from tunekit.problems.shapes import Problem
+    from tunekit.search.common import SearchOutcome, StudyStats
+    from tunekit.search.summary import print_summary
+
+    stats = StudyStats(Problem("gemv", "bf16", 1, 96, 5120), "triton", measured_before=4, measured_now=5, ok=3,
+                       failed=2, invalid=7, duplicates=1, best_us=2.5)
+    outcome = SearchOutcome(run_dir=tmp_path, stats=[stats], probe={"kind": "cpu"})
+    console = Console(record=True, width=400)
+    print_summary(console, outcome)
+    text = console.export_text()
+    header = next(line for line in text.splitlines() if "problem" in line and "backend" in line)
+    columns = [cell.strip() for cell in header.strip("┃│ ").replace("┃", "│").split("│")]
+    assert columns == ["problem", "backend", "measured", "ok", "failed", "invalid", "dup", "stored before",
+                       "best us (search)"]
+    row = next(line for line in text.splitlines() if "m1 96x5120" in line)
+    cells = [cell.strip() for cell in row.strip("┃│ ").split("│")]
+    # measured = ok + failed (this search); the storage's earlier trials in their own column
+    assert cells[2:8] == ["5", "3", "2", "7", "1", "4"]
+    assert "(+" not in text
+    flat = " ".join(text.split())
+    assert "trials of this search, per study" in flat
+    assert "measured = ok + failed: trials this search built, verified and timed" in flat
+    assert "so its total is stored before + measured" in flat

@@ -17,14 +17,31 @@ from rich.table import Table
 from tunekit.evidence.compare import compare_run
 from tunekit.evidence.comparison import Comparison, baseline_names, read_final_rows
 
+#: Under the trials table: what each column counts (every count is this search's, except "stored before").
+TRIALS_CAPTION = (
+    "measured = ok + failed: trials this search built, verified and timed (failed: did not build, verify "
+    "or finish in time; trials.csv says why); invalid: refused by the kernel's own predicate, not run; dup: a "
+    "config already measured, not run again; stored before: measured trials the storage held for the study "
+    "before this search (earlier runs, other searches), so its total is stored before + measured; best: the "
+    "fastest verified trial in the storage (search timing; the re-measure below is the one that counts)")
+
+#: Under the re-measure table.
+FINAL_CAPTION = (
+    "the top candidates of every backend re-measured interleaved with the baselines: count: calls per token; "
+    "best: the fastest tuned candidate (vendor where none was verified); us, GB/s, % limit: its time, bandwidth "
+    "and share of the measured read limit; speedup: the faster baseline's time / best's time (vendor, and "
+    "Inductor for elementwise ops)")
+
 
 def print_summary(console: Console, outcome) -> None:
     """Per problem: trials, vendor and best tuned time (interleaved re-measure), speedup, % of limit."""
-    stats = Table("problem", "backend", "measured", "ok", "failed", "invalid", "dup", "best us (search)")
+    stats = Table("problem", "backend", "measured", "ok", "failed", "invalid", "dup", "stored before",
+                  "best us (search)", title="trials of this search, per study", caption=TRIALS_CAPTION,
+                  caption_justify="left")
     for s in outcome.stats:
         p = s.problem
-        stats.add_row(_problem_label(p.op, p.m, p.n, p.k), s.backend, f"{s.measured_before + s.measured_now}"
-                      f" (+{s.measured_now})", str(s.ok), str(s.failed), str(s.invalid), str(s.duplicates),
+        stats.add_row(_problem_label(p.op, p.m, p.n, p.k), s.backend, str(s.measured_now), str(s.ok),
+                      str(s.failed), str(s.invalid), str(s.duplicates), str(s.measured_before),
                       "-" if s.best_us is None else f"{s.best_us:.2f}")
     console.print(stats)
     limit = outcome.probe.get("read_gbps")
@@ -34,7 +51,8 @@ def print_summary(console: Console, outcome) -> None:
         title = f"interleaved re-measure ({outcome.probe.get('kind')} timing, read limit {limit:.0f} GB/s)"
     else:
         title = "interleaved re-measure"
-    final = Table("problem", "count", "vendor µs", "best", "us", "speedup", "GB/s", "% limit", title=title)
+    final = Table("problem", "count", "vendor µs", "best", "us", "speedup", "GB/s", "% limit", title=title,
+                  caption=FINAL_CAPTION, caption_justify="left")
     by_problem: dict[tuple, list[dict]] = {}
     for row in outcome.final_rows:
         by_problem.setdefault((row["op"], row["m"], row["n"], row["k"]), []).append(row)

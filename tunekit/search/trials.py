@@ -76,6 +76,8 @@ def trial_phase(run: Run, ctx: WorkerContext, studies: list[tuple[Problem, str]]
                     run.outcome.stats.append(mine[key].stats)
             if _run_trials(run, ctx, st, mine[key], share) == "elsewhere":
                 waiting.append((problem, backend))
+            elif not run.stop.is_set():
+                run.bar.finish(st.task)  # its progress line, also when it stops short (exhausted, --timeout)
         pending = waiting
         if pending:
             time.sleep(fleet.POLL_S)
