@@ -185,7 +185,9 @@ def search(
     restrict: Annotated[list[str] | None, typer.Option(
         help="NAME=V1,V2 (repeatable): search only these values of a tunable, in every backend that has it, "
              "e.g. MMA=1 or M_MODE=dot,dot_w (an empty value where the domain has one)")] = None,
-    progress: Annotated[bool, typer.Option(help="show progress bars")] = True,
+    progress: Annotated[bool, typer.Option(
+        help="progress bars on a terminal; elsewhere (a pipe, a file) a progress line per finished study and at "
+             "most one per 10 s between, with an ETA")] = True,
 ) -> None:
     """Search the best verified kernel per problem; write trials and the dispatch table.
 
@@ -248,9 +250,16 @@ def search(
         trial_timeout_s=trial_timeout, command=shlex.join(["tunekit"] + sys.argv[1:]),
         model=spec.name if spec else None, gpus=gpus,
     )
-    outcome = run_search(cfg, progress=progress and sys.stderr.isatty(), log=lambda s: console.print(s))
+    outcome = run_search(cfg, progress=_progress_mode(progress), log=lambda s: console.print(s))
     print_summary(console, outcome)
     report_after_search(console, outcome.run_dir)
+
+
+def _progress_mode(progress: bool) -> str | bool:
+    """Bars where stdout (rich's console) is a terminal, lines elsewhere, nothing under --no-progress."""
+    if not progress:
+        return False
+    return "bars" if sys.stdout.isatty() else "lines"
 
 
 def _parse_restrict(items: list[str], problems: list, backends: list[str]) -> dict[str, tuple[str, ...]]:
@@ -428,8 +437,12 @@ def probe() -> None:
     On a CPU (the interpreter) it says its figures are not bandwidth
     evidence.
     """
+    from tunekit.measure.device import no_driver_reason
     from tunekit.search.worker import Worker
 
+    reason = no_driver_reason()
+    if reason is not None:  # Triton's own words are "0 active drivers ([]). There should only be one."
+        raise UserError(f"probe: {reason}")
     with Worker() as worker:
         dev = worker.call({"kind": "device"})
         res = worker.call({"kind": "probe"}, timeout=600)
