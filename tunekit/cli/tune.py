@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -12,7 +14,7 @@ import typer
 from rich.table import Table
 
 from tunekit.cli.app import app, console
-from tunekit.errors import UserError
+from tunekit.errors import Interrupted, UserError
 from tunekit.problems.budget import FULL_TRIALS, QUICK_SHARE, QUICK_TRIALS
 
 
@@ -250,9 +252,37 @@ def search(
         trial_timeout_s=trial_timeout, command=shlex.join(["tunekit"] + sys.argv[1:]),
         model=spec.name if spec else None, gpus=gpus,
     )
-    outcome = run_search(cfg, progress=_progress_mode(progress), log=lambda s: console.print(s))
-    print_summary(console, outcome)
-    report_after_search(console, outcome.run_dir)
+    with _stop_signals() as stopped_by:
+        try:
+            outcome = run_search(cfg, progress=_progress_mode(progress), log=lambda s: console.print(s))
+            print_summary(console, outcome)
+            report_after_search(console, outcome.run_dir)
+        except Interrupted:
+            if not stopped_by:
+                raise  # Ctrl-C: the CLI's own line and status 130
+            name = signal.Signals(stopped_by[0]).name
+            sys.stderr.write(f"interrupted: {name}; finished trials are stored (trials.csv lists them); "
+                             "rerun the same command to resume\n")
+            sys.exit(128 + stopped_by[0])  # as the shell reports a process ended by the signal
+
+
+@contextlib.contextmanager
+def _stop_signals():
+    """SIGTERM and SIGHUP (``kill``, batch schedulers, systemd, a closed terminal) stop the search as
+    Ctrl-C does: the trials in flight are recorded, trials.csv is written, the workers are closed. Yields
+    the list that receives the signal's number; the search command exits 128 + that number."""
+    caught: list[int] = []
+
+    def stop(signum: int, frame: object) -> None:
+        caught.append(signum)
+        raise Interrupted()
+
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield caught
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
 def _progress_mode(progress: bool) -> str | bool:
