@@ -93,11 +93,15 @@ FROM_PROBLEM: dict[str, Callable[[Problem], int]] = {"num_rows": lambda p: p.m}
 
 
 def has_module(name: str) -> bool:
-    """Whether ``name`` can be imported, without importing it (only its parent packages)."""
+    """Whether ``name`` is an installed module or regular package, without importing it (only its parents).
+
+    A namespace package does not count: any folder called ``vllm`` on the path (tests/vllm under pytest)
+    is one."""
     try:
-        return importlib.util.find_spec(name) is not None
+        spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):
         return False
+    return spec is not None and spec.origin is not None
 
 
 def vllm_file(relative: str) -> Path | None:
@@ -106,7 +110,7 @@ def vllm_file(relative: str) -> Path | None:
         spec = importlib.util.find_spec("vllm")
     except (ImportError, ValueError):
         return None
-    if spec is None or not spec.submodule_search_locations:
+    if spec is None or spec.origin is None or not spec.submodule_search_locations:
         return None
     for root in spec.submodule_search_locations:
         path = Path(root) / relative
@@ -359,7 +363,7 @@ class VllmSkinnyBackend(_SkinnyBase):
 
     def space(self, problem: Problem) -> SearchSpace:
         if problem.op not in self.ops:
-            # the engine opens a study per (problem, tuned backend): no tunable, every point invalid
+            # an op it lacks (the engine pairs a problem only with the backends of its op): nothing to tune
             return SearchSpace(op=problem.op, backend=self.name, domains={}, default={}, reference={})
         domains: dict[str, list[Any]] = {}
         fixed: Params = {}
@@ -390,6 +394,9 @@ class VllmSkinnyBackend(_SkinnyBase):
         return reason
 
     def build(self, problem: Problem, params: Params, device: DeviceInfo) -> Kernel:
+        why = self.unavailable_reason(device)
+        if why:
+            raise BuildError(why)
         try:
             config = make_config(problem, params)
         except (TypeError, ValueError) as exc:
