@@ -358,3 +358,38 @@ def test_summary_columns_count_this_search_and_say_so(tmp_path) -> None:
     assert "trials of this search, per study" in flat
     assert "measured = ok + failed: trials this search built, verified and timed" in flat
     assert "so its total is stored before + measured" in flat
+
+
+def test_a_refused_connection_is_one_line_saying_how_to_start_the_server() -> None:
+    import socket
+
+    from tunekit.search import storage
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(UserError) as err:
+        storage.open_storage(f"postgres://tunekit:secret@127.0.0.1:{port}/tunekit")
+    text = str(err.value)
+    assert "\n" not in text and "Background on this error" not in text and "secret" not in text, text
+    assert "Connection refused" in text and "service postgresql start" in text, text
+
+
+def test_a_missing_password_is_one_line_saying_where_to_give_it(monkeypatch) -> None:
+    import optuna
+    import sqlalchemy.exc
+
+    from tunekit.search import storage
+
+    def refuse(url: str, **_: object) -> None:
+        orig = Exception('connection failed: connection to server at "127.0.0.1", port 5432 failed: '
+                         "fe_sendauth: no password supplied\n")
+        raise sqlalchemy.exc.OperationalError("connect", {}, orig)
+
+    monkeypatch.setattr(optuna.storages, "RDBStorage", refuse)
+    monkeypatch.setattr(storage.time, "sleep", lambda s: None)
+    with pytest.raises(UserError) as err:
+        storage.open_storage("postgres://tunekit@db/tunekit")
+    text = str(err.value)
+    assert "\n" not in text and "no password supplied" in text, text
+    assert "postgresql://USER:PASSWORD@HOST/DB" in text and "PGPASSWORD" in text, text

@@ -9,6 +9,8 @@ asked again (:data:`MAX_RETRY` times).
 
 from __future__ import annotations
 
+import errno
+import os
 import time
 import warnings
 from collections.abc import Callable
@@ -128,8 +130,143 @@ def open_storage(url: str) -> optuna.storages.RDBStorage:
         except Exception as exc:  # bad URL, unreachable DB, missing driver
             error = exc
             time.sleep(0.5)
-    raise UserError(f"cannot open storage {fleet.redact(url)}: {error}") from None
+    raise UserError(f"cannot open storage {fleet.redact(url)}: {_open_error(error)}") from None
+
+
+def _open_error(error: Exception | None) -> str:
+    """Why a storage did not open, in one line: the driver's own first line (SQLAlchemy appends a
+    "Background on this error" line), for a missing or wrong password where to give it, for a refused
+    connection how to start the server."""
+    cause = getattr(error, "orig", None) or error
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    text = lines[0] if lines else type(cause).__name__
+    if "no password supplied" in text or "password authentication failed" in text:
+        text += ("; give the password in the URL (postgresql://USER:PASSWORD@HOST/DB) or in the PGPASSWORD "
+                 "environment variable")
+    elif "Connection refused" in text or "No such file or directory" in text:
+        text += "; is the server running there? (Debian: service postgresql start; docs/search.md)"
+    return text
 
 
 def stored_trials(storage: optuna.storages.BaseStorage) -> int:
     return sum(s.n_trials for s in optuna.get_all_study_summaries(storage, include_best_trial=False))
+
+
+# ------------------------------------------------------------------ a storage or run folder lost mid-run
+#: errno values of a file system that is full, of a file size limit, and of a place that can no longer be written.
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+_DENIED_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
+#: Words of the database drivers' messages, per cause (SQLite's, PostgreSQL's / psycopg's).
+_FULL_WORDS = ("database or disk is full", "no space left", "disk full", "could not extend file")
+_DENIED_WORDS = ("readonly database", "read-only", "unable to open database file", "permission denied",
+                 "operation not permitted")
+_GONE_WORDS = ("connection refused", "server closed the connection", "terminating connection", "connection failed",
+               "the connection is closed", "could not connect", "connection is lost", "no connection to the server",
+               "database system is shutting down", "database system is starting up")
+_RESUME = ("then rerun the same command to resume: the trials stored so far are kept (the trial in flight is "
+           "measured again)")
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and every exception it was raised from or during (cause first, then context)."""
+    seen: list[BaseException] = []
+    while exc is not None and exc not in seen:
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return seen
+
+
+def _detail(exc: BaseException) -> str:
+    """The driver's own words, first line only, without SQLAlchemy's "(Background on this error ...)" tail."""
+    inner = getattr(exc, "orig", None) or exc
+    lines = str(getattr(inner, "strerror", None) or inner).strip().splitlines()
+    line = lines[0] if lines else type(exc).__name__
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def _os_fault(error: OSError, path: object) -> UserError:
+    """The line for a write the file system refused: full, over the size limit, or not permitted."""
+    if error.errno in _FULL_ERRNOS:
+        return UserError(f"{path}: the disk is full ({_detail(error)}): free space on its file system, {_RESUME}")
+    if error.errno == errno.EFBIG:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        shown = "unlimited" if limit == resource.RLIM_INFINITY else f"{limit} bytes"
+        return UserError(f"{path}: a file reached the size limit ({_detail(error)}; this process's ulimit -f: "
+                         f"{shown}): raise the limit (ulimit -f unlimited) or free space, {_RESUME}")
+    return UserError(f"{path} can no longer be written ({_detail(error)}): give write access back (chmod, "
+                     f"chattr -i, a read-write mount), {_RESUME}")
+
+
+def _try_write(folder: Path) -> OSError | None:
+    """What a real write in ``folder`` meets now (None: it works): tells SQLite's bare "disk I/O error"
+    apart (a full disk, a size limit, a folder made read-only). 64 KiB, beyond a small size limit."""
+    import tempfile
+
+    try:
+        fd, name = tempfile.mkstemp(dir=folder, prefix=".tunekit-write-check-")
+    except OSError as exc:
+        return exc
+    try:
+        left = 65536
+        while left > 0:  # a size limit cuts one write short; the next one fails
+            left -= os.write(fd, b"\0" * left)
+        return None
+    except OSError as exc:
+        return exc
+    finally:
+        os.close(fd)
+        try:
+            os.unlink(name)
+        except OSError:
+            pass
+
+
+def fault(exc: BaseException, url: str, out_dir: Path) -> UserError | None:
+    """The one-line error for a storage or run folder that failed mid-run, or None for another exception.
+
+    Causes, told from the exception chain (Optuna's StorageInternalError wraps SQLAlchemy's error, which
+    wraps the driver's; a file write raises OSError): a full file system (ENOSPC, EDQUOT; SQLite's "database
+    or disk is full"), a file size limit (EFBIG), a place that can no longer be written (EACCES, EPERM,
+    EROFS; SQLite's "readonly database"), a database server that stopped answering (a connection refused or
+    closed). Where SQLite says only "disk I/O error", a real write beside its file tells which. The line
+    names the cause and the fix, and says that the stored trials are kept and that rerunning the same
+    command resumes: the storage commits each trial on its own, so what it held before the fault is all
+    there; the trial in flight is failed and asked again by the next run.
+    """
+    import sqlalchemy.exc
+
+    from tunekit.search import results
+
+    for item in _chain(exc):
+        if isinstance(item, OSError) and item.errno in _FULL_ERRNOS | _DENIED_ERRNOS | {errno.EFBIG}:
+            return _os_fault(item, item.filename or out_dir)
+    where = fleet.redact(url)
+    db = results.sqlite_path(url)
+    for item in _chain(exc):
+        if not isinstance(item, (sqlalchemy.exc.DBAPIError, optuna.exceptions.StorageInternalError)) \
+                and type(item).__module__.split(".")[0] not in ("sqlite3", "psycopg", "psycopg2"):
+            continue
+        if isinstance(item, optuna.exceptions.StorageInternalError) and item.__cause__ is not None:
+            continue  # Optuna's words ("e.g. exceeding max length") are a guess: the cause says what happened
+        text = _detail(item)
+        low = text.lower()
+        if db is not None and not any(word in low for word in _FULL_WORDS):
+            found = _try_write(db.parent)
+            if found is not None:
+                return _os_fault(found, db.parent)
+        if any(word in low for word in _FULL_WORDS):
+            return UserError(f"storage {where}: the disk is full ({text}): free space on "
+                             f"{'the file system of ' + str(db) if db else 'the database server'}, {_RESUME}")
+        if any(word in low for word in _DENIED_WORDS):
+            return UserError(f"storage {where} can no longer be written ({text}): give write access back to "
+                             f"{str(db) + ' and its folder' if db else 'the database user'} (chmod, chattr -i, "
+                             f"a read-write mount), {_RESUME}")
+        if db is None and (any(word in low for word in _GONE_WORDS)
+                           or isinstance(item, (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError))):
+            return UserError(f"storage {where} stopped answering mid-run ({text}): start the database server "
+                             f"again (or mend the network to it), {_RESUME}")
+        if isinstance(item, sqlalchemy.exc.OperationalError):
+            return UserError(f"storage {where} failed mid-run ({text}): check its disk and file, {_RESUME}")
+    return None
