@@ -341,3 +341,20 @@ def test_an_entry_that_cannot_build_here_serves_the_vendor_path_with_its_reason(
     assert any(f"backend vllm_skinny unavailable here ({why})" in r.getMessage() for r in caplog.records), \
         [r.getMessage() for r in caplog.records]
     json.dumps(ops.dispatch_log())
+
+
+def test_search_backend_vllm_skinny_without_vllm_is_one_error_line(tmp_path: Path, monkeypatch, capsys) -> None:
+    import sys
+
+    from tunekit.cli import main
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(sys, "argv", ["tunekit", "search", "--shape", "96x256", "--backend", "vllm_skinny",
+                                      "--trials", "1", "--out", str(tmp_path / "run")])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == ("error: vLLM's skinny GEMM cannot be used here: vLLM is not installed (the skinny GEMM is "
+                   "vLLM's kernel, vLLM >= 0.33; pip install -e .[peers] does not add vLLM)\n")
+    assert not (tmp_path / "run").exists()

@@ -28,8 +28,9 @@ vLLM is imported at module import (vLLM's import takes seconds):
 ``unavailable_reason`` looks packages up without importing vLLM (one line:
 no GPU, architecture, vLLM missing or without the kernel, the CuTe DSL or
 what vLLM's compile imports missing); ``space`` / ``invalid_reason`` import
-vLLM's module and raise ``ImportError`` where it cannot be imported (table
-validation then checks an entry's structure only); ``build`` compiles the
+vLLM's module and raise :class:`PeerMissing` (an ``ImportError`` and a
+``UserError``) where it cannot be imported: table validation then checks an
+entry's structure only, the CLI prints one line; ``build`` compiles the
 config (CuTe DSL, seconds) and returns ``kernel(inputs, out)``, which launches
 vLLM's compiled kernel on torch's current stream with ``out`` as C (no copy),
 graph-capturable.
@@ -51,6 +52,7 @@ from typing import Any
 import torch
 
 from tunekit.backends.base import BuildError, Kernel, Params, SearchSpace
+from tunekit.errors import UserError
 from tunekit.measure.device import DeviceInfo
 from tunekit.problems.shapes import Problem
 
@@ -174,14 +176,20 @@ def device_reason(device: DeviceInfo, what: str) -> str | None:
 # ----------------------------------------------------------------------------- vLLM's interfaces
 
 
+class PeerMissing(ImportError, UserError):
+    """vLLM's skinny GEMM module cannot be imported here: an ImportError to table validation (an entry's
+    structure is all it can check), one ``error:`` line to the CLI (``--backend vllm_skinny`` without vLLM)."""
+
+
 def vllm_skinny_module():
     """vLLM's skinny_gemm module (imported on first use); ImportError, with the reason, where it cannot be."""
     if not has_module("vllm") or vllm_file(SKINNY_FILES[0]) is None:
-        raise ImportError(packages_reason())
+        raise PeerMissing(f"vLLM's skinny GEMM cannot be used here: {packages_reason()}")
     try:
         return importlib.import_module(SKINNY_MODULE)
     except Exception as exc:  # noqa: BLE001 - vLLM's import can fail many ways; the verdict is one line
-        raise ImportError(f"{SKINNY_MODULE} cannot be imported ({type(exc).__name__}: {exc})") from exc
+        raise PeerMissing(f"vLLM's skinny GEMM cannot be used here: {SKINNY_MODULE} cannot be imported "
+                          f"({type(exc).__name__}: {exc})") from exc
 
 
 def config_fields() -> tuple[dataclasses.Field, ...]:
@@ -194,7 +202,7 @@ def heuristic_config(problem: Problem):
     cls = vllm_skinny_module().ShapeDynamicSkinnyGemm
     pick = getattr(cls, "_config", None)
     if not callable(pick):
-        raise ImportError(f"vLLM {version_of('vllm')}'s ShapeDynamicSkinnyGemm has no _config heuristic")
+        raise PeerMissing(f"vLLM {version_of('vllm')}'s ShapeDynamicSkinnyGemm has no _config heuristic")
     return pick(problem.m, problem.n, problem.k)
 
 
