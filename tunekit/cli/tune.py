@@ -414,11 +414,14 @@ def _storage_finals(url: str, stamp: str | None) -> tuple[list[dict], dict, dict
 def compare(
     run: Annotated[Path, typer.Argument(help="run folder written by `tunekit search`")],
 ) -> None:
-    """Vendor vs Triton vs HIP per problem and per token; writes RUN/report.md and PNG plots.
+    """Vendor, the peers and the tuned backends per problem and per token; writes RUN/report.md, CSVs, plots.
 
-    Per problem: the vendor, best Triton and best HIP time (us), GB/s, % of
-    the measured read limit, speedup and winner; per token: the sums and the
-    Amdahl prediction of the step.
+    Per problem: the vendor, each peer's (Inductor, vLLM's skinny GEMM,
+    FlashInfer ...) and each tuned backend's best time (us), GB/s, % of the
+    measured read limit, speedup, tuned over vendor and over the best peer,
+    winner; per token (one served path per layer): the sums, per peer too,
+    and the Amdahl prediction of the step. A peer not measured is one line
+    saying why.
     """
     from tunekit.evidence.compare import compare_run
 
