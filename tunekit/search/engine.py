@@ -52,6 +52,7 @@ from tunekit.search.common import Run, SearchConfig, SearchOutcome, StudyStats, 
 from tunekit.search.finals import final_phase, final_rows
 from tunekit.search.liveness import HEARTBEAT_S, STALE_AFTER_S, Liveness
 from tunekit.search.progress import Progress
+from tunekit.search.storage import fault as storage_fault
 from tunekit.search.storage import open_storage, storage_url, stored_trials
 from tunekit.search.studies import SAMPLERS, read_seed_records
 from tunekit.search.trials import trial_phase
@@ -84,20 +85,27 @@ def run_search(cfg: SearchConfig, progress: bool | str = True, log: Callable[[st
     url = storage_url(cfg.out_dir, cfg.storage)
     with results.RunLock(cfg.out_dir, cfg.command):
         storage = open_storage(url)
-        results.check_trials_kept(cfg.out_dir, stored_trials(storage), url)
         outcome = SearchOutcome(run_dir=cfg.out_dir)
         run = Run(cfg=cfg, storage=storage, url=url, outcome=outcome, started=time.monotonic())
         try:
+            results.check_trials_kept(cfg.out_dir, stored_trials(storage), url)
             return _run_locked(run, slots, progress, log)
         except BaseException as exc:
             run.stop.set()
+            lost = storage_fault(exc, url, cfg.out_dir)
             for ctx in run.contexts:
-                ctx.live.fail_current(f"interrupted (the search process stopped: {type(exc).__name__})")
+                try:
+                    ctx.live.fail_current(f"interrupted (the search process stopped: {type(exc).__name__})")
+                except Exception:  # noqa: BLE001 - a lost storage: the next run fails the trial (its owner is gone)
+                    pass
             if outcome.device and outcome.trials_path is None:
                 try:  # the finished trials are in the storage; the csv too, where that still works
                     results.write_trials(cfg.out_dir, storage, cfg, outcome.device, outcome.probe)
                 except Exception:  # noqa: BLE001 - the stop's own exception is the one to report
                     pass
+            results.remove_temp_files(cfg.out_dir)  # a write the fault cut short (a full disk's 0-byte file)
+            if lost is not None:
+                raise lost from None  # one line: the cause, the fix, the trials kept, rerun to resume
             raise
         finally:
             for ctx in run.contexts:

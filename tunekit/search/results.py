@@ -188,9 +188,34 @@ def check_trials_kept(out_dir: Path, stored: int, url: str) -> None:
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
+    _atomic_write(path, lambda tmp: tmp.write_text(text))
+
+
+def _atomic_write(path: Path, write) -> None:
+    """``write(tmp)`` then rename over ``path``: a reader sees the old file or the new one; a write that
+    fails (a full disk) removes its temporary file, never leaving a partial one behind."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+#: The temporary files a run writes in its folder before renaming them into place.
+_TEMP_PATTERNS = ("trials*.csv.tmp", "final.csv.tmp", "run.json.tmp", "table.json.tmp")
+
+
+def remove_temp_files(out_dir: Path) -> None:
+    """Remove the temporary files a stopped run may have left (its folder is locked: they are its own);
+    called when a search stops on a fault, for the writes that do not clean up after themselves."""
+    for pattern in _TEMP_PATTERNS:
+        for path in Path(out_dir).glob(pattern):
+            try:
+                path.unlink()
+            except OSError:  # a folder that can no longer be written: nothing more to do
+                pass
 
 
 def write_run_json(out_dir: Path, cfg, storage_url: str, device: dict, probe: dict, backends: list[str],
@@ -271,8 +296,7 @@ def write_trials(out_dir: Path, storage, cfg, device: dict, probe: dict) -> Path
     if csv_rows(path) > len(frame):
         stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         path = out_dir / f"trials-{stamp}.csv"
-    frame.to_csv(path.with_suffix(".csv.tmp"), index=False)
-    os.replace(path.with_suffix(".csv.tmp"), path)
+    _atomic_write(path, lambda tmp: frame.to_csv(tmp, index=False))
     return path
 
 
@@ -293,8 +317,7 @@ def write_final(out_dir: Path, rows: list[dict[str, Any]]) -> Path:
             keep = [tuple(x) not in keys for x in old[["op", "dtype", "m", "n", "k"]].itertuples(index=False)]
             old = old[keep]
         new = pd.concat([old, new], ignore_index=True) if not new.empty else old
-    new.to_csv(path.with_suffix(".csv.tmp"), index=False)
-    os.replace(path.with_suffix(".csv.tmp"), path)
+    _atomic_write(path, lambda tmp: new.to_csv(tmp, index=False))
     return path
 
 
