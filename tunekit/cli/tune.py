@@ -175,6 +175,9 @@ def search(
         help="'all' or indices like 0,1: one worker per GPU, sharing the studies through the storage "
              "(default: one worker on the current device)")] = None,
     out: Annotated[Path | None, typer.Option(help="run folder (default runs/<model or shapes>)")] = None,
+    add: Annotated[bool, typer.Option(
+        "--add", help="add this command's problems to an --out made for others (run.json then records the "
+                      "union, and the table covers it); without it another problem set is refused")] = False,
     min_gain: Annotated[float, typer.Option(
         help="minimum gain over the fastest baseline to enter the table (0.01: 1%; >= 0)")] = 0.01,
     seed: Annotated[int, typer.Option(help="sampler and input seed")] = 0,
@@ -207,8 +210,11 @@ def search(
     that beat the fastest baseline by --min-gain) and RUN/report.md.
 
     Rerunning the same command resumes, also after Ctrl-C (exit status
-    130). A search holds its run folder's lock: a second one on a folder in
-    use is refused. Searches with their own --out may share one --storage;
+    130), SIGTERM (143), SIGHUP (129) or a lost storage (a database server
+    stopped, a full disk: one error line, exit status 2). A run folder
+    keeps the problems it was made for (run.json): another problem set on
+    it is refused unless --add. A search holds its run folder's lock: a
+    second one on a folder in use is refused. Searches with their own --out may share one --storage;
     --gpus runs one worker per GPU, and a PostgreSQL storage shares the
     work between hosts (docs/search.md).
     """
@@ -250,7 +256,7 @@ def search(
         sampler=sampler, numerics=numerics, storage=storage, seed=seed, min_gain=min_gain, warm_start=warm_start,
         seed_from=tuple(seed_from or ()), restrict=restricted,
         trial_timeout_s=trial_timeout, command=shlex.join(["tunekit"] + sys.argv[1:]),
-        model=spec.name if spec else None, gpus=gpus,
+        model=spec.name if spec else None, gpus=gpus, add=add,
     )
     with _stop_signals() as stopped_by:
         try:

@@ -49,6 +49,7 @@ class SearchConfig:
     command: str = ""
     model: str | None = None
     gpus: str | None = None  # --gpus: None (one worker), "all" or "0,1"
+    add: bool = False  # --add: a run folder made for other problems takes these too (the union is searched)
 
 
 @dataclass

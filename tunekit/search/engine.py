@@ -84,6 +84,9 @@ def run_search(cfg: SearchConfig, progress: bool | str = True, log: Callable[[st
     results.make_run_dir(cfg.out_dir)
     url = storage_url(cfg.out_dir, cfg.storage)
     with results.RunLock(cfg.out_dir, cfg.command):
+        # the folder's problem set, checked under its lock and before the storage opens: another
+        # command's set is refused (unless --add), touching nothing
+        cfg.problems = results.folder_problems(cfg.out_dir, cfg.problems, cfg.add)
         storage = open_storage(url)
         outcome = SearchOutcome(run_dir=cfg.out_dir)
         run = Run(cfg=cfg, storage=storage, url=url, outcome=outcome, started=time.monotonic())

@@ -248,6 +248,42 @@ def write_run_json(out_dir: Path, cfg, storage_url: str, device: dict, probe: di
     return path
 
 
+def folder_problems(out_dir: Path, problems: list, add: bool) -> list:
+    """The problems a search on ``out_dir`` runs: ``problems``, where the folder's run.json records the same
+    set (or records none: a new folder, or one whose first run stopped before writing it); with ``add``,
+    the folder's problems and then the new ones (run.json then records the union). Another set without
+    ``add`` is refused in one line: two commands' studies mixed in one folder, and run.json overwritten,
+    would leave a table and a summary that answer neither command."""
+    from tunekit.problems.shapes import Problem
+
+    path = Path(out_dir) / "run.json"
+    try:
+        recorded = json.loads(path.read_text()).get("problems")
+        stored = [Problem(p["op"], p["dtype"], int(p["m"]), int(p["n"]), int(p["k"]), int(p.get("count", 1)),
+                          tuple(p.get("names", ()))) for p in recorded]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return list(problems)  # no readable record: nothing to compare with (run.json is written anew)
+    asked = {p.key for p in problems}
+    held = {p.key for p in stored}
+    if asked == held:
+        return list(problems)
+    new = [p for p in problems if p.key not in held]
+    if add:
+        return stored + new
+    command = ""
+    try:
+        command = json.loads(path.read_text()).get("command") or ""
+    except (OSError, ValueError, AttributeError):
+        pass
+    missing = len(held - asked)
+    raise UserError(
+        f"--out {out_dir} was made for {len(held)} problem(s)" + (f" by `{command}`" if command else "")
+        + f"; this command asks {len(asked)}, {len(new)} of them not in the folder"
+        + (f", and leaves out {missing} of the folder's" if missing else "")
+        + ": give another --out, or --add to search the folder's problems and these together "
+        "(run.json and the table then cover both)")
+
+
 def read_run_json(run_dir: Path) -> dict[str, Any]:
     path = Path(run_dir) / "run.json"
     if not path.is_file():
