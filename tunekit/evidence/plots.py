@@ -268,7 +268,8 @@ def token_figure(comp: Comparison) -> Figure:
     handles: dict[str, Any] = {}
     for j, t in enumerate(comp.tokens):
         group = {(p.op, p.dtype, p.n, p.k): p for p in comp.problems if p.m == t.m}
-        for i, (kind, get) in enumerate(((base, lambda p: p.baseline.time_us),
+        # the stock path (vendor, or Inductor where faster), as the per-token table's vendor sum: never a peer
+        for i, (kind, get) in enumerate(((base, lambda p: p.stock.time_us),
                                          ("tuned", ProblemResult.served_us))):
             x = 3 * j + i
             bottom = 0.0
@@ -276,7 +277,7 @@ def token_figure(comp: Comparison) -> Figure:
                 p = group.get(key)
                 if p is None:
                     continue
-                height = p.count * get(p) / scale
+                height = comp.calls(p) * get(p) / scale  # the calls the per-token sums count (served path)
                 bar = ax.bar(x, height, 0.8, bottom=bottom, color=_stack_color(s))
                 handles.setdefault(key, bar)
                 bottom += height
