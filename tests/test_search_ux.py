@@ -393,3 +393,41 @@ def test_a_missing_password_is_one_line_saying_where_to_give_it(monkeypatch) -> 
     text = str(err.value)
     assert "\n" not in text and "no password supplied" in text, text
     assert "postgresql://USER:PASSWORD@HOST/DB" in text and "PGPASSWORD" in text, text
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    import postgres_server
+
+    reason = postgres_server.unavailable_reason()
+    if reason is not None:
+        if os.environ.get("TUNEKIT_REQUIRE_POSTGRES") == "1":
+            pytest.fail(f"TUNEKIT_REQUIRE_POSTGRES=1 but {reason}")
+        pytest.skip(reason)
+    server = postgres_server.start()
+    yield server
+    server.stop()
+
+
+@pytest.mark.slow
+def test_postgres_alias_and_a_sql_ascii_database_on_a_real_server(postgres) -> None:
+    import psycopg
+
+    from tunekit.search import storage
+
+    url = postgres.create_database("alias")
+    opened = storage.open_storage("postgres://" + url.split("://", 1)[1])
+    assert storage.stored_trials(opened) == 0  # the tables were made through the alias
+    with psycopg.connect(host="127.0.0.1", port=postgres.port, user=postgres_server_user(), dbname="postgres",
+                         autocommit=True) as con:
+        con.execute("CREATE DATABASE ascii ENCODING 'SQL_ASCII' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0")
+    with pytest.raises(UserError) as err:
+        storage.open_storage(f"postgres://{postgres_server_user()}@127.0.0.1:{postgres.port}/ascii")
+    text = str(err.value)
+    assert "SQL_ASCII" in text and "createdb -E UTF8 -T template0" in text and "\n" not in text, text
+
+
+def postgres_server_user() -> str:
+    import postgres_server
+
+    return postgres_server.USER

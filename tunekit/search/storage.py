@@ -145,6 +145,10 @@ def _open_error(error: Exception | None) -> str:
                  "environment variable")
     elif "Connection refused" in text or "No such file or directory" in text:
         text += "; is the server running there? (Debian: service postgresql start; docs/search.md)"
+    elif isinstance(cause, TypeError) and "bytes-like" in text:
+        # psycopg hands SQLAlchemy bytes from a SQL_ASCII database (initdb without a UTF-8 locale)
+        text = ("the database's encoding is SQL_ASCII, which psycopg returns as bytes: create the database with "
+                "createdb -E UTF8 -T template0 (or the cluster with initdb -E UTF8 --locale=C.UTF-8)")
     return text
 
 
