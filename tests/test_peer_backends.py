@@ -358,3 +358,55 @@ def test_search_backend_vllm_skinny_without_vllm_is_one_error_line(tmp_path: Pat
     assert err == ("error: vLLM's skinny GEMM cannot be used here: vLLM is not installed (the skinny GEMM is "
                    "vLLM's kernel, vLLM >= 0.33; pip install -e .[peers] does not add vLLM)\n")
     assert not (tmp_path / "run").exists()
+
+
+class _StandInGemm:
+    """vLLM's ShapeDynamicSkinnyGemm as build_kernel uses it: ``_compile(dtype, config, has_residual)`` fills
+    ``_compiled[(dtype, config, has_residual)]`` with ``fn(a, b, residual, c, stream)`` (the compiled kernel's
+    argument order in vLLM's ``__call__``); this one computes C = A B^T (+ residual) on the CPU and records."""
+
+    def __init__(self) -> None:
+        self._compiled: dict = {}
+        self.calls: list[tuple] = []
+
+    def _compile(self, dtype: torch.dtype, config: SkinnyGemmConfig, has_residual: bool) -> None:
+        def fn(a, b, residual, c, stream) -> None:
+            self.calls.append((a, residual is c, int(stream)))
+            acc = a.float() @ b.float().T
+            c.copy_(acc + residual.float() if has_residual else acc)
+
+        self._compiled[(dtype, config, has_residual)] = fn
+
+
+def test_the_built_kernel_calls_vllms_compiled_kernel_into_the_ops_output(vllm_standin, monkeypatch) -> None:
+    gemm = _StandInGemm()
+    vllm_standin.shape_dynamic_skinny_gemm = gemm
+    monkeypatch.setattr(vs, "current_raw_stream", lambda index: 7)
+    params = {"num_rows": 2, "block_size": 32, "outputs_per_block": 2, "k_unroll": 1, "vector_width": 8,
+              "static_k": 0}
+    kernel = vs.BACKEND.build(Problem("gemv", "bf16", 2, 6, 256), params, H200)
+    assert list(gemm._compiled) == [(torch.bfloat16, SkinnyGemmConfig(2, 32, 2, 1, 8, None), False)]
+    x, w = torch.randn(2, 256).bfloat16(), torch.randn(6, 256).bfloat16()
+    out = torch.empty(2, 6, dtype=torch.bfloat16)
+    kernel((x, w), out)
+    assert torch.equal(out, (x.float() @ w.float().T).bfloat16())
+    assert gemm.calls[-1][0] is x and gemm.calls[-1][1:] == (True, 7)  # no residual: C stands in (vLLM's call)
+    # x rows vLLM's row_stride_ok refuses (a view one element in) are copied, not refused
+    wide = torch.randn(2, 257).bfloat16()
+    kernel((wide[:, 1:], w), out)
+    assert gemm.calls[-1][0].is_contiguous() and torch.equal(out, (wide[:, 1:].float() @ w.float().T).bfloat16())
+    with pytest.raises(ValueError, match="contiguous weight"):
+        kernel((x, torch.randn(256, 6).bfloat16().T), out)
+    # gemv_add: the kernel's fused residual, which may be the output itself
+    kernel = vs.BACKEND.build(Problem("gemv_add", "bf16", 2, 6, 256), params, H200)
+    residual = torch.randn(2, 6).bfloat16()
+    expected = (x.float() @ w.float().T + residual.float()).bfloat16()
+    kernel((x, w, residual), residual)
+    assert torch.equal(residual, expected)
+    # the heuristic baseline compiles vLLM's pick for the shape
+    vs.HEURISTIC.build(Problem("gemv", "bf16", 2, 6, 512), {}, H200)
+    assert (torch.bfloat16, SkinnyGemmConfig(2, 64, 2, 2), False) in gemm._compiled
+    with pytest.raises(BuildError, match="shape unsupported"):
+        vs.HEURISTIC.build(Problem("gemv", "bf16", 2, 6, 576), {}, H200)
+    with pytest.raises(BuildError, match="invalid config: N must be divisible by outputs_per_block"):
+        vs.BACKEND.build(Problem("gemv", "bf16", 2, 5, 256), params, H200)

@@ -285,6 +285,15 @@ def _seed_vllm_stream() -> None:
         tls.value = torch.cuda.current_stream()
 
 
+def current_raw_stream(index: int) -> int:
+    """torch's current stream on device ``index`` (a capture's, under capture) as a raw handle."""
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+# torch's own accessor where the build has it: no Stream object built per call
+current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or current_raw_stream  # noqa: F811
+
+
 def build_kernel(problem: Problem, config) -> Kernel:
     """vLLM's kernel compiled for ``config`` (through vLLM's ``_compile`` and its cache), as ``kernel(inputs, out)``.
 
@@ -311,8 +320,6 @@ def build_kernel(problem: Problem, config) -> Kernel:
     row_stride_ok = module.row_stride_ok
     from cuda.bindings.driver import CUstream
 
-    raw_stream = torch._C._cuda_getCurrentRawStream  # torch's current stream (a capture's, under capture)
-
     def kernel(inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
         x, w = inputs[0], inputs[1]
         if not row_stride_ok(x, config):
@@ -322,7 +329,7 @@ def build_kernel(problem: Problem, config) -> Kernel:
         residual = out
         if has_residual:
             residual = inputs[2] if inputs[2].is_contiguous() else inputs[2].contiguous()
-        fn(x, w, residual, out, CUstream(raw_stream(x.get_device())))
+        fn(x, w, residual, out, CUstream(current_raw_stream(x.get_device())))
 
     kernel.config = config  # type: ignore[attr-defined]
     return kernel
