@@ -1,4 +1,5 @@
-"""Serving faults: a tuned kernel that fails in the middle of serving, and the canary (TUNEKIT_CANARY).
+"""Serving faults: a tuned kernel that fails in the middle of serving, the canary (TUNEKIT_CANARY), and a table
+tuned for another tensor-parallel size.
 
 The kernels are Triton's under the interpreter, made to fail after a few good
 calls (``fault_backend:RAISE_AFTER``, ``fault_backend:DRIFT``): a kernel that
@@ -9,6 +10,7 @@ and the dispatch markers.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -197,3 +199,67 @@ def test_a_canary_value_that_is_not_a_number_is_off_with_one_warning(monkeypatch
     caplog.set_level(logging.WARNING, logger="tunekit.ops")
     assert canary.every() == 0 and canary.every() == 0
     assert len(_warnings(caplog, "TUNEKIT_CANARY='often'")) == 1
+
+
+# ----------------------------------------------------------------------------- a table for another TP size
+
+
+def _tp_table(tmp_path: Path, n: int, tp: int | None) -> str:
+    path = make_table(tmp_path / f"tp{tp}.json", [dict(timed_entry("gemv", n, K))])
+    table = json.loads(path.read_text())
+    if tp is None:
+        table.pop("tp")  # a table written before the TP size was recorded
+    else:
+        table["tp"] = tp
+    path.write_text(json.dumps(table))
+    return str(path)
+
+
+def test_a_table_for_another_tp_size_serves_none_of_its_shapes_with_the_reason_counted(tmp_path: Path,
+                                                                                      caplog) -> None:
+    from tunekit.dispatch import tables
+
+    n = 72
+    caplog.set_level(logging.WARNING, logger="tunekit.ops")
+    x, w = _xw(n, 7)
+    try:
+        tables.set_tensor_parallel(2)
+        for tp, impl in ((1, "fallback:tp_mismatch"), (2, "tuned:triton"), (None, "tuned:triton")):
+            ops.load_tables(_tp_table(tmp_path, n, tp))
+            ops.reset_stats()
+            y = torch.ops.tunekit.gemv(x, w, None)
+            assert [r["impl"] for r in ops.dispatch_stats()] == [impl], tp
+            assert ops.loaded_tables()[0]["tp"] == tp
+            if tp == 1:
+                assert torch.equal(y, F.linear(x, w))
+                assert tables.other_tp("gemv", "bf16", n, K, "cpu") == 1
+                assert not tables.covers("gemv", "bf16", n, K, "cpu")
+        lines = _warnings(caplog, "was tuned for tp=1, this process serves tp=2")
+        assert len(lines) == 1 and "--tp 2" in lines[0], lines
+        tables.set_tensor_parallel(None)  # unknown TP: every table serves as it records
+        ops.load_tables(_tp_table(tmp_path, n, 1))
+        assert tables.covers("gemv", "bf16", n, K, "cpu")
+    finally:
+        tables.set_tensor_parallel(None)
+
+
+def test_tables_record_their_tp_size_and_older_tables_read_as_unknown(tmp_path: Path) -> None:
+    from tunekit import table as table_mod
+    from tunekit.measure.device import detect
+    from tunekit.search.common import SearchConfig
+    from tunekit.search.results import write_run_json
+
+    rows = [dict(timed_entry("gemv", 8, K), backend="triton")]
+    assert table_mod.build_table(rows, detect().as_dict(), {}, 0.0, ["triton"], tp=2)["tp"] == 2
+    assert table_mod.build_table(rows, detect().as_dict(), {}, 0.0, ["triton"])["tp"] is None
+    old = json.loads(make_table(tmp_path / "old.json", rows).read_text())
+    old.pop("tp")
+    table_mod.validate(old)
+    assert table_mod.table_tp(old) is None
+    for bad in (0, -2, 1.5, "2", True):
+        with pytest.raises(table_mod.TableError, match="tp="):
+            table_mod.validate(dict(old, tp=bad))
+    # the search records the --tp it sharded for in run.json, which tunekit export reads back
+    cfg = SearchConfig(problems=[], backends=["triton"], out_dir=tmp_path, tp=4)
+    written = write_run_json(tmp_path, cfg, "sqlite://", detect().as_dict(), {}, ["triton"])
+    assert json.loads(written.read_text())["tp"] == 4

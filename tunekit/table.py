@@ -25,9 +25,14 @@ Format (``format`` = ``tunekit.dispatch/1``)::
                      "runtime": ..., "torch": ..., "triton": ..., "tunekit": ...,
                      "kernel_hash": {backend: hash}},
      "read_limit_gbps": float,
+     "tp": int or null,
      "entries": [{"op", "dtype", "m", "n", "k", "backend", "kernel", "params",
                   "time_us", "baseline_us", "speedup", "gbps", "pct_of_limit",
                   "max_abs_err", "err_ratio", "count"}]}
+
+``tp``: the tensor-parallel size the problems were sharded for (``tunekit search --model M --tp N``: one
+rank's shards); null or absent (tables written before it was recorded, and ``--shape`` searches, whose
+shapes are given as they run): unknown, served at any TP size.
 
 Validation (``validate``; ``load`` runs it): the structure and every field's
 type and range always (finite positive times, ``pct_of_limit`` a number or
@@ -124,9 +129,11 @@ def build_table(
     probe: dict[str, Any],
     min_gain: float,
     backends: list[str],
+    tp: int | None = None,
 ) -> dict[str, Any]:
     """Pick per problem the fastest re-measured candidate at least ``min_gain`` ahead of the
-    fastest baseline (vendor; for elementwise ops also Inductor: see the module docstring)."""
+    fastest baseline (vendor; for elementwise ops also Inductor: see the module docstring).
+    ``tp``: the tensor-parallel size the problems were sharded for (None: unknown)."""
     from tunekit import backends as registry
     from tunekit.problems.shapes import Problem
 
@@ -177,6 +184,7 @@ def build_table(
         "environment": environment_stamp(device, backends),
         "read_limit_gbps": probe.get("read_gbps"),
         "min_gain": min_gain,
+        "tp": tp,
         "entries": entries,
     }
 
@@ -281,18 +289,40 @@ def _entry_meaning(entry: dict[str, Any]) -> str | None:
     if entry["op"] not in getattr(backend, "ops", ()):
         return f"backend {name!r} has no kernel for op {entry['op']!r}"
     problem = Problem(entry["op"], entry["dtype"], entry["m"], entry["n"], entry["k"])
+    return params_problem(backend, name, problem, params)
+
+
+def params_problem(backend: Any, name: str, problem: Any, params: dict[str, Any],
+                   need_space: bool = True) -> str | None:
+    """Why ``params`` cannot serve ``problem`` on ``backend`` (named ``name``): a name or type its search
+    space does not have, or the kernel's own predicate (``Backend.invalid_reason``) refusing them; else None.
+    A backend without a space or a predicate is checked for what it has. Never raises: a predicate that
+    chokes on the params is a refusal; a kernel module that cannot be imported here is None (unknown).
+    ``need_space=False``: a space that cannot be had (a plug-in backend's, named without a search-space
+    file) leaves the names and types unchecked, and the predicate decides.
+
+    Also what serving checks before it builds an entry's kernel (``tunekit.dispatch.decisions``)."""
     try:
-        space = backend.space(problem)
-        known = {**space.domains, **{k: [v] for k, v in {**space.default, **space.reference,
-                                                          **space.fixed}.items()}}
-        for key, value in params.items():
-            if key not in known:
-                return f"params {key}={value!r}: {name} {entry['op']} has no tunable {key!r}"
-            types = {type(v) for v in known[key]}
-            if type(value) not in types and not (type(value) is int and float in types):
-                wanted = " or ".join(sorted(t.__name__ for t in types))
-                return f"params {key}={value!r} is {type(value).__name__}, expected {wanted}"
-        reason = backend.invalid_reason(problem, params)
+        try:
+            space = backend.space(problem) if hasattr(backend, "space") else None
+        except ImportError:
+            raise
+        except Exception:
+            if need_space:
+                raise
+            space = None
+        if space is not None:
+            known = {**space.domains, **{k: [v] for k, v in {**space.default, **space.reference,
+                                                              **space.fixed}.items()}}
+            for key, value in params.items():
+                if key not in known:
+                    return f"params {key}={value!r}: {name} {problem.op} has no tunable {key!r}"
+                types = {type(v) for v in known[key]}
+                if type(value) not in types and not (type(value) is int and float in types):
+                    wanted = " or ".join(sorted(t.__name__ for t in types))
+                    return f"params {key}={value!r} is {type(value).__name__}, expected {wanted}"
+        predicate = getattr(backend, "invalid_reason", None)
+        reason = None if predicate is None else predicate(problem, params)
     except ImportError:
         return None  # the kernel module needs what is not installed here (see above)
     except Exception as exc:  # noqa: BLE001 - a predicate that chokes on the params: that is the verdict
@@ -323,6 +353,9 @@ def validate(table: Any, source: str = "table", strict: bool = False) -> None:
         value = table.get(name)
         if value is not None and not (_is_number(value) and math.isfinite(value) and value >= 0):
             raise TableError(f"{source}: {name}={value!r} (must be a number >= 0 or null)")
+    tp = table.get("tp")
+    if tp is not None and not (type(tp) is int and tp >= 1):
+        raise TableError(f"{source}: tp={tp!r} (the tensor-parallel size: a whole number >= 1, or null)")
     entries = table.get("entries")
     if not isinstance(entries, list):
         raise TableError(f"{source}: 'entries' must be a list")
@@ -342,6 +375,11 @@ def validate(table: Any, source: str = "table", strict: bool = False) -> None:
     if problems:
         more = f" (and {len(problems) - 1} more invalid entries)" if len(problems) > 1 else ""
         raise TableError(f"{source}: {problems[0]}{more}")
+
+
+def table_tp(table: dict[str, Any]) -> int | None:
+    """The tensor-parallel size ``table`` was tuned for, or None (not recorded: unknown)."""
+    return table.get("tp")
 
 
 def environment_mismatch(table: dict[str, Any], device: dict[str, Any]) -> list[str]:

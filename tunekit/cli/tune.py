@@ -256,7 +256,7 @@ def search(
         sampler=sampler, numerics=numerics, storage=storage, seed=seed, min_gain=min_gain, warm_start=warm_start,
         seed_from=tuple(seed_from or ()), restrict=restricted,
         trial_timeout_s=trial_timeout, command=shlex.join(["tunekit"] + sys.argv[1:]),
-        model=spec.name if spec else None, gpus=gpus, add=add,
+        model=spec.name if spec else None, gpus=gpus, add=add, tp=tp if spec else None,
     )
     with _stop_signals() as stopped_by:
         try:
@@ -386,7 +386,7 @@ def export(
             raise UserError(f"{run}/final.csv has no rows: the final re-measure produced nothing to export")
         device, probe, backends = meta["device"], meta["probe"], meta["backends"]
     gain = meta.get("min_gain", 0.01) if min_gain is None else min_gain
-    table = table_mod.build_table(rows, device, probe, gain, backends)
+    table = table_mod.build_table(rows, device, probe, gain, backends, tp=meta.get("tp"))
     path = table_mod.save(table, target)
     problems = len({(r["op"], r["m"], r["n"], r["k"]) for r in rows})
     console.print(f"wrote {path}: {len(table['entries'])} entries from {problems} problems (min gain {gain:.1%})")

@@ -42,7 +42,12 @@ def resolve(op: str, dtype: str, m: int, n: int, k: int, device: torch.device, c
             tabulated = any(
                 e["op"] == op and e["dtype"] == dtype and e["n"] == n and e["k"] == k for e in merged["entries"]
             )
-            choice = Choice("fallback:m_above_table" if tabulated else "fallback:no_entry")
+            if tabulated:
+                choice = Choice("fallback:m_above_table")
+            elif (op, dtype, n, k) in merged.get("other_tp", ()):
+                choice = Choice("fallback:tp_mismatch")  # held by a table of another TP size only
+            else:
+                choice = Choice("fallback:no_entry")
         elif capturing:
             # Never compile or load a module inside a capture: the graph keeps
             # the vendor path for this size; the next eager call builds it.
@@ -66,15 +71,18 @@ def _build(op: str, dtype: str, m: int, n: int, k: int, entry: dict[str, Any], d
             log_once(f"unavailable:{name}:{device.arch}", logging.WARNING,
                       "tunekit: backend %s unavailable here (%s); vendor path for its entries", name, why)
             return Choice("fallback:backend_unavailable", entry=entry)
+        # Never build what the kernel's own predicate refuses (a hostile or hand-edited table: params of
+        # the wrong names or types, or past the predicate's edge), whatever the backend's build checks.
+        refused = table_mod.params_problem(backend, name, Problem(op, dtype, entry["m"], n, k), entry["params"],
+                                           need_space=False)
+        if refused is not None:
+            raise ValueError(refused)
         # HIP kernels are built for M up to MAX_M = the tabulated M (one build
         # serves every smaller M); Triton's config is checked for the real M.
         build_m = entry["m"] if (name == "hip" and op == "gemv") else m
         invalid = None
         if build_m != entry["m"] and hasattr(backend, "invalid_reason"):
             invalid = backend.invalid_reason(Problem(op, dtype, build_m, n, k), entry["params"])
-            if invalid is not None and backend.invalid_reason(
-                    Problem(op, dtype, entry["m"], n, k), entry["params"]) is not None:
-                invalid = None  # invalid at its own M too: a broken entry, left to the build to report
         if invalid is not None:
             # an entry tuned at a larger M may use a config the smaller M cannot run
             # (M_MODE="rows" at M=1): a reasoned fallback, not a build error

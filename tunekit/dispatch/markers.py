@@ -48,6 +48,18 @@ def counter(op: str, dtype: str, shape: str, m: int, bias: bool, impl: str, capt
     return found
 
 
+def count_layer(op: str, dtype: str, shape: str, m: int, impl: str, vendor: str) -> None:
+    """Count a decision an integration made for a layer before any tunekit op (the layer kept its own code:
+    ``vendor`` names it), as a row with ``counted_at`` ``"layer"``: per call where the layer is called eagerly,
+    once per trace where it is compiled."""
+    key = (op, dtype, shape, m, False, impl, "layer", vendor)
+    found = STATE.counters.get(key)
+    if found is None:
+        with STATE.lock:
+            found = STATE.counters.setdefault(key, CallCounter())
+    found.tick()
+
+
 def dispatch_stats(reset: bool = False) -> list[dict[str, Any]]:
     """Every call counted so far: one row per (op, dtype, shape, m, bias, impl, counted_at, vendor).
 
@@ -58,7 +70,8 @@ def dispatch_stats(reset: bool = False) -> list[dict[str, Any]]:
     :data:`DEFAULT_VENDOR`, or one of :data:`EAGER_VENDORS`); ``counted_at`` is
     ``"call"`` or ``"capture"`` (CUDA-graph capture: counted once per capture,
     replays are not counted because Python does not run; such rows carry a
-    ``note`` saying so). ``reset=True`` clears the counters after reading.
+    ``note`` saying so), or ``"layer"`` (:func:`count_layer`: a layer an
+    integration kept on its own code, with the reason). ``reset=True`` clears the counters after reading.
     """
     with STATE.lock:
         items = sorted(STATE.stats.items(), key=lambda kv: tuple(str(v) for v in kv[0]))

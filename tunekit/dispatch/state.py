@@ -36,6 +36,9 @@ FALLBACK_REASONS: dict[str, str] = {
     "no_table": "no dispatch table loaded (TUNEKIT_TABLE unset, or tunekit.patch/load_tables without tables)",
     "table_error": "a table file could not be read or is invalid (logged once)",
     "env_mismatch": "every loaded table was tuned for another device or software (warned once per table)",
+    "tp_mismatch": "the tables that hold this (op, dtype, N, K) were tuned for another tensor-parallel size than "
+                   "the one this process serves (warned once per table); with counted_at='layer', an "
+                   "integration's layer that kept its own code for that reason",
     "no_entry": "no tabulated entry for this (op, dtype, N, K)",
     "m_above_table": "entries exist for (op, dtype, N, K) but none with M >= this call's M",
     "dtype": "dtype not tabulated (bf16/fp16/fp32 only) or x and W differ",
@@ -196,6 +199,9 @@ class State:
         #: (op, dtype, m, n, k, device key) -> the default-config kernel serving fallbacks that have no
         #: vendor kernel (or why none does); cleared with the tables
         self.defaults: dict[tuple, DefaultKernel] = {}
+        #: the tensor-parallel size this process serves (``tunekit.dispatch.tables.set_tensor_parallel``, set by
+        #: an integration that knows it); None: unknown, every table serves whatever TP it records
+        self.tp: int | None = None
         self.atexit_registered = False
         #: writes the dispatch log (``tunekit.dispatch.log.write_dispatch_log``, installed when that module is
         #: imported): what the write schedule (``tunekit.dispatch.markers``) calls, so that the tables, which

@@ -59,12 +59,30 @@ def load_tables(paths: str | os.PathLike | Sequence[str | os.PathLike] | None) -
     return loaded_tables()
 
 
+def set_tensor_parallel(size: int | None) -> None:
+    """Serve as one rank of a ``size``-way tensor-parallel model (None: unknown). A table that records
+    another TP size (``tunekit search --tp``) then serves none of its shapes in this process: its keys take
+    the vendor path as ``fallback:tp_mismatch``, warned once per table. Forgets the cached decisions when
+    the size changes; never raises."""
+    with STATE.lock:
+        if STATE.tp == size:
+            return
+        STATE.tp = size
+        STATE.device_tables.clear()
+        STATE.choices.clear()
+        STATE.epoch += 1
+        STATE.gated_layouts.clear()
+        STATE.largest.clear()
+        STATE.defaults.clear()
+
+
 def loaded_tables() -> list[dict[str, Any]]:
     """The tables being served: path, entries, load error and, per device seen so far, the stamp verdict."""
     tables = all_tables()
     out = []
     for lt in tables:
-        row: dict[str, Any] = {"path": lt.path, "entries": len(lt.table["entries"]) if lt.table else 0}
+        row: dict[str, Any] = {"path": lt.path, "entries": len(lt.table["entries"]) if lt.table else 0,
+                               "tp": table_mod.table_tp(lt.table) if lt.table else None}
         if lt.error:
             row["error"] = lt.error
         out.append(row)
@@ -120,6 +138,8 @@ def tables_for(device: torch.device, dev_key: str) -> tuple[dict[str, Any] | Non
             entries: list[dict[str, Any]] = []
             seen: set[tuple] = set()
             matched = 0
+            #: (op, dtype, n, k) -> TP size of the first table that holds it but was tuned for another TP
+            other_tp: dict[tuple, int] = {}
             for lt in usable:
                 diffs = table_mod.environment_mismatch(lt.table, info.as_dict())
                 if diffs:
@@ -129,14 +149,22 @@ def tables_for(device: torch.device, dev_key: str) -> tuple[dict[str, Any] | Non
                         lt.path, dev_key, "; ".join(diffs),
                     )
                     continue
+                tp = table_mod.table_tp(lt.table)
+                if tp is not None and STATE.tp is not None and tp != STATE.tp:
+                    log_once(f"tp:{lt.path}:{STATE.tp}", logging.WARNING,
+                             "tunekit: table %s was tuned for tp=%d, this process serves tp=%d: vendor path for "
+                             "its shapes (tune with tunekit search --tp %d)", lt.path, tp, STATE.tp, STATE.tp)
+                    for entry in lt.table["entries"]:
+                        other_tp.setdefault((entry["op"], entry["dtype"], entry["n"], entry["k"]), tp)
+                    continue
                 matched += 1
                 for entry in lt.table["entries"]:
                     key = (entry["op"], entry["dtype"], entry["m"], entry["n"], entry["k"])
                     if key not in seen:  # the first path given wins a duplicate key
                         seen.add(key)
                         entries.append(entry)
-            merged = {"entries": entries, "device": info}
-            result = (merged, None) if matched else (None, "env_mismatch")
+            merged = {"entries": entries, "device": info, "other_tp": other_tp}
+            result = (merged, None) if matched or other_tp else (None, "env_mismatch")
     with STATE.lock:
         STATE.device_tables[dev_key] = result
     return result
@@ -148,6 +176,17 @@ def serving_table(device: str) -> dict[str, Any] | None:
     except Exception:
         return None
     return merged
+
+
+def other_tp(op: str, dtype: str, n: int, k: int, device: str) -> int | None:
+    """The TP size of a loaded table that holds (op, dtype, N, K) for ``device`` but does not serve it here,
+    being tuned for another TP size than :func:`set_tensor_parallel`'s; None if there is none. Never raises.
+
+    For integrations that count why a layer keeps its own code."""
+    merged = serving_table(device)
+    if merged is None:
+        return None
+    return merged.get("other_tp", {}).get((op, dtype, n, k))
 
 
 def covers(op: str, dtype: str, n: int | None, k: int, device: str) -> bool:

@@ -49,6 +49,7 @@ class SearchConfig:
     command: str = ""
     model: str | None = None
     gpus: str | None = None  # --gpus: None (one worker), "all" or "0,1"
+    tp: int | None = None  # --tp the model's problems were sharded for (None: --shape only, as given)
     add: bool = False  # --add: a run folder made for other problems takes these too (the union is searched)
 
 

@@ -192,7 +192,7 @@ def _run_locked(run: Run, slots: Sequence[fleet.Slot], progress: bool | str,
         log(f"warning: {out_dir / 'trials.csv'} lists more trials than this storage holds for {device['arch']}; "
             f"kept as it is, this run's trials are in {outcome.trials_path}")
     results.write_final(out_dir, outcome.final_rows)
-    table = table_mod.build_table(outcome.final_rows, device, probe, cfg.min_gain, run.usable)
+    table = table_mod.build_table(outcome.final_rows, device, probe, cfg.min_gain, run.usable, tp=cfg.tp)
     outcome.table_path = table_mod.save(table, out_dir / "table.json")
     return outcome
 

@@ -240,6 +240,7 @@ def write_run_json(out_dir: Path, cfg, storage_url: str, device: dict, probe: di
         "probe": probe,
         "environment": table.environment_stamp(device, backends),
         "gpus": getattr(cfg, "gpus", None),
+        "tp": getattr(cfg, "tp", None),
     }
     if participants is not None:
         data["participants"] = participants

@@ -39,8 +39,45 @@ def _ops() -> Any:
     return sys.modules.get("tunekit.ops") or importlib.import_module("tunekit.ops")
 
 
+#: vLLM's tensor-parallel size, handed to the dispatch tables once vLLM's parallel state knows it
+_TP_KNOWN: list[bool] = [False]
+
+#: what serves a layer the tables do not cover: its own vLLM code (the ``vendor`` of its ``layer`` marker)
+LAYER_VENDOR = "vllm"
+
+
+def _sync_tp() -> None:
+    """Tell the dispatch tables vLLM's tensor-parallel size (once, when vLLM's parallel state is up): a table
+    tuned for another TP size then covers none of this rank's shapes (``tunekit.dispatch.tables``)."""
+    if _TP_KNOWN[0]:
+        return
+    try:
+        from vllm.distributed import parallel_state
+
+        if not parallel_state.model_parallel_is_initialized():
+            return
+        size = parallel_state.get_tensor_model_parallel_world_size()
+    except Exception:  # noqa: BLE001 - no parallel state to ask: TP unknown, tables serve as they record
+        return
+    from tunekit.dispatch.tables import set_tensor_parallel
+
+    set_tensor_parallel(int(size))
+    _TP_KNOWN[0] = True
+
+
 def _covers_impl(op: str, dtype: str, n: int | None, k: int, device: str) -> bool:
-    return _ops().covers(op, dtype, n, k, device)
+    _sync_tp()
+    ops = _ops()
+    if ops.covers(op, dtype, n, k, device):
+        return True
+    if n is not None:
+        from tunekit.dispatch import markers, tables
+
+        if tables.other_tp(op, dtype, n, k, device) is not None:
+            # a table holds the layer's shape but was tuned for another TP size: the layer keeps vLLM's
+            # code, and the markers say why (per call when eager, once per trace when compiled)
+            markers.count_layer(op, dtype, f"{n}x{k}", 0, "fallback:tp_mismatch", LAYER_VENDOR)
+    return False
 
 
 #: torch dtype -> the tables' dtype name (tunekit.ops' names; other dtypes are never tabulated)
