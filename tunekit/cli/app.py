@@ -10,9 +10,10 @@ from tunekit.evidence.console import make_console
 _EPILOG = (
     "Exit status: 0 done; 1 check-serving found a failed check; 2 a user error (unknown model, malformed "
     "config, corrupt or invalid table, a bad option or option value, a file that cannot be read, a place that "
-    "cannot be written: one `error:` line on stderr, never a traceback) or no command; 3 serve-bench stopped "
-    "by --stop-after (rerun to resume); 130 Ctrl-C (one `interrupted:` line; finished trials are stored, "
-    "rerun the same command to resume).\n\n"
+    "cannot be written, a search's storage lost mid-run: one `error:` line on stderr, never a traceback) or no "
+    "command; 3 serve-bench stopped by --stop-after (rerun to resume); 130 Ctrl-C (one `interrupted:` line; "
+    "finished trials are stored, rerun the same command to resume); 143 / 129 a search stopped by SIGTERM / "
+    "SIGHUP (the same).\n\n"
     "Printed to a pipe or a file, reports are 200 columns wide (COLUMNS overrides), so no table cell is cut. "
     "Every command's options: docs/commands.md."
 )
