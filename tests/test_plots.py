@@ -126,6 +126,12 @@ def test_per_token_title_names_every_stacked_op(tmp_path) -> None:
     # the legend names each stacked problem's op too
     entries = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert sum(e.startswith("rms_gemv ") for e in entries) == 2 and any(e.startswith("rms_norm ") for e in entries)
+    # a norm folded whole into its rms_gemv counts no call per token: not stacked, so not named
+    norm = ("rms_norm", 4096, 4096, 64, "input_layernorm;post_attention_layernorm")
+    folded = [s if s[0] != "rms_norm" else norm for s in SHAPES]
+    comp = load_comparison(_write_run(tmp_path / "folded", folded, ms=(1,)))
+    title = " ".join(t.get_text() for t in plots.token_figure(comp).texts)
+    assert plots.stacked_ops(comp) == ["gemv", "rms_gemv", "silu_and_mul"] and "rms_norm" not in title
     # a GEMV-only run names only gemv
     only = load_comparison(_write_run(tmp_path / "gemv", SHAPES[:3], ms=(1,)))
     title = " ".join(t.get_text() for t in plots.token_figure(only).texts)

@@ -66,7 +66,12 @@ def has_limit(comp: Comparison) -> bool:
 
 
 def stacked_ops(comp: Comparison) -> list[str]:
-    """The ops the per-token chart stacks, in the run's order."""
+    """The ops the per-token chart stacks (those with calls counted per token), in the run's order."""
+    return list(dict.fromkeys(p.op for p in comp.problems if comp.calls(p)))
+
+
+def _ops(comp: Comparison) -> list[str]:
+    """Every op of the run, in its order (the per-problem charts' rows)."""
     return list(dict.fromkeys(p.op for p in comp.problems))
 
 
@@ -90,7 +95,7 @@ def _shape_label(p: ProblemResult, dtypes: int) -> str:
 
 def _rows(comp: Comparison) -> tuple[list[tuple], dict[tuple, str]]:
     """The per-problem charts' rows: one per (op, dtype, N, K), grouped by op in the run's order."""
-    ops = stacked_ops(comp)
+    ops = _ops(comp)
     dtypes = len({p.dtype for p in comp.problems})
     labels = {}
     for p in comp.problems:
@@ -150,7 +155,9 @@ def _per_problem(comp: Comparison, series: list[Series], *, title: str, xlabel: 
                     pts.append((y + pos * bar_h, v))
             if pts:
                 bars = ax.barh([y for y, _ in pts], [v for _, v in pts], bar_h, color=_color(name, i))
-                ax.bar_label(bars, labels=[fmt(v) for _, v in pts], fontsize=6.5, padding=2)
+                # on a white box: a value just short of the reference line stays readable across it
+                ax.bar_label(bars, labels=[fmt(v) for _, v in pts], fontsize=6.5, padding=2,
+                             bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.3, "alpha": 0.85})
         for y, key in enumerate(keys):
             if key + (m,) not in by_key:  # this shape was not a problem at this M: say so, not a blank row
                 ax.text(0.01 * top, y, "not in this run at this M", va="center", fontsize=6.5, color="0.5")
@@ -195,7 +202,7 @@ def pct_figure(comp: Comparison) -> Figure | None:
         return None
     from tunekit.problems import opspec  # which limit each op is held to (torch is loaded with the comparison)
 
-    limits = {opspec.get(op).limit for op in stacked_ops(comp)}
+    limits = {opspec.get(op).limit for op in _ops(comp)}
     gbps = {"read": comp.read_gbps, "copy": comp.meta.get("probe", {}).get("copy_gbps")}
 
     def pct(backend: str) -> Callable[[ProblemResult], float | None]:
@@ -215,20 +222,21 @@ def pct_figure(comp: Comparison) -> Figure | None:
 
 
 def speedup_figure(comp: Comparison) -> Figure | None:
-    """Each tuned backend's best over the fastest baseline, per problem; None where none was tuned."""
+    """Each tuned backend's best over the stock path, per problem; None where none was tuned."""
     if not comp.present:
         return None
-    elementwise = any(p.op != "gemv" for p in comp.problems)
+    # speedups are over the stock path: vendor, or Inductor where the run measured it faster (elementwise ops)
+    inductor = any(p.stock is not p.vendor for p in comp.problems)
 
     def speedup(backend: str) -> Callable[[ProblemResult], float | None]:
         return lambda p: p.best[backend].speedup if backend in p.best else None
 
-    over = "the fastest baseline (vendor or Inductor)" if elementwise else "vendor"
+    over = "the stock path (vendor or Inductor)" if inductor else "vendor"
     return _per_problem(comp, [(b, speedup(b)) for b in comp.present],
                         title=f"Speedup of each backend's best candidate over {over}",
-                        xlabel=f"speedup over {'the fastest baseline' if elementwise else 'vendor'} "
+                        xlabel=f"speedup over {'the stock path' if inductor else 'vendor'} "
                                "(x, same session)",
-                        ref=1.0, ref_label="baseline (1.0)" if elementwise else "vendor (1.0)",
+                        ref=1.0, ref_label="stock path (1.0)" if inductor else "vendor (1.0)",
                         fmt=lambda v: f"{v:.2f}")
 
 
@@ -254,8 +262,8 @@ def token_figure(comp: Comparison) -> Figure:
     keys, labels = _rows(comp)
     names = {(p.op, p.dtype, p.n, p.k): _names(p) for p in comp.problems}
     gemv_only = all(p.op == "gemv" for p in comp.problems)
-    # the bar the tuned one is set against: vendor, or the fastest baseline where Inductor was measured too
-    base = "baseline" if any(p.baselines for p in comp.problems) else "vendor"
+    # the bar the tuned one is set against: the stock path (vendor, or Inductor where it was faster)
+    base = "stock" if any(p.stock is not p.vendor for p in comp.problems) else "vendor"
     ncol = 1 if len(keys) <= 24 else 2
     legend_h = 0.2 * math.ceil(len(keys) / ncol) + 1.0
     entry_chars = max(len(f"{labels[key]}  {names[key]}") for key in keys)
@@ -275,7 +283,7 @@ def token_figure(comp: Comparison) -> Figure:
             bottom = 0.0
             for s, key in enumerate(keys):
                 p = group.get(key)
-                if p is None:
+                if p is None or not comp.calls(p):  # a folded norm: its calls are counted in its rms_gemv
                     continue
                 height = comp.calls(p) * get(p) / scale  # the calls the per-token sums count (served path)
                 bar = ax.bar(x, height, 0.8, bottom=bottom, color=_stack_color(s))
