@@ -105,10 +105,10 @@ def _rows(comp: Comparison) -> tuple[list[tuple], dict[tuple, str]]:
 
 
 def _title(head: str, comp: Comparison, width_in: float | None = None) -> str:
-    """``head`` wrapped to the figure's width (about 10 characters an inch at "medium"), then the device line."""
+    """``head`` wrapped to the figure's width (about 10.5 characters an inch at "medium"), then the device line."""
     tail = f"{comp.gpu}, {comp.timing_kind} timing" + (" (CPU: NOT performance evidence)"
                                                        if comp.is_interpreter else "")
-    chars = _TITLE_CHARS if width_in is None else max(40, int(10 * width_in))
+    chars = _TITLE_CHARS if width_in is None else max(40, int(10.5 * width_in))
     return "\n".join([*textwrap.wrap(head, chars), tail])
 
 
@@ -267,7 +267,7 @@ def token_figure(comp: Comparison) -> Figure:
     ncol = 1 if len(keys) <= 24 else 2
     legend_h = 0.2 * math.ceil(len(keys) / ncol) + 1.0
     entry_chars = max(len(f"{labels[key]}  {names[key]}") for key in keys)
-    width = max(6.5, 1.8 * len(comp.tokens) + 1.8 + ncol * (0.7 + 0.062 * entry_chars))
+    width = max(7.5, 1.8 * len(comp.tokens) + 1.8 + ncol * (0.7 + 0.062 * entry_chars))
     fig = Figure(figsize=(width, max(5.4, legend_h + 1.2)), layout="constrained")
     ax = fig.add_subplot()
     # ms, or µs where a token's baseline sum stays under 0.1 ms (the norms alone)
