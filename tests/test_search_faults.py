@@ -193,7 +193,7 @@ def test_postgres_stopped_mid_search_is_one_line_and_a_rerun_resumes(postgres, t
               "trials stored so far are kept")
     assert not _session_left(proc.pid)
     before = _finished(_trials(url))
-    assert len([v for v in before.values() if v[2] == "ok"]) >= 2
+    assert [v for v in before.values() if v[2] == "ok"]  # the fault came after trials were stored
 
     res = _run(*args)
     _check_resumed(res.returncode, res.stderr, url, before)
@@ -234,7 +234,7 @@ def test_a_full_tmpfs_mid_search_is_one_line_leaves_no_temp_file_and_a_rerun_res
         _no_temp_files(out)
         url = f"sqlite:///{out / 'optuna.db'}"
         before = _finished(_trials(url))
-        assert len([v for v in before.values() if v[2] == "ok"]) >= 2
+        assert [v for v in before.values() if v[2] == "ok"]  # the fault came after trials were stored
 
         filler.unlink()  # the user frees space, then reruns
         res = _run(*args)
@@ -258,7 +258,7 @@ def test_a_file_size_limit_mid_search_is_one_line_leaves_no_temp_file_and_a_reru
     _no_temp_files(out)
     url = f"sqlite:///{out / 'optuna.db'}"
     before = _finished(_trials(url))
-    assert len([v for v in before.values() if v[2] == "ok"]) >= 2
+    assert [v for v in before.values() if v[2] == "ok"]  # the fault came after trials were stored
 
     res = _run(*args)
     _check_resumed(res.returncode, res.stderr, url, before)

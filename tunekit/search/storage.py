@@ -4,7 +4,8 @@ SQLite in the run folder unless ``--storage URL``: a SQLite file is checked firs
 refused, not recreated), put in WAL mode and opened with a busy timeout, so several searches may share it;
 PostgreSQL (searches on several hosts) through psycopg 3, ``postgres://`` taken as ``postgresql://``. The
 heartbeat is on (:mod:`~tunekit.search.liveness` records it), and a trial whose worker died has its parameters
-asked again (:data:`MAX_RETRY` times).
+asked again (:data:`MAX_RETRY` times). A storage or run folder that fails mid-run (a server stopped, a full disk,
+a size limit, a place no longer writable) becomes one line naming the cause and the fix (:func:`fault`).
 """
 
 from __future__ import annotations
@@ -167,8 +168,7 @@ _DENIED_WORDS = ("readonly database", "read-only", "unable to open database file
 _GONE_WORDS = ("connection refused", "server closed the connection", "terminating connection", "connection failed",
                "the connection is closed", "could not connect", "connection is lost", "no connection to the server",
                "database system is shutting down", "database system is starting up")
-_RESUME = ("then rerun the same command to resume: the trials stored so far are kept (the trial in flight is "
-           "measured again)")
+_RESUME = "then rerun the same command to resume: the trials stored so far are kept"
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
@@ -237,7 +237,8 @@ def fault(exc: BaseException, url: str, out_dir: Path) -> UserError | None:
     closed). Where SQLite says only "disk I/O error", a real write beside its file tells which. The line
     names the cause and the fix, and says that the stored trials are kept and that rerunning the same
     command resumes: the storage commits each trial on its own, so what it held before the fault is all
-    there; the trial in flight is failed and asked again by the next run.
+    there; the next run fails the trial that was in flight (its owner is gone) and asks its config again
+    unless its result was stored.
     """
     import sqlalchemy.exc
 
