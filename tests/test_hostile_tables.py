@@ -277,9 +277,9 @@ def test_ten_thousand_hostile_documents_load_and_serve_right_or_are_refused_in_o
 
 # ----------------------------------------------------------------------------- a 100,000-entry table
 
-#: seconds to load a 100,000-entry table and serve its first call, measured on the development machine (2 shared
-#: cores) at about 7.4 s (docs/serving.md states it); the test allows this multiple of it
-BIG_ENTRIES, BIG_MEASURED_S, BIG_MARGIN = 100_000, 7.4, 4
+#: seconds to load a 100,000-entry table (39 MB) and serve its first call, measured on the development machine
+#: (2 cores shared with other work) at 3.6-4.8 s (docs/serving.md states it); the test allows this multiple of it
+BIG_ENTRIES, BIG_MEASURED_S, BIG_MARGIN = 100_000, 4.8, 5
 
 
 def test_a_100000_entry_table_loads_and_serves_within_the_stated_time(tmp_path: Path) -> None:
@@ -293,7 +293,9 @@ def test_a_100000_entry_table_loads_and_serves_within_the_stated_time(tmp_path: 
     path = tmp_path / "big.json"
     path.write_text(json.dumps(table))
     x = torch.randn(1, 64).bfloat16()
-    w = torch.randn(16 + BIG_ENTRIES // 4 - 1, 64).bfloat16()  # the last N of the table
+    # the first N: every lookup scans all the entries anyway, and a small GEMV keeps the interpreter's
+    # launch (one program per 4 rows) out of the figure
+    w = torch.randn(16, 64).bfloat16()
     start = time.perf_counter()
     loaded = ops.load_tables(str(path))
     y = torch.ops.tunekit.gemv(x, w, None)
