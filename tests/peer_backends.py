@@ -4,7 +4,8 @@
 ``SKINNY``: a GEMV peer that runs where the device is a GPU and N is a multiple of 64 (vLLM's skinny GEMM
 has divisibility rules of this kind); its kernel is ``torch.mm``. ``MISSING``: a peer whose package is not
 installed. ``BROKEN``: a peer whose availability check raises. ``FAILS_BUILD``: available, but its build
-raises (the worker drops it).
+raises (the worker drops it). ``WRONG``: available and fast, but its results are 10% off (the worker's
+check drops it before it is timed).
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ class StandInPeer:
     ops = ("gemv",)
 
     def __init__(self, name: str, unavailable: str | None = None, raises: bool = False,
-                 build_fails: bool = False) -> None:
+                 build_fails: bool = False, off_by: float = 0.0) -> None:
         self.name = name
         self._unavailable = unavailable
         self._raises = raises
         self._build_fails = build_fails
+        self._off_by = off_by
 
     def unavailable_reason(self, device) -> str | None:
         if self._raises:
@@ -45,6 +47,8 @@ class StandInPeer:
         def kernel(inputs, out):
             x, w = inputs
             torch.mm(x, w.t(), out=out)
+            if self._off_by:
+                out.mul_(1.0 + self._off_by)
 
         return kernel
 
@@ -59,3 +63,4 @@ SKINNY = StandInPeer("peer_backends:SKINNY")
 MISSING = StandInPeer("peer_backends:MISSING", unavailable="package missing: stand-in-peers is not installed")
 BROKEN = StandInPeer("peer_backends:BROKEN", raises=True)
 FAILS_BUILD = StandInPeer("peer_backends:FAILS_BUILD", build_fails=True)
+WRONG = StandInPeer("peer_backends:WRONG", off_by=0.1)

@@ -103,9 +103,9 @@ def test_peer_columns_per_token_sums_and_ratios(tmp_path) -> None:
     assert comp.peers == [SKINNY]
     (t,) = comp.tokens
     vendor = 48 * 7.156 + 64 * 17.9152 + 16 * 38.061599
-    # tuned: the best tuned where it beats every baseline (the table's gate); on 5120x6144 the peer is faster
-    # than Triton, so the table holds no entry there and vendor serves
-    tuned = 48 * 2.542375 + 64 * 17.9152 + 16 * 34.961601
+    # tuned: the best tuned where it beats the stock path (the table's gate); on 5120x6144 the peer is faster
+    # than Triton, but a peer is no bar (without an entry the plugin serves vendor, not the peer): Triton serves
+    tuned = 48 * 2.542375 + 64 * 16.9528 + 16 * 34.961601
     skinny = 48 * 7.156 + 64 * 16.5 + 16 * 36.5  # the peer where it was measured, vendor on 96x5120
     assert t.calls == 128
     assert t.vendor_us == pytest.approx(vendor, rel=1e-7)
@@ -115,7 +115,7 @@ def test_peer_columns_per_token_sums_and_ratios(tmp_path) -> None:
     assert t.over_best_peer == pytest.approx(skinny / tuned, rel=1e-7)
     assert t.speedup == pytest.approx(vendor / tuned, rel=1e-7)
     o_proj = next(p for p in comp.problems if p.n == 5120)
-    assert o_proj.served_us() == pytest.approx(17.9152, rel=1e-7) and o_proj.best_peer.time_us == 16.5
+    assert o_proj.served_us() == pytest.approx(16.9528, rel=1e-7) and o_proj.best_peer.time_us == 16.5
     assert o_proj.best["triton"].speedup == pytest.approx(17.9152 / 16.9528)  # over vendor, not over the peer
 
     report.compare_run(comp.run_dir, Console(file=io.StringIO(), width=300))
@@ -132,8 +132,8 @@ def test_peer_columns_per_token_sums_and_ratios(tmp_path) -> None:
     by_n = {row[head.index("N")]: row for row in rows}
     assert by_n["5120"][head.index(f"{SKINNY} µs")] == "16.50"
     assert by_n["96"][head.index(f"{SKINNY} µs")] == "-"
-    assert by_n["5120"][head.index("tuned / vendor")] == "1.000x"
-    assert by_n["5120"][head.index("tuned / best peer")] == f"{16.5 / 17.9152:.3f}x"
+    assert by_n["5120"][head.index("tuned / vendor")] == f"{17.9152 / 16.9528:.3f}x"
+    assert by_n["5120"][head.index("tuned / best peer")] == f"{16.5 / 16.9528:.3f}x"  # below 1: the peer wins
     assert by_n["14336"][head.index("tuned / best peer")] == f"{36.5 / 34.961601:.3f}x"
     assert by_n["14336"][head.index("tuned / vendor")] == f"{38.061599 / 34.961601:.3f}x"
     assert by_n["96"][head.index("best peer")] == "-" and by_n["96"][head.index("tuned / best peer")] == "-"
@@ -225,10 +225,11 @@ def test_final_rows_carry_the_peer_record() -> None:
     record = json.loads(rows[0][finals.PEERS_COLUMN])
     assert all(r[finals.PEERS_COLUMN] == rows[0][finals.PEERS_COLUMN] for r in rows)
     assert record == {SKINNY: "ok",
-                      "peer_backends:FAILS_BUILD": "build or first call failed in the worker: BuildError: stand-in "
-                                                   "peer: injected build failure",
+                      "peer_backends:FAILS_BUILD": "dropped in the worker (build, first call or verification): "
+                                                   "BuildError: stand-in peer: injected build failure",
                       MISSING: "unavailable here: package missing: stand-in-peers is not installed"}
-    assert rows[0]["baseline"] == SKINNY and rows[0]["speedup"] == pytest.approx(0.8)  # the table's gate
+    # speedups over the stock path, as the table gates: the faster peer is reported, not the bar
+    assert rows[0]["baseline"] == "vendor" and rows[1]["speedup"] == pytest.approx(1.25)
     assert any("FAILS_BUILD dropped" in line for line in logged)
     assert finals.PEERS_COLUMN == comparison.PEERS_COLUMN
 
@@ -321,3 +322,19 @@ def test_chain_only_families_left_out_where_the_served_path_covers_their_layers(
     assert counted == {"gemv_silu_mul": 0, "rms_gemv_silu_mul": 0}
     assert comp.tokens[0].calls == 128
     assert "left out gemv_silu_mul, rms_gemv_silu_mul (not served by the plugin" in comp.path_lines[0]
+
+
+def test_the_worker_drops_a_peer_with_wrong_results_before_timing_it(monkeypatch) -> None:
+    """A peer is verified as a candidate is: one that computes wrong results is never timed, never a bar."""
+    from tunekit.search.worker import _ChildState
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    problem = {"op": "gemv", "dtype": "bf16", "m": 1, "n": 128, "k": 64, "count": 1}
+    task = {"kind": "final", "problem": problem, "repeats": 2, "candidates": [
+        {"label": "vendor", "backend": "vendor", "params": {}},
+        {"label": SKINNY, "backend": SKINNY, "params": {}, "optional": True},
+        {"label": "peer_backends:WRONG", "backend": "peer_backends:WRONG", "params": {}, "optional": True}]}
+    reply = _ChildState().handle(task)
+    assert reply["status"] == "ok"
+    assert set(reply["timings"]) == {"vendor", SKINNY}
+    assert reply["dropped"]["peer_backends:WRONG"].startswith("verification failed:")

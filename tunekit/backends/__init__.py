@@ -18,7 +18,7 @@ import importlib
 
 from tunekit.backends.base import Backend, BuildError, SearchSpace
 
-__all__ = ["Backend", "BuildError", "SearchSpace", "get", "BUILTIN", "TUNED", "PEERS", "BASELINES"]
+__all__ = ["Backend", "BuildError", "SearchSpace", "get", "BUILTIN", "TUNED", "PEERS", "BASELINES", "STOCK"]
 
 BUILTIN: dict[str, str] = {
     "triton": "tunekit.backends.triton:BACKEND",
@@ -37,9 +37,13 @@ TUNED = ("triton", "hip", "vllm_skinny")
 PEERS = ("vllm_skinny_heuristic", "flashinfer")
 #: Baselines (kind "vendor"), never searched: "vendor" is always measured; the
 #: others join the final re-measure for the ops they implement where they can
-#: run (else one logged line says why). A tuned kernel must beat the fastest of
-#: them (tunekit.table).
+#: run (else one logged line says why).
 BASELINES = ("vendor", "inductor", *PEERS)
+#: The stock path: what serves a shape the table holds no entry for (cuBLAS / rocBLAS, the eager
+#: composition; Inductor's fusion inside vLLM's compiled graphs). A table entry must beat the fastest of
+#: these (tunekit.table). A peer that beats the tuned kernel is reported, not a bar: the plugin falls back
+#: to the stock path, never to a peer, so refusing the entry would serve the slower stock path.
+STOCK = ("vendor", "inductor")
 
 
 def get(name: str) -> Backend:

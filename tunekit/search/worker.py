@@ -278,6 +278,9 @@ class _ChildState:
         return record
 
     def _final(self, task: dict[str, Any]) -> dict[str, Any]:
+        import torch
+
+        from tunekit.measure import verify
         from tunekit.measure.bench import time_interleaved
         from tunekit.problems import opspec
 
@@ -290,14 +293,21 @@ class _ChildState:
             if not cand.get("optional"):
                 kernels[cand["label"]] = self._build(cand["backend"], problem, cand["params"])
                 continue
-            # An optional baseline (Inductor) compiles at its first call: do that
-            # here, so a failure drops it instead of the whole re-measure.
+            # An optional baseline (Inductor, a peer) compiles at its first call: do that
+            # here, so a failure drops it instead of the whole re-measure. It is verified
+            # as a candidate is (a peer computing wrong results is never timed, never a bar
+            # to beat): vendor is the reference's own composition, the others are not.
             try:
                 kernel = self._build(cand["backend"], problem, cand["params"])
                 kernel(rotation.inputs[0], rotation.outputs[0])
                 self._sync_free()
+                checked = verify.verify(kernel, spec, problem, torch.device(self.device.torch_device),
+                                        seed=int(task.get("seed", 0)), numerics="bounded")
             except Exception as exc:  # noqa: BLE001 - any compile error: record it, go on
                 dropped[cand["label"]] = f"{type(exc).__name__}: {str(exc)[:500]}"
+                continue
+            if not checked.ok:
+                dropped[cand["label"]] = f"verification failed: {checked.reason}"
                 continue
             kernels[cand["label"]] = kernel
         timings = time_interleaved(kernels, rotation, repeats=task.get("repeats"))
