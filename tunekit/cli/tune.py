@@ -156,7 +156,9 @@ def search(
     m: Annotated[str | None, typer.Option(help=_SEARCH_M_HELP, show_default=False)] = None,
     ops: Annotated[str | None, typer.Option(help=_SEARCH_OPS_HELP, show_default=False)] = None,
     backend: Annotated[str | None, typer.Option(
-        help="comma list of backends (default: every tuned backend available here)")] = None,
+        help="comma list of tuned backends: triton, hip, vllm_skinny (vLLM's CuTe-DSL skinny GEMM, its "
+             "SkinnyGemmConfig searched per shape; needs vLLM >= 0.33 and the CuTe DSL: pip install -e .[peers]; "
+             "docs/search.md) (default: every tuned backend available here)")] = None,
     trials: Annotated[int | None, typer.Option(
         help=f"measured trials per (problem, backend) study (default: {FULL_TRIALS}; {QUICK_TRIALS} with "
              "--budget quick)", show_default=False)] = None,
