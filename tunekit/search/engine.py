@@ -33,6 +33,13 @@ second search on it is refused). Several searches may share one storage
 flight records its owner (``host:pid``) and Optuna's heartbeat, so a search
 fails only the RUNNING trials whose process is gone, never another live
 search's.
+
+Faults: a run folder made for another problem set is refused unless ``--add``
+(``results.folder_problems``: the union is then searched); a storage or run
+folder lost mid-run ends the run with one ``UserError`` naming the cause and
+the fix (``storage.fault``), after the trials.csv that can still be written and
+with no temporary file left; the worker processes die with this one
+(``worker.die_with_parent``).
 """
 
 from __future__ import annotations
