@@ -15,7 +15,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 #: Fallback reasons of a model call that mean a broken serving path (FAIL), not merely an uncovered shape.
 BROKEN_REASONS = ("table_error", "env_mismatch", "backend_unavailable", "build_error", "kernel_error",
-                  "not_built_at_capture", "interpreter_off", "interpreter_on", "device", "dtype", "bad_input")
+                  "canary_mismatch", "tp_mismatch", "not_built_at_capture", "interpreter_off", "interpreter_on",
+                  "device", "dtype", "bad_input")
 
 Outputs = torch.Tensor | tuple[torch.Tensor, ...]
 
