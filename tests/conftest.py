@@ -31,3 +31,19 @@ def clean_ops():
     reset()
     yield
     reset()
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    """A throwaway PostgreSQL server for a test module (tests/postgres_server.py); skips where none can start,
+    fails instead under TUNEKIT_REQUIRE_POSTGRES=1 (CI)."""
+    import postgres_server
+
+    reason = postgres_server.unavailable_reason()
+    if reason is not None:
+        if os.environ.get("TUNEKIT_REQUIRE_POSTGRES") == "1":
+            pytest.fail(f"TUNEKIT_REQUIRE_POSTGRES=1 but {reason}")
+        pytest.skip(reason)
+    server = postgres_server.start()
+    yield server
+    server.stop()

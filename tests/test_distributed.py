@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import optuna
-import postgres_server
 import pytest
 
 # The slow tier (`python -m pytest -q -m slow`, run by .ci/run):
@@ -42,18 +41,6 @@ def _start(*args: str, **env: str) -> subprocess.Popen:
 def _finish(proc: subprocess.Popen, timeout: float = 900) -> tuple[int, str, str]:
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, out, err
-
-
-@pytest.fixture(scope="module")
-def postgres():
-    reason = postgres_server.unavailable_reason()
-    if reason is not None:
-        if os.environ.get("TUNEKIT_REQUIRE_POSTGRES") == "1":
-            pytest.fail(f"TUNEKIT_REQUIRE_POSTGRES=1 but {reason}")
-        pytest.skip(reason)
-    server = postgres_server.start()
-    yield server
-    server.stop()
 
 
 def _studies(url: str) -> dict[str, list[optuna.trial.FrozenTrial]]:

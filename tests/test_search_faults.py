@@ -148,18 +148,6 @@ def _wait_session_gone(sid: int, limit_s: float = 15) -> list[str]:
 
 
 # ------------------------------------------------------------------ a storage that goes away
-@pytest.fixture(scope="module")
-def postgres():
-    reason = postgres_server.unavailable_reason()
-    if reason is not None:
-        if os.environ.get("TUNEKIT_REQUIRE_POSTGRES") == "1":
-            pytest.fail(f"TUNEKIT_REQUIRE_POSTGRES=1 but {reason}")
-        pytest.skip(reason)
-    server = postgres_server.start()
-    yield server
-    server.stop()
-
-
 def _pg_ctl(server, *args: str) -> None:
     run = subprocess.run([*server.as_user, postgres_server.find_bin("pg_ctl"), *args, "-D",
                           str(server.folder / "data"), "-w"], capture_output=True, text=True, timeout=180)

@@ -395,20 +395,6 @@ def test_a_missing_password_is_one_line_saying_where_to_give_it(monkeypatch) -> 
     assert "postgresql://USER:PASSWORD@HOST/DB" in text and "PGPASSWORD" in text, text
 
 
-@pytest.fixture(scope="module")
-def postgres():
-    import postgres_server
-
-    reason = postgres_server.unavailable_reason()
-    if reason is not None:
-        if os.environ.get("TUNEKIT_REQUIRE_POSTGRES") == "1":
-            pytest.fail(f"TUNEKIT_REQUIRE_POSTGRES=1 but {reason}")
-        pytest.skip(reason)
-    server = postgres_server.start()
-    yield server
-    server.stop()
-
-
 @pytest.mark.slow
 def test_postgres_alias_and_a_sql_ascii_database_on_a_real_server(postgres) -> None:
     import psycopg

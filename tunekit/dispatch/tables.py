@@ -48,13 +48,8 @@ def load_tables(paths: str | os.PathLike | Sequence[str | os.PathLike] | None) -
             log_once(f"table-error:{path}", logging.ERROR, "tunekit: table %s not used: %s", path, exc)
     with STATE.lock:
         STATE.tables = loaded
-        STATE.device_tables.clear()
-        STATE.choices.clear()
-        STATE.epoch += 1
-        STATE.gated_layouts.clear()
-        STATE.built.clear()
-        STATE.largest.clear()
-        STATE.defaults.clear()
+        _forget_decisions()
+        STATE.built.clear()  # other tables: other kernels
     maybe_register_atexit()  # TUNEKIT_DISPATCH_LOG may have been set since import tunekit.ops
     return loaded_tables()
 
@@ -68,12 +63,17 @@ def set_tensor_parallel(size: int | None) -> None:
         if STATE.tp == size:
             return
         STATE.tp = size
-        STATE.device_tables.clear()
-        STATE.choices.clear()
-        STATE.epoch += 1
-        STATE.gated_layouts.clear()
-        STATE.largest.clear()
-        STATE.defaults.clear()
+        _forget_decisions()  # the built kernels stay valid: the same tables, fewer of them served
+
+
+def _forget_decisions() -> None:
+    """Drop every cached decision derived from the served tables (the caller holds ``STATE.lock``)."""
+    STATE.device_tables.clear()
+    STATE.choices.clear()
+    STATE.epoch += 1
+    STATE.gated_layouts.clear()
+    STATE.largest.clear()
+    STATE.defaults.clear()
 
 
 def loaded_tables() -> list[dict[str, Any]]:
