@@ -45,7 +45,7 @@ from tunekit.measure.device import detect
 from tunekit.problems import opspec
 from tunekit.problems.shapes import Problem
 
-pytestmark = [pytest.mark.usefixtures("clean_ops"), pytest.mark.slow]
+pytestmark = [pytest.mark.usefixtures("clean_ops"), pytest.mark.faults]
 
 DOCUMENTS = 10_000
 #: one loaded document in this many is served for real (kernels built and run under the interpreter)

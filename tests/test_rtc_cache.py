@@ -34,7 +34,7 @@ def _race_fake_builds(cache_root: str, builds_dir: str, start_at: float) -> list
     return out
 
 
-@pytest.mark.slow  # over 10 s on 2 cores: the slow tier
+@pytest.mark.faults  # 8 racing processes, for real: in the README's test command however long it takes
 def test_racing_processes_build_each_key_once(tmp_path: Path) -> None:
     builds = tmp_path / "builds"
     builds.mkdir()
@@ -65,7 +65,7 @@ def _race_nvrtc(cache_root: str, start_at: float) -> list[tuple[str, bool, bytes
     return out
 
 
-@pytest.mark.slow  # over 10 s on 2 cores: the slow tier
+@pytest.mark.faults  # 8 racing processes, for real: in the README's test command however long it takes
 def test_racing_processes_compile_real_kernels_once(tmp_path: Path) -> None:
     """Eight processes compile the same three HIP GEMV variants (NVRTC, sm_90) into one cache."""
     why = rtc.unavailable_reason("nvidia")

@@ -154,7 +154,7 @@ def _pg_ctl(server, *args: str) -> None:
     assert run.returncode == 0, run.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.faults  # a fault done for real: in the README's test command however long it takes
 def test_postgres_stopped_mid_search_is_one_line_and_a_rerun_resumes(postgres, tmp_path) -> None:
     import psycopg
 
@@ -201,7 +201,7 @@ def _fill(folder: Path) -> Path:
     return filler
 
 
-@pytest.mark.slow
+@pytest.mark.faults  # a fault done for real: in the README's test command however long it takes
 def test_a_full_tmpfs_mid_search_is_one_line_leaves_no_temp_file_and_a_rerun_resumes(tmp_path) -> None:
     mount = tmp_path / "small"
     mount.mkdir()
@@ -232,7 +232,7 @@ def test_a_full_tmpfs_mid_search_is_one_line_leaves_no_temp_file_and_a_rerun_res
         subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
-@pytest.mark.slow
+@pytest.mark.faults  # a fault done for real: in the README's test command however long it takes
 def test_a_file_size_limit_mid_search_is_one_line_leaves_no_temp_file_and_a_rerun_resumes(tmp_path) -> None:
     out = tmp_path / "run"
     args = ["search", "--shape", "24x64", *FIXED, "--out", str(out)]
@@ -269,7 +269,7 @@ def _make_unwritable(folder: Path) -> Callable[[], None]:
     return lambda: subprocess.run(["chattr", "-i", str(folder)], check=True)
 
 
-@pytest.mark.slow
+@pytest.mark.faults  # a fault done for real: in the README's test command however long it takes
 def test_a_run_folder_made_unwritable_mid_search_is_one_line_and_a_rerun_resumes(tmp_path) -> None:
     out = tmp_path / "run"
     args = ["search", "--shape", "24x64", *FIXED, "--out", str(out)]
@@ -292,7 +292,7 @@ def test_a_run_folder_made_unwritable_mid_search_is_one_line_and_a_rerun_resumes
 
 
 # ------------------------------------------------------------------ signals
-@pytest.mark.slow
+@pytest.mark.faults  # a fault done for real: in the README's test command however long it takes
 @pytest.mark.parametrize(("signum", "to_group"), [(signal.SIGTERM, False), (signal.SIGHUP, True)],
                          ids=["SIGTERM-to-the-search", "SIGHUP-to-its-group"])
 def test_sigterm_and_sighup_stop_like_ctrl_c_and_write_trials_csv(tmp_path, signum, to_group) -> None:
@@ -322,7 +322,7 @@ def test_sigterm_and_sighup_stop_like_ctrl_c_and_write_trials_csv(tmp_path, sign
     _check_resumed(res.returncode, res.stderr, f"sqlite:///{db}", _finished(stored))
 
 
-@pytest.mark.slow
+@pytest.mark.faults  # a fault done for real: in the README's test command however long it takes
 def test_kill_9_of_the_search_leaves_no_process_and_no_traceback(tmp_path) -> None:
     out = tmp_path / "run"
     proc = _start("search", "--shape", "24x64", *FIXED, "--out", str(out))
@@ -369,7 +369,7 @@ def test_add_searches_the_union_the_folder_first(tmp_path) -> None:
     assert [p.n for p in results.folder_problems(tmp_path, [_problem(24)], add=True)] == [24, 48]
 
 
-@pytest.mark.slow
+@pytest.mark.faults  # a fault done for real: in the README's test command however long it takes
 def test_another_problem_set_on_an_existing_out_is_refused_unless_add(tmp_path) -> None:
     out = tmp_path / "run"
     first = ["search", "--shape", "24x64", *FIXED, "--trials", "2", "--out", str(out)]

@@ -284,7 +284,7 @@ def test_search_picks_lines_when_stdout_is_not_a_terminal(monkeypatch) -> None:
 TINY = ["--backend", "triton", "--warm-start", "0", "--sampler", "random"]
 
 
-@pytest.mark.slow
+@pytest.mark.faults  # done for real: in the README's test command however long it takes
 def test_a_piped_search_prints_plan_estimate_and_progress_lines(tmp_path) -> None:
     proc = _tunekit("search", "--shape", "16x64", "--shape", "24x64", "--trials", "2", *TINY,
                     "--out", str(tmp_path / "run"), env=_env(TRITON_INTERPRET="1"), timeout=600)
@@ -308,7 +308,7 @@ def test_a_piped_search_prints_plan_estimate_and_progress_lines(tmp_path) -> Non
     assert not [line for line in rerun.stdout.splitlines() if line.startswith(("progress:", "estimate:"))]
 
 
-@pytest.mark.slow
+@pytest.mark.faults  # done for real: in the README's test command however long it takes
 def test_a_cpu_search_of_hours_warns_after_its_first_trial(tmp_path) -> None:
     import signal
 
@@ -395,7 +395,7 @@ def test_a_missing_password_is_one_line_saying_where_to_give_it(monkeypatch) -> 
     assert "postgresql://USER:PASSWORD@HOST/DB" in text and "PGPASSWORD" in text, text
 
 
-@pytest.mark.slow
+@pytest.mark.faults  # done for real: in the README's test command however long it takes
 def test_postgres_alias_and_a_sql_ascii_database_on_a_real_server(postgres) -> None:
     import psycopg
 
