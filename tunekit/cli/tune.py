@@ -181,7 +181,8 @@ def search(
         "--add", help="add this command's problems to an --out made for others (run.json then records the "
                       "union, and the table covers it); without it another problem set is refused")] = False,
     min_gain: Annotated[float, typer.Option(
-        help="minimum gain over the fastest baseline to enter the table (0.01: 1%; >= 0)")] = 0.01,
+        help="minimum gain over the stock path (the faster of vendor and Inductor; peers are reported, not a "
+             "bar) to enter the table (0.01: 1%; >= 0)")] = 0.01,
     seed: Annotated[int, typer.Option(help="sampler and input seed")] = 0,
     warm_start: Annotated[int, typer.Option(
         help="first measure the N best configs of every other study of the op in the storage")] = 3,
@@ -209,7 +210,7 @@ def search(
 
     Writes RUN/optuna.db and RUN/trials.csv (every trial, failures
     included), RUN/final.csv (the re-measure), RUN/table.json (the winners
-    that beat the fastest baseline by --min-gain) and RUN/report.md.
+    that beat the stock path by --min-gain) and RUN/report.md.
 
     Rerunning the same command resumes, also after Ctrl-C (exit status
     130), SIGTERM (143), SIGHUP (129) or a lost storage (a database server
@@ -360,7 +361,7 @@ def export(
     stamp: Annotated[str | None, typer.Option(
         help="with --storage holding several device models: the device stamp to export")] = None,
     min_gain: Annotated[float | None, typer.Option(
-        help="minimum gain over the fastest baseline, >= 0 (default: the run's, else 0.01)")] = None,
+        help="minimum gain over the stock path (vendor, Inductor), >= 0 (default: the run's, else 0.01)")] = None,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="table (default RUN/table.json)")] = None,
 ) -> None:
     """(Re)write the dispatch table of a run, or of a shared storage, from its re-measured results."""
