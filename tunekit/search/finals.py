@@ -3,7 +3,8 @@
 Per problem, the top :data:`FINAL_TOP_K` trials of every backend, vendor and every peer (each other
 baseline of ``tunekit.backends.BASELINES``: Inductor, vLLM's skinny GEMM, FlashInfer ...) that can run the
 problem here are re-measured interleaved in one graph session, same rotation and graphs (the ranking that
-counts); the speedups of the rows are against the fastest baseline. Every row of a problem carries its peer
+counts); the speedups of the rows are against the stock path (``backends.STOCK``: what serves without an
+entry; a peer is reported, not a bar). Every row of a problem carries its peer
 record (column ``peers``, JSON: peer -> ``"ok"`` or the one-line reason it was not timed: it cannot be
 loaded, ``unavailable_reason(device)``, no kernel for the op, ``invalid_reason(problem, {})``, or its build
 failed in the worker), so a peer missing from a report is never a silent omission; final.csv files written
@@ -207,7 +208,7 @@ def _final_candidates(run: Run, problem: Problem) -> list[dict[str, Any]]:
 def _final_remeasure(run: Run, ctx: WorkerContext, problem: Problem,
                      candidates: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The candidates timed interleaved in one session; ``baseline_us`` and ``speedup`` of every
-    row refer to the fastest baseline measured."""
+    row refer to the fastest stock baseline measured (vendor; Inductor where timed)."""
     cfg, bar, probe = run.cfg, run.bar, run.probe
     worker = ctx.worker
     reply = worker.call({"kind": "final", "problem": problem.as_dict(), "candidates": candidates,
