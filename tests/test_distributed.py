@@ -29,7 +29,7 @@ FIXED = ["--shape", "24x64", "--backend", "fixed_time_backend:FIXED", "--sampler
 
 def _env(**extra: str) -> dict[str, str]:
     path = os.pathsep.join([str(REPO), str(REPO / "tests"), str(REPO / "tests" / "slow_vendor")])
-    return dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path, TUNEKIT_TEST_VENDOR_MS="60", **extra)
+    return dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path, TUNEKIT_TEST_VENDOR_MS="120", **extra)
 
 
 def _start(*args: str, **env: str) -> subprocess.Popen:

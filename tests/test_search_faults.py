@@ -40,7 +40,7 @@ RESUME = "rerun the same command to resume"
 
 def _env() -> dict[str, str]:
     path = os.pathsep.join([str(REPO), str(REPO / "tests"), str(REPO / "tests" / "slow_vendor")])
-    return dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path, TUNEKIT_TEST_VENDOR_MS="60")
+    return dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path, TUNEKIT_TEST_VENDOR_MS="120")
 
 
 def _start(*args: str) -> subprocess.Popen:
