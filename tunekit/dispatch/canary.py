@@ -101,20 +101,12 @@ def guard(op: str, dtype: str, m: int, n: int, k: int, device: torch.device, ker
 
 def mismatch(spec: Any, problem: Any, inputs: tuple[torch.Tensor, ...], out: Any) -> str | None:
     """Why ``out`` fails the search's bound against the fp64 reference of ``inputs`` (worst output), else None."""
-    ref = spec.reference(inputs)
-    refs = ref if isinstance(ref, tuple) else (ref,)
-    bounds = spec.error_bound(problem, inputs, ref)
-    bounds = bounds if isinstance(bounds, tuple) else (bounds,)
+    from tunekit.measure.verify import against_reference
+
     outs = out if isinstance(out, tuple) else (out,)
-    worst: tuple[float, float] | None = None
-    for o, r, b in zip(outs, refs, bounds, strict=False):
-        o = o.reshape(r.shape).double()
-        if not torch.isfinite(o).all():
-            return "non-finite output"
-        err = (o - r).abs()
-        ratio = float((err / b).max())
-        if worst is None or ratio > worst[0]:
-            worst = (ratio, float(err.max()))
-    if worst is not None and worst[0] > 1.0:
-        return f"max |error| {worst[1]:.3g} against the fp64 reference, {worst[0]:.3g}x the op's bound"
+    if not all(bool(torch.isfinite(o).all()) for o in outs):
+        return "non-finite output"
+    worst = against_reference(spec, problem, inputs, outs)
+    if worst.ratio > 1.0:
+        return f"max |error| {worst.worst_err:.3g} against the fp64 reference, {worst.ratio:.3g}x the op's bound"
     return None

@@ -101,21 +101,10 @@ def verify(
         if not torch.isfinite(o).all():
             return VerifyResult(False, f"{label}non-finite output")
 
-    ref_value = spec.reference(inputs)
-    refs = _as_tuple(ref_value)
-    bounds = _as_tuple(spec.error_bound(problem, inputs, ref_value))
-    ratio, max_err, failure = float("-inf"), 0.0, ""
-    for label, o, ref, bound in zip(labels, outs, refs, bounds, strict=True):
-        err = (o.double() - ref).abs()
-        rel = err / bound
-        this_ratio, this_err = float(rel.max()), float(err.max())
-        max_err = max(max_err, this_err)
-        if this_ratio > ratio:  # the message names the output with the worst ratio
-            ratio = this_ratio
-            failure = f"{label}error {this_err:.3g} exceeds the bound (ratio {this_ratio:.3g}, flat index " \
-                      f"{int(rel.argmax())})"
-    if ratio > 1.0:
-        return VerifyResult(False, failure, max_err, ratio)
+    worst = against_reference(spec, problem, inputs, outs, labels)
+    if worst.ratio > 1.0:
+        return VerifyResult(False, worst.failure, worst.max_err, worst.ratio)
+    ratio, max_err = worst.ratio, worst.max_err
 
     again = _poisoned(spec, problem, device)
     kernel(inputs, again)
@@ -135,6 +124,39 @@ def verify(
                 return VerifyResult(False, f"{label}not bit-identical to the reference config "
                                            f"({differ} elements differ)", max_err, ratio)
     return VerifyResult(True, "", max_err, ratio)
+
+
+@dataclass(frozen=True)
+class Worst:
+    """The outputs against the fp64 reference: the worst |err| / bound over every element (<= 1 passes), the
+    largest |err| of all outputs, and of the output with the worst ratio its |err| and the failure message."""
+
+    ratio: float
+    max_err: float
+    worst_err: float
+    failure: str
+
+
+def against_reference(spec: OpSpec, problem: Problem, inputs: tuple[torch.Tensor, ...],
+                      outs: tuple[torch.Tensor, ...], labels: list[str] | None = None) -> Worst:
+    """Every output of one call against ``spec``'s fp64 reference of ``inputs`` under its error bound: the
+    one comparison of the search's check (:func:`verify`) and the serving canary
+    (``tunekit.dispatch.canary``). ``outs`` must have the reference's shapes."""
+    ref_value = spec.reference(inputs)
+    refs = _as_tuple(ref_value)
+    bounds = _as_tuple(spec.error_bound(problem, inputs, ref_value))
+    labels = labels or _labels(spec, len(refs))
+    ratio, max_err, worst_err, failure = float("-inf"), 0.0, 0.0, ""
+    for label, o, ref, bound in zip(labels, outs, refs, bounds, strict=True):
+        err = (o.reshape(ref.shape).double() - ref).abs()  # a served output may be a view of another shape
+        rel = err / bound
+        this_ratio, this_err = float(rel.max()), float(err.max())
+        max_err = max(max_err, this_err)
+        if this_ratio > ratio:  # the message names the output with the worst ratio
+            ratio, worst_err = this_ratio, this_err
+            failure = f"{label}error {this_err:.3g} exceeds the bound (ratio {this_ratio:.3g}, flat index " \
+                      f"{int(rel.argmax())})"
+    return Worst(ratio, max_err, worst_err, failure)
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
