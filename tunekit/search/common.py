@@ -105,7 +105,6 @@ class Run:
     started: float
     contexts: list[WorkerContext] = field(default_factory=list)
     usable: list[str] = field(default_factory=list)
-    extra: list[str] = field(default_factory=list)
     stamp: str = ""
     stamp_text: str = ""
     bar: Any = None

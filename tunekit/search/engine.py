@@ -167,7 +167,7 @@ def _run_locked(run: Run, slots: Sequence[fleet.Slot], progress: bool | str,
             log(f"read-bandwidth limit: {probe['read_gbps']:.0f} GB/s (copy {probe['copy_gbps']:.0f} GB/s, "
                 f"{probe['kind']} timing)")
         results.write_run_json(out_dir, cfg, run.url, device, probe, run.usable)
-        run.extra = _extra_baselines(cfg.problems, device, log)
+        _log_unavailable_peers(cfg.problems, device, log)
 
         studies = sum(len(run.backends_for(p)) for p in cfg.problems)
         run.bar = Progress(progress, log, studies=studies, trials=cfg.trials, workers=len(run.contexts),
@@ -282,12 +282,12 @@ def _usable_backends(requested: Sequence[str], device: dict[str, Any]) -> list[s
     return usable
 
 
-def _extra_baselines(problems: Sequence[Problem], device: dict[str, Any], log: Callable[[str], None]) -> list[str]:
-    """Baselines besides vendor that join the final re-measure of the problems they serve here."""
+def _log_unavailable_peers(problems: Sequence[Problem], device: dict[str, Any], log: Callable[[str], None]) -> None:
+    """One line at the start per baseline besides vendor that cannot run here for any of the problems (each
+    problem's re-measure records the same reason: ``finals.peer_arms``)."""
     from tunekit.measure.device import DeviceInfo
 
     info = DeviceInfo(**device)
-    usable = []
     for name in backend_registry.BASELINES:
         if name == "vendor":
             continue
@@ -297,6 +297,3 @@ def _extra_baselines(problems: Sequence[Problem], device: dict[str, Any], log: C
         reason = backend.unavailable_reason(info)
         if reason:
             log(f"{name} baseline: not measured ({reason})")
-        else:
-            usable.append(name)
-    return usable
