@@ -259,7 +259,8 @@ def folder_problems(out_dir: Path, problems: list, add: bool) -> list:
 
     path = Path(out_dir) / "run.json"
     try:
-        recorded = json.loads(path.read_text()).get("problems")
+        doc = json.loads(path.read_text())
+        recorded = doc.get("problems")
         stored = [Problem(p["op"], p["dtype"], int(p["m"]), int(p["n"]), int(p["k"]), int(p.get("count", 1)),
                           tuple(p.get("names", ()))) for p in recorded]
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
@@ -271,11 +272,7 @@ def folder_problems(out_dir: Path, problems: list, add: bool) -> list:
     new = [p for p in problems if p.key not in held]
     if add:
         return stored + new
-    command = ""
-    try:
-        command = json.loads(path.read_text()).get("command") or ""
-    except (OSError, ValueError, AttributeError):
-        pass
+    command = doc.get("command") or ""
     missing = len(held - asked)
     raise UserError(
         f"--out {out_dir} was made for {len(held)} problem(s)" + (f" by `{command}`" if command else "")
