@@ -347,7 +347,7 @@ def gemv(
     """y = x @ w.T (+ residual) with an explicit config. x [M, K], w [N, K] (unit stride on K);
     residual [M, N] (unit stride on N; ``out`` may be the residual itself: updated in place).
     With ``rms_eps``: y = (x / sqrt(mean(x^2) + rms_eps)) @ w.T, per row of x (SPLIT_K = 1).
-    With ``glu``: w's rows are (gate, up) pairs (``tunekit.opspec.interleave_gate_up``) and y[M, N / 2] =
+    With ``glu``: w's rows are (gate, up) pairs (``tunekit.problems.opspec_gemv.interleave_gate_up``) and y[M, N / 2] =
     silu(gate) * up of the fp32 dots (SPLIT_K = 1, even BLOCK_N, no residual)."""
     m, k = x.shape
     n = w.shape[0]
@@ -404,7 +404,7 @@ FUSED_OPS = ("gemv_add", "rms_gemv", "gemv_silu_mul", "rms_gemv_silu_mul")
 
 def launch(op: str, inputs: tuple[torch.Tensor, ...], out: torch.Tensor, config: GemvConfig,
            eps: float = 1e-6) -> None:
-    """The backend's entry for ``FUSED_OPS`` (``tunekit.opspec``'s protocol): inputs ``(x, W,
+    """The backend's entry for ``FUSED_OPS`` (``tunekit.problems.opspec``'s protocol): inputs ``(x, W,
     residual)`` -> ``y = x @ W^T + residual`` (``eps`` unused); ``(x, W)`` -> ``y = (x / rms(x)) @
     W^T``; ``(x, W)`` with W's rows (gate, up) pairs -> ``y = silu(x W_gate^T) * (x W_up^T)``
     (``rms_`` form: of x / rms(x)). The plain GEMV is built on :func:`gemv` directly."""

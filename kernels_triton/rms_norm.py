@@ -176,7 +176,7 @@ def rms_norm(
 
 def launch(op: str, inputs: tuple[torch.Tensor, ...], out: torch.Tensor, config: RmsNormConfig,
            eps: float = 1e-6) -> None:
-    """The backend's entry: ``inputs = (x, w)`` as tunekit.opspec makes them."""
+    """The backend's entry: ``inputs = (x, w)`` as tunekit.problems.opspec makes them."""
     x, w = inputs
     rms_norm(x, w, config, out=out, eps=eps, gemma=op == "gemma_rms_norm")
 

@@ -30,7 +30,7 @@ y = rstd * sum_k (s_k g_k) W_nk is applied once after the loop. The program
 reads x and W once each, as the plain GEMV, at the price of the activation's
 BF16 roundings (a never exists as a tensor): y is closer to the fp64
 reference than the unfused sequence, and differs from it by at most the
-rounding of a (inside the op's bound, ``tunekit.opspec._norm_gemv_bound``).
+rounding of a (inside the op's bound, ``tunekit.problems.opspec_gemv._norm_gemv_bound``).
 
 The residual s (fused-add ops) is written exactly once, spread over the
 grid: BLOCK_K chunk j of s is stored by program ``j % num_programs`` during
@@ -282,7 +282,7 @@ def rms_norm_gemv(
 
 
 def launch(op: str, inputs: tuple[torch.Tensor, ...], out, config: RmsNormGemvConfig, eps: float = 1e-6) -> None:
-    """The backend's entry, ``tunekit.opspec``'s protocol: inputs ``(x, g, W)`` -> ``y``, or
+    """The backend's entry, ``tunekit.problems.opspec``'s protocol: inputs ``(x, g, W)`` -> ``y``, or
     ``(x, residual, g, W)`` -> ``(y, residual_out)`` for the fused-add ops."""
     gemma = op.startswith("gemma_")
     if op in FUSED_ADD_OPS:

@@ -237,7 +237,8 @@ def silu_mul_gemv(
 
 def launch(op: str, inputs: tuple[torch.Tensor, ...], out: torch.Tensor, config: SiluMulGemvConfig,
            eps: float = 1e-6) -> None:
-    """The backend's entry, ``tunekit.opspec``'s protocol: inputs ``(gate_up, W)`` -> ``y`` (``eps`` unused)."""
+    """The backend's entry, ``tunekit.problems.opspec``'s protocol: inputs ``(gate_up, W)`` -> ``y``
+    (``eps`` unused)."""
     gate_up, w = inputs
     silu_mul_gemv(gate_up, w, config, out=out)
 

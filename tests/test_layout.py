@@ -1,17 +1,13 @@
-"""The house rules of the package layout (ARCHITECTURE.md): small modules, no import circle, and every
-import path that moved still working (the same module object, with a DeprecationWarning)."""
+"""The house rules of the package layout (ARCHITECTURE.md): small modules, and no import circle, neither
+between modules nor between packages (a package that imports another one that imports it back cannot be read,
+tested or installed apart from it)."""
 
 from __future__ import annotations
 
 import ast
-import importlib
-import json
-import subprocess
-import sys
-import warnings
 from pathlib import Path
 
-from tunekit import _moved
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "tunekit"
@@ -98,46 +94,47 @@ def test_no_import_circle():
     assert not _cycles(graph), f"import circles (move what both need to a module below both): {_cycles(graph)}"
 
 
+def _package(name: str, modules: dict[str, Path], depth: int | None) -> str:
+    """The node ``name`` counts under in the package graph: the package it is (or is a module of), cut to
+    ``depth`` levels below ``tunekit`` (1: the layers, tunekit.search, tunekit.evidence ...; None: every
+    package, subpackages apart). A module of the root package (tunekit.table, tunekit.ops ...) is a node of its
+    own: the root package is no layer."""
+    parts = name.split(".")
+    package = parts if modules[name].name == "__init__.py" else parts[:-1]
+    if len(package) == 1:
+        return name
+    return ".".join(package if depth is None else package[: 1 + depth])
+
+
+def _package_graph(depth: int | None) -> dict[str, set[str]]:
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        here = _package(name, modules, depth)
+        for target in _imports(name, path, modules):
+            there = _package(target, modules, depth)
+            if there != here:
+                graph.setdefault(here, set()).add(there)
+    return graph
+
+
+@pytest.mark.parametrize("depth", [1, None], ids=["layers", "every-package"])
+def test_no_import_circle_between_packages(depth: int | None):
+    """Packages as nodes (tunekit.search -> tunekit.evidence -> tunekit.search is a circle even where no two
+    modules import each other): each layer, and each package with its subpackages apart."""
+    graph = _package_graph(depth)
+    circles = _cycles(graph)
+    edges = {tuple(c): sorted(f"{a} -> {b}" for a in c for b in graph.get(a, ()) if b in c) for c in circles}
+    assert not circles, f"package import circles (move what both need below both): {edges}"
+
+
 def test_the_circle_check_can_fail():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
-
-
-def test_every_moved_import_path_still_works():
-    """In a fresh interpreter (the alias must work on a first import, not only on a cached one): each old
-    path warns, naming the new one, and is the very module object of the new path."""
-    code = """
-import importlib, json, sys, warnings
-import tunekit
-from tunekit._moved import MOVED
-bad = []
-for old, new in sorted(MOVED.items()):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        module = importlib.import_module(old)
-    if not any(issubclass(w.category, DeprecationWarning) and new in str(w.message) for w in caught):
-        bad.append(f"{old}: no DeprecationWarning naming {new}")
-    if module is not importlib.import_module(new) or module.__spec__.name != new:
-        bad.append(f"{old}: not the module {new}")
-print(json.dumps(bad))
-"""
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
-    assert len(_moved.MOVED) >= 18
-
-
-def test_old_submodule_and_from_import_forms():
-    """``from tunekit.serving import markers`` and ``import tunekit.serve.analysis`` (a submodule of a moved
-    package) give the new modules, not second copies."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from tunekit.serving import markers  # noqa: F401
-        old_analysis = importlib.import_module("tunekit.serve.analysis")
-    from tunekit.dispatch import markers as new_markers
-    from tunekit.evidence.serve_bench import analysis
-
-    assert markers is new_markers
-    assert old_analysis is analysis
-    assert _moved.new_path("tunekit.serving.state") == "tunekit.dispatch.state"
-    assert _moved.new_path("tunekit.table") is None
+    modules = {"tunekit.search.engine": Path("engine.py"), "tunekit.evidence.chain": Path("__init__.py"),
+               "tunekit.evidence.chain.steps": Path("steps.py"), "tunekit.table": Path("table.py")}
+    assert _package("tunekit.search.engine", modules, 1) == "tunekit.search"
+    assert _package("tunekit.evidence.chain.steps", modules, 1) == "tunekit.evidence"
+    assert _package("tunekit.evidence.chain.steps", modules, None) == "tunekit.evidence.chain"
+    assert _package("tunekit.evidence.chain", modules, None) == "tunekit.evidence.chain"
+    assert _package("tunekit.table", modules, 1) == "tunekit.table"

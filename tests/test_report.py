@@ -17,7 +17,7 @@ from rich.console import Console
 from tunekit.errors import UserError
 from tunekit.evidence import compare as report
 from tunekit.evidence import comparison, plots
-from tunekit.search import summary
+from tunekit.evidence import search_summary as summary
 
 REPO = Path(__file__).resolve().parents[1]
 RECORDED = REPO / "benchmarks" / "results" / "h200-m1-triton-9251ae9"
@@ -216,7 +216,7 @@ def test_recorded_h200_run(tmp_path) -> None:
 def test_the_search_summary_loads_neither_optuna_nor_torch() -> None:
     """The end-of-search summary and the report's figures are read without the search's or the kernels'
     libraries: only the report's own (rich; pandas and torch when final.csv is read)."""
-    code = ("import sys, tunekit.search.summary, tunekit.evidence.console; "
+    code = ("import sys, tunekit.evidence.search_summary, tunekit.evidence.console; "
             "print(sorted(m for m in ('optuna', 'torch', 'matplotlib', 'pandas') if m in sys.modules))")
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr

@@ -335,9 +335,9 @@ def test_a_cpu_search_of_hours_warns_after_its_first_trial(tmp_path) -> None:
 def test_summary_columns_count_this_search_and_say_so(tmp_path) -> None:
     from rich.console import Console
 
+    from tunekit.evidence.search_summary import print_summary
     from tunekit.problems.shapes import Problem
     from tunekit.search.common import SearchOutcome, StudyStats
-    from tunekit.search.summary import print_summary
 
     stats = StudyStats(Problem("gemv", "bf16", 1, 96, 5120), "triton", measured_before=4, measured_now=5, ok=3,
                        failed=2, invalid=7, duplicates=1, best_us=2.5)

@@ -16,12 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tunekit import _moved
-
 __version__ = "0.1.0"
-
-# old import paths (tunekit.serving, tunekit.serve, tunekit.chain ...) as deprecated aliases of their new homes
-_moved.install()
 
 __all__ = ["__version__", "dispatch_stats", "patch", "unpatch"]
 

@@ -1,4 +1,6 @@
-"""Errors the CLI turns into one clear line and a non-zero exit."""
+"""The project's exception types (the bottom of the package: imports nothing of tunekit). ``UserError`` and
+``Interrupted`` are what the CLI turns into one clear line and a non-zero exit; ``BuildError`` is a kernel that
+did not compile (raised by the backends and by ``tunekit.rtc``, below them)."""
 
 from __future__ import annotations
 
@@ -20,3 +22,11 @@ class Interrupted(BaseException):  # noqa: N818 - named for what happened, like 
     version, an ``Abort`` in another). The CLI prints one ``interrupted:``
     line and exits with status 130.
     """
+
+
+class BuildError(RuntimeError):
+    """A candidate could not be compiled; ``log`` holds the compiler's output."""
+
+    def __init__(self, message: str, log: str = "") -> None:
+        super().__init__(message)
+        self.log = log

@@ -35,19 +35,12 @@ from typing import Any, Protocol
 
 import torch
 
+from tunekit.errors import BuildError  # noqa: F401  (defined below the backends, for tunekit.rtc)
 from tunekit.measure.device import DeviceInfo
 from tunekit.problems.shapes import Problem
 
 Params = dict[str, Any]
 Kernel = Callable[[tuple[torch.Tensor, ...], torch.Tensor | tuple[torch.Tensor, ...]], None]
-
-
-class BuildError(RuntimeError):
-    """A candidate could not be compiled; ``log`` holds the compiler's output."""
-
-    def __init__(self, message: str, log: str = "") -> None:
-        super().__init__(message)
-        self.log = log
 
 
 @dataclass(frozen=True)

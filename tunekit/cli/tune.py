@@ -222,11 +222,11 @@ def search(
     work between hosts (docs/search.md).
     """
     from tunekit import backends as registry
+    from tunekit.evidence.search_summary import print_summary, report_after_search
     from tunekit.measure.verify import NUMERICS
     from tunekit.problems import shapes as shapes_mod
     from tunekit.problems.budget import apply_budget
     from tunekit.search.engine import SearchConfig, read_seed_records, run_search
-    from tunekit.search.summary import print_summary, report_after_search
 
     m_given = m is not None
     # the model's spec keeps, of the default op families, those it runs

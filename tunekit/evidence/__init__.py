@@ -12,7 +12,8 @@
 ``campaign`` runs the device campaigns that gather them: a plan of tunekit verbs (and scripts) run in order
 within a device-time budget, resumable -- ``tunekit campaign``.
 
-``console`` makes the rich console the command line prints its reports on.
+``console`` makes the rich console the command line prints its reports on; ``search_summary`` is what
+``tunekit search`` prints at its end (its studies, the re-measure, then ``compare``'s report).
 
 Importing this package imports nothing else.
 """

@@ -12,7 +12,7 @@ Call protocol::
 ``compile_kernel`` needs no GPU: it only uses ``device.vendor`` and
 ``device.arch`` (``sm_90``, ``gfx90a``, ``gfx936`` ...), so CI compiles every
 variant on a CPU machine. A compile error raises
-``tunekit.backends.base.BuildError`` whose ``.log`` is the compiler output.
+``tunekit.errors.BuildError`` whose ``.log`` is the compiler output.
 
 The source handed to the compiler is ``kernels_hip/<op>.hip`` with
 ``tunekit_hip.h`` inlined in place of its ``#include`` (hipRTC and NVRTC see no
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kernels_hip import HEADER, SOURCE_DIR, source_path
-from tunekit.backends.base import BuildError
+from tunekit.errors import BuildError
 from tunekit.measure.device import DeviceInfo
 from tunekit.rtc import cache
 

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
-from tunekit.backends.base import BuildError
+from tunekit.errors import BuildError
 
 #: NVRTC options besides the arch and the defines (part of the cache key).
 OPTIONS: tuple[str, ...] = ("-std=c++17",)
