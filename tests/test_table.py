@@ -78,6 +78,24 @@ def test_invalid_tables_are_refused(tmp_path, mutate, fragment) -> None:
     assert "\n" not in str(err.value)
 
 
+def test_a_cpu_table_records_no_read_limit_as_the_report_says_none(tmp_path) -> None:
+    # the CPU probe's "read_gbps" is an interpreter figure: the search and `compare` say "read limit: none"
+    cpu_probe = {"read_gbps": 0.05, "copy_gbps": 0.04, "kind": "cpu"}
+    table = table_mod.build_table(ROWS, DEVICE, cpu_probe, min_gain=0.01, backends=["triton"])
+    assert table["read_limit_gbps"] is None
+    assert table["entries"] and all(e["pct_of_limit"] is None for e in table["entries"])
+    loaded = table_mod.load(table_mod.save(table, tmp_path / "cpu.json"), strict=True)
+    assert loaded["read_limit_gbps"] is None
+    # a GPU probe keeps its figure; a table written before (the CPU figure recorded) or without the field loads
+    assert _table()["read_limit_gbps"] == 4600.0
+    old = dict(table, read_limit_gbps=0.05)
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert table_mod.load(tmp_path / "old.json")["read_limit_gbps"] == 0.05
+    older = {k: v for k, v in table.items() if k != "read_limit_gbps"}
+    (tmp_path / "older.json").write_text(json.dumps(older))
+    assert "read_limit_gbps" not in table_mod.load(tmp_path / "older.json")
+
+
 def test_corrupt_json_is_one_clear_error(tmp_path) -> None:
     path = tmp_path / "t.json"
     path.write_text('{"format": "tunekit.dispatch/1", "entr')

@@ -27,11 +27,16 @@ Format (``format`` = ``tunekit.dispatch/1``)::
      "environment": {"gpu": ..., "arch": ..., "cu_count": ..., "wave_size": ...,
                      "runtime": ..., "torch": ..., "triton": ..., "tunekit": ...,
                      "kernel_hash": {backend: hash}},
-     "read_limit_gbps": float,
+     "read_limit_gbps": float or null,
      "tp": int or null,
      "entries": [{"op", "dtype", "m", "n", "k", "backend", "kernel", "params",
                   "time_us", "baseline_us", "speedup", "gbps", "pct_of_limit",
                   "max_abs_err", "err_ratio", "count"}]}
+
+``read_limit_gbps``: the probe's streaming-read bandwidth, the limit ``pct_of_limit`` refers to; null where
+none was measured: a CPU (interpreter) run, whose figures are not bandwidth evidence (its entries'
+``pct_of_limit`` null too, as the search's summary and ``tunekit compare`` show them); a table written before
+that records the CPU probe's figure, and still loads.
 
 ``tp``: the tensor-parallel size the problems were sharded for (``tunekit search --model M --tp N``: one
 rank's shards); null or absent (tables written before it was recorded, and ``--shape`` searches, whose
@@ -136,9 +141,13 @@ def build_table(
 ) -> dict[str, Any]:
     """Pick per problem the fastest re-measured candidate at least ``min_gain`` ahead of the
     fastest stock baseline (vendor; for elementwise ops also Inductor: see the module docstring).
-    ``tp``: the tensor-parallel size the problems were sharded for (None: unknown)."""
+    ``tp``: the tensor-parallel size the problems were sharded for (None: unknown). A CPU ``probe``
+    (kind "cpu") gives no read limit: ``read_limit_gbps`` and every ``pct_of_limit`` are null."""
     from tunekit import backends as registry
     from tunekit.problems.shapes import Problem
+
+    # on the CPU interpreter no read-bandwidth limit is measured (the search and the report say "none")
+    cpu = probe.get("kind") == "cpu"
 
     def problem_key(row: dict[str, Any]) -> tuple:
         return (row["op"], row["dtype"], int(row["m"]), int(row["n"]), int(row["k"]))
@@ -175,7 +184,7 @@ def build_table(
             "baseline_us": float(row["baseline_us"]),
             "speedup": float(row["speedup"]),
             "gbps": float(row["gbps"]),
-            "pct_of_limit": _num(row.get("pct_of_limit")),
+            "pct_of_limit": None if cpu else _num(row.get("pct_of_limit")),
             "max_abs_err": _num(row.get("max_abs_err")),
             "err_ratio": _num(row.get("err_ratio")),
             "count": int(row.get("count") or 1),
@@ -185,7 +194,7 @@ def build_table(
         "format": FORMAT,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "environment": environment_stamp(device, backends),
-        "read_limit_gbps": probe.get("read_gbps"),
+        "read_limit_gbps": None if cpu else probe.get("read_gbps"),
         "min_gain": min_gain,
         "tp": tp,
         "entries": entries,
