@@ -142,6 +142,8 @@ def test_postgres_alias_reaches_optuna_as_postgresql(monkeypatch, given, opened)
 
     _Recorder.urls = []
     monkeypatch.setattr(optuna.storages, "RDBStorage", _Recorder)
+    # the postgres extra's driver installed (its lookup only: nothing connects, so the test extra alone runs this)
+    monkeypatch.setattr(storage, "_has_module", lambda name: name == "psycopg")
     storage.open_storage(given)
     assert _Recorder.urls == [opened]
 
@@ -240,13 +242,51 @@ def test_cpu_estimate_from_the_first_trial_warns_before_hours() -> None:
     clock.now += 120
     bar.update(task, 1)
     assert lines[1] == ("estimate: the first trial took 2 min on the CPU interpreter; the 1759 trials left would "
-                        "take about 58.6 h")
+                        "take about 58.6 h (from 1 trial; refined after 5)")
     assert lines[2].startswith("warning: this CPU search would take about 58.6 h: make it smaller with "
                                "--budget quick, --ops")
     assert "--m 1" in lines[2] and "--trials N" in lines[2]
     clock.now += 120
     bar.update(task, 2)
     assert sum(line.startswith(("estimate:", "warning:")) for line in lines) == 2  # once per search
+
+
+def test_cpu_estimate_is_refined_from_the_median_of_the_first_trials() -> None:
+    # the first trial also pays the worker's warm-up: 10 min, then 30 s a trial
+    clock = _Clock()
+    bar, lines = _lines_progress(clock, studies=1, trials=100, cpu=True)
+    task = bar.add("s", total=100, done=0)
+    for completed, took in enumerate((600, 30, 30, 40, 30, 30), start=1):
+        clock.now += took
+        bar.update(task, completed)
+    estimates = [line for line in lines if line.startswith("estimate:")]
+    assert estimates == [
+        "estimate: the first trial took 10 min on the CPU interpreter; the 99 trials left would take about 16.5 h "
+        "(from 1 trial; refined after 5)",
+        "estimate: a trial takes 30 s on the CPU interpreter (the median of the first 5); the 95 trials left "
+        "would take about 48 min"]
+    assert len([line for line in lines if line.startswith("warning:")]) == 1  # with the first estimate only
+
+
+def test_cpu_estimate_counts_each_worker_threads_own_trials() -> None:
+    import threading
+
+    clock = _Clock()
+    bar, lines = _lines_progress(clock, studies=1, trials=20, cpu=True, workers=2)
+    task = bar.add("s", total=20, done=0)
+
+    clock.now += 8
+    bar.update(task, 1)  # this thread's first: 8 s since the start
+    clock.now += 2
+    go = threading.Event()  # the other threads' first trials, all ending at 10 s (all alive: distinct threads)
+    threads = [threading.Thread(target=lambda c=c: (go.wait(), bar.update(task, c))) for c in (2, 3, 4, 5)]
+    for thread in threads:
+        thread.start()
+    go.set()
+    for thread in threads:
+        thread.join()
+    assert lines[-1] == ("estimate: a trial takes 10 s on the CPU interpreter (the median of the first 5); the 15 "
+                         "trials left would take about 75 s over 2 workers")
 
 
 def test_cpu_estimate_of_a_short_search_has_no_warning_and_counts_workers() -> None:
@@ -256,7 +296,7 @@ def test_cpu_estimate_of_a_short_search_has_no_warning_and_counts_workers() -> N
     clock.now += 6
     bar.update(task, 1)
     assert lines == ["estimate: the first trial took 6 s on the CPU interpreter; the 7 trials left would take "
-                     "about 21 s over 2 workers"]
+                     "about 21 s over 2 workers (from 1 trial; refined after 5)"]
     gpu_clock = _Clock()
     bar, lines = _lines_progress(gpu_clock, studies=2, trials=4, cpu=False)
     gpu_clock.now += 6000

@@ -1,5 +1,5 @@
 """What a running search tells its user: the plan's size, progress bars on a terminal, progress lines
-elsewhere, and on the CPU interpreter an estimate of the whole from the first measured trial.
+elsewhere, and on the CPU interpreter an estimate of the whole from the first measured trials.
 
 Three modes (``Progress(mode, log, ...)``):
 
@@ -18,13 +18,18 @@ Call protocol (the search's threads share one object; every method is thread-saf
     bar.finish(task)                           # the study needs no more trials (also when short of total)
     bar.log("message"); bar.stop()
 
-On the CPU (``cpu=True``) the first measured trial gives the estimate of the rest (one line), and a
-``warning:`` line when it comes to more than :data:`HOURS_WARNING_S`, saying how to make the search smaller.
+On the CPU (``cpu=True``) the first measured trial gives an estimate of the rest (one line), refined once
+:data:`REFINE_AFTER` trials are measured: then a trial's time is the median of the trials so far (the first
+one also pays the worker's warm-up, a trial that ends a study the wait for the next), each line saying how
+many trials it rests on. A ``warning:`` line comes with the first estimate over :data:`HOURS_WARNING_S`
+(once), saying how to make the search smaller. A trial's time is the time between two measured trials of
+one worker thread (the first: since the start), so several workers are counted as they run.
 Imports nothing of the search.
 """
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +37,8 @@ from typing import Any
 
 #: Seconds between two ``progress:`` lines while no study finishes.
 LINE_INTERVAL_S = 10.0
+#: Measured trials after which the CPU estimate is given again from the median of the trials so far.
+REFINE_AFTER = 5
 #: A CPU search estimated longer than this gets a ``warning:`` line.
 HOURS_WARNING_S = 3600.0
 #: How to make a search smaller (the warning's advice).
@@ -68,7 +75,9 @@ class Progress:
         self._done: dict[str, int] = {}  # task -> measured trials it holds (capped at its total)
         self._finished: set[str] = set()
         self._measured_now = 0  # trials measured by this process (the ETA's rate)
-        self._estimated = False
+        self._trial_s: list[float] = []  # each measured trial's time, per worker thread (the CPU estimate)
+        self._last_trial: dict[int, float] = {}  # worker thread -> when its last measured trial ended
+        self._warned = False
         self._bars = None
         self._bar_tasks: dict[str, Any] = {}
         if self.mode == "bars":
@@ -112,11 +121,13 @@ class Progress:
         lines: list[str] = []
         with self._lock:
             self._measured_now += 1
+            now, thread = self._clock(), threading.get_ident()
+            self._trial_s.append(now - self._last_trial.get(thread, self._started))
+            self._last_trial[thread] = now
             self._done[task] = max(self._done.get(task, 0), min(completed, self._total.get(task, completed)))
             if self._bars is not None:
                 self._bars.update(self._bar_tasks[task], completed=completed, best=best)
-            if self._cpu and not self._estimated:
-                self._estimated = True
+            if self._cpu and len(self._trial_s) in (1, REFINE_AFTER):
                 lines += self._estimate()
             if self._done[task] >= self._total.get(task, completed) and task not in self._finished:
                 self._finished.add(task)
@@ -163,15 +174,18 @@ class Progress:
                 f"{duration(elapsed)} elapsed, {self._eta(planned - done)}"]
 
     def _estimate(self) -> list[str]:
-        """The CPU's estimate of the whole from the first measured trial; under the lock."""
-        per_trial = self._clock() - self._started
+        """The CPU's estimate of the whole from the trials measured so far (the median's); under the lock."""
+        count, per_trial = len(self._trial_s), statistics.median(self._trial_s)
         _, done, planned = self._counts()
         left = max(planned - done, 0)
         total = left * per_trial / self._workers
-        lines = [f"estimate: the first trial took {duration(per_trial)} on the CPU interpreter; the {left} "
-                 f"trials left would take about {duration(total)}"
-                 + (f" over {self._workers} workers" if self._workers > 1 else "")]
-        if total > HOURS_WARNING_S:
+        took = (f"the first trial took {duration(per_trial)} on the CPU interpreter" if count == 1 else
+                f"a trial takes {duration(per_trial)} on the CPU interpreter (the median of the first {count})")
+        lines = [f"estimate: {took}; the {left} trials left would take about {duration(total)}"
+                 + (f" over {self._workers} workers" if self._workers > 1 else "")
+                 + (f" (from 1 trial; refined after {REFINE_AFTER})" if count == 1 else "")]
+        if total > HOURS_WARNING_S and not self._warned:
+            self._warned = True
             lines.append(f"warning: this CPU search would take about {duration(total)}: {SMALLER}")
         return lines
 
