@@ -107,7 +107,22 @@ def test_cli_refuses_a_non_divisible_config_and_tp_in_one_line(tmp_path) -> None
     good = tmp_path / "good.json"
     good.write_text(json.dumps(_llama()))
     line = _one_error(_tunekit("shapes", "--config", str(good), "--tp", "3"))
-    assert "tp=3" in line and "num_attention_heads=32" in line, line
+    assert "tp=3" in line and "num_attention_heads=32" in line and f"(config {good})" in line, line
+
+
+def test_a_tp_the_config_cannot_shard_names_the_model_and_its_config_file(tmp_path) -> None:
+    from tunekit.problems.models.load import load_config_file, load_model
+
+    folder = tmp_path / "Llama-X"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(_llama()))
+    with pytest.raises(UserError) as err:
+        load_config_file(folder).check_tp(3)
+    assert str(err.value).startswith(f"Llama-X (config {folder / 'config.json'}): tp=3 is not supported: "
+                                     "num_attention_heads=32 not divisible by tp=3"), err.value
+    with pytest.raises(UserError, match=r"^llama-3\.1-8b-instruct \(config tunekit/problems/models/configs/"
+                                        r"[^)]+\.json\): tp=3 is not supported"):
+        load_model("llama-3.1-8b-instruct").check_tp(3)
 
 
 def test_linear_value_heads_not_divisible_by_key_heads_are_refused() -> None:

@@ -150,10 +150,12 @@ class ModelSpec:
         return None
 
     def check_tp(self, tp: int) -> None:
-        """Raise :class:`UserError` with a one-line reason if ``tp`` is unsupported."""
+        """Raise :class:`UserError` with a one-line reason if ``tp`` is unsupported, naming the model and the
+        config file its numbers come from."""
         reason = self.tp_error(tp)
         if reason is not None:
-            raise UserError(f"{self.name}: tp={tp} is not supported: {reason}")
+            where = f" (config {self.origin})" if self.origin and self.origin != self.name else ""
+            raise UserError(f"{self.name}{where}: tp={tp} is not supported: {reason}")
 
     def linears(self, tp: int = 1) -> list[tuple[str, int, int, int]]:
         """The GEMV layers one rank executes per decoded token at tensor parallelism ``tp``.
