@@ -247,6 +247,30 @@ def test_a_valid_table_passes_strict_and_pct_of_limit_may_be_null(tmp_path) -> N
     assert table_mod.load(path, strict=True)["entries"][0]["pct_of_limit"] is None
 
 
+def test_show_of_an_empty_table_says_it_has_no_entries_instead_of_an_empty_grid(tmp_path, monkeypatch) -> None:
+    import io
+
+    from rich.console import Console
+
+    from tunekit.cli import tune
+
+    def shown(table: dict) -> str:
+        path = tmp_path / "table.json"
+        path.write_text(json.dumps(table))
+        out = io.StringIO()
+        monkeypatch.setattr(tune, "console", Console(file=out, width=200))
+        tune.show(path, check=False)
+        return out.getvalue()
+
+    text = shown(dict(_valid_table(), entries=[]))
+    assert ", 0 entries, tuned on Test GPU" in text
+    assert ("no entries: every shape served with this table takes the stock path (no tuned candidate beat it by "
+            "the min gain 1.0%)") in text
+    assert "speedup" not in text and "┃" not in text  # no grid
+    assert "min gain" not in shown({k: v for k, v in _valid_table().items() if k != "min_gain"} | {"entries": []})
+    assert "no entries" not in shown(_valid_table()) and "speedup" in shown(_valid_table())
+
+
 def test_show_names_the_bad_entry_in_one_line_and_counts_the_others(tmp_path) -> None:
     table = _valid_table()
     second = dict(table["entries"][0], n=128, params=dict(table["entries"][0]["params"], num_warps="eight"))

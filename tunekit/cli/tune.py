@@ -261,37 +261,37 @@ def search(
         trial_timeout_s=trial_timeout, command=shlex.join(["tunekit"] + sys.argv[1:]),
         model=spec.name if spec else None, gpus=gpus, add=add, tp=tp if spec else None,
     )
-    with _stop_signals() as stopped_by:
-        try:
+    try:
+        with _stop_signals():
             outcome = run_search(cfg, progress=_progress_mode(progress), log=lambda s: console.print(s))
             print_summary(console, outcome)
             report_after_search(console, outcome.run_dir)
-        except Interrupted:
-            if not stopped_by:
-                raise  # Ctrl-C: the CLI's own line and status 130
-            name = signal.Signals(stopped_by[0]).name
-            sys.stderr.write(f"interrupted: {name}; finished trials are stored (trials.csv lists them); "
-                             "rerun the same command to resume\n")
-            sys.exit(128 + stopped_by[0])  # as the shell reports a process ended by the signal
+    except Interrupted:
+        from tunekit.search.stops import STOPS
+
+        signum = STOPS.received
+        if signum in (None, signal.SIGINT):
+            raise  # Ctrl-C: the CLI's own line and status 130
+        name = signal.Signals(signum).name
+        sys.stderr.write(f"interrupted: {name}; finished trials are stored (trials.csv lists them); "
+                         "rerun the same command to resume\n")
+        sys.exit(128 + signum)  # as the shell reports a process ended by the signal
 
 
 @contextlib.contextmanager
 def _stop_signals():
-    """SIGTERM and SIGHUP (``kill``, batch schedulers, systemd, a closed terminal) stop the search as
-    Ctrl-C does: the trials in flight are recorded, trials.csv is written, the workers are closed. Yields
-    the list that receives the signal's number; the search command exits 128 + that number."""
-    caught: list[int] = []
+    """Ctrl-C, SIGTERM and SIGHUP (``kill``, batch schedulers, systemd, a closed terminal) stop the search:
+    the trials in flight are recorded, trials.csv is written, the workers are closed. Their handlers only
+    record the signal (``tunekit.search.stops.STOPS``, whose ``received`` names it); the search raises
+    Interrupted where it checks, and at the end of this block a signal that came after its last check. The
+    search command exits 128 + the signal's number (130 for Ctrl-C, with the CLI's own line)."""
+    from tunekit.search.stops import SIGNALS, STOPS
 
     def stop(signum: int, frame: object) -> None:
-        caught.append(signum)
         raise Interrupted()
 
-    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield caught
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+    with STOPS.recorded({signum: stop for signum in SIGNALS}):
+        yield
 
 
 def _progress_mode(progress: bool) -> str | bool:
@@ -462,6 +462,11 @@ def show(
         diffs = table_mod.environment_mismatch(table, detect().as_dict())
         if diffs:
             raise UserError(f"{table_path} does not match this environment: " + "; ".join(diffs))
+    if not table["entries"]:
+        gain = table.get("min_gain")
+        console.print("no entries: every shape served with this table takes the stock path (no tuned "
+                      "candidate beat it" + ("" if gain is None else f" by the min gain {gain:.1%}") + ")")
+        return
     rows = Table("op", "M", "N", "K", "backend", "params", "us", "vendor us", "speedup", "GB/s", "% limit")
     for e in table["entries"]:
         pct = e.get("pct_of_limit")
