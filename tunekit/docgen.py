@@ -139,7 +139,7 @@ def render() -> str:
         "",
         _escape(_paragraphs(group.help)),
         "",
-        "Run them as `tunekit COMMAND` (after `pip install -e .`) or `python -m tunekit COMMAND` from the "
+        "Run them as `tunekit COMMAND` (after `pip install -e '.[search]'`) or `python -m tunekit COMMAND` from the "
         "repository root; `tunekit COMMAND --help` prints the same in the terminal.",
         "",
         "| command | what it does |",

@@ -4,7 +4,8 @@ User errors (unknown model, malformed config, corrupt table, bad option or
 option value, a file or folder that cannot be read or written) are one
 ``error:`` line on stderr and exit status 2, never a traceback; Ctrl-C is one
 ``interrupted:`` line and exit status 130. A bare ``tunekit`` prints the help
-and exits 2 (no command is a usage error).
+and exits 2 (no command is a usage error). Without the ``search`` extra (a
+serving-only install) every command is one ``error:`` line naming it, exit 2.
 
 Verbs register on ``tunekit.cli.app.app`` in two modules: ``tune`` (models, shapes, search, export,
 compare, show, probe) and ``evidence`` (chain, serve-bench, check-serving, campaign); this module holds
@@ -18,12 +19,33 @@ import importlib
 import signal
 import sys
 
-from tunekit.cli.app import app
-from tunekit.cli.tune import _parse_restrict, search  # noqa: F401  (the tuning verbs, registered first)
 from tunekit.errors import Interrupted, UserError
 
-# the evidence verbs register after the tuning ones: the order of `tunekit --help` and docs/commands.md
-importlib.import_module("tunekit.cli.evidence")
+#: The packages of pyproject.toml's ``search`` extra: the commands need them, serving does not (a serving-only
+#: install has torch, Triton and numpy), so without them every command is one line naming the extra.
+SEARCH_EXTRA = ("optuna", "pandas", "matplotlib", "typer", "rich")
+
+
+def _missing_extra(exc: ModuleNotFoundError) -> str | None:
+    """The one-line error for a package of the search extra that is not installed, else None."""
+    name = (exc.name or "").partition(".")[0]
+    if name not in SEARCH_EXTRA:
+        return None
+    return (f"the tunekit commands need the search extra ({name} is not installed): pip install 'tunekit[search]' "
+            "(pip install -e '.[search]' in a checkout)")
+
+
+_MISSING: str | None = None
+try:
+    from tunekit.cli.app import app
+    from tunekit.cli.tune import _parse_restrict, search  # noqa: F401  (the tuning verbs, registered first)
+
+    # the evidence verbs register after the tuning ones: the order of `tunekit --help` and docs/commands.md
+    importlib.import_module("tunekit.cli.evidence")
+except ModuleNotFoundError as exc:
+    _MISSING = _missing_extra(exc)
+    if _MISSING is None:
+        raise
 
 
 _INTERRUPTED = "interrupted: finished trials are stored; rerun the same command to resume\n"
@@ -59,6 +81,9 @@ def _click_error(exc: BaseException) -> str | None:
 def main() -> None:
     # Ctrl-C raises Interrupted, not KeyboardInterrupt: typer and click would catch that one and
     # turn it into an exit of their own (version-dependent); the search decides what stops.
+    if _MISSING is not None:  # a serving-only install: no traceback, the extra named
+        sys.stderr.write(f"error: {_MISSING}\n")
+        sys.exit(2)
     signal.signal(signal.SIGINT, _on_sigint)
     code: object = None
     try:
@@ -73,6 +98,12 @@ def main() -> None:
     except (Interrupted, KeyboardInterrupt):
         sys.stderr.write(_INTERRUPTED)
         sys.exit(130)
+    except ModuleNotFoundError as exc:  # a command's lazy import of the search extra (optuna, pandas ...)
+        message = _missing_extra(exc)
+        if message is None:
+            raise
+        sys.stderr.write(f"error: {message}\n")
+        sys.exit(2)
     except Exception as exc:  # click's / typer's usage errors arrive here in non-standalone mode
         message = _click_error(exc)
         if message is not None:
