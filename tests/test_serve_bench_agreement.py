@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 from serve_bench_tiny import TinyLlama, TinyRMSNorm, forced_record, greedy  # noqa: E402
 
 from tunekit.evidence.serve_bench import agreement, forced, tpot, weights  # noqa: E402
+from tunekit.evidence.verdict import Caps  # noqa: E402
 
 PROMPTS = [[(7 * r + 13 * j) % 500 + 3 for j in range(8)] for r in range(4)]
 TOL = 2.0 ** -6
@@ -120,41 +121,59 @@ def test_agreement_passes_a_correct_arm_and_fails_a_perturbed_one(tiny) -> None:
             "tuned": [_result("tuned", 0, {4: correct})],
             "folded": [_result("folded", 0, {4: forced_record(off, PROMPTS, forced_tokens, topk)})],
             "passthrough": [_result("passthrough", 0, {4: forced_record(rounded, PROMPTS, forced_tokens, topk)})]}
-    doc = agreement.forced_agreement(arms, 4, TOL)
-    assert doc["thresholds"] == {"logprob": TOL, "kl": TOL * TOL / 2, "hard_share": 0.0}  # vanilla's spread is 0
+    caps = Caps(logprob=TOL, kl=TOL * TOL / 2)  # the tiny model's scale (the real checkpoints': test_real_verdict.py)
+    doc = agreement.forced_agreement(arms, 4, caps)
+    assert doc["caps"] == {"logprob": TOL, "kl": TOL * TOL / 2, "hard_share": 0.0}
+    assert doc["spread_within_caps"] is True  # two vanilla processes, bit for bit
     tuned = doc["tuned"]
-    assert tuned["ok"] and tuned["equal_share"] == 1.0 and tuned["positions"] == 4 * steps
+    assert tuned["verdict"] == "pass" and tuned["equal_share"] == 1.0 and tuned["positions"] == 4 * steps
     assert tuned["max_abs_logprob_diff"] < 1e-3 and tuned["kl_max"] < 1e-8
     for arm in ("folded", "passthrough"):
         bad = doc[arm]
-        assert not bad["ok"], arm
+        assert bad["verdict"] == "fail" and not bad["ok"], arm
         assert not bad["checks"]["logprob"] and not bad["checks"]["kl"], arm
-        assert bad["max_abs_logprob_diff"] > 4 * TOL and bad["kl_max"] > 2 * agreement.kl_floor(TOL), arm
+        assert bad["max_abs_logprob_diff"] > 4 * TOL and bad["kl_max"] > TOL * TOL, arm
     assert agreement.verdict(doc, ("tuned",)) == "pass"
     assert agreement.verdict(doc, ("tuned", "folded")) == "fail"
     assert "FAIL" in agreement.line("folded", doc["folded"], doc) and "FAIL" not in agreement.line("tuned", tuned, doc)
 
 
-def test_a_flipped_token_is_hard_unless_a_near_tie_and_the_spread_sets_the_bar() -> None:
+def test_a_flipped_token_is_hard_unless_a_near_tie_and_a_spread_past_the_caps_is_inconclusive() -> None:
     def rec(tops: list[list[list]]) -> dict:
         return {"forced": [1, 1], "top": tops}
 
     ref = rec([[[1, -0.1], [2, -2.5]], [[1, -0.69], [2, -0.70]]])
     tie = rec([[[1, -0.1], [2, -2.5]], [[2, -0.692], [1, -0.697]]])  # step 1 flips within 0.005 nats
     hard = rec([[[2, -0.1], [1, -2.5]], [[1, -0.69], [2, -0.70]]])  # step 0 flips by 2.4 nats
-    s_tie = agreement.summarize([agreement.compare_requests(ref, tie)], TOL)
-    s_hard = agreement.summarize([agreement.compare_requests(ref, hard)], TOL)
+    s_tie = agreement.summarize([agreement.compare_requests(ref, tie)], 0.1)
+    s_hard = agreement.summarize([agreement.compare_requests(ref, hard)], 0.1)
     assert (s_tie["first_divergence"], s_tie["mismatches"], s_tie["hard_mismatches"]) == (1, 1, 0)
     assert (s_hard["first_divergence"], s_hard["hard_mismatches"], s_hard["equal_share"]) == (0, 1, 0.5)
     assert agreement.compare_requests(ref, {"forced": [1, 2], "top": ref["top"]}) is None  # other contexts
-    # vanilla at batch 1 against batch 2: 0.02 nats apart, so the logprob bar is 2 x 0.02
+    # vanilla at batch 1 against batch 2: 0.02 nats apart, within a 0.05 cap: the caps judge
     wobble = rec([[[1, -0.12], [2, -2.5]], [[1, -0.69], [2, -0.70]]])
     arms = {"vanilla": [_result("vanilla", 0, {1: {"requests": [ref]}, 2: {"requests": [wobble]}})],
             "tuned": [_result("tuned", 0, {1: {"requests": [tie]}, 2: {"requests": [tie]}})]}
-    doc = agreement.forced_agreement(arms, 1, TOL)
-    assert doc["thresholds"]["logprob"] == pytest.approx(0.04) and doc["spread"]["processes"] is None
+    caps = Caps(logprob=0.05, kl=0.05)  # a two-token toy: its bucketed KL is not a real model's
+    doc = agreement.forced_agreement(arms, 1, caps)
+    assert doc["spread"]["processes"] is None and doc["spread_within_caps"] is True
     assert doc["spread"]["batches"]["max_abs_logprob_diff"] == pytest.approx(0.02)
-    assert doc["tuned"]["ok"]
+    assert doc["tuned"]["verdict"] == "pass"
+    # 0.08 nats apart: vanilla wobbles past the cap, so no verdict can pass, however close the arm is
+    wobble = rec([[[1, -0.18], [2, -2.5]], [[1, -0.69], [2, -0.70]]])
+    arms["vanilla"] = [_result("vanilla", 0, {1: {"requests": [ref]}, 2: {"requests": [wobble]}})]
+    doc = agreement.forced_agreement(arms, 1, caps)
+    assert doc["spread_within_caps"] is False and doc["tuned"]["verdict"] == "inconclusive"
+    assert "vanilla's own spread is past the caps" in doc["tuned"]["why"]
+    assert agreement.verdict(doc, ("tuned",)) == "inconclusive"
+    # one process and one batch size: no spread, the caps alone
+    solo = {"vanilla": [_result("vanilla", 0, {1: {"requests": [ref]}})],
+            "tuned": [_result("tuned", 0, {1: {"requests": [tie]}})]}
+    doc = agreement.forced_agreement(solo, 1, caps)
+    assert doc["spread_within_caps"] is None and doc["tuned"]["verdict"] == "pass"
+    assert "the caps alone" in doc["tuned"]["why"]
+    hard_arm = {**solo, "tuned": [_result("tuned", 0, {1: {"requests": [hard]}})]}
+    assert agreement.forced_agreement(hard_arm, 1, caps)["tuned"]["verdict"] == "fail"
 
 
 class _Completion:

@@ -103,7 +103,8 @@ def serve_bench(
     eager: Annotated[bool, typer.Option(help="vLLM enforce_eager (no CUDA graphs, no compile)")] = False,
     agree_steps: Annotated[int, typer.Option(help="decode steps whose logprobs are compared")] = 8,
     logprob_tol: Annotated[float | None, typer.Option(
-        help="agreement tolerance in nats (default 2^-6: four BF16 roundoffs)")] = None,
+        help="the free-running agreement tolerance on dummy weights, nats (default 2^-6: four BF16 roundoffs; "
+             "the teacher-forced verdict has fixed caps)")] = None,
     runner_timeout: Annotated[float, typer.Option(help="seconds before one engine process is killed")] = 3600.0,
     stop_after: Annotated[float | None, typer.Option(
         help="start no engine process that would end past this many seconds; exit status 3 (rerun resumes)")] = None,
@@ -114,7 +115,8 @@ def serve_bench(
     weights: Annotated[str, typer.Option(
         help="dummy (vLLM's dummy loader: nearly uniform logits, every token a near tie) or realistic (the dummy "
              "load, then a seeded recipe on the GPU: per-kind scales, norm gains with outlier channels, peaked "
-             "logits; the teacher-forced agreement gives the verdict)")] = "dummy",
+             "logits: speed weights, whose agreement figures are reported, not judged; --model-dir is judged)"
+    )] = "dummy",
     model_dir: Annotated[Path | None, typer.Option(
         help="a model folder with its checkpoint (config.json and weight files), loaded by vLLM's own loader: "
              "the agreement on your weights; instead of --model / --config")] = None,
@@ -145,15 +147,19 @@ def serve_bench(
 
     Weights: --weights dummy (the default: the speeds recorded so far ran
     on it) gives near-uniform logits, on which every token is a near tie:
-    an agreement check there cannot fail. --weights realistic (a seeded
+    an agreement check there cannot fail. --model-dir (your checkpoint, or
+    one of tunekit real-weights) makes the agreement a verdict: every arm
+    decodes vanilla #0's greedy tokens teacher-forced, and per batch size
+    the report gives greedy tokens (share equal, first divergence), max
+    |dlogprob| over the top-K (--logprobs) and KL(vanilla || arm), judged
+    against absolute caps (what a correct BF16 kernel moves, measured on
+    real checkpoints: docs/evidence.md); vanilla's own spread, measured in
+    the same run between processes and across batch sizes, past a cap
+    makes it inconclusive, never a pass. --weights realistic (a seeded
     recipe applied at the end of the dummy load, before the plugin folds
-    norms and before the CUDA graphs are captured; no disk) or --model-dir
-    (your checkpoint) make the agreement a test: every arm decodes vanilla
-    #0's greedy tokens teacher-forced, and per batch size the report gives
-    greedy tokens (share equal, first divergence), max |dlogprob| over the
-    top-K (--logprobs) and KL(vanilla || arm), each passing within
-    max(2 x vanilla's own spread, floor); the spread is measured in the
-    same run, between vanilla processes and across batch sizes.
+    norms and the CUDA graphs are captured; no disk) gives speed weights:
+    its figures are reported, not judged (its vanilla processes differ
+    past every cap).
 
     --profile-steps N: after the timing, N decode steps under torch's
     profiler: kernel time per category (tunekit, vendor GEMM, Inductor,

@@ -14,7 +14,7 @@ arms within 1e-3 nats of vanilla, no flip. Every call appends "arm index pid" to
 Environment knobs: FAKE_PROBE (JSON merged into the probe answer), FAKE_TUNED_MISMATCH=1 (the tuned arm's
 ops find the table tuned elsewhere: every call env_mismatch), FAKE_FAIL_ARM=ARM (that arm's engine raises),
 FAKE_ENGINE_SLEEP (seconds the engine takes to start), FAKE_SLOW_ONE_TOKEN_MS (a 1-token generate takes that many
-ms longer: the difference method's TPOT drops below the timestamps'), FAKE_PERTURB_ARM=ARM (realistic weights: that
+ms longer: the difference method's TPOT drops below the timestamps'), FAKE_PERTURB_ARM=ARM (realistic or a checkpoint's weights: that
 arm's distributions are 0.05-0.2 nats off, as a wrong kernel would make them).
 """
 
@@ -119,6 +119,8 @@ class LLM:
         if kwargs.get("load_format") == "dummy":
             DummyModelLoader().load_weights(types.SimpleNamespace(), None)
         self.realistic = getattr(DummyModelLoader.load_weights, "_tunekit_realistic", False)
+        if kwargs.get("load_format") == "auto":  # a checkpoint's own weights (--model-dir): peaked as realistic
+            self.realistic = True
         time.sleep(float(os.environ.get("FAKE_ENGINE_SLEEP", "0.01")))
 
     def generate(self, prompts: list[dict], params: SamplingParams | list[SamplingParams],

@@ -1,4 +1,4 @@
-"""Agreement with vanilla: teacher-forced, three ways against vanilla's own spread; free-running on dummy weights.
+"""Agreement with vanilla: teacher-forced, judged by ``tunekit.evidence.verdict``; free-running on dummy weights.
 
 Pure (no torch, no vLLM): reads the runner's records. Teacher-forced
 (:func:`forced_agreement`, the runner's ``forced`` records): every
@@ -7,32 +7,23 @@ vanilla #0's greedy tokens (``tunekit.evidence.serve_bench.forced``), so
 position s of every arm is the next-token distribution after the same
 s tokens, whatever the arm would have chosen itself. Per position the
 runner keeps the top-K tokens and their logprobs (vLLM's ``logprobs``,
-computed before any sampling step). Compared with vanilla, per batch size:
+computed before any sampling step). Each arm's figures against vanilla
+(greedy tokens, max |Δlogprob| over the top-K, a bucketed KL) are judged by
+``tunekit.evidence.verdict.judge``, the one verdict the patched Hugging Face
+path uses too: absolute caps measured on real checkpoints, and vanilla's
+spread in the same run (vanilla #i against #0, and each vanilla process at
+one batch size against itself at the others: vLLM's GEMMs round differently
+at another M) past a cap makes the verdict ``inconclusive``, never a pass.
+Full-vocabulary logprobs through vLLM's API are one Python object per token
+(248k per step for Qwen3.5): the top-K of ``max_logprobs`` is what it affords.
 
-* **greedy tokens**: the share of positions whose argmax equals vanilla's,
-  the first step where one differs, and the *hard* mismatches among them:
-  those that are no near tie (a near tie: the two tokens within the
-  logprob threshold of each other in both runs);
-* **max |Δlogprob|** over the top-K tokens both runs list (a token only one
-  run lists adds the bound it must exceed: its logprob minus the other
-  run's K-th);
-* **KL(vanilla || arm)** per position over the tokens both top-K lists hold
-  plus one bucket for the rest of the vocabulary. Merging tokens into a
-  bucket never raises a KL, so this is a lower bound of the
-  full-vocabulary KL, tight when the bucket holds little mass
-  (``top_mass_min`` says how much the lists cover). Full-vocabulary
-  logprobs through vLLM's API are one Python object per token (248k per
-  step for Qwen3.5): the top-K of ``max_logprobs`` is what it affords.
-
-The spread: the same figures between vanilla processes (#i against #0)
-and between vanilla's answers to the same request at two batch sizes
-(vLLM's GEMMs round differently at another M; a served request meets that
-every time its batch changes). Processes on one GPU usually agree bit for
-bit, so the batch spread is what gives rounding a scale. A check passes
-when the arm is within max(``factor`` x spread, floor): floors ``tol``
-(2^-6 nats: four BF16 roundoffs) for |Δlogprob|, ``tol^2 / 2`` for the KL
-(a logit error of ``tol`` spread over the distribution, to second order),
-and no hard mismatch unless vanilla has them too.
+Which weights get a verdict: a checkpoint's (``--model-dir``). On the
+synthetic recipe (``--weights realistic``) vanilla processes of a 27B model
+differ by more than any cap (1.36 nats), so its teacher-forced figures are
+reported as "speed weights: agreement not judged", pointing to the
+real-checkpoint verdict. On dummy weights the free-running check below
+speaks, as before (it cannot fail for a wrong kernel: every token is a near
+tie there).
 
 Free-running (:func:`compare_arms`, the runner's ``agreement`` records; the
 verdict on dummy weights). vLLM's dummy loader fills every weight from a
@@ -53,8 +44,8 @@ never dropped.
 Call protocol::
 
     row = agreement_row(results_by_arm, batch, tol, weights)  # serve.json's per-batch "agreement", both checks
-    doc = forced_agreement(results_by_arm, batch, tol)    # per arm: figures, checks, ok; the spread; thresholds
-    doc["tuned"]["ok"], doc["tuned"]["checks"]          # {"greedy": True, "logprob": True, "kl": False}
+    doc = forced_agreement(results_by_arm, batch)          # per arm: figures and verdict; the spread; the caps
+    doc["tuned"]["verdict"], doc["tuned"]["checks"]      # "fail", {"greedy": True, "logprob": True, "kl": False}
 """
 
 from __future__ import annotations
@@ -64,75 +55,28 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from tunekit.evidence.serve_bench import TABLE_ARMS
+from tunekit.evidence.verdict import (
+    CAPS,
+    Caps,
+    compare_requests,
+    judge,
+    near_tie_margin,
+    overall,
+    position,
+    spread_within,
+    summarize,
+)
+from tunekit.evidence.verdict import line as verdict_line
 
-#: Logprob tolerance of both checks' floor, nats: 4 u_bf16 (module docstring).
+__all__ = ["CAPS", "COMPARED_ARMS", "DEFAULT_TOL", "NOT_JUDGED", "agreement_row", "compare_arms", "compare_requests",
+           "compare_sequences", "forced_agreement", "line", "position", "summarize", "verdict"]
+
+#: Logprob tolerance of the free-running check on dummy weights, nats: 4 u_bf16 (module docstring).
 DEFAULT_TOL = 2.0 ** -6
-#: An arm passes within this many times vanilla's spread (or the floor, if larger).
-SPREAD_FACTOR = 2.0
 #: Arms compared with vanilla, in report order.
 COMPARED_ARMS = ("tuned", "folded", "passthrough")
-#: The smallest bucket mass the KL reads: logprobs come rounded to fp32, so a sum of K probabilities is good to
-#: about K x 1e-7.
-_TAIL_EPS = 1e-5
-
-
-def kl_floor(tol: float) -> float:
-    """The KL floor for a logprob tolerance ``tol``: KL ~ Var(logit error) / 2 to second order."""
-    return tol * tol / 2.0
-
-
-def _probs(top: Sequence[Sequence[Any]]) -> dict[int, float]:
-    return {int(i): float(lp) for i, lp in top}
-
-
-def _argmax(lps: dict[int, float]) -> int | None:
-    return max(lps, key=lambda i: lps[i]) if lps else None
-
-
-def position(ref_top: Sequence[Sequence[Any]], top: Sequence[Sequence[Any]]) -> dict[str, Any]:
-    """One teacher-forced position: argmaxes, max |Δlogprob| (with the bounds of tokens one list lacks),
-    the bucketed KL(ref || other) and the mass of ref's distribution on the shared tokens."""
-    p, q = _probs(ref_top), _probs(top)
-    shared = set(p) & set(q)
-    gap = max((abs(p[i] - q[i]) for i in shared), default=0.0)
-    for mine, other in ((p, q), (q, p)):
-        if len(other) and len(mine) > len(shared):
-            floor = min(other.values())
-            gap = max(gap, max((mine[i] - floor for i in set(mine) - shared), default=0.0))
-    mass_p = sum(math.exp(p[i]) for i in shared)
-    mass_q = sum(math.exp(q[i]) for i in shared)
-    kl = sum(math.exp(p[i]) * (p[i] - q[i]) for i in shared)
-    tail_p, tail_q = 1.0 - mass_p, 1.0 - mass_q
-    if tail_p > _TAIL_EPS:  # below it, 1 - sum is rounding, and so would the term be
-        kl += tail_p * (math.log(tail_p) - math.log(max(tail_q, _TAIL_EPS)))
-    return {"argmax_ref": _argmax(p), "argmax": _argmax(q), "max_abs_logprob_diff": gap, "kl": max(0.0, kl),
-            "ref_mass": mass_p, "p": p, "q": q}
-
-
-def _margins(pos: dict[str, Any]) -> float:
-    """A mismatch's margin: how far each run prefers its own token over the other's (the larger); inf where a
-    run does not list the other's token."""
-    a, b, p, q = pos["argmax_ref"], pos["argmax"], pos["p"], pos["q"]
-    ma = p[a] - p[b] if a in p and b in p else math.inf
-    mb = q[b] - q[a] if a in q and b in q else math.inf
-    return max(ma, mb)
-
-
-def compare_requests(ref: dict[str, Any], other: dict[str, Any]) -> dict[str, Any] | None:
-    """Two forced records of one request, position by position; None unless both decoded the same forced
-    tokens (other contexts: nothing to compare)."""
-    if list(ref.get("forced") or []) != list(other.get("forced") or []) or not ref.get("forced"):
-        return None
-    steps = min(len(ref["top"]), len(other["top"]))
-    positions = [position(ref["top"][s], other["top"][s]) for s in range(steps)]
-    mismatches = [(s, _margins(p)) for s, p in enumerate(positions) if p["argmax_ref"] != p["argmax"]]
-    return {"steps": steps, "equal": steps - len(mismatches),
-            "first_divergence": mismatches[0][0] if mismatches else None,
-            "mismatch_margins": [m for _, m in mismatches],
-            "max_abs_logprob_diff": max((p["max_abs_logprob_diff"] for p in positions), default=0.0),
-            "kl_max": max((p["kl"] for p in positions), default=0.0),
-            "kl_sum": sum(p["kl"] for p in positions),
-            "ref_mass_min": min((p["ref_mass"] for p in positions), default=None)}
+#: What the report says instead of a verdict on the synthetic recipe's weights.
+NOT_JUDGED = "speed weights: agreement not judged"
 
 
 def _row(result: dict[str, Any], batch: int) -> dict[str, Any] | None:
@@ -142,29 +86,6 @@ def _row(result: dict[str, Any], batch: int) -> dict[str, Any] | None:
 def _forced(result: dict[str, Any], batch: int) -> list[dict[str, Any]] | None:
     forced = (_row(result, batch) or {}).get("forced")
     return forced["requests"] if forced else None
-
-
-def summarize(pairs: Iterable[dict[str, Any] | None], lp_threshold: float | None = None) -> dict[str, Any] | None:
-    """Totals of :func:`compare_requests` results (None entries: not comparable, counted apart). Hard
-    mismatches: margins above ``lp_threshold`` (all of them without one)."""
-    pairs = list(pairs)
-    done = [p for p in pairs if p is not None]
-    if not done:
-        return None
-    positions = sum(p["steps"] for p in done)
-    margins = [m for p in done for m in p["mismatch_margins"]]
-    hard = sum(1 for m in margins if lp_threshold is None or m > lp_threshold)
-    masses = [p["ref_mass_min"] for p in done if p["ref_mass_min"] is not None]
-    return {"sequences": len(done), "not_comparable": len(pairs) - len(done), "positions": positions,
-            "equal_share": sum(p["equal"] for p in done) / positions if positions else None,
-            "first_divergence": min((p["first_divergence"] for p in done if p["first_divergence"] is not None),
-                                    default=None),
-            "mismatches": len(margins), "hard_mismatches": hard,
-            "hard_share": hard / positions if positions else 0.0,
-            "max_abs_logprob_diff": max(p["max_abs_logprob_diff"] for p in done),
-            "kl_max": max(p["kl_max"] for p in done),
-            "kl_mean": sum(p["kl_sum"] for p in done) / positions if positions else 0.0,
-            "top_mass_min": min(masses) if masses else None}
 
 
 def _pairs(xs: Sequence[dict[str, Any]], ys: Sequence[dict[str, Any]], batch: int,
@@ -192,66 +113,45 @@ def _spread_pairs(vanilla: Sequence[dict[str, Any]], batch: int,
     return processes, across
 
 
-def forced_agreement(arms: dict[str, list[dict[str, Any]]], batch: int, tol: float,
-                     batches: Sequence[int] | None = None, factor: float = SPREAD_FACTOR) -> dict[str, Any] | None:
-    """The three checks of every arm against vanilla at ``batch`` (module docstring); None without forced
-    records. ``batches``: the run's batch sizes (for vanilla's spread across them)."""
+def forced_agreement(arms: dict[str, list[dict[str, Any]]], batch: int, caps: Caps = CAPS,
+                     batches: Sequence[int] | None = None) -> dict[str, Any] | None:
+    """Every arm against vanilla at ``batch``, judged by ``verdict.judge`` (module docstring); None without
+    forced records. ``batches``: the run's batch sizes (for vanilla's spread across them)."""
     vanilla = arms.get("vanilla", [])
     if not vanilla or _forced(vanilla[0], batch) is None:
         return None
     batches = list(batches) if batches is not None else sorted(
         {r["batch"] for res in vanilla for r in res.get("batches", [])})
     proc_pairs, batch_pairs = _spread_pairs(vanilla, batch, batches)
-    loose = [summarize(proc_pairs), summarize(batch_pairs)]
-    spread_lp = max((s["max_abs_logprob_diff"] for s in loose if s), default=0.0)
-    spread_kl = max((s["kl_max"] for s in loose if s), default=0.0)
-    lp_thr = max(factor * spread_lp, tol)
-    kl_thr = max(factor * spread_kl, kl_floor(tol))
-    spread = {"processes": summarize(proc_pairs, lp_thr), "batches": summarize(batch_pairs, lp_thr)}
-    hard_thr = factor * max((s["hard_share"] for s in spread.values() if s), default=0.0)
+    near = near_tie_margin(caps)
+    spread = {"processes": summarize(proc_pairs, near), "batches": summarize(batch_pairs, near)}
+    within, over = spread_within(spread.values(), caps)
     first = _forced(vanilla[0], batch) or []
     doc: dict[str, Any] = {
         "steps": max((len(r["top"]) for r in first), default=0),
         "topk": ((_row(vanilla[0], batch) or {}).get("forced") or {}).get("topk"),
-        "factor": factor, "floors": {"logprob": tol, "kl": kl_floor(tol)},
-        "thresholds": {"logprob": lp_thr, "kl": kl_thr, "hard_share": hard_thr}, "spread": spread,
+        "caps": caps.as_dict(), "near_tie": near, "spread": spread, "spread_within_caps": within,
+        "spread_over_caps": over,
     }
     for arm in COMPARED_ARMS:
         if arm not in arms:
             continue
-        s = summarize(_pairs(arms[arm], vanilla, batch), lp_thr)
-        if s is None:
-            doc[arm] = None
-            continue
-        checks = {"greedy": s["hard_share"] <= hard_thr, "logprob": s["max_abs_logprob_diff"] <= lp_thr,
-                  "kl": s["kl_max"] <= kl_thr}
-        doc[arm] = {**s, "checks": checks, "ok": all(checks.values()) and not s["not_comparable"]}
+        s = summarize(_pairs(arms[arm], vanilla, batch), near)
+        doc[arm] = None if s is None else {**s, **judge(s, spread.values(), caps)}
     return doc
 
 
 def verdict(doc: dict[str, Any] | None, arms: Iterable[str]) -> str | None:
-    """"pass" / "fail" over the served ``arms`` that have figures; None without any."""
+    """"pass" / "fail" / "inconclusive" over the served ``arms`` that have figures; None without any."""
     if not doc:
         return None
-    judged = [doc[a] for a in arms if doc.get(a)]
-    if not judged:
-        return None
-    return "pass" if all(a["ok"] for a in judged) else "fail"
+    return overall(doc[a]["verdict"] for a in arms if doc.get(a))
 
 
-def line(arm: str, a: dict[str, Any], doc: dict[str, Any]) -> str:
-    """One line of the report for ``arm``'s figures ``a``: the three checks against their thresholds."""
-    t = doc["thresholds"]
-    first = "none" if a["first_divergence"] is None else f"step {a['first_divergence']}"
-    mass = "" if a.get("top_mass_min") is None else f", top-{doc.get('topk')} mass >= {a['top_mass_min']:.3f}"
-    return (f"{arm}: greedy {a['equal_share']:.1%} equal over {a['positions']} positions (first divergence "
-            f"{first}, {a['hard_mismatches']} beyond a near tie) {_ok(a['checks']['greedy'])}; max |dlogprob| "
-            f"{a['max_abs_logprob_diff']:.3g} <= {t['logprob']:.3g} {_ok(a['checks']['logprob'])}; KL max "
-            f"{a['kl_max']:.3g} (mean {a['kl_mean']:.3g}) <= {t['kl']:.3g}{mass} {_ok(a['checks']['kl'])}")
-
-
-def _ok(flag: bool) -> str:
-    return "pass" if flag else "FAIL"
+def line(arm: str, a: dict[str, Any], doc: dict[str, Any], judged: bool = True) -> str:
+    """One line of the report for ``arm``'s figures ``a``: the verdict and the three checks against the caps
+    (``judged=False``: the figures alone)."""
+    return verdict_line(arm, a, doc["caps"], doc.get("topk"), judged)
 
 
 # ---------------------------------------------------------------------------
@@ -321,8 +221,9 @@ def compare_arms(xs: Sequence[dict[str, Any]], ys: Sequence[dict[str, Any]], bat
 def agreement_row(arms: dict[str, list[dict[str, Any]]], batch: int, tol: float, weights: str = "dummy",
                   batches: Sequence[int] | None = None) -> dict[str, Any]:
     """``serve.json``'s agreement at ``batch``: the free-running check (``X_vs_vanilla``) and the teacher-forced
-    one (``forced``). The verdict is the teacher-forced check's where the weights mean something (realistic, a
-    checkpoint) and it has figures, else the free-running one's; ``judged_by`` says which."""
+    one (``forced``). The verdict: on a checkpoint's weights the teacher-forced one's (pass / fail /
+    inconclusive) where it has figures; on the synthetic recipe none (``NOT_JUDGED``: its vanilla processes
+    disagree past every cap); on dummy weights the free-running one's. ``judged_by`` says which."""
     vanilla = arms.get("vanilla", [])
     out: dict[str, Any] = {"tolerance": tol}
     first = _row(vanilla[0], batch) if vanilla else None
@@ -334,8 +235,11 @@ def agreement_row(arms: dict[str, list[dict[str, Any]]], batch: int, tol: float,
             out[f"{arm}_vs_vanilla"] = compare_arms(arms[arm], vanilla, batch, tol)
     served = [out[f"{arm}_vs_vanilla"] for arm in TABLE_ARMS if f"{arm}_vs_vanilla" in out]
     out["verdict"] = "n/a" if not served else ("pass" if all(c["ok"] for c in served) else "fail")
-    out["forced"] = forced_agreement(arms, batch, tol, batches)
+    out["forced"] = forced_agreement(arms, batch, batches=batches)
     out["judged_by"] = "free-running logprobs"
+    if weights == "realistic":
+        out["verdict"], out["judged_by"] = "not judged", NOT_JUDGED
+        return out
     judged = verdict(out["forced"], TABLE_ARMS) if weights != "dummy" else None
     if judged is not None:
         out["verdict"], out["judged_by"] = judged, "teacher-forced"

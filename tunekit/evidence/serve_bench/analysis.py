@@ -410,8 +410,11 @@ def summarize(settings: dict[str, Any], results: dict[str, list[dict[str, Any]]]
         if row["agreement"]["verdict"] == "fail":
             notes.append(f"B={batch}: tuned and vanilla disagree beyond the logprob tolerance {tol:.4g}"
                          if row["agreement"]["judged_by"] != "teacher-forced" else
-                         f"B={batch}: an arm serving the tables disagrees with vanilla beyond vanilla's own spread "
-                         "(teacher-forced check; serve.md says which figure)")
+                         f"B={batch}: an arm serving the tables disagrees with vanilla past the caps a correct "
+                         "kernel stays within (teacher-forced check; serve.md says which figure)")
+        elif row["agreement"]["verdict"] == "inconclusive":
+            notes.append(f"B={batch}: agreement inconclusive: vanilla's own spread is past the caps, so this run "
+                         "cannot tell a kernel's error from its noise (serve.md gives the spread)")
         batches.append(row)
     short = sum(r.get("short_outputs", 0) for docs in results.values() for res in docs for r in res["batches"])
     if short:
