@@ -1,6 +1,7 @@
 """The reference pages in docs/ follow the code: the command reference is regenerated from the CLI's help
 and compared, the environment tables of docs/serving.md name every TUNEKIT_* variable in use (and none
-other), and the README's and docs' relative links point at files and headings that exist."""
+other), the README's, ARCHITECTURE.md's and docs' relative links point at files and headings that exist, and
+ARCHITECTURE.md stays a map (at most 200 lines, naming every package and only files that exist)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ ENV_NAME = re.compile(r"\bTUNEKIT_[A-Z0-9_]+\b")
 NOT_VARIABLES = {"TUNEKIT_HIP_H"}
 #: A read of a variable in Python: os.environ.get("X"), os.environ["X"], os.getenv("X").
 ENV_READ = re.compile(r"(?:environ\.get\(|environ\[|getenv\()\s*[\"'](TUNEKIT_[A-Z0-9_]+)")
+#: ARCHITECTURE.md holds the layers, their rules, the two paths' data flow and where to add an op, a backend or a
+#: serving stack; the decisions with their numbers are docs/evidence.md's. Past this it is a record again.
+ARCHITECTURE_MAX_LINES = 200
 
 
 def test_commands_md_is_generated_from_the_current_help() -> None:
@@ -78,7 +82,7 @@ def _anchors(page: Path) -> set[str]:
 
 def test_relative_links_of_the_readme_and_docs_resolve() -> None:
     broken = []
-    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for page in [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
             if re.match(r"[a-z]+:", target):
                 continue  # a URL
@@ -89,3 +93,18 @@ def test_relative_links_of_the_readme_and_docs_resolve() -> None:
             elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_architecture_md_stays_a_map() -> None:
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    lines = len(text.splitlines())
+    assert lines <= ARCHITECTURE_MAX_LINES, (
+        f"ARCHITECTURE.md has {lines} lines (at most {ARCHITECTURE_MAX_LINES}): keep the layers, rules, data flow and "
+        "where to add things; move decisions and their numbers to docs/evidence.md")
+    packages = sorted(p.parent.name for p in (ROOT / "tunekit").glob("*/__init__.py"))
+    unnamed = [name for name in packages if f"`{name}/`" not in text]
+    assert not unnamed, f"ARCHITECTURE.md's layers do not name the packages {unnamed}"
+    files = set(re.findall(r"([A-Za-z0-9_./]+\.(?:py|toml|hip|h|sh|md))\b", text))
+    known = {p.name for p in ROOT.rglob("*") if ".venv" not in p.parts and ".git" not in p.parts}
+    gone = sorted(f for f in files if Path(f).name not in known)
+    assert not gone, f"ARCHITECTURE.md names files that do not exist: {gone}"
