@@ -16,7 +16,7 @@ from tunekit.backends.base import BuildError, SearchSpace
 
 
 class StandInPeer:
-    kind = "vendor"
+    kind = "baseline"
     ops = ("gemv",)
 
     def __init__(self, name: str, unavailable: str | None = None, raises: bool = False,

@@ -320,7 +320,7 @@ def test_bytes_moved_are_the_roofline_numerators() -> None:
 # ------------------------------------------------------------------------ baselines
 def test_inductor_baseline_compiles_the_same_composition() -> None:
     inductor = backends.get("inductor")
-    assert inductor.kind == "vendor" and "inductor" in backends.BASELINES
+    assert inductor.kind == "baseline" and "inductor" in backends.BASELINES
     assert inductor.unavailable_reason(CPU_INFO)  # timed on GPUs only
     assert inductor.unavailable_reason(DeviceInfo("nvidia", "x", "sm_90", 1, 32, 1, 1, "cuda", "cuda:0")) is None
     problem = Problem("silu_and_mul", "bf16", 2, 64, 128)

@@ -103,8 +103,8 @@ def test_the_peers_are_registered_with_their_kinds() -> None:
     assert set(backends.PEERS) <= set(backends.BASELINES) and backends.BASELINES[:2] == ("vendor", "inductor")
     kinds = {name: (backends.get(name).kind, backends.get(name).ops) for name in ("vllm_skinny", *backends.PEERS)}
     assert kinds == {"vllm_skinny": ("tuned", ("gemv", "gemv_add")),
-                     "vllm_skinny_heuristic": ("vendor", ("gemv", "gemv_add")),
-                     "flashinfer": ("vendor", ("gemv",))}
+                     "vllm_skinny_heuristic": ("baseline", ("gemv", "gemv_add")),
+                     "flashinfer": ("baseline", ("gemv",))}
 
 
 def test_without_the_peers_the_default_backends_skip_vllm_skinny(monkeypatch) -> None:

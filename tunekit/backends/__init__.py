@@ -32,10 +32,10 @@ BUILTIN: dict[str, str] = {
 #: Searchable families, in report order. The default ``--backend`` is every one usable here
 #: (``unavailable_reason`` None): vllm_skinny only where vLLM and the CuTe DSL run.
 TUNED = ("triton", "hip", "vllm_skinny")
-#: Baselines from other projects (kind "vendor"): vLLM's skinny GEMM at its heuristic config, FlashInfer's
+#: Baselines from other projects (kind "baseline"): vLLM's skinny GEMM at its heuristic config, FlashInfer's
 #: BF16 mm as vLLM's --linear-backend runs it. Report order.
 PEERS = ("vllm_skinny_heuristic", "flashinfer")
-#: Baselines (kind "vendor"), never searched: "vendor" is always measured; the
+#: Baselines (kind "baseline"), never searched: "vendor" is always measured; the
 #: others join the final re-measure for the ops they implement where they can
 #: run (else one logged line says why).
 BASELINES = ("vendor", "inductor", *PEERS)

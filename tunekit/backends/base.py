@@ -66,10 +66,10 @@ class SearchSpace:
 
 
 class Backend(Protocol):
-    """A family of implementations (Triton kernels, HIP kernels, vendor BLAS)."""
+    """A family of implementations (Triton kernels, HIP kernels, the vendor BLAS through eager torch)."""
 
     name: str
-    #: "vendor" for the baseline backend, "tuned" for searchable families.
+    #: "tuned" for searchable families, "baseline" for what is measured beside them and never searched.
     kind: str
     #: ops this backend implements (keys of tunekit.problems.opspec.OPS).
     ops: tuple[str, ...]

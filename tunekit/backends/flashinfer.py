@@ -10,7 +10,7 @@ This baseline times that call, autotuned the same way at its first call.
 On the H200 (sm_90) FlashInfer's ``cute-dsl`` mm is not built: vLLM's
 default there is F.linear, the ``vendor`` baseline.
 
-Call protocol (as every backend; ``kind == "vendor"``: never searched)::
+Call protocol (as every backend; ``kind == "baseline"``: never searched)::
 
     backend = tunekit.backends.get("flashinfer")
     backend.unavailable_reason(device)   # one line: no GPU, architecture, package missing
@@ -60,7 +60,7 @@ def _cuda_version(runtime: str) -> tuple[int, ...] | None:
 
 class FlashInferBackend:
     name = "flashinfer"
-    kind = "vendor"
+    kind = "baseline"
     ops = ("gemv",)
 
     def unavailable_reason(self, device: DeviceInfo) -> str | None:

@@ -6,7 +6,7 @@ is what vLLM's compiled graphs run for these ops when its custom ops are off.
 The dispatch table admits a tuned kernel only if it beats the faster of the
 two (see ``tunekit.table``).
 
-Call protocol (as every backend; ``kind == "vendor"``: never searched)::
+Call protocol (as every backend; ``kind == "baseline"``: never searched)::
 
     backend = tunekit.backends.get("inductor")
     backend.unavailable_reason(device)   # None on a GPU
@@ -31,7 +31,7 @@ from tunekit.problems.shapes import Problem
 
 class InductorBackend:
     name = "inductor"
-    kind = "vendor"
+    kind = "baseline"
     ops = tuple(ELEMENTWISE)
 
     def unavailable_reason(self, device: DeviceInfo) -> str | None:

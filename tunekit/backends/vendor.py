@@ -179,7 +179,7 @@ NORM_GEMV["rms_gemv_silu_mul"] = _mm_then_silu_and_mul(rms=True)
 
 class VendorBackend:
     name = "vendor"
-    kind = "vendor"
+    kind = "baseline"
     ops = ("gemv", *ELEMENTWISE, *NORM_GEMV)
 
     def unavailable_reason(self, device: DeviceInfo) -> str | None:

@@ -20,7 +20,7 @@ Two backends, one kernel (vLLM's, compiled by vLLM's own ``_compile``):
   mirrors the kernel's own checks (``ShapeDynamicSkinnyGemm.__call__``,
   ``CuteSkinnyGemm.__init__``) and calls vLLM's ``row_stride_ok`` on the
   activation layout the search and the dispatch pass.
-* ``vllm_skinny_heuristic`` (kind "vendor": a baseline, never searched): the
+* ``vllm_skinny_heuristic`` (kind "baseline": never searched): the
   same kernel at vLLM's heuristic config for the shape, as vLLM runs it.
 
 Call protocol: the Backend protocol (``tunekit.backends.base``). Nothing of
@@ -426,7 +426,7 @@ class VllmSkinnyHeuristicBackend(_SkinnyBase):
     """``vllm_skinny_heuristic``: the baseline, vLLM's skinny GEMM at vLLM's heuristic config per shape."""
 
     name = "vllm_skinny_heuristic"
-    kind = "vendor"
+    kind = "baseline"
 
     def space(self, problem: Problem) -> SearchSpace:
         return SearchSpace(op=problem.op, backend=self.name, domains={}, default={}, reference={})

@@ -1,7 +1,7 @@
 """The figures of one run's final re-measure: per problem the baselines, the peers and each tuned backend's
 best, per M the per-token prediction.
 
-Baselines are the backends of kind "vendor" (``tunekit.backends.BASELINES``). ``vendor`` is the stock path;
+Baselines are the backends of kind "baseline" (``tunekit.backends.BASELINES``). ``vendor`` is the stock path;
 every other baseline is a **peer** (Inductor, and any other kernel a user could pick instead of tunekit's:
 vLLM's skinny GEMM, FlashInfer), timed in the same interleaved session. Where no table entry serves, the
 serving stack runs its own path, the fastest of :data:`STOCK_BASELINES` measured; the dispatch table admits
