@@ -52,7 +52,7 @@ routed = tunekit.patch(model, table=sys.argv[1])
 with torch.no_grad():
     model(torch.randn(1, 64, dtype=torch.bfloat16))
 impls = sorted({row["impl"] for row in tunekit.dispatch_stats()})
-heavy = sorted(m for m in sys.modules if m.partition(".")[0] in sys.argv[2].split(","))
+heavy = sorted({m.partition(".")[0] for m in sys.modules} & set(sys.argv[2].split(",")))
 print(json.dumps({"routed": routed, "impls": impls, "heavy": heavy}))
 """
 
