@@ -59,6 +59,7 @@ from tunekit.search.common import Run, SearchConfig, SearchOutcome, StudyStats, 
 from tunekit.search.finals import final_phase, final_rows
 from tunekit.search.liveness import HEARTBEAT_S, STALE_AFTER_S, Liveness
 from tunekit.search.progress import Progress
+from tunekit.search.stops import POLL_S, STOPS
 from tunekit.search.storage import fault as storage_fault
 from tunekit.search.storage import open_storage, storage_url, stored_trials
 from tunekit.search.studies import SAMPLERS, read_seed_records
@@ -76,8 +77,14 @@ def run_search(cfg: SearchConfig, progress: bool | str = True, log: Callable[[st
     an error), the trials in flight are recorded as interrupted and trials.csv
     is written from the storage before the exception goes on. ``progress``: True or "bars" (progress
     bars), "lines" (``progress:`` lines, for a pipe or a file), False (none); see
-    :mod:`~tunekit.search.progress`.
+    :mod:`~tunekit.search.progress`. Ctrl-C, SIGTERM and SIGHUP (where Python handles them) are only
+    recorded while it runs and raised where it checks (:mod:`~tunekit.search.stops`).
     """
+    with STOPS.recorded():
+        return _run_search(cfg, progress, log)
+
+
+def _run_search(cfg: SearchConfig, progress: bool | str, log: Callable[[str], None]) -> SearchOutcome:
     from tunekit.search import results
 
     if cfg.sampler not in SAMPLERS:
@@ -88,16 +95,19 @@ def run_search(cfg: SearchConfig, progress: bool | str = True, log: Callable[[st
         raise UserError(f"--min-gain must be a number >= 0 (got {cfg.min_gain}); 0.01 asks a 1% gain")
     slots = fleet.parse_gpus(cfg.gpus, fleet.visible_gpu_count(), os.environ.get("TRITON_INTERPRET") == "1")
     fleet.heartbeat_settings(HEARTBEAT_S, STALE_AFTER_S)  # a bad setting fails before anything starts
+    STOPS.check()
     results.make_run_dir(cfg.out_dir)
     url = storage_url(cfg.out_dir, cfg.storage)
     with results.RunLock(cfg.out_dir, cfg.command):
         # the folder's problem set, checked under its lock and before the storage opens: another
         # command's set is refused (unless --add), touching nothing
         cfg.problems = results.folder_problems(cfg.out_dir, cfg.problems, cfg.add)
+        STOPS.check()
         storage = open_storage(url)
         outcome = SearchOutcome(run_dir=cfg.out_dir)
         run = Run(cfg=cfg, storage=storage, url=url, outcome=outcome, started=time.monotonic())
         try:
+            STOPS.check()
             results.check_trials_kept(cfg.out_dir, stored_trials(storage), url)
             return _run_locked(run, slots, progress, log)
         except BaseException as exc:
@@ -135,6 +145,7 @@ def _run_locked(run: Run, slots: Sequence[fleet.Slot], progress: bool | str,
             worker = Worker(env=slot.env)
             live = Liveness(run.storage, f"{host}:{pid}:{slot.label}")
             run.contexts.append(WorkerContext(index, slot, worker, live))
+            STOPS.check()
         for ctx in run.contexts:
             reply = ctx.worker.call({"kind": "device"})
             if reply["status"] != "ok":
@@ -166,8 +177,10 @@ def _run_locked(run: Run, slots: Sequence[fleet.Slot], progress: bool | str,
         else:
             log(f"read-bandwidth limit: {probe['read_gbps']:.0f} GB/s (copy {probe['copy_gbps']:.0f} GB/s, "
                 f"{probe['kind']} timing)")
+        STOPS.check()
         results.write_run_json(out_dir, cfg, run.url, device, probe, run.usable)
         _log_unavailable_peers(cfg.problems, device, log)
+        STOPS.check()
 
         studies = sum(len(run.backends_for(p)) for p in cfg.problems)
         run.bar = Progress(progress, log, studies=studies, trials=cfg.trials, workers=len(run.contexts),
@@ -184,6 +197,9 @@ def _run_locked(run: Run, slots: Sequence[fleet.Slot], progress: bool | str,
         for ctx in run.contexts:
             ctx.worker.close()
 
+    # the files: a stop between two of them is raised before the next (trials.csv is then written on the
+    # way out if it was not yet); one after the last, by run_search's end
+    STOPS.check()
     outcome.final_rows.extend(final_rows(run))
     outcome.stats = _merged_stats(outcome.stats)
     names = [study_name(device["arch"], p, b, cfg.numerics) for p in cfg.problems for b in run.backends_for(p)]
@@ -193,12 +209,16 @@ def _run_locked(run: Run, slots: Sequence[fleet.Slot], progress: bool | str,
     log(f"workers: {len(run.contexts)} here ({', '.join(ctx.slot.label for ctx in run.contexts)}); "
         f"the storage's trials of these studies were measured by {part['workers']} worker(s) on "
         f"{part['gpus']} GPU(s) of {part['hosts']} host(s)")
+    STOPS.check()
     results.write_run_json(out_dir, cfg, run.url, device, probe, run.usable, participants=outcome.participants)
+    STOPS.check()
     outcome.trials_path = results.write_trials(out_dir, run.storage, cfg, device, probe)
+    STOPS.check()
     if outcome.trials_path.name != "trials.csv":
         log(f"warning: {out_dir / 'trials.csv'} lists more trials than this storage holds for {device['arch']}; "
             f"kept as it is, this run's trials are in {outcome.trials_path}")
     results.write_final(out_dir, outcome.final_rows)
+    STOPS.check()
     table = table_mod.build_table(outcome.final_rows, device, probe, cfg.min_gain, run.usable, tp=cfg.tp)
     outcome.table_path = table_mod.save(table, out_dir / "table.json")
     return outcome
@@ -222,7 +242,8 @@ def _run_threads(run: Run) -> None:
     try:
         for thread in threads:
             while thread.is_alive():
-                thread.join(timeout=0.2)
+                STOPS.check()  # Python runs signal handlers in this thread: the stop is raised here
+                thread.join(timeout=POLL_S)
     except BaseException:
         run.stop.set()
         for ctx in run.contexts:  # a trial in flight returns at once (its worker is gone)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import json
-import time
 import warnings
 from typing import Any
 
@@ -30,7 +29,8 @@ from tunekit import backends as backend_registry
 from tunekit.problems.shapes import Problem
 from tunekit.search import fleet
 from tunekit.search.common import Run, WorkerContext, limit_gbps, retrying, study_name, tell
-from tunekit.search.liveness import fail_dead_trials, stops_deferred
+from tunekit.search.liveness import fail_dead_trials
+from tunekit.search.stops import STOPS
 
 #: Candidates per backend carried into the interleaved final re-measure.
 FINAL_TOP_K = 3
@@ -113,6 +113,7 @@ def final_phase(run: Run, ctx: WorkerContext, problems: list[Problem]) -> None:
     pending = list(problems)
     while pending and not run.stop.is_set():
         for problem in list(pending):
+            STOPS.check()
             if run.stop.is_set():
                 return
             rows = _final_step(run, ctx, problem)
@@ -121,7 +122,7 @@ def final_phase(run: Run, ctx: WorkerContext, problems: list[Problem]) -> None:
                     run.finals[problem.key] = rows
                 pending.remove(problem)
         if pending:
-            time.sleep(fleet.POLL_S)
+            STOPS.sleep(fleet.POLL_S)
 
 
 def final_rows(run: Run) -> list[dict[str, Any]]:
@@ -160,7 +161,7 @@ def _final_step(run: Run, ctx: WorkerContext, problem: Problem) -> list[dict[str
     if study is None:
         study = retrying(lambda: optuna.create_study(study_name=name, storage=storage, direction="minimize",
                                                      load_if_exists=True))
-    with stops_deferred(), warnings.catch_warnings():
+    with warnings.catch_warnings():  # the claim and its owner as one step (no stop is raised in between)
         warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
         trial = study.ask()
         ctx.live.begin(trial)

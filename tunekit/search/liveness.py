@@ -5,18 +5,16 @@ Every asked trial records its owner (``host:pid``) and worker (``host:pid:slot``
 Optuna's heartbeat from a thread (:class:`Liveness`), so a search opening a study can tell a trial a dead
 process left RUNNING (:func:`fail_dead_trials`: recorded failed, status ``interrupted``, its parameters asked
 again through the storage's retry callback) from one another live search sharing the storage is measuring
-(left alone). :func:`stops_deferred` keeps a Ctrl-C from falling between the ask of a trial and the record of
-its owner. Imports nothing of the search but :mod:`~tunekit.search.fleet`.
+(left alone). No stop falls between the ask of a trial and the record of its owner: a stop signal is only
+recorded, and raised where the search checks (:mod:`~tunekit.search.stops`). Imports nothing of the search but
+:mod:`~tunekit.search.fleet`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import threading
 import warnings
-from typing import Any
 
 import optuna
 from optuna.trial import TrialState
@@ -119,36 +117,6 @@ def _fail_interrupted(storage, study: optuna.Study, trial_id: int,
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             retry(study, storage.get_trial(trial_id))
-
-
-@contextlib.contextmanager
-def stops_deferred():
-    """Ctrl-C (and SIGTERM / SIGHUP where the CLI handles them) waits until the block ends: a trial is
-    asked and its owner recorded as one step, so a stop never leaves a RUNNING trial that no process owns
-    (only age would tell it dead). SIGTERM and SIGHUP are deferred only under a Python handler; under
-    the default action they end the process as they would anyway."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list[tuple[int, Any]] = []
-    previous: dict[int, Any] = {}
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        handler = signal.getsignal(signum)
-        if signum == signal.SIGINT or callable(handler):
-            previous[signum] = signal.signal(signum, lambda num, frame: caught.append((num, frame)))
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            # None: a handler set outside Python, which cannot be put back; Python's own is the nearest
-            signal.signal(signum, signal.default_int_handler if handler is None else handler)
-        if caught:
-            signum, frame = caught[0]
-            handler = previous[signum]
-            if callable(handler):
-                handler(signum, frame)  # raises now (the CLI's Interrupted, or KeyboardInterrupt)
-            elif handler == signal.SIG_DFL:
-                signal.raise_signal(signum)
 
 
 def _pid_alive(pid: int) -> bool:

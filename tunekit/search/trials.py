@@ -34,7 +34,8 @@ from tunekit.search.common import (
     tell,
     trial_index,
 )
-from tunekit.search.liveness import fail_dead_trials, stops_deferred
+from tunekit.search.liveness import fail_dead_trials
+from tunekit.search.stops import STOPS
 from tunekit.search.studies import PRUNE_LIMIT, OpenStudy, shared_study
 
 #: Stop asking a study for new parameter sets after this many attempts per
@@ -59,6 +60,7 @@ def trial_phase(run: Run, ctx: WorkerContext, studies: list[tuple[Problem, str]]
     while pending and not run.stop.is_set():
         waiting = []
         for index, (problem, backend) in enumerate(pending):
+            STOPS.check()
             if run.stop.is_set():
                 return
             share = None
@@ -80,7 +82,7 @@ def trial_phase(run: Run, ctx: WorkerContext, studies: list[tuple[Problem, str]]
                 run.bar.finish(st.task)  # its progress line, also when it stops short (exhausted, --timeout)
         pending = waiting
         if pending:
-            time.sleep(fleet.POLL_S)
+            STOPS.sleep(fleet.POLL_S)
 
 
 def _run_trials(run: Run, ctx: WorkerContext, st: OpenStudy, mine: _WorkerStudy,
@@ -97,6 +99,7 @@ def _run_trials(run: Run, ctx: WorkerContext, st: OpenStudy, mine: _WorkerStudy,
     try:
         while not run.stop.is_set():
             live.end()  # the previous trial is told
+            STOPS.check()  # between two trials: none in flight
             seen, inflight = trial_index(study, live.worker)
             measured = len(seen)
             if measured >= st.wanted or study.user_attrs.get("exhausted"):
@@ -116,7 +119,9 @@ def _run_trials(run: Run, ctx: WorkerContext, st: OpenStudy, mine: _WorkerStudy,
                     return "done"
                 return "elsewhere"
             mine.attempts += 1
-            with stops_deferred(), warnings.catch_warnings():
+            # no stop is raised between the ask and the record of the owner (a stop signal is only recorded,
+            # stops.STOPS): a trial is never left RUNNING without an owner
+            with warnings.catch_warnings():
                 # ask/tell, not optimize(): the heartbeat is tunekit's (liveness.Liveness)
                 warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
                 trial = study.ask(st.distributions)

@@ -32,7 +32,10 @@ import sys
 import threading
 import time
 import traceback
+from multiprocessing import resource_tracker
 from typing import Any
+
+from tunekit.search import stops
 
 #: Hard cap for one reply; a first Triton compile takes a few seconds, a big
 #: problem's verification (fp64 reference of a 2.5 GB weight) well under one.
@@ -63,17 +66,19 @@ class Worker:
     def _start(self) -> None:
         parent, child = self._ctx.Pipe()
         self._proc = self._ctx.Process(target=_child_main, args=(child, self._env, os.getpid()), daemon=True)
-        # Ctrl-C reaches the whole process group: the parent decides (it stops the
-        # search, keeps the trials and closes the worker), so the worker must not
-        # die on it with a traceback of its own. An ignored SIGINT survives the
-        # spawn's exec, which covers the child's start-up before _child_main runs.
-        ignore = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if ignore else None
+        # Ctrl-C and a closed terminal reach the whole process group: the parent decides (it stops the
+        # search, keeps the trials and closes the worker), so the worker must not die on them with a
+        # traceback of its own. The stop signals are blocked in this thread while the child starts: the
+        # child inherits the mask through the spawn's fork and exec and unblocks them only once it ignores
+        # them (_child_main), which covers its start-up; this process still gets them (another of its
+        # threads, or this one once the mask is back), so none is lost. The resource tracker starts first:
+        # its own start unblocks SIGINT and SIGTERM.
+        resource_tracker.ensure_running()
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             self._proc.start()
         finally:
-            if ignore:  # None: a handler set outside Python; Python's own is the nearest
-                signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         child.close()
         self._conn = parent
 
@@ -102,9 +107,16 @@ class Worker:
             self._start()
         assert self._conn is not None and self._proc is not None
         t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout
         try:
             self._conn.send(task)
-            if self._conn.poll(timeout):
+            # in slices: a stop signal recorded meanwhile is raised here within stops.POLL_S (the child,
+            # busy with the task, is closed by the search on its way out)
+            while not self._conn.poll(max(0.0, min(deadline - time.monotonic(), stops.POLL_S))):
+                stops.STOPS.check()
+                if time.monotonic() >= deadline:
+                    break
+            else:  # a reply came
                 return self._conn.recv()
             reply = {"status": "timeout", "error": f"no reply within {timeout:.0f} s (hang?); worker restarted"}
         except (EOFError, OSError, BrokenPipeError):
@@ -119,7 +131,8 @@ class Worker:
 
 def _child_main(conn, env: dict[str, str], parent_pid: int | None = None) -> None:
     for signum in STOP_SIGNALS:  # the parent handles them (see Worker._start and the module docstring)
-        signal.signal(signum, signal.SIG_IGN)
+        signal.signal(signum, signal.SIG_IGN)  # also drops one that arrived while they were blocked
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     if parent_pid is not None:
         die_with_parent(parent_pid)
     os.environ.update(env)
