@@ -110,6 +110,7 @@ def test_sleep_raises_a_recorded_stop_within_a_poll(stops) -> None:
         assert time.monotonic() - start < 0.3 + POLL_S + 2.0  # generous: a loaded 2-core machine
 
 
+@pytest.mark.faults  # signals done for real: in the README's test command however long it takes
 def test_signals_at_random_moments_of_storage_work_and_finalizers_are_each_raised_once(
         stops, unraisable, tmp_path) -> None:
     """Many signals, each at a random moment of work like the search's (an Optuna study in SQLite through
