@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
+import shutil
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -33,16 +38,118 @@ def clean_ops():
     reset()
 
 
+# ----------------------------------------------------------------------------- what a test needs beyond [test]
+# `pip install -e .[test]` alone runs the whole suite: a test that needs more (an optional extra of pyproject.toml,
+# a system compiler, the vLLM tier's virtualenv) says so with ``@pytest.mark.needs("EXTRA")`` (or a module's
+# ``pytestmark``), or takes a fixture that does (``postgres``), and is skipped where it is missing, the reason
+# naming it and how to install it. Under the extra's TUNEKIT_REQUIRE_* switch (.ci/run, whose virtualenv has them
+# all) a missing one is a failure instead, so CI cannot go green by skipping.
+
+
+@dataclass(frozen=True)
+class Extra:
+    what: str  #: its name in a reason: "the nvrtc extra"
+    install: str  #: how to get it
+    switch: str  #: the variable that turns its absence into a failure
+    modules: dict[str, str]  #: module -> the distribution that installs it (found without importing it)
+    programs: tuple[str, ...] = ()  #: programs it puts on PATH
+    check: Callable[[], str | None] | None = None  #: what else must hold once all of it is installed
+
+
+def _nvrtc_loads() -> str | None:
+    from tunekit import rtc
+
+    why = rtc.unavailable_reason("nvidia")
+    if why:
+        return why
+    try:
+        rtc.compiler_for("nvidia")
+    except Exception as exc:  # noqa: BLE001 - libnvrtc missing or broken: its one line
+        return f"the NVRTC library does not load: {type(exc).__name__}: {exc}"
+    return None
+
+
+def vllm_venv() -> Path:
+    """The vLLM tier's virtualenv (scripts/setup.sh --vllm-tier makes it; TUNEKIT_VLLM_VENV moves it)."""
+    return Path(os.environ.get("TUNEKIT_VLLM_VENV", Path.home() / ".cache" / "tunekit" / "vllm-venv"))
+
+
+def _vllm_venv_exists() -> str | None:
+    venv = vllm_venv()
+    if not (venv / "bin" / "python").exists():
+        return f"no vLLM 0.33.0 virtualenv at {venv}"
+    if not list(venv.glob("lib/python*/site-packages/vllm/__init__.py")):
+        return f"the virtualenv at {venv} has no vLLM"
+    return None
+
+
+EXTRAS: dict[str, Extra] = {
+    "nvrtc": Extra("the nvrtc extra", "pip install -e .[nvrtc]", "TUNEKIT_REQUIRE_NVRTC",
+                   {"cuda.core": "cuda-core", "cuda.bindings": "cuda-bindings"}, check=_nvrtc_loads),
+    "postgres": Extra("the postgres extra", "pip install -e .[postgres]", "TUNEKIT_REQUIRE_POSTGRES",
+                      {"psycopg": "psycopg"}),
+    "hf": Extra("the hf extra", "pip install -e .[hf]", "TUNEKIT_REQUIRE_HF", {"transformers": "transformers"}),
+    "hipcc": Extra("hipcc", "apt-get install hipcc libamdhip64-dev rocm-device-libs (scripts/setup.sh does, as root)",
+                   "TUNEKIT_REQUIRE_HIPCC", {}, programs=("hipcc",)),
+    "vllm": Extra("the vLLM tier",
+                  "bash scripts/setup.sh --vllm-tier (TUNEKIT_VLLM_VENV says where)", "TUNEKIT_REQUIRE_VLLM_TIER",
+                  {}, check=_vllm_venv_exists),
+}
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing
+        return False
+
+
+@functools.cache
+def missing_reason(name: str) -> str | None:
+    """Why the test extra ``name`` (a key of EXTRAS) is not usable here, in one line naming it, else None."""
+    extra = EXTRAS[name]
+    lacking = sorted({dist for module, dist in extra.modules.items() if not _installed(module)}
+                     | {program for program in extra.programs if shutil.which(program) is None})
+    detail = ", ".join(lacking) + " missing" if lacking else (extra.check() if extra.check else None)
+    return None if detail is None else f"needs {extra.what} ({detail}): {extra.install}"
+
+
+def need(name: str) -> None:
+    """Skip the running test for lack of the extra ``name``; fail instead under its TUNEKIT_REQUIRE_* switch."""
+    reason = missing_reason(name)
+    if reason is None:
+        return
+    switch = EXTRAS[name].switch
+    if os.environ.get(switch) == "1":
+        pytest.fail(f"{switch}=1 but this test {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "needs(extra, ...): the test needs these extras of tests/conftest.py's EXTRAS "
+                                       f"({', '.join(EXTRAS)}); skipped without one, failed under its switch")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for mark in item.iter_markers("needs"):
+        for name in mark.args:
+            if name not in EXTRAS:
+                raise pytest.UsageError(f"needs({name!r}): no such extra in tests/conftest.py (known: "
+                                        f"{', '.join(EXTRAS)})")
+            need(name)
+
+
 @pytest.fixture(scope="module")
 def postgres():
-    """A throwaway PostgreSQL server for a test module (tests/postgres_server.py); skips where none can start,
-    fails instead under TUNEKIT_REQUIRE_POSTGRES=1 (CI)."""
+    """A throwaway PostgreSQL server for a test module (tests/postgres_server.py): needs the postgres extra and
+    the server's programs; skips without them, fails instead under TUNEKIT_REQUIRE_POSTGRES=1 (CI)."""
     import postgres_server
 
+    need("postgres")
     reason = postgres_server.unavailable_reason()
     if reason is not None:
         if os.environ.get("TUNEKIT_REQUIRE_POSTGRES") == "1":
-            pytest.fail(f"TUNEKIT_REQUIRE_POSTGRES=1 but {reason}")
+            pytest.fail(f"TUNEKIT_REQUIRE_POSTGRES=1 but {reason}", pytrace=False)
         pytest.skip(reason)
     server = postgres_server.start()
     yield server

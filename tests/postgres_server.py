@@ -31,12 +31,10 @@ def find_bin(name: str) -> str | None:
 
 
 def unavailable_reason() -> str | None:
+    """Why no server can start here, else None (the psycopg driver, the postgres extra, is the ``postgres``
+    fixture's first check: tests/conftest.py)."""
     if find_bin("initdb") is None or find_bin("pg_ctl") is None:
         return "PostgreSQL is not installed (Debian: apt-get install postgresql; scripts/setup.sh does it)"
-    try:
-        import psycopg  # noqa: F401
-    except ImportError:
-        return "the psycopg driver is missing (pip install -e '.[postgres]')"
     return None
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -20,7 +19,6 @@ from tunekit.evidence.check_serving import model_check as serving
 from tunekit.evidence.check_serving.hf_decode import layer_types
 
 REPO = Path(__file__).resolve().parents[1]
-HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
 
 def _run(*args: str, **env: str) -> subprocess.CompletedProcess:
@@ -167,7 +165,7 @@ def test_layer_types_keep_the_pattern_and_add_full_attention() -> None:
 
 
 @pytest.mark.usefixtures("clean_ops")
-@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
+@pytest.mark.needs("hf")
 @pytest.mark.parametrize("model", ["qwen3.5-27b", "llama-3.1-8b"])
 def test_tiny_model_patched_agrees_with_unpatched_on_the_cpu(tmp_path: Path, model: str) -> None:
     # The tiny model's lm_head (256x128) and down_proj (128x256) at M=1, served by the interpreted kernel.
@@ -199,7 +197,7 @@ def test_tiny_model_patched_agrees_with_unpatched_on_the_cpu(tmp_path: Path, mod
 
 
 @pytest.mark.usefixtures("clean_ops")
-@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
+@pytest.mark.needs("hf")
 @pytest.mark.slow  # over 10 s on 2 cores: the slow tier
 def test_tiny_qwen3_5_with_folded_norms_agrees_with_unpatched_on_the_cpu(tmp_path: Path) -> None:
     """--fold-norms: the decoder norms go into their consumers' weights where the table's M=1 entries say
@@ -229,7 +227,7 @@ def test_tiny_qwen3_5_with_folded_norms_agrees_with_unpatched_on_the_cpu(tmp_pat
 
 
 @pytest.mark.usefixtures("clean_ops")
-@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
+@pytest.mark.needs("hf")
 def test_tiny_qwen3_5_with_merged_siblings_agrees_with_unpatched_on_the_cpu(tmp_path: Path) -> None:
     """Siblings merged (the default): a table of vLLM's merged shapes only (what ``tunekit search --model``
     tunes) serves HF's separate q/k/v, gate/up, qkv/z and b/a, one tuned GEMV per group and decode step."""

@@ -83,10 +83,7 @@ def _ids(case) -> str:
 
 # --------------------------------------------------------------------- hipcc
 def _hipcc() -> str:
-    path = shutil.which("hipcc")
-    if path is None:
-        pytest.skip("hipcc not on PATH (apt-get install hipcc libamdhip64-dev rocm-device-libs)")
-    return path
+    return shutil.which("hipcc") or "hipcc"  # the tests that call it are marked needs("hipcc")
 
 
 def _hipcc_compile(family: str, defines: dict[str, int], out: Path) -> subprocess.CompletedProcess[str]:
@@ -96,6 +93,7 @@ def _hipcc_compile(family: str, defines: dict[str, int], out: Path) -> subproces
                           timeout=300)
 
 
+@pytest.mark.needs("hipcc")
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_hipcc_compiles_for_gfx90a(case, tmp_path: Path) -> None:
     family, combo = case
@@ -106,6 +104,7 @@ def test_hipcc_compiles_for_gfx90a(case, tmp_path: Path) -> None:
     assert b"gfx90a" in blob and KERNELS[family].encode() in blob
 
 
+@pytest.mark.needs("hipcc")
 def test_hipcc_rejects_bad_defines(tmp_path: Path) -> None:
     result = _hipcc_compile("silu_and_mul", {"VEC": 3}, tmp_path / "bad.co")
     assert result.returncode != 0 and "VEC must be 1, 2, 4 or 8" in result.stderr
@@ -121,19 +120,9 @@ SM90 = DeviceInfo(
 GFX90A = DeviceInfo("amd", "MI250X (compile only)", "gfx90a", 110, 64, 8 << 20, 0, "hip", "cuda:0")
 
 
-def _nvrtc_ready() -> None:
-    why = rtc.unavailable_reason("nvidia")
-    if why:
-        pytest.skip(why)
-    try:
-        rtc.compiler_for("nvidia")
-    except Exception as exc:  # noqa: BLE001 - libnvrtc missing: say so, do not fail
-        pytest.skip(f"NVRTC library not loadable: {exc}")
-
-
+@pytest.mark.needs("nvrtc")
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_nvrtc_compiles_for_sm90(case, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _nvrtc_ready()
     monkeypatch.setenv("TUNEKIT_CACHE", str(tmp_path))
     family, combo = case
     defines = combo | {"WAVE": 32} if "WAVE" in combo else dict(combo)  # NVIDIA's 32-lane warps
@@ -142,8 +131,8 @@ def test_nvrtc_compiles_for_sm90(case, tmp_path: Path, monkeypatch: pytest.Monke
     assert not module.cache_hit
 
 
+@pytest.mark.needs("nvrtc")
 def test_nvrtc_refuses_wave64() -> None:
-    _nvrtc_ready()
     with pytest.raises(BuildError) as info:
         rtc.compile_kernel("gated_rms_norm", {"WAVE": 64}, SM90, use_cache=False)
     assert "NVIDIA warps have 32 lanes" in info.value.log

@@ -382,6 +382,7 @@ class _StandInGemm:
         self._compiled[(dtype, config, has_residual)] = fn
 
 
+@pytest.mark.needs("nvrtc")  # cuda-bindings' CUstream, the real one (the nvrtc extra's; also the peers')
 def test_the_built_kernel_calls_vllms_compiled_kernel_into_the_ops_output(vllm_standin, monkeypatch) -> None:
     gemm = _StandInGemm()
     vllm_standin.shape_dynamic_skinny_gemm = gemm
@@ -414,3 +415,22 @@ def test_the_built_kernel_calls_vllms_compiled_kernel_into_the_ops_output(vllm_s
         vs.HEURISTIC.build(Problem("gemv", "bf16", 2, 6, 576), {}, H200)
     with pytest.raises(BuildError, match="invalid config: N must be divisible by outputs_per_block"):
         vs.BACKEND.build(Problem("gemv", "bf16", 2, 5, 256), params, H200)
+
+
+def test_without_cuda_bindings_the_build_is_unavailable_in_one_line(vllm_standin, monkeypatch) -> None:
+    """The lookup found cuda-bindings but it cannot be imported (or the lookups were wrong): the build's verdict
+    is an ``unavailable:`` BuildError saying what to install, before vLLM compiles anything."""
+    import sys
+
+    gemm = _StandInGemm()
+    vllm_standin.shape_dynamic_skinny_gemm = gemm
+    monkeypatch.setitem(sys.modules, "cuda.bindings.driver", None)  # its import fails, installed or not
+    params = {"num_rows": 2, "block_size": 32, "outputs_per_block": 2, "k_unroll": 1, "vector_width": 8,
+              "static_k": 0}
+    for backend, problem_params in ((vs.BACKEND, params), (vs.HEURISTIC, {})):  # 64 * 8 divides K=512
+        with pytest.raises(BuildError) as info:
+            backend.build(Problem("gemv", "bf16", 2, 6, 512), problem_params, H200)
+        why = str(info.value)
+        assert why.startswith("unavailable: cuda-bindings cannot be imported (ModuleNotFoundError") and "\n" not in why
+        assert why.endswith("pip install -e .[peers])"), why
+    assert gemm._compiled == {}

@@ -66,11 +66,9 @@ def _race_nvrtc(cache_root: str, start_at: float) -> list[tuple[str, bool, bytes
 
 
 @pytest.mark.faults  # 8 racing processes, for real: in the README's test command however long it takes
+@pytest.mark.needs("nvrtc")
 def test_racing_processes_compile_real_kernels_once(tmp_path: Path) -> None:
     """Eight processes compile the same three HIP GEMV variants (NVRTC, sm_90) into one cache."""
-    why = rtc.unavailable_reason("nvidia")
-    if why:
-        pytest.skip(why)
     ctx = mp.get_context("spawn")
     with ctx.Pool(RACERS) as pool:
         results = pool.starmap(_race_nvrtc, [(str(tmp_path / "cache"), time.time() + 6.0)] * RACERS)

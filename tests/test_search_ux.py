@@ -415,6 +415,7 @@ def test_summary_columns_count_this_search_and_say_so(tmp_path) -> None:
     assert "so its total is stored before + measured" in flat
 
 
+@pytest.mark.needs("postgres")  # psycopg's own connection attempt, refused
 def test_a_refused_connection_is_one_line_saying_how_to_start_the_server() -> None:
     import socket
 
@@ -443,6 +444,7 @@ def test_a_missing_password_is_one_line_saying_where_to_give_it(monkeypatch) -> 
 
     monkeypatch.setattr(optuna.storages, "RDBStorage", refuse)
     monkeypatch.setattr(storage.time, "sleep", lambda s: None)
+    monkeypatch.setattr(storage, "_has_module", lambda name: name == "psycopg")  # the driver's lookup only
     with pytest.raises(UserError) as err:
         storage.open_storage("postgres://tunekit@db/tunekit")
     text = str(err.value)

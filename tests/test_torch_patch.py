@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -169,8 +168,7 @@ def test_linear_shapes_lists_what_to_tune() -> None:
 
 
 # ----------------------------------------------------------------------------- real Hugging Face classes
-
-HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+# (the tests marked needs("hf"): the hf extra, transformers)
 
 
 def _tiny_qwen3_5(vocab: int = 128, intermediate: int = INTER):
@@ -188,7 +186,7 @@ def _tiny_qwen3_5(vocab: int = 128, intermediate: int = INTER):
     return Qwen3_5ForCausalLM(config).to(torch.bfloat16).eval()
 
 
-@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
+@pytest.mark.needs("hf")
 def test_hugging_face_qwen3_5_patched_gives_the_same_logits_and_tokens(tmp_path: Path) -> None:
     model = _tiny_qwen3_5()
     with torch.no_grad():  # zero-centred norm weights are all zero at init: make them count
@@ -220,7 +218,7 @@ def test_hugging_face_qwen3_5_patched_gives_the_same_logits_and_tokens(tmp_path:
         assert torch.equal(model(ids).logits, ref)
 
 
-@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
+@pytest.mark.needs("hf")
 def test_hugging_face_llama_norms_are_routed() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -245,7 +243,7 @@ def _fold_table(tmp_path: Path, model: nn.Module, fold_us: float, norm_op: str, 
     return make_table(tmp_path / f"fold-{fold_us}-{backend.replace(':', '-')}.json", rows)
 
 
-@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
+@pytest.mark.needs("hf")
 def test_hugging_face_qwen3_5_with_folded_norms_gives_the_same_logits_and_unpatch_restores(tmp_path: Path) -> None:
     model = _tiny_qwen3_5()
     with torch.no_grad():  # zero-centred norm weights are all zero at init: make (1 + g) count
@@ -288,7 +286,7 @@ def test_hugging_face_qwen3_5_with_folded_norms_gives_the_same_logits_and_unpatc
     tunekit.unpatch(twin)
 
 
-@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
+@pytest.mark.needs("hf")
 def test_a_fold_that_does_not_pay_is_left_alone(tmp_path: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -343,7 +341,7 @@ def _merged_table(tmp_path: Path, model: nn.Module, merged_us: float = 1.0, apar
     return make_table(tmp_path / f"merged-{merged_us}-{apart_us}.json", rows)
 
 
-@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
+@pytest.mark.needs("hf")
 def test_hugging_face_qwen3_5_merged_siblings_run_vllms_shapes_once_per_group(tmp_path: Path) -> None:
     model = _qwen3_5_with_norms()
     # layer 0 (Gated DeltaNet): qkv 96 + z 32 -> 128, b 2 + a 2 -> 4; layer 1: q 128 + k 32 + v 32 -> 192;
@@ -393,7 +391,7 @@ def _llama(layers: int = 1) -> nn.Module:
     return LlamaForCausalLM(config).to(torch.bfloat16).eval()
 
 
-@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
+@pytest.mark.needs("hf")
 def test_a_merged_sibling_called_alone_out_of_order_or_on_a_changed_input_gets_its_own_rows(tmp_path: Path) -> None:
     model = _llama()
     attn = model.model.layers[0].self_attn
@@ -425,7 +423,7 @@ def test_a_merged_sibling_called_alone_out_of_order_or_on_a_changed_input_gets_i
     assert [label for label, _ in torch_merge._merge_plan(model)] == ["model.layers.0.self_attn.q_proj+k_proj+v_proj"]
 
 
-@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
+@pytest.mark.needs("hf")
 def test_merging_that_does_not_pay_or_is_not_covered_is_left_alone(tmp_path: Path) -> None:
     model = _llama()
     ids = torch.tensor([[1, 2, 3]])
@@ -450,7 +448,7 @@ def test_merging_that_does_not_pay_or_is_not_covered_is_left_alone(tmp_path: Pat
     assert (out.float() - ref.float()).abs().max() < 0.05 and torch.equal(out.argmax(-1), ref.argmax(-1))
 
 
-@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
+@pytest.mark.needs("hf")
 def test_merged_siblings_compile_to_one_gemv_per_group_without_recompiling(tmp_path: Path) -> None:
     model = _llama(layers=2)
     ids = torch.tensor([[1, 2, 3]])
@@ -501,7 +499,7 @@ def _fp32_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return copy.deepcopy(model).float()(ids).logits
 
 
-@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
+@pytest.mark.needs("hf")
 def test_folding_is_the_default_and_passes_its_check_under_realistic_gains(tmp_path: Path) -> None:
     model = _llama_with_gains()
     ids = torch.tensor([[1, 2, 3]])
@@ -518,7 +516,7 @@ def test_folding_is_the_default_and_passes_its_check_under_realistic_gains(tmp_p
     assert "rms_norm folded" not in counts and "rms_gemv" not in counts
 
 
-@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
+@pytest.mark.needs("hf")
 def test_a_broken_rms_gemv_kernel_is_caught_and_the_norms_stay_norms(tmp_path: Path, caplog) -> None:
     model = _llama_with_gains()
     ids = torch.tensor([[1, 2, 3]])
@@ -539,7 +537,7 @@ def test_a_broken_rms_gemv_kernel_is_caught_and_the_norms_stay_norms(tmp_path: P
         assert torch.equal(out, model(ids).logits)  # exactly the unfolded patched model
 
 
-@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
+@pytest.mark.needs("hf")
 def test_state_dict_is_unfolded_and_load_state_dict_folds_again(tmp_path: Path) -> None:
     model, other = _llama_with_gains(0), _llama_with_gains(1)
     ids = torch.tensor([[4, 5, 6]])
@@ -559,7 +557,7 @@ def test_state_dict_is_unfolded_and_load_state_dict_folds_again(tmp_path: Path) 
     assert all(torch.equal(v, new[k]) for k, v in model.state_dict().items())
 
 
-@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers not installed (pip install -e .[hf])")
+@pytest.mark.needs("hf")
 def test_norms_with_an_adapter_or_a_quantized_reader_are_not_folded(tmp_path: Path) -> None:
     class LoraLinear(nn.Module):  # peft's shape: the adapted linear as base_layer
         def __init__(self, base: nn.Linear) -> None:

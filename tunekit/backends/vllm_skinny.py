@@ -294,6 +294,17 @@ def current_raw_stream(index: int) -> int:
 current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or current_raw_stream  # noqa: F811
 
 
+def cu_stream() -> type:
+    """cuda.bindings' CUstream, the stream type vLLM's compiled kernel takes; a BuildError with the one-line
+    ``unavailable:`` reason where cuda-bindings cannot be imported (packages_reason finds it without importing it)."""
+    try:
+        from cuda.bindings.driver import CUstream
+    except ImportError as exc:
+        raise BuildError(f"unavailable: cuda-bindings cannot be imported ({type(exc).__name__}: {exc}; vLLM's "
+                         f"skinny GEMM launches on its CUstream; {EXTRA})") from None
+    return CUstream
+
+
 def build_kernel(problem: Problem, config) -> Kernel:
     """vLLM's kernel compiled for ``config`` (through vLLM's ``_compile`` and its cache), as ``kernel(inputs, out)``.
 
@@ -306,6 +317,7 @@ def build_kernel(problem: Problem, config) -> Kernel:
     if not callable(compile_) or not isinstance(compiled, dict):
         raise BuildError(f"vLLM {version_of('vllm')}'s ShapeDynamicSkinnyGemm has no _compile / _compiled "
                          "(tunekit launches vLLM's compiled kernel into its own output; written for vLLM 0.33)")
+    stream_type = cu_stream()
     dtype = DTYPES[problem.dtype]
     has_residual = problem.op == "gemv_add"
     key = (dtype, config, has_residual)
@@ -318,7 +330,6 @@ def build_kernel(problem: Problem, config) -> Kernel:
                              log=traceback.format_exc()) from None
     fn = compiled[key]
     row_stride_ok = module.row_stride_ok
-    from cuda.bindings.driver import CUstream
 
     def kernel(inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
         x, w = inputs[0], inputs[1]
@@ -329,7 +340,7 @@ def build_kernel(problem: Problem, config) -> Kernel:
         residual = out
         if has_residual:
             residual = inputs[2] if inputs[2].is_contiguous() else inputs[2].contiguous()
-        fn(x, w, residual, out, CUstream(current_raw_stream(x.get_device())))
+        fn(x, w, residual, out, stream_type(current_raw_stream(x.get_device())))
 
     kernel.config = config  # type: ignore[attr-defined]
     return kernel
