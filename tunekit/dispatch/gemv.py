@@ -2,15 +2,20 @@
 
 Call protocol: :func:`gemv_impl` is the kernel of both device keys
 (registered by ``tunekit.dispatch.registry``). Per (x shape, W shape,
-dtypes, devices) it resolves once to a :class:`_Route`: the checks shapes,
-dtypes and devices decide, the decision (``tunekit.dispatch.decisions``),
-the marker rows' counters (``tunekit.dispatch.markers``) and the tuned
-kernel's bound launcher (``tunekit.dispatch.launch``). Per call it looks the
-route up lock-free, checks that its decision and vendor hook still hold,
-runs the checks strides and the bias decide, launches the tuned kernel or
-the vendor path (``F.linear``, or the hook ``set_vendor_gemm`` installed,
-on GPU tensors) and ticks the call's counter: no key or label string is
-formatted and no lock taken. It never raises for tunekit's sake.
+dtypes, device indices) it resolves once to a :class:`_Route`: the checks
+shapes, dtypes and devices decide, the decision (``tunekit.dispatch.decisions``:
+the tables, their TP check, a kernel the canary demoted), the marker rows'
+counters (``tunekit.dispatch.markers``) and the tuned kernel's bound launcher
+(``tunekit.dispatch.launch``). The route is stamped with the serving epoch
+(``STATE.epoch``, bumped by every table load, TP change, vendor hook and
+demotion); per call it looks the route up lock-free and compares the stamp
+(a route of an older epoch is checked again once: its decision and vendor
+hook still held, it is stamped anew, else made again). A route without a
+tuned kernel (no table covers the call) then just ticks the call's counter
+and runs the vendor path (``F.linear``, or the hook ``set_vendor_gemm``
+installed, on GPU tensors); a tuned one runs the checks strides and the bias
+decide and launches. No key or label string is formatted and no lock taken.
+It never raises for tunekit's sake.
 """
 
 from __future__ import annotations
@@ -73,14 +78,16 @@ class _Route:
     """What serves one (x shape, W shape, dtypes, devices), resolved once: the hot path's whole state.
 
     Valid while the decision cache still holds its choice and the vendor
-    hook is the one it was made with (checked per call by identity).
+    hook is the one it was made with (:meth:`valid`); ``epoch`` is the serving
+    epoch in which that was last checked, so per call one comparison suffices.
     """
 
-    __slots__ = ("static", "ckey", "choice", "vendor_fn", "vendor_name", "dtype", "shape", "m", "n", "k",
+    __slots__ = ("epoch", "static", "ckey", "choice", "vendor_fn", "vendor_name", "dtype", "shape", "m", "n", "k",
                  "x2d", "out_shape", "final_shape", "out_dtype", "device", "kernel", "launcher", "bind", "ticks",
                  "impl", "vcall")
 
-    def __init__(self, x: torch.Tensor, weight: torch.Tensor, capturing: bool) -> None:
+    def __init__(self, x: torch.Tensor, weight: torch.Tensor, capturing: bool, epoch: int) -> None:
+        self.epoch = epoch  # read before the decision below: a change meanwhile makes the next call check
         self.vendor_fn, self.vendor_name = STATE.vendor_gemm, STATE.vendor_gemm_name
         self.dtype = dtype_name(x.dtype)
         wshape = weight.shape
@@ -118,22 +125,26 @@ class _Route:
                 and (self.static is not None or STATE.choices.get(self.ckey) is self.choice))
 
 
-#: (x shape, W shape, x dtype, W dtype, x device, W device) -> _Route
+#: (x shape, W shape, x dtype, W dtype, x device index, W device index) -> _Route. The device index
+#: (``Tensor.get_device()``: -1 on the CPU; cheaper than a ``torch.device`` made and hashed per call)
+#: tells the devices apart, as in :class:`EagerLinear`: through torch's dispatcher this impl is the
+#: kernel of the CPU and CUDA keys only, and routes are kept only for CPU and CUDA (HIP) tensors. A
+#: direct call with tensors of another device type (a patched module on "meta" or "xpu") takes the
+#: vendor path through a route of the same index, if one is kept, counted in that route's row.
 _ROUTES: dict[tuple, _Route] = {}
 
 
 def gemv_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The CUDA/HIP and CPU kernel of ``tunekit::gemv``: tuned kernel or vendor path, counted."""
-    capturing = is_capturing(x)
-    key = (x.shape, weight.shape, x.dtype, weight.dtype, x.device, weight.device)
-    route = _ROUTES.get(key)  # lock-free read (atomic under the GIL), as for the decision cache
-    # valid(), inlined: the hot path's one check that the decision and the vendor hook still hold
-    if route is None or STATE.vendor_gemm is not route.vendor_fn or STATE.vendor_gemm_name is not route.vendor_name \
-            or (route.static is None and STATE.choices.get(route.ckey) is not route.choice):
-        route = _new_route(key, x, weight, capturing)
+    capturing = is_capturing(x)  # a module global: the CPU tests simulate a capture through it
+    # lock-free read (atomic under the GIL), as for the decision cache
+    route = _ROUTES.get((x.shape, weight.shape, x.dtype, weight.dtype, x.get_device(), weight.get_device()))
+    if route is None or route.epoch != STATE.epoch:
+        route = _check_route(route, x, weight, capturing)
     if route.kernel is None:
-        # No tuned kernel for this route (bad inputs too: the vendor's own error, as without
-        # tunekit): the layout is the vendor's business, so no stride checks. _vendor_gemv, inlined.
+        # No tuned kernel for this route (no table covers it; bad inputs too: the vendor's own error,
+        # as without tunekit): the layout is the vendor's business, so no stride checks.
+        # _vendor_gemv, inlined.
         route.ticks[bias is not None][capturing]()
         out = route.vcall(x, weight, bias)
         return out if out.is_contiguous() else out.contiguous()
@@ -184,11 +195,23 @@ def _serve_tuned(route: _Route, x: torch.Tensor, weight: torch.Tensor, bias: tor
     return out if route.x2d else out.view(route.final_shape)
 
 
-def _new_route(key: tuple, x: torch.Tensor, weight: torch.Tensor, capturing: bool) -> _Route:
-    route = _Route(x, weight, capturing)
-    if route.static is not None or STATE.choices.get(route.ckey) is route.choice:
-        _ROUTES[key] = route  # a choice not cached (met under capture) is not a route either
+def _check_route(route: _Route | None, x: torch.Tensor, weight: torch.Tensor, capturing: bool) -> _Route:
+    """The slow path of a call whose route is missing or of an older serving epoch: the route checked
+    again (still valid: stamped with the epoch, read before the check) or made anew and kept."""
+    epoch = STATE.epoch
+    if route is not None and route.valid():
+        route.epoch = epoch
+        return route
+    route = _Route(x, weight, capturing, epoch)
+    # a choice not cached (met under capture) is not a route either; nor is the "device" fallback of a
+    # device type the key's index does not tell from the CPU's or CUDA's (a meta tensor's index is -1)
+    if (route.static is not None or STATE.choices.get(route.ckey) is route.choice) \
+            and x.device.type in _KEPT_DEVICES and weight.device.type in _KEPT_DEVICES:
+        _ROUTES[(x.shape, weight.shape, x.dtype, weight.dtype, x.get_device(), weight.get_device())] = route
     return route
+
+
+_KEPT_DEVICES = ("cpu", "cuda")
 
 
 class EagerLinear:
@@ -231,7 +254,7 @@ class EagerLinear:
         out = gemv_impl(x, weight, bias)
         # the route gemv_impl served, if it is still the one the decision cache holds (a route resolved
         # under capture is not kept there, and an earlier table's route may still be)
-        route = _ROUTES.get((x.shape, weight.shape, x.dtype, weight.dtype, x.device, weight.device))
+        route = _ROUTES.get((x.shape, weight.shape, x.dtype, weight.dtype, x.get_device(), weight.get_device()))
         if route is not None and route.static is None and route.valid() and STATE.epoch == epoch:
             self.routes[x.shape] = (route, weight.shape, x.dtype, x.get_device())
         return out

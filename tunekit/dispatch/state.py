@@ -194,7 +194,9 @@ class State:
         #: (``set_engine_runs_vendor``): their fallbacks try tunekit's default-config kernel first
         self.vendor_off_engine_path: set[str] = set()
         #: (op, dtype, n, k, device, "m" | "rows") -> the largest tabulated M (or M x N / K rows), 0 for
-        #: none (the cache of tables.largest_m, largest_rows and covers); cleared with the tables
+        #: none (the cache of tables.largest_m, largest_rows and covers); (..., "other_tp") -> the TP size of
+        #: a table that holds the key for another TP, 0 for none (tables.other_tp); cleared with the tables
+        #: and on a TP change
         self.largest: dict[tuple, int] = {}
         #: (op, dtype, m, n, k, device key) -> the default-config kernel serving fallbacks that have no
         #: vendor kernel (or why none does); cleared with the tables

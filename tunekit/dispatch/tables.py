@@ -182,11 +182,18 @@ def other_tp(op: str, dtype: str, n: int, k: int, device: str) -> int | None:
     """The TP size of a loaded table that holds (op, dtype, N, K) for ``device`` but does not serve it here,
     being tuned for another TP size than :func:`set_tensor_parallel`'s; None if there is none. Never raises.
 
-    For integrations that count why a layer keeps its own code."""
-    merged = serving_table(device)
-    if merged is None:
-        return None
-    return merged.get("other_tp", {}).get((op, dtype, n, k))
+    For integrations that count why a layer keeps its own code: an eager vLLM layer the tables do not cover
+    asks on every call, so the answer is cached per key until the tables or the TP size change."""
+    key = (op, dtype, n, k, device, "other_tp")
+    hit = STATE.largest.get(key)  # lock-free read (atomic under the GIL)
+    if hit is None:
+        epoch = STATE.epoch  # read first: a load_tables or set_tensor_parallel meanwhile leaves nothing cached
+        merged = serving_table(device)
+        hit = 0 if merged is None else merged.get("other_tp", {}).get((op, dtype, n, k), 0)
+        with STATE.lock:
+            if STATE.epoch == epoch:
+                STATE.largest[key] = hit
+    return hit or None
 
 
 def covers(op: str, dtype: str, n: int | None, k: int, device: str) -> bool:
