@@ -31,7 +31,12 @@ Format (``format`` = ``tunekit.dispatch/1``)::
      "tp": int or null,
      "entries": [{"op", "dtype", "m", "n", "k", "backend", "kernel", "params",
                   "time_us", "baseline_us", "speedup", "gbps", "pct_of_limit",
-                  "max_abs_err", "err_ratio", "count"}]}
+                  "max_abs_err", "err_ratio", "count"}],
+     "fusions": {group key: {"fuse", "margin", "why", "per_m", ...}}}
+
+``fusions`` (``tunekit.table_fusions``): per layer group, whether serving fuses it (a folded norm, the residual
+add in the GEMV epilogue), measured by the search against the unfused sequence at every M; empty for a search
+of no layer group (``--shape``); absent in tables written before it (serving then keeps its older rule).
 
 ``read_limit_gbps``: the probe's streaming-read bandwidth, the limit ``pct_of_limit`` refers to; null where
 none was measured: a CPU (interpreter) run, whose figures are not bandwidth evidence (its entries'
@@ -138,11 +143,13 @@ def build_table(
     min_gain: float,
     backends: list[str],
     tp: int | None = None,
+    fusions: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Pick per problem the fastest re-measured candidate at least ``min_gain`` ahead of the
     fastest stock baseline (vendor; for elementwise ops also Inductor: see the module docstring).
     ``tp``: the tensor-parallel size the problems were sharded for (None: unknown). A CPU ``probe``
-    (kind "cpu") gives no read limit: ``read_limit_gbps`` and every ``pct_of_limit`` are null."""
+    (kind "cpu") gives no read limit: ``read_limit_gbps`` and every ``pct_of_limit`` are null. ``fusions``:
+    the section of ``tunekit.table_fusions`` (None: the table has none)."""
     from tunekit import backends as registry
     from tunekit.problems.shapes import Problem
 
@@ -190,7 +197,7 @@ def build_table(
             "count": int(row.get("count") or 1),
             "timing_kind": row.get("timing_kind", "gpu"),
         })
-    return {
+    table = {
         "format": FORMAT,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "environment": environment_stamp(device, backends),
@@ -199,6 +206,9 @@ def build_table(
         "tp": tp,
         "entries": entries,
     }
+    if fusions is not None:
+        table["fusions"] = fusions
+    return table
 
 
 def _num(value: Any) -> float | None:
@@ -369,6 +379,12 @@ def validate(table: Any, source: str = "table", strict: bool = False) -> None:
     if tp is not None and not (type(tp) is int and tp >= 1):
         raise TableError(f"{source}: tp={tp!r} (the tensor-parallel size: a whole number >= 1, or null)")
     entries = table.get("entries")
+    if "fusions" in table:
+        from tunekit.table_fusions import section_problem
+
+        why = section_problem(table["fusions"])
+        if why is not None:
+            raise TableError(f"{source}: {why}")
     if not isinstance(entries, list):
         raise TableError(f"{source}: 'entries' must be a list")
     seen = set()

@@ -227,6 +227,7 @@ def search(
     from tunekit.problems import shapes as shapes_mod
     from tunekit.problems.budget import apply_budget
     from tunekit.search.engine import SearchConfig, read_seed_records, run_search
+    from tunekit.table_fusions import model_groups
 
     m_given = m is not None
     # the model's spec keeps, of the default op families, those it runs
@@ -260,6 +261,7 @@ def search(
         seed_from=tuple(seed_from or ()), restrict=restricted,
         trial_timeout_s=trial_timeout, command=shlex.join(["tunekit"] + sys.argv[1:]),
         model=spec.name if spec else None, gpus=gpus, add=add, tp=tp if spec else None,
+        fusion_groups=model_groups(spec, tp) if spec else [],
     )
     try:
         with _stop_signals():
@@ -390,6 +392,14 @@ def export(
         device, probe, backends = meta["device"], meta["probe"], meta["backends"]
     gain = meta.get("min_gain", 0.01) if min_gain is None else min_gain
     table = table_mod.build_table(rows, device, probe, gain, backends, tp=meta.get("tp"))
+    if run is not None:  # the fusions the run measured, decided again for this table's entries
+        from tunekit.problems.shapes import Problem
+        from tunekit.search.fusion_phase import redecide
+
+        problems = [Problem(p["op"], p["dtype"], p["m"], p["n"], p["k"]) for p in meta.get("problems", [])]
+        fusions = redecide(run, table, rows, device, problems)
+        if fusions is not None:
+            table["fusions"] = fusions
     path = table_mod.save(table, target)
     problems = len({(r["op"], r["m"], r["n"], r["k"]) for r in rows})
     console.print(f"wrote {path}: {len(table['entries'])} entries from {problems} problems (min gain {gain:.1%})")
@@ -462,6 +472,17 @@ def show(
         diffs = table_mod.environment_mismatch(table, detect().as_dict())
         if diffs:
             raise UserError(f"{table_path} does not match this environment: " + "; ".join(diffs))
+    if "fusions" in table:
+        from tunekit.table_fusions import describe
+
+        console.print(f"fusions ({len(table['fusions'])} group(s), each measured against its unfused sequence at "
+                      "every M):" if table["fusions"] else "fusions: none decided (no layer group searched)",
+                      soft_wrap=True, markup=False, highlight=False)
+        for key, rec in table["fusions"].items():
+            console.print(f"  {describe(key, rec)}", soft_wrap=True, markup=False, highlight=False)
+    else:
+        console.print("fusions: no section (a table written before tunekit measured fusions): serving decides "
+                      "folds from the M=1 entries as before", soft_wrap=True, markup=False, highlight=False)
     if not table["entries"]:
         gain = table.get("min_gain")
         console.print("no entries: every shape served with this table takes the stock path (no tuned "

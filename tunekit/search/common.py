@@ -51,6 +51,9 @@ class SearchConfig:
     gpus: str | None = None  # --gpus: None (one worker), "all" or "0,1"
     tp: int | None = None  # --tp the model's problems were sharded for (None: --shape only, as given)
     add: bool = False  # --add: a run folder made for other problems takes these too (the union is searched)
+    #: the model's layer groups whose fusion the search decides (``table_fusions.model_groups``; none: an
+    #: empty ``fusions`` section, as for a ``--shape`` search)
+    fusion_groups: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -81,6 +84,8 @@ class SearchOutcome:
     device: dict[str, Any] = field(default_factory=dict)
     #: workers, GPUs and hosts whose trials the run's studies hold (fleet.participants)
     participants: dict[str, Any] = field(default_factory=dict)
+    #: the table's ``fusions`` section (``search.fusion_phase``), None where the run decides none
+    fusions: dict[str, Any] | None = None
 
 
 @dataclass

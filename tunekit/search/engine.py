@@ -12,6 +12,9 @@ Flow of ``run_search``::
         for elementwise ops also Inductor where it runs) re-measured interleaved
         in one graph session (the ranking that counts); speedups are against the
         faster baseline
+    for each layer group whose fusion the run searched, at every M: the fused
+        sequence against the unfused one serving would run, interleaved
+        (the table's "fusions" section)
     write trials.csv, final.csv, run.json, table.json
 
 This module runs the search (the run folder's lock, the storage, a worker
@@ -23,6 +26,7 @@ each duty is a module of its own:
   warm start);
 * :mod:`~tunekit.search.trials`: the trial loop of one worker thread;
 * :mod:`~tunekit.search.finals`: the interleaved final re-measure (``final.csv``'s rows);
+* :mod:`~tunekit.search.fusion_phase`: each layer group's fusion decided by a measurement of both sequences;
 * :mod:`~tunekit.search.storage` and :mod:`~tunekit.search.liveness`: opening the
   storage, and the owners and heartbeats of the trials in flight;
 * :mod:`~tunekit.search.common`: the configuration and the state they share.
@@ -57,6 +61,7 @@ from tunekit.problems.shapes import Problem
 from tunekit.search import fleet
 from tunekit.search.common import Run, SearchConfig, SearchOutcome, StudyStats, WorkerContext, study_name
 from tunekit.search.finals import final_phase, final_rows
+from tunekit.search.fusion_phase import fusion_phase
 from tunekit.search.liveness import HEARTBEAT_S, STALE_AFTER_S, Liveness
 from tunekit.search.progress import Progress
 from tunekit.search.stops import POLL_S, STOPS
@@ -191,6 +196,8 @@ def _run_locked(run: Run, slots: Sequence[fleet.Slot], progress: bool | str,
                 _worker_main(run, run.contexts[0])  # in this thread: Ctrl-C stays deferred around each ask
             else:
                 _run_threads(run)
+            STOPS.check()
+            outcome.fusions = fusion_phase(run, run.contexts[0])  # every final is in: the entries are known
         finally:
             run.bar.stop()
     finally:
@@ -219,7 +226,8 @@ def _run_locked(run: Run, slots: Sequence[fleet.Slot], progress: bool | str,
             f"kept as it is, this run's trials are in {outcome.trials_path}")
     results.write_final(out_dir, outcome.final_rows)
     STOPS.check()
-    table = table_mod.build_table(outcome.final_rows, device, probe, cfg.min_gain, run.usable, tp=cfg.tp)
+    table = table_mod.build_table(outcome.final_rows, device, probe, cfg.min_gain, run.usable, tp=cfg.tp,
+                                  fusions=outcome.fusions)
     outcome.table_path = table_mod.save(table, out_dir / "table.json")
     return outcome
 

@@ -204,7 +204,7 @@ def _atomic_write(path: Path, write) -> None:
 
 
 #: The temporary files a run writes in its folder before renaming them into place.
-_TEMP_PATTERNS = ("trials*.csv.tmp", "final.csv.tmp", "run.json.tmp", "table.json.tmp")
+_TEMP_PATTERNS = ("trials*.csv.tmp", "final.csv.tmp", "run.json.tmp", "table.json.tmp", "fusions.json.tmp")
 
 
 def remove_temp_files(out_dir: Path) -> None:

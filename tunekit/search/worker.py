@@ -12,7 +12,8 @@ Call protocol (parent side)::
 
 Task kinds handled in the child: ``device`` (describe the device), ``probe``
 (bandwidth limit), ``trial`` (build + verify + time one candidate),
-``final`` (interleaved re-measure of several verified candidates + vendor).
+``final`` (interleaved re-measure of several verified candidates + vendor), ``sequences`` (the fusion
+phase's fused and unfused sequences timed interleaved: :mod:`~tunekit.search.sequences`).
 
 A worker never outlives the search that started it, however the search dies
 (``kill -9`` included): on Linux the kernel kills it when its parent goes
@@ -203,6 +204,10 @@ class _ChildState:
             return self._trial(task)
         if kind == "final":
             return self._final(task)
+        if kind == "sequences":
+            from tunekit.search.sequences import measure
+
+            return measure(self, task)
         raise ValueError(f"unknown task kind {kind!r}")
 
     # -- helpers -----------------------------------------------------------
@@ -224,6 +229,12 @@ class _ChildState:
             self._rotation = Rotation(opspec.get(problem.op), problem, self.device)
             self._rotation_key = problem.key
         return self._rotation
+
+    def forget_problem(self) -> None:
+        """Drop the current problem's rotation and kernels (a task that needs the memory for others)."""
+        self._rotation, self._rotation_key = None, None
+        self._kernels.clear()
+        self._sync_free()
 
     def _sync_free(self) -> None:
         from tunekit.measure.bench import release_memory
