@@ -94,6 +94,7 @@ does) and fake impl in ``tunekit.dispatch.elementwise.ELEMENTWISE_IMPLS``;
 
 from __future__ import annotations
 
+from tunekit.dispatch.fusions import add_decision, fold_decision
 from tunekit.dispatch.gemv import gemv
 from tunekit.dispatch.log import dispatch_log, write_dispatch_log
 from tunekit.dispatch.markers import dispatch_stats, maybe_register_atexit, reset_stats
@@ -127,11 +128,13 @@ __all__ = [
     "DEFAULT_VENDOR",
     "EAGER_VENDORS",
     "FALLBACK_REASONS",
+    "add_decision",
     "clear_vendor_elementwise",
     "covers",
     "dispatch_log",
     "dispatch_stats",
     "dtype_name",
+    "fold_decision",
     "gemv",
     "load_tables",
     "loaded_tables",

@@ -179,9 +179,9 @@ def record(group: FusionGroup, per_m: Mapping[int, Measured]) -> dict[str, Any]:
 
 def describe(key: str, rec: Mapping[str, Any]) -> str:
     """One line: what the group is, whether it is fused and why (with the margin)."""
-    names = ", ".join(rec.get("names") or ()) or key
+    names = "".join(f" {name}" if i == 0 else f", {name}" for i, name in enumerate(rec.get("names") or ()))
     verdict = "fused" if rec.get("fuse") else "not fused"
-    return f"{verdict}: {rec.get('family')} {names} ({key.split('|', 1)[1]}): {rec.get('why')}"
+    return f"{verdict}: {rec.get('family')}{names} ({key.split('|', 1)[1]}): {rec.get('why')}"
 
 
 def _number_or_null(value: Any) -> bool:

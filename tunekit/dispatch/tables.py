@@ -138,6 +138,9 @@ def tables_for(device: torch.device, dev_key: str) -> tuple[dict[str, Any] | Non
             entries: list[dict[str, Any]] = []
             seen: set[tuple] = set()
             matched = 0
+            #: the fusions sections (the first table wins a group) and the tables without one
+            fusions: dict[str, Any] = {}
+            unmeasured: list[str] = []
             #: (op, dtype, n, k) -> TP size of the first table that holds it but was tuned for another TP
             other_tp: dict[tuple, int] = {}
             for lt in usable:
@@ -158,12 +161,18 @@ def tables_for(device: torch.device, dev_key: str) -> tuple[dict[str, Any] | Non
                         other_tp.setdefault((entry["op"], entry["dtype"], entry["n"], entry["k"]), tp)
                     continue
                 matched += 1
+                if "fusions" in lt.table:
+                    for group, decision in lt.table["fusions"].items():
+                        fusions.setdefault(group, decision)
+                else:
+                    unmeasured.append(lt.path)
                 for entry in lt.table["entries"]:
                     key = (entry["op"], entry["dtype"], entry["m"], entry["n"], entry["k"])
                     if key not in seen:  # the first path given wins a duplicate key
                         seen.add(key)
                         entries.append(entry)
-            merged = {"entries": entries, "device": info, "other_tp": other_tp}
+            merged = {"entries": entries, "device": info, "other_tp": other_tp, "fusions": fusions,
+                      "unmeasured": unmeasured}
             result = (merged, None) if matched or other_tp else (None, "env_mismatch")
     with STATE.lock:
         STATE.device_tables[dev_key] = result

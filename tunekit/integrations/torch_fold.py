@@ -162,12 +162,19 @@ def _fold_plan(model: nn.Module) -> list[tuple[nn.Module, str, list[nn.Linear]]]
     return [(norm, op, consumers) for _, norm, op, consumers in _fold_survey(model)[0]]
 
 
-def _fold_pays(op: str, norm: nn.Module, consumers: list[nn.Linear]) -> bool:
-    """Whether the tables' M=1 entries say the folded consumers beat the tuned norm and GEMVs (a step
-    no table serves counts 0 us, so the vendor part is never the fold's excuse)."""
-    from tunekit.dispatch.fused_gemv import fold_pays
+def _fold_pays(op: str, norm: nn.Module, consumers: list[nn.Linear]) -> tuple[bool, str]:
+    """(whether to fold, the count's reason if not): the served tables' measured decision for the group
+    (``tunekit.ops.fold_decision``), else the older rule on their M=1 entries; each group's line is logged
+    once per load of the tables."""
+    from tunekit.ops import fold_decision
 
-    return fold_pays((op,), norm.weight, [tuple(c.weight.shape) for c in consumers])
+    decision = fold_decision(op, norm.weight, [tuple(c.weight.shape) for c in consumers])
+    if decision.notice:
+        logger.info("tunekit.patch: %s", decision.notice)
+    if decision.first:
+        logger.info("tunekit.patch: %s", decision.line)
+    return decision.fuse, ("not fused per the table" if decision.source == "table"
+                           else "fold not in the tables or not paying")
 
 
 @torch.no_grad()
@@ -211,10 +218,12 @@ def _add(counts: dict[str, int], key: str, n: int = 1) -> None:
 
 
 def fold_norms(model: nn.Module, counts: dict[str, int]) -> int:
-    """Fold each norm :func:`_fold_survey` finds whose fold the tables pay for and whose check passes; count
-    what was folded (``"<op> folded"``, ``"rms_gemv"`` per consumer), not paying, kept unfolded by its check
-    and not folded and why. Returns how many folded; the model's ``load_state_dict`` then refolds. Where no
-    table serving the model's device holds an ``rms_gemv`` entry, nothing is considered or counted."""
+    """Fold each norm :func:`_fold_survey` finds whose fold the tables decide for (their measured ``fusions``
+    decision, else the older rule on their M=1 entries) and whose check passes; count what was folded
+    (``"<op> folded"``, ``"rms_gemv"`` per consumer), not fused per the table, not paying (older tables), kept
+    unfolded by its check and not folded and why. Returns how many folded; the model's ``load_state_dict`` then
+    refolds. Where no table serving the model's device holds an ``rms_gemv`` entry, nothing is considered (nor
+    counted)."""
     weight = next((p for p in model.parameters() if p.is_floating_point()), None)
     if weight is None or not tables_hold("rms_gemv", str(weight.device)):
         return 0  # no table holds a fold: none is considered (nor counted)
@@ -226,8 +235,9 @@ def fold_norms(model: nn.Module, counts: dict[str, int]) -> int:
         logger.info("tunekit.patch: %d decoder norm(s) not folded: %s (%s)", len(names), why, ", ".join(names[:3]))
     folds, checked, start = [], 0, time.perf_counter()
     for name, norm, op, consumers in plans:
-        if not _fold_pays(op, norm, consumers):
-            _add(counts, f"{op} (fold not in the tables or not paying)")
+        pays, why = _fold_pays(op, norm, consumers)
+        if not pays:
+            _add(counts, f"{op} ({why})")
             continue
         weights, result = _folded(norm, op, [c.weight for c in consumers])
         checked += 1

@@ -21,8 +21,9 @@ names, whose children are exactly the ones listed there (any other child
 could read a norm's output) and with every linear that reads the norm's
 output listed there (read from the layer's forward in vLLM 0.26 and 0.33),
 each of them a plain unquantized linear whose GEMM goes through tunekit's
-route, and whose folded GEMVs the tables' M=1 entries say beat the tuned
-norm plus the GEMVs they replace. Not folded, with the reason counted
+route, and whose fold the tables decided for: their ``fusions`` section,
+where the search timed the folded GEMVs against the norm plus the GEMVs
+they replace at every M (tables without it: their M=1 entries, as before). Not folded, with the reason counted
 (:func:`survey`): a norm whose consumers may carry LoRA adapters (an
 adapter reads the normed input), a quantized consumer, a reader tunekit
 does not know (a layer not exactly as listed), a decoder layer of a class
@@ -117,13 +118,16 @@ class FoldPlan:
 @dataclass
 class FoldReport:
     """What a fold pass did: the norms folded, those kept unfolded by their check (with its worst element),
-    those not folded and why, how many norms were checked and the seconds the checks took."""
+    those not folded and why, how many norms were checked and the seconds the checks took, and each norm
+    group's decision line (whether the tables say fuse it, and why)."""
 
     folded: list[FoldPlan] = field(default_factory=list)
     failed: list[tuple[str, str, CheckResult]] = field(default_factory=list)
     not_folded: list[tuple[str, str, str]] = field(default_factory=list)
     checked: int = 0
     seconds: float = 0.0
+    #: one line per norm group: fused or not and why (the tables' measured decision, with its margin)
+    decisions: list[str] = field(default_factory=list)
 
 
 def folded_norm_forward(x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
@@ -245,20 +249,19 @@ def fold_plan(model: nn.Module, honours: Callable[[nn.Module], bool]) -> list[tu
     return [(p.norm, p.op, p.eps, p.consumers) for p in survey(model, honours)[0]]
 
 
-def _fold_pays(op: str, norm: nn.Module, consumers: list[nn.Module], joined: bool = False) -> bool:
-    """Whether the tables' M=1 entries say the folded GEMVs beat the tuned norm plus the GEMVs.
-
-    The norm is priced in its fused-add form where the tables hold it (every decoder norm but the
-    first layer's runs as one), else its plain form; a step no table serves counts 0 us, so the
-    vendor part is never the fold's excuse. The residual add the fold leaves is priced 0 here: it
-    goes into the previous GEMV's epilogue where a table holds ``gemv_add``. ``joined``: the consumers
-    are sibling linears the merge step lays out as one weight, so their folded GEMV is one ``rms_gemv``
-    on the joined rows (``tunekit.integrations.vllm.merge``).
+def _fold_decision(op: str, norm: nn.Module, consumers: list[nn.Module], joined: bool = False) -> Any:
+    """Whether to fold: the served tables' measured decision for the group (``tunekit.ops.fold_decision``:
+    the search timed ``rms_gemv`` on the consumers against the norm plus their GEMVs at every M), else, for
+    tables without one, the older rule on their M=1 entries: the norm priced in its fused-add form where the
+    tables hold it (every decoder norm but the first layer's runs as one), else its plain form, a step no
+    table serves at 0 us, the residual add the fold leaves at 0 (the previous GEMV's epilogue takes it where a
+    table holds ``gemv_add``). ``joined``: the consumers are sibling linears the merge step lays out as one
+    weight, so their folded GEMV is one ``rms_gemv`` on the joined rows (``tunekit.integrations.vllm.merge``).
     """
-    from tunekit.dispatch.fused_gemv import fold_pays
+    from tunekit.ops import fold_decision
 
     fused_add = "gemma_fused_add_rms_norm" if op == "gemma_rms_norm" else "fused_add_rms_norm"
-    return fold_pays((fused_add, op), norm.weight, [tuple(c.weight.shape) for c in consumers], joined)
+    return fold_decision(op, norm.weight, [tuple(c.weight.shape) for c in consumers], joined, (fused_add, op))
 
 
 @torch.no_grad()
@@ -327,8 +330,10 @@ def fold_model(model: nn.Module, honours: Callable[[nn.Module], bool], join_sibl
     ``join_siblings``: consumers that form a sibling group (``marks.SIBLING_LINEARS``) are priced
     as one ``rms_gemv`` on their joined rows, as the merge step that runs next serves them, and checked
     so too. ``lora``: the engine runs LoRA adapters (nothing folds). ``report`` is filled with what was
-    folded, kept unfolded and why. Returns counts: ``"<op> folded"``, ``"<op> (fold not in the tables or
-    not paying)"``, ``"<op> (kept unfolded: failed the check)"`` and ``"<op> (not folded: <reason>)"``."""
+    folded, kept unfolded and why, and each group's decision line. Returns counts: ``"<op> folded"``,
+    ``"<op> (not fused per the table)"`` (its measured decision), ``"<op> (fold not in the tables or not
+    paying)"`` (tables without one: their M=1 entries), ``"<op> (kept unfolded: failed the check)"`` and
+    ``"<op> (not folded: <reason>)"``."""
     report = report if report is not None else FoldReport()
     groups = {tuple(map(id, linears)) for _, linears in sibling_groups(model)} if join_siblings else set()
     counts: dict[str, int] = {}
@@ -338,8 +343,14 @@ def fold_model(model: nn.Module, honours: Callable[[nn.Module], bool], join_sibl
         report.not_folded.append((name, op, why))
     for plan in plans:
         joined = tuple(map(id, plan.consumers)) in groups
-        if not _fold_pays(plan.op, plan.norm, plan.consumers, joined):
-            _add(counts, f"{plan.op} (fold not in the tables or not paying)")
+        decision = _fold_decision(plan.op, plan.norm, plan.consumers, joined)
+        if decision.notice:
+            report.decisions.append(decision.notice)
+        if decision.first:
+            report.decisions.append(decision.line)
+        if not decision.fuse:
+            _add(counts, f"{plan.op} (not fused per the table)" if decision.source == "table"
+                 else f"{plan.op} (fold not in the tables or not paying)")
             continue
         start = time.perf_counter()
         weights = folded_weights(plan.op, plan.norm.weight, plan.consumers)

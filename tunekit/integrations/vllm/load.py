@@ -55,7 +55,8 @@ __all__ = ["FOLDS", "FOLD_REPORT", "MERGES", "install_fold", "install_merge"]
 #: What the last model load folded: {"gemma_rms_norm folded": 128, "rms_norm (not folded: LoRA)": 2, ...}.
 FOLDS: dict[str, int] = {}
 #: What the last load's checks found: "folded" (count), "kept unfolded" (norm path -> its worst element),
-#: "not folded" (reason -> norm paths), "gemv_add refused" (shape -> layer and worst element), "checked"
+#: "not folded" (reason -> norm paths), "gemv_add refused" (shape -> layer and worst element), "gemv_add not
+#: fused per the table" (shapes), "decisions" (one line per fusion group: fused or not, and why), "checked"
 #: ({"norms": n, "linears": n}), "check seconds", "refold" (the writers wrapped for later writes).
 FOLD_REPORT: dict[str, Any] = {}
 #: What the last model load joined: {"in_proj_qkvz+in_proj_ba joined": 48, ...}.
@@ -120,6 +121,8 @@ def _transform_loaded(model: torch.nn.Module, lora: bool = False) -> None:
         "not folded": {why: [n for n, _, w in report.not_folded if w == why] for _, _, why in report.not_folded},
         "gemv_add refused": {f"{k[1]} {k[2]}x{k[3]}": f"{name}: {result.describe()}"
                              for name, k, result in adds.failed},
+        "gemv_add not fused per the table": [f"{k[1]} {k[2]}x{k[3]}" for k in adds.declined],
+        "decisions": report.decisions + adds.decisions,
         "checked": {"norms": report.checked, "linears": adds.checked},
         "check seconds": round(report.seconds + adds.seconds, 3),
         "refold": wrapped,
@@ -164,9 +167,10 @@ def _load_step_installer(requested: Callable[[], bool], off: str, nothing: str, 
 
 install_fold = _load_step_installer(
     fold_requested, f"{FOLD_ENV}=0: decoder norms run as separate layers", "nothing folded",
-    "after loading, decoder norms the tables' rms_gemv entries pay for are folded into their consumers' weights "
-    "where the fold passes its check on those weights; the residual add goes into the previous GEMV where gemv_add "
-    "is tabulated and passes its check; weights written later are folded and checked again")
+    "after loading, decoder norms whose fold the tables decide for (their measured fusions section; older tables: "
+    "their rms_gemv entries) are folded into their consumers' weights where the fold passes its check on those "
+    "weights; the residual add goes into the previous GEMV where gemv_add is tabulated, decided for and passes its "
+    "check; weights written later are folded and checked again")
 install_merge = _load_step_installer(
     merge_requested, f"{MERGE_ENV} is 0: sibling linears run as separate GEMVs", "nothing joined",
     "after loading, sibling linears (in_proj_qkvz + in_proj_ba) whose joined GEMV the tables pay for get one "

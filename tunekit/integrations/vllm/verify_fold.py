@@ -8,7 +8,10 @@ unquantized, and a table covers its (gemv_add, dtype, N, K)) is checked
 here on its own weight against the GEMV then the add
 (``fold_check.check_residual_add``), before anything is compiled. A shape
 that fails on any layer's weight goes into ``marks.REFUSED``: the pass then
-leaves every add after a GEMV of that shape an add.
+leaves every add after a GEMV of that shape an add. So does a shape whose
+``gemv_add`` group the tables decided against (their ``fusions`` section:
+the search timed ``gemv_add`` against the GEMV then the add at every M;
+``tunekit.ops.add_decision``), unchecked.
 
 Call protocol::
 
@@ -45,6 +48,9 @@ class AddReport:
     failed: list[tuple[str, tuple[str, str, int, int, str], CheckResult]] = field(default_factory=list)
     checked: int = 0
     seconds: float = 0.0
+    #: the shapes the tables decided against (not checked) and each decided group's line
+    declined: list[tuple[str, str, int, int, str]] = field(default_factory=list)
+    decisions: list[str] = field(default_factory=list)
 
 
 def add_key(weight: torch.Tensor) -> tuple[str, str, int, int, str]:
@@ -74,12 +80,22 @@ def residual_add_linears(model: nn.Module, honours: Callable[[nn.Module], bool])
 
 def check_residual_adds(model: nn.Module, honours: Callable[[nn.Module], bool]) -> AddReport:
     """Check ``gemv_add`` on the weight of every :func:`residual_add_linears` linear; a failing shape joins
-    ``marks.REFUSED`` (and is not checked again on the next layer of that shape)."""
+    ``marks.REFUSED`` (and is not checked again on the next layer of that shape), as does, unchecked, a shape
+    whose ``gemv_add`` group the tables decided against."""
+    from tunekit.ops import add_decision
+
     report = AddReport()
     start = time.perf_counter()
     for name, linear in residual_add_linears(model, honours):
         key = add_key(linear.weight)
         if key in REFUSED:
+            continue
+        decision = add_decision(*key[1:])
+        if decision is not None and decision.first:
+            report.decisions.append(decision.line)
+        if decision is not None and not decision.fuse:
+            REFUSED.add(key)
+            report.declined.append(key)
             continue
         result = check_residual_add(linear.weight.detach())
         report.checked += 1
@@ -100,8 +116,11 @@ def _reasons(fold: FoldReport) -> dict[str, list[str]]:
 
 
 def log_outcome(fold: FoldReport, adds: AddReport) -> None:
-    """The load checks in vLLM's log: a warning per norm kept unfolded (its path, worst error and bound) and
-    per refused ``gemv_add`` shape, one line per reason a norm was not folded, one with the checks' cost."""
+    """The load checks in vLLM's log: one line per fusion group (fused or not, and why: the tables' measured
+    decision with its margin), a warning per norm kept unfolded (its path, worst error and bound) and per
+    refused ``gemv_add`` shape, one line per reason a norm was not folded, one with the checks' cost."""
+    for line in fold.decisions + adds.decisions:
+        logger.info("tunekit vLLM plugin: %s", line)
     for name, op, result in fold.failed:
         logger.warning("tunekit vLLM plugin: %s (%s) kept unfolded: rms_gemv on its folded weights failed the check "
                        "against the unfolded sequence: %s", name, op, result.describe())
@@ -124,6 +143,8 @@ def outcome_text(fold: FoldReport, adds: AddReport) -> str:
     if reasons:
         parts.append("not folded " + ", ".join(f"{len(names)} ({why})" for why, names in reasons.items()))
     parts.append(f"gemv_add shapes refused {len(adds.failed)}")
+    if adds.declined:
+        parts.append(f"gemv_add shapes not fused per the table {len(adds.declined)}")
     parts.append(f"checks {fold.seconds + adds.seconds:.2f} s over {fold.checked} norm(s) and {adds.checked} "
                  f"linear(s)")
     return "; ".join(parts)
