@@ -62,6 +62,15 @@ FOLDABLE_LAYERS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
         ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "linear_attn.in_proj_qkv",
                              "linear_attn.in_proj_z", "linear_attn.in_proj_b", "linear_attn.in_proj_a")),
         ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"))),
+    # Gemma 3: four norms a layer; input_layernorm feeds q/k/v, pre_feedforward_layernorm gate/up
+    "Gemma3DecoderLayer": (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                           ("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj"))),
+}
+
+#: Children of a ``FOLDABLE_LAYERS`` layer that read other tensors than the folded norms' outputs (Gemma 3's
+#: norms of the attention and MLP outputs, before each residual add): not unknown readers.
+OTHER_READERS: dict[str, tuple[str, ...]] = {
+    "Gemma3DecoderLayer": ("post_attention_layernorm", "post_feedforward_layernorm"),
 }
 
 
@@ -106,7 +115,8 @@ def _has_submodule(module: nn.Module, path: str) -> bool:
 
 def _why_not(layer: nn.Module, spec: tuple, consumers: list[nn.Module]) -> str | None:
     """Why a norm of a listed layer cannot fold (counted), or None."""
-    known = {norm for norm, _ in spec} | {p.split(".")[0] for _, paths in spec for p in paths}
+    known = ({norm for norm, _ in spec} | {p.split(".")[0] for _, paths in spec for p in paths}
+             | set(OTHER_READERS.get(type(layer).__name__, ())))
     child = next((name for name, _ in layer.named_children() if name not in known), None)
     if child is not None:
         return f"unknown reader (child {child!r} of {type(layer).__name__})"

@@ -27,9 +27,9 @@ Routed modules:
 * every ``nn.Linear`` (bias or not) -> ``torch.ops.tunekit.gemv``; a call that
   needs autograd (grad mode on and a tensor requiring grad) runs the original
   forward, since the tunekit ops have no backward.
-* the RMSNorm modules of Hugging Face Llama, Qwen2, Qwen3 and Qwen3.5 (plain,
-  zero-centred and gated; matched by class name, so transformers is never
-  imported here) -> ``torch.ops.tunekit.rms_norm`` / ``gemma_rms_norm`` /
+* the RMSNorm modules of Hugging Face Llama, Qwen2, Qwen3, Qwen3.5 and Gemma 3
+  (plain, zero-centred and gated; matched by class name, so transformers is
+  never imported here) -> ``torch.ops.tunekit.rms_norm`` / ``gemma_rms_norm`` /
   ``gated_rms_norm`` (:data:`ELEMENTWISE_ROUTES`). HF's MLPs are not routed
   (see there). The op's vendor path is vLLM's native norm math, which equals
   HF's except that HF's gated norm rounds to the activation dtype before the

@@ -38,6 +38,8 @@ ELEMENTWISE_ROUTES: dict[str, str] = {
     "Qwen3NextRMSNorm": "gemma_rms_norm",
     "Qwen3_5RMSNormGated": "gated_rms_norm",
     "Qwen3NextRMSNormGated": "gated_rms_norm",
+    # Gemma 3: x / rms(x) * (1 + w) in fp32, rounded once (its q_norm / k_norm too, per head)
+    "Gemma3RMSNorm": "gemma_rms_norm",
 }
 
 

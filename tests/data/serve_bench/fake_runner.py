@@ -163,7 +163,7 @@ class LLM:
         if self.arm in ("tuned", "folded", "passthrough"):
             lps = [lp + 0.001 for lp in lps]
         if os.environ.get("FAKE_PERTURB_ARM") == self.arm:
-            lps = [-0.17, -2.3, -3.9]
+            lps = [-0.9, -1.2, -3.0]
         ctx, tokens, steps = list(ids), [], []
         for _ in range(sp.max_tokens):
             tid = 100 + (ctx[-1] * 31 + 7) % 900
