@@ -3,31 +3,29 @@
 ``load(op, backend)`` returns a ``tunekit.backends.base.SearchSpace``. The
 TOML holds domains, the default (fallback) config and the exact-numerics
 reference config; validity predicates live in Python next to each kernel.
-The Gemma-weight norms share the file of their plain-weight op (``FILES``):
-one kernel serves both conventions, the op name tells it which.
+Which file an op reads is its record's (``tunekit.problems.oprecords``): the
+Gemma-weight norms share the file of their plain-weight op (one kernel serves
+both conventions, the op name tells it which); a plug-in op's record may name
+a ``.toml`` path of its own.
 """
 
 from __future__ import annotations
 
 from functools import cache
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import tomllib
 
-#: op -> TOML file stem, where they differ (same kernels, same tunables).
-FILES: dict[str, str] = {
-    "gemma_rms_norm": "rms_norm",
-    "gemma_fused_add_rms_norm": "fused_add_rms_norm",
-    # norm -> GEMV: one kernel for both weight conventions, with or without a residual
-    "gemma_rms_norm_gemv": "rms_norm_gemv",
-    "fused_add_rms_norm_gemv": "rms_norm_gemv",
-    "gemma_fused_add_rms_norm_gemv": "rms_norm_gemv",
-    # the residual add in the GEMV epilogue: the GEMV's kernel and tunables
-    "gemv_add": "gemv",
-    # SiLU-and-mul in gate_up's epilogue, with or without the folded norm's scale: one space
-    "rms_gemv_silu_mul": "gemv_silu_mul",
-}
+
+def _file(op: str) -> str:
+    """The space file of ``op``: its record's (``tunekit.problems.oprecords``; ops of one kernel share a
+    file, the Gemma-weight norms their plain-weight op's), else ``<op>.toml``'s stem."""
+    from tunekit.problems import oprecords
+
+    record = oprecords.RECORDS.get(op)
+    return op if record is None or record.space is None else record.space
 
 
 class SpaceError(ValueError):
@@ -36,7 +34,7 @@ class SpaceError(ValueError):
 
 @cache
 def _read(op: str) -> dict[str, Any]:
-    path = resources.files(__name__).joinpath(f"{op}.toml")
+    path = Path(op) if op.endswith(".toml") else resources.files(__name__).joinpath(f"{op}.toml")
     if not path.is_file():
         raise SpaceError(f"no search space for op {op!r} (expected search_spaces/{op}.toml)")
     try:
@@ -49,7 +47,7 @@ def load(op: str, backend: str):
     """The ``SearchSpace`` of ``backend`` for ``op``; checks default/reference lie in the domains."""
     from tunekit.backends.base import SearchSpace
 
-    stem = FILES.get(op, op)
+    stem = _file(op)
     data = _read(stem)
     if backend not in data:
         raise SpaceError(f"search_spaces/{stem}.toml has no [{backend}] table")

@@ -193,7 +193,7 @@ def _folded_layers(a, r, wo, wq, wd):
 
 def _stock_folded_layers(a, r, wo, wq, wd):
     s = F.linear(a, wo) + r
-    d = F.linear(F.linear(graph_routes.fused_gemv.unweighted_rms_norm(s, 1e-6), wq), wd)
+    d = F.linear(F.linear(tunekit.ops.unweighted_rms_norm(s, 1e-6), wq), wd)
     return s, d + d
 
 
@@ -258,7 +258,7 @@ def test_fused_ops_handed_back_keep_the_gemv_where_the_range_does(gemv_kept) -> 
     for m in (5, 9):
         a, r, wo, wq, wd = _folded_inputs(m)
         s = F.linear(a, wo) + r
-        want = (s, F.linear(F.linear(graph_routes.fused_gemv.unweighted_rms_norm(s, 1e-6), wq), wd))
+        want = (s, F.linear(F.linear(tunekit.ops.unweighted_rms_norm(s, 1e-6), wq), wd))
         for x, y in zip(got[m], want, strict=True):
             assert (x.float() - y.float()).abs().max() <= 0.0625 * y.float().abs().max(), m  # BF16 roundings apart
 
@@ -319,7 +319,7 @@ def _sibling_inputs(m: int, joined: bool = True):
 
 
 def _stock_siblings(x, wa, wb, wc):
-    normed = graph_routes.fused_gemv.unweighted_rms_norm(x.float(), 1e-6)
+    normed = tunekit.ops.unweighted_rms_norm(x.float(), 1e-6)
     h, g = normed @ wa.float().T, normed @ wb.float().T
     return h[:, :40] * 2, h[:, 40:].reshape(x.shape[0], -1, 8), g + 1, h @ wc.float().T
 

@@ -86,19 +86,20 @@ composition did (:data:`EAGER_VENDORS`).
 This module is the facade: the implementation lives in ``tunekit.dispatch``
 (one module per responsibility, one shared state object; see that package's
 docstring), and importing this module registers the ops. Adding an op: its
-schema in ``tunekit.dispatch.state.ELEMENTWISE_SCHEMAS``, its run-time impl
-(on ``decisions.resolve`` / ``markers.count``, as ``elementwise._ew_serve``
-does) and fake impl in ``tunekit.dispatch.elementwise.ELEMENTWISE_IMPLS``;
-``tunekit.dispatch.registry.register`` defines them all.
+record (``tunekit.problems.oprecords``: schema, run-time impl, fake impl,
+stock composition, by ``"module:ATTR"``), its impl on ``decisions.resolve`` /
+``markers.count`` as ``elementwise._ew_serve`` does; :func:`register` defines
+every record's op (an op registered after this module's import: call it again).
 """
 
 from __future__ import annotations
 
+from tunekit.dispatch.fused_gemv import unweighted_rms_norm
 from tunekit.dispatch.fusions import add_decision, fold_decision
 from tunekit.dispatch.gemv import gemv
 from tunekit.dispatch.log import dispatch_log, write_dispatch_log
 from tunekit.dispatch.markers import dispatch_stats, maybe_register_atexit, reset_stats
-from tunekit.dispatch.registry import register
+from tunekit.dispatch.registry import impl, register, stock
 from tunekit.dispatch.state import DEFAULT_EPS as DEFAULT_EPS
 from tunekit.dispatch.state import (
     DEFAULT_VENDOR,
@@ -136,13 +137,17 @@ __all__ = [
     "dtype_name",
     "fold_decision",
     "gemv",
+    "impl",
     "load_tables",
     "loaded_tables",
     "prepare",
+    "register",
     "reset_stats",
     "set_engine_runs_vendor",
     "set_vendor_elementwise",
     "set_vendor_gemm",
+    "stock",
+    "unweighted_rms_norm",
     "vendor_kernels",
     "write_dispatch_log",
 ]

@@ -256,7 +256,8 @@ def _entry_label(i: int, entry: dict[str, Any]) -> str:
 
 def _entry_problem(entry: dict[str, Any]) -> str | None:
     """Why an entry's fields are malformed (types, ranges, names), else None."""
-    from tunekit.problems.shapes import DTYPE_BYTES, FUSED_GEMV_OPS, OPS
+    from tunekit.problems import oprecords
+    from tunekit.problems.shapes import DTYPE_BYTES
 
     for name, types in _ENTRY_FIELDS.items():
         value = entry.get(name)
@@ -277,9 +278,9 @@ def _entry_problem(entry: dict[str, Any]) -> str | None:
         return f"count={count!r} (must be an integer > 0)"
     if not isinstance(entry.get("timing_kind", ""), str):
         return f"timing_kind={entry['timing_kind']!r} (must be a string)"
-    known = OPS + FUSED_GEMV_OPS  # the fused families: tabulated, chain-used (rms_gemv, gemv_add also served)
-    if entry["op"] not in known:
-        return f"unknown op {entry['op']!r} (known: {', '.join(known)})"
+    record = oprecords.RECORDS.get(entry["op"])
+    if record is None or not record.tabulated:  # every op with a spec: the fused families chain-used too
+        return f"unknown op {entry['op']!r} (known: {', '.join(oprecords.names(tabulated=True))})"
     if entry["dtype"] not in DTYPE_BYTES:
         return f"unknown dtype {entry['dtype']!r} (known: {', '.join(DTYPE_BYTES)})"
     for key, value in entry["params"].items():
@@ -378,13 +379,13 @@ def validate(table: Any, source: str = "table", strict: bool = False) -> None:
     tp = table.get("tp")
     if tp is not None and not (type(tp) is int and tp >= 1):
         raise TableError(f"{source}: tp={tp!r} (the tensor-parallel size: a whole number >= 1, or null)")
-    entries = table.get("entries")
     if "fusions" in table:
         from tunekit.table_fusions import section_problem
 
         why = section_problem(table["fusions"])
         if why is not None:
             raise TableError(f"{source}: {why}")
+    entries = table.get("entries")
     if not isinstance(entries, list):
         raise TableError(f"{source}: 'entries' must be a list")
     seen = set()

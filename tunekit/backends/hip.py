@@ -40,6 +40,7 @@ from tunekit import rtc
 from tunekit.backends.base import BuildError, Kernel, Params, SearchSpace
 from tunekit.backends.hip_elementwise import FAMILIES, ElementwiseLauncher, int_params
 from tunekit.measure.device import DeviceInfo
+from tunekit.problems import oprecords
 from tunekit.problems.shapes import Problem
 
 #: Tunable defines of kernels_hip/gemv.hip and their allowed values (any config
@@ -216,7 +217,8 @@ def gemv_invalid_reason(params: Params, m: int, n: int, k: int) -> str | None:
 class HipBackend:
     name = "hip"
     kind = "tuned"
-    ops: tuple[str, ...] = ("gemv", *FAMILIES)
+    #: the ops whose record names a kernels_hip source: gemv and the elementwise families
+    ops: tuple[str, ...] = oprecords.names(backend="hip")
 
     def unavailable_reason(self, device: DeviceInfo) -> str | None:
         if not device.is_gpu:

@@ -31,6 +31,7 @@ import torch
 
 from tunekit import rtc
 from tunekit.backends.base import BuildError, Params
+from tunekit.problems import oprecords
 from tunekit.problems.opspec import EPS
 from tunekit.problems.shapes import Problem
 
@@ -220,19 +221,19 @@ _NORM = Family("rms_norm", "tunekit_rms_norm", NORM_PARAMS, norm_invalid_reason,
 _FUSED = Family("fused_add_rms_norm", "tunekit_fused_add_rms_norm", NORM_PARAMS, norm_invalid_reason,
                 _norm_derived, _fused_args)
 
-#: op -> the HIP family serving it (the hip backend's op -> source map for elementwise ops).
-FAMILIES: dict[str, Family] = {
-    "rms_norm": _NORM,
-    "gemma_rms_norm": _NORM,
-    "fused_add_rms_norm": _FUSED,
-    "gemma_fused_add_rms_norm": _FUSED,
-    "gated_rms_norm": Family("gated_rms_norm", "tunekit_gated_rms_norm", GATED_PARAMS, gated_invalid_reason,
-                             lambda p: {"N_COLS": p.k}, _gated_args),
-    "silu_and_mul": Family("silu_and_mul", "tunekit_silu_and_mul", POINTWISE_PARAMS, pointwise_invalid_reason,
-                           lambda p: {}, _silu_args),
-    "bias_gelu": Family("bias_gelu", "tunekit_bias_gelu", POINTWISE_PARAMS, pointwise_invalid_reason,
-                        lambda p: {}, _gelu_args),
-}
+#: kernels_hip source stem -> its family (the op records, ``kernels["hip"]``, name the source of each op).
+_BY_SOURCE: dict[str, Family] = {family.source: family for family in (
+    _NORM, _FUSED,
+    Family("gated_rms_norm", "tunekit_gated_rms_norm", GATED_PARAMS, gated_invalid_reason,
+           lambda p: {"N_COLS": p.k}, _gated_args),
+    Family("silu_and_mul", "tunekit_silu_and_mul", POINTWISE_PARAMS, pointwise_invalid_reason, lambda p: {},
+           _silu_args),
+    Family("bias_gelu", "tunekit_bias_gelu", POINTWISE_PARAMS, pointwise_invalid_reason, lambda p: {}, _gelu_args),
+)}
+
+#: op -> the HIP family serving it (the hip backend's op -> source map for elementwise ops), from the op records.
+FAMILIES: dict[str, Family] = {op: _BY_SOURCE[oprecords.kernel(op, "hip")]
+                               for op in oprecords.names(kind="elementwise", backend="hip")}
 
 
 class ElementwiseLauncher:

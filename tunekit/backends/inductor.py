@@ -32,7 +32,11 @@ from tunekit.problems.shapes import Problem
 class InductorBackend:
     name = "inductor"
     kind = "baseline"
-    ops = tuple(ELEMENTWISE)
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        """The elementwise ops whose record names an eager composition (``vendor.ELEMENTWISE``)."""
+        return tuple(ELEMENTWISE)
 
     def unavailable_reason(self, device: DeviceInfo) -> str | None:
         if not device.is_gpu:

@@ -1,6 +1,7 @@
 """Triton backend: the kernels of ``kernels_triton`` with explicit configs.
 
-``_OP_MODULES`` maps each op to its kernel module. ``gemv`` is served through
+Each op's kernel module is its record's (``tunekit.problems.oprecords``,
+``kernels["triton"]``). ``gemv`` is served through
 ``kernels_triton.gemv`` (GemvConfig, gemv(x, w, config, out)); every
 elementwise module offers one protocol: ``Config.from_params``,
 ``invalid_reason(config, m, n, k)`` and ``launch(op, inputs, out, config,
@@ -20,28 +21,11 @@ import torch
 import search_spaces
 from tunekit.backends.base import BuildError, Kernel, Params, SearchSpace
 from tunekit.measure.device import DeviceInfo, interpret_mode
+from tunekit.problems import oprecords
 from tunekit.problems.shapes import Problem
 
-#: op -> module in kernels_triton holding its kernel, config and predicate.
-_OP_MODULES = {
-    "gemv": "kernels_triton.gemv",
-    "rms_norm": "kernels_triton.rms_norm",
-    "gemma_rms_norm": "kernels_triton.rms_norm",
-    "fused_add_rms_norm": "kernels_triton.fused_add_rms_norm",
-    "gemma_fused_add_rms_norm": "kernels_triton.fused_add_rms_norm",
-    "gated_rms_norm": "kernels_triton.gated_rms_norm",
-    "silu_and_mul": "kernels_triton.silu_and_mul",
-    "bias_gelu": "kernels_triton.bias_gelu",
-    "rms_norm_gemv": "kernels_triton.rms_norm_gemv",
-    "gemma_rms_norm_gemv": "kernels_triton.rms_norm_gemv",
-    "fused_add_rms_norm_gemv": "kernels_triton.rms_norm_gemv",
-    "gemma_fused_add_rms_norm_gemv": "kernels_triton.rms_norm_gemv",
-    "silu_mul_gemv": "kernels_triton.silu_mul_gemv",
-    "gemv_add": "kernels_triton.gemv",
-    "rms_gemv": "kernels_triton.gemv",
-    "gemv_silu_mul": "kernels_triton.gemv",
-    "rms_gemv_silu_mul": "kernels_triton.gemv",
-}
+#: The op records' key of this backend's kernels (subclasses under other names run the same kernels).
+_KERNELS = "triton"
 #: Modules the elementwise kernels import (part of the source hash).
 _HELPER_MODULES = ("kernels_triton.rounding", "kernels_triton.tiles")
 
@@ -49,7 +33,11 @@ _HELPER_MODULES = ("kernels_triton.rounding", "kernels_triton.tiles")
 class TritonBackend:
     name = "triton"
     kind = "tuned"
-    ops = tuple(_OP_MODULES)
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        """The ops whose record names a Triton kernel."""
+        return oprecords.names(backend=_KERNELS)
 
     def unavailable_reason(self, device: DeviceInfo) -> str | None:
         try:
@@ -61,10 +49,10 @@ class TritonBackend:
         return None
 
     def _module(self, op: str):
-        try:
-            return importlib.import_module(_OP_MODULES[op])
-        except KeyError:
-            raise BuildError(f"triton backend has no kernel for op {op!r}") from None
+        module = oprecords.kernel(op, _KERNELS)
+        if module is None:
+            raise BuildError(f"triton backend has no kernel for op {op!r}")
+        return importlib.import_module(module)
 
     def space(self, problem: Problem) -> SearchSpace:
         return search_spaces.load(problem.op, self.name)
@@ -109,10 +97,11 @@ class TritonBackend:
         return kernel
 
     def source_hash(self) -> str:
-        return _sources_hash(tuple(sorted(set(_OP_MODULES.values()) | set(_HELPER_MODULES))))
+        modules = {oprecords.kernel(op, _KERNELS) for op in oprecords.names(backend=_KERNELS)}
+        return _sources_hash(tuple(sorted(modules | set(_HELPER_MODULES))))
 
     def kernel_name(self, problem: Problem) -> str:
-        return _OP_MODULES.get(problem.op, "?")
+        return oprecords.kernel(problem.op, _KERNELS) or "?"
 
 
 @cache

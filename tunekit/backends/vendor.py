@@ -14,17 +14,26 @@ functions (``ELEMENTWISE``) with torch.compile.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
 
 from tunekit.backends.base import BuildError, Kernel, Params, SearchSpace
 from tunekit.measure.device import DeviceInfo
+from tunekit.problems import oprecords
 from tunekit.problems.opspec import EPS
 from tunekit.problems.shapes import Problem
 
 Tensors = tuple[torch.Tensor, ...]
+
+
+def mm(inputs: Tensors, out: torch.Tensor) -> None:
+    """The GEMV as vLLM's unquantized linear runs it: F.linear(x, w) lowers to mm(x, w.T); mm with out=
+    runs the same BLAS call without the copy kernel that copying F.linear's result into ``out`` would add
+    (~2 us, a large share of a 7 us small-N baseline)."""
+    x, w = inputs
+    torch.mm(x, w.t(), out=out)
 
 
 def rms_norm(inputs: Tensors, out: torch.Tensor) -> None:
@@ -87,21 +96,9 @@ def bias_gelu(inputs: Tensors, out: torch.Tensor) -> None:
     torch.ops.aten.gelu.out(x + b, approximate="tanh", out=out)
 
 
-#: op -> eager composition ``fn(inputs, out)`` (tunekit.problems.opspec's inputs and outputs).
-ELEMENTWISE: dict[str, Callable[..., None]] = {
-    "rms_norm": rms_norm,
-    "gemma_rms_norm": gemma_rms_norm,
-    "fused_add_rms_norm": fused_add_rms_norm,
-    "gemma_fused_add_rms_norm": gemma_fused_add_rms_norm,
-    "gated_rms_norm": gated_rms_norm,
-    "silu_and_mul": silu_and_mul,
-    "bias_gelu": bias_gelu,
-}
-
-
 def _norm_then_mm(norm_op: str) -> Callable[..., None]:
     """The unfused sequence a norm -> GEMV op replaces: the eager norm writes BF16, then mm."""
-    norm = ELEMENTWISE[norm_op]
+    norm = globals()[norm_op]
     with_residual = norm_op.startswith(("fused_add", "gemma_fused_add"))
 
     def kernel(inputs: Tensors, out) -> None:
@@ -115,12 +112,11 @@ def _norm_then_mm(norm_op: str) -> Callable[..., None]:
     return kernel
 
 
-#: norm -> GEMV op (kernels_triton/rms_norm_gemv.py) -> its unfused eager sequence. Kept out of
-#: ``ELEMENTWISE``, which the Inductor baseline compiles.
-NORM_GEMV: dict[str, Callable[..., None]] = {
-    f"{norm_op}_gemv": _norm_then_mm(norm_op)
-    for norm_op in ("rms_norm", "gemma_rms_norm", "fused_add_rms_norm", "gemma_fused_add_rms_norm")
-}
+# norm -> GEMV ops (kernels_triton/rms_norm_gemv.py): their unfused eager sequences (the op records name them)
+rms_norm_gemv_unfused = _norm_then_mm("rms_norm")
+gemma_rms_norm_gemv_unfused = _norm_then_mm("gemma_rms_norm")
+fused_add_rms_norm_gemv_unfused = _norm_then_mm("fused_add_rms_norm")
+gemma_fused_add_rms_norm_gemv_unfused = _norm_then_mm("gemma_fused_add_rms_norm")
 
 
 def silu_and_mul_then_mm(inputs: Tensors, out: torch.Tensor) -> None:
@@ -131,9 +127,6 @@ def silu_and_mul_then_mm(inputs: Tensors, out: torch.Tensor) -> None:
     torch.mm(act, w.t(), out=out)
 
 
-# SiLU-and-mul -> GEMV (kernels_triton/silu_mul_gemv.py) joins the fused GEMVs' baselines.
-NORM_GEMV["silu_mul_gemv"] = silu_and_mul_then_mm
-
 
 def addmm(inputs: Tensors, out: torch.Tensor) -> None:
     """What gemv_add (the residual add in the GEMV epilogue) is measured against: the BLAS call with
@@ -143,8 +136,6 @@ def addmm(inputs: Tensors, out: torch.Tensor) -> None:
     torch.addmm(residual, x, w.t(), out=out)
 
 
-NORM_GEMV["gemv_add"] = addmm
-
 
 def rms_norm_then_mm(inputs: Tensors, out: torch.Tensor) -> None:
     """The unfused sequence rms_gemv replaces, with the norm's weight already folded into W: the
@@ -153,8 +144,6 @@ def rms_norm_then_mm(inputs: Tensors, out: torch.Tensor) -> None:
     normed = F.rms_norm(x, (x.shape[-1],), eps=EPS)
     torch.mm(normed, w.t(), out=out)
 
-
-NORM_GEMV["rms_gemv"] = rms_norm_then_mm
 
 
 def _mm_then_silu_and_mul(rms: bool) -> Callable[..., None]:
@@ -173,14 +162,52 @@ def _mm_then_silu_and_mul(rms: bool) -> Callable[..., None]:
     return kernel
 
 
-NORM_GEMV["gemv_silu_mul"] = _mm_then_silu_and_mul(rms=False)
-NORM_GEMV["rms_gemv_silu_mul"] = _mm_then_silu_and_mul(rms=True)
+mm_then_silu_and_mul = _mm_then_silu_and_mul(rms=False)
+rms_norm_then_mm_then_silu_and_mul = _mm_then_silu_and_mul(rms=True)
+
+
+def composition(op: str) -> Callable[..., None] | None:
+    """The eager composition of ``op`` its record names (``tunekit.problems.oprecords``), or None."""
+    record = oprecords.RECORDS.get(op)
+    return None if record is None or record.vendor is None else oprecords.resolve(record.vendor)
+
+
+class _ByKind(Mapping):
+    """op -> eager composition, for the ops of some kinds whose record names one (read when looked up)."""
+
+    def __init__(self, *kinds: str) -> None:
+        self.kinds = kinds
+
+    def _ops(self) -> tuple[str, ...]:
+        return tuple(op for kind in self.kinds for op in oprecords.names(kind=kind) if oprecords.get(op).vendor)
+
+    def __getitem__(self, op: str) -> Callable[..., None]:
+        if op not in self._ops():
+            raise KeyError(op)
+        return composition(op)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._ops())
+
+    def __len__(self) -> int:
+        return len(self._ops())
+
+
+#: elementwise op -> eager composition ``fn(inputs, out)`` (tunekit.problems.opspec's inputs and outputs): what
+#: the Inductor baseline compiles.
+ELEMENTWISE: Mapping[str, Callable[..., None]] = _ByKind("elementwise")
+#: fused GEMV op -> its unfused eager sequence (kept out of ``ELEMENTWISE``, which Inductor compiles).
+NORM_GEMV: Mapping[str, Callable[..., None]] = _ByKind("fused_gemv")
 
 
 class VendorBackend:
     name = "vendor"
     kind = "baseline"
-    ops = ("gemv", *ELEMENTWISE, *NORM_GEMV)
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        """Every op whose record names an eager composition."""
+        return tuple(op for op, r in oprecords.RECORDS.items() if r.vendor is not None)
 
     def unavailable_reason(self, device: DeviceInfo) -> str | None:
         return None
@@ -192,34 +219,22 @@ class VendorBackend:
         return None if problem.op in self.ops else f"no vendor path for op {problem.op!r}"
 
     def build(self, problem: Problem, params: Params, device: DeviceInfo) -> Kernel:
-        if problem.op in ELEMENTWISE:
-            return ELEMENTWISE[problem.op]
-        if problem.op in NORM_GEMV:
-            return NORM_GEMV[problem.op]
-        if problem.op != "gemv":
+        kernel = composition(problem.op)
+        if kernel is None:
             raise BuildError(f"no vendor path for op {problem.op!r}")
-
-        def kernel(inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
-            x, w = inputs
-            # F.linear(x, w) (vLLM's unquantized path) lowers to mm(x, w.T);
-            # calling mm with out= runs the same BLAS call without the extra
-            # copy kernel that copying F.linear's result into `out` would add
-            # (~2 us, a large share of a 7 us small-N baseline).
-            torch.mm(x, w.t(), out=out)
-
         return kernel
 
     def source_hash(self) -> str:
         return f"torch-{torch.__version__}"
 
     def kernel_name(self, problem: Problem) -> str:
-        if problem.op in ELEMENTWISE:
-            return f"tunekit.backends.vendor:{ELEMENTWISE[problem.op].__name__} (PyTorch eager)"
+        if problem.op == "gemv":
+            return "torch.nn.functional.linear"
         if problem.op == "gemv_add":
             return "torch.addmm (residual + x @ W^T, the BLAS epilogue)"
-        if problem.op in NORM_GEMV:
-            return f"tunekit.backends.vendor:{NORM_GEMV[problem.op].__name__} (PyTorch eager + mm)"
-        return "torch.nn.functional.linear"
+        kernel = composition(problem.op)
+        kind = "PyTorch eager + mm" if oprecords.get(problem.op).kind == "fused_gemv" else "PyTorch eager"
+        return f"{kernel.__module__}:{kernel.__name__} ({kind})"
 
 
 BACKEND = VendorBackend()

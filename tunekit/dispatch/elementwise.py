@@ -10,8 +10,9 @@ are served, in this order, by the vendor kernel an integration installed,
 by tunekit's default-config kernel (both ``tunekit.dispatch.elementwise_fallback``),
 else by the PyTorch composition of vLLM's native math (``_vendor_*``, here).
 A call that a bound launcher served before takes the op's express route
-(:func:`_express`). :data:`ELEMENTWISE_IMPLS` maps each op to its
-(run-time impl, fake impl) for ``tunekit.dispatch.registry``.
+(:func:`_express`). The op records (``tunekit.problems.oprecords``) name each
+op's run-time impl, fake impl and stock composition here (``rms_norm_impl``,
+``fake_like``, ``stock_rms_norm`` ...); ``tunekit.dispatch.registry`` registers them.
 """
 
 from __future__ import annotations
@@ -405,27 +406,69 @@ def _bias_gelu_impl(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _fake_like(x: torch.Tensor, *args: Any) -> torch.Tensor:
+def fake_like(x: torch.Tensor, *args: Any) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _fake_pair(x: torch.Tensor, residual: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def fake_pair(x: torch.Tensor, residual: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             torch.empty_like(x, memory_format=torch.contiguous_format))
 
 
-def _fake_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def fake_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
-#: op -> (run-time impl for the CUDA and CPU keys, fake impl).
-ELEMENTWISE_IMPLS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
-    "rms_norm": (lambda x, w, eps: _rms_norm_impl(x, w, eps, False), _fake_like),
-    "gemma_rms_norm": (lambda x, w, eps: _rms_norm_impl(x, w, eps, True), _fake_like),
-    "fused_add_rms_norm": (lambda x, r, w, eps: _fused_add_impl(x, r, w, eps, False), _fake_pair),
-    "gemma_fused_add_rms_norm": (lambda x, r, w, eps: _fused_add_impl(x, r, w, eps, True), _fake_pair),
-    "gated_rms_norm": (_gated_impl, _fake_like),
-    "silu_and_mul": (_silu_and_mul_impl, _fake_silu_and_mul),
-    "bias_gelu": (_bias_gelu_impl, _fake_like),
-}
+# The run-time impls the op records name (``tunekit.problems.oprecords``: ``impl``), one per op, called as
+# the op is; ``tunekit.dispatch.registry`` registers them for the CUDA and CPU keys.
 
+
+def rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rms_norm_impl(x, weight, eps, False)
+
+
+def gemma_rms_norm_impl(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rms_norm_impl(x, weight, eps, True)
+
+
+def fused_add_rms_norm_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fused_add_impl(x, residual, weight, eps, False)
+
+
+def gemma_fused_add_rms_norm_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fused_add_impl(x, residual, weight, eps, True)
+
+
+gated_rms_norm_impl = _gated_impl
+silu_and_mul_impl = _silu_and_mul_impl
+bias_gelu_impl = _bias_gelu_impl
+
+
+# The stock compositions the op records name (``stock``), called as the op is: the PyTorch math of vLLM's
+# native implementations, what each op's own fallback computes (``tunekit.integrations.vllm.graph_routes``
+# splices them into graph ranges no table serves).
+
+
+def stock_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _vendor_rms_norm(x, weight, eps, False)
+
+
+def stock_gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _vendor_rms_norm(x, weight, eps, True)
+
+
+def stock_fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _vendor_fused_add(x, residual, weight, eps, False)
+
+
+def stock_gemma_fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _vendor_fused_add(x, residual, weight, eps, True)
+
+
+stock_gated_rms_norm = _vendor_gated
+stock_silu_and_mul = _vendor_silu_and_mul
+stock_bias_gelu = _vendor_bias_gelu

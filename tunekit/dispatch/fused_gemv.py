@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from tunekit.dispatch import canary, launch
 from tunekit.dispatch.decisions import is_capturing, kernel_takes_eps, mark_broken, resolve
@@ -44,14 +45,6 @@ from tunekit.dispatch.gemv import _layout_reason as gemv_layout_reason
 from tunekit.dispatch.gemv import _static_reason, gemv_impl
 from tunekit.dispatch.markers import count, counter
 from tunekit.dispatch.state import DEFAULT_EPS, DTYPE_NAMES, STATE, dtype_name
-
-#: op -> torch.library schema (``tunekit.dispatch.registry`` defines them).
-FUSED_GEMV_SCHEMAS: dict[str, str] = {
-    "rms_gemv": "rms_gemv(Tensor x, Tensor weight, float eps) -> Tensor",
-    "gemv_add": "gemv_add(Tensor x, Tensor weight, Tensor residual) -> Tensor",
-    "sibling_gemv": "sibling_gemv(Tensor x, Tensor[] weights, float? eps) -> Tensor",
-}
-
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) in fp32, rounded to x's dtype: the norm a folded weight (W diag(g)) still needs.
@@ -290,17 +283,21 @@ def sibling_gemv_impl(x: torch.Tensor, weights: list[torch.Tensor], eps: float |
     return torch.cat(parts, dim=-1)
 
 
-def _fake_gemv_shaped(x: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
+def fake_gemv_shaped(x: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def _fake_sibling_gemv(x: torch.Tensor, weights: list[torch.Tensor], eps: float | None) -> torch.Tensor:
+def fake_sibling_gemv(x: torch.Tensor, weights: list[torch.Tensor], eps: float | None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))
 
 
-#: op -> (run-time impl for the CUDA and CPU keys, fake impl).
-FUSED_GEMV_IMPLS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
-    "rms_gemv": (rms_gemv_impl, _fake_gemv_shaped),
-    "gemv_add": (gemv_add_impl, _fake_gemv_shaped),
-    "sibling_gemv": (sibling_gemv_impl, _fake_sibling_gemv),
-}
+# The stock compositions the op records name (``tunekit.problems.oprecords``: ``stock``), called as the op is:
+# what each fused op replaces, in plain torch ops a compile pass can splice in and Inductor fuse.
+
+
+def stock_rms_gemv(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.linear(unweighted_rms_norm(x, eps), weight)
+
+
+def stock_gemv_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight) + residual  # functional: a spliced trace must not mutate

@@ -1,51 +1,68 @@
 """``torch.library`` registration of the ``tunekit`` namespace: schemas, run-time impls, fake impls.
 
 Call protocol: :func:`register` once per process (``import tunekit.ops``
-calls it); it defines ``tunekit::gemv``, every op of
-``ELEMENTWISE_SCHEMAS`` and of ``FUSED_GEMV_SCHEMAS`` (``rms_gemv``,
-``gemv_add``) with one Python impl for the CUDA and CPU keys and a fake
-impl, so ``torch.compile`` keeps each op as one opaque node. A second
-call (a reload of ``tunekit.ops``) finds the ops defined and does nothing.
+calls it); it defines ``torch.ops.tunekit.<op>`` for every op whose record
+(``tunekit.problems.oprecords``) has a schema, from the record's run-time
+impl (one Python impl for the CUDA and CPU keys) and fake impl, so
+``torch.compile`` keeps each op as one opaque node. Each op is defined in a
+library fragment of its own; a later call defines the ops registered since
+(a plug-in op, a test's) and takes back those whose record is gone. An op
+already defined in the process (a reload of ``tunekit.ops``) is left as it is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 
-from tunekit.dispatch.elementwise import ELEMENTWISE_IMPLS
-from tunekit.dispatch.fused_gemv import FUSED_GEMV_IMPLS, FUSED_GEMV_SCHEMAS
-from tunekit.dispatch.gemv import gemv_fake, gemv_impl
-from tunekit.dispatch.state import ELEMENTWISE_SCHEMAS, NAMESPACE
+from tunekit.dispatch.state import NAMESPACE
+from tunekit.problems import oprecords
 
-_LIB: torch.library.Library | None = None
+#: op -> the library fragment that defines it (kept alive: a fragment's destruction undefines its op)
+_LIBS: dict[str, torch.library.Library] = {}
+
+
+def _defined(op: str) -> bool:
+    try:
+        getattr(torch.ops.tunekit, op)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 def register() -> None:
-    """Define ``tunekit::gemv`` and the elementwise ops once per process (a reload reuses them)."""
-    global _LIB
-    try:
-        torch.ops.tunekit.gemv  # noqa: B018 - already defined (e.g. the module was reloaded)
-        return
-    except (AttributeError, RuntimeError):
-        pass
-    lib = torch.library.Library(NAMESPACE, "FRAGMENT")
-    impls: dict[str, tuple[str, Callable[..., Any], Callable[..., Any]]] = {
-        "gemv": ("gemv(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor", gemv_impl, gemv_fake),
-    }
-    for op, (impl, fake) in ELEMENTWISE_IMPLS.items():
-        impls[op] = (ELEMENTWISE_SCHEMAS[op], impl, fake)
-    for op, (impl, fake) in FUSED_GEMV_IMPLS.items():
-        impls[op] = (FUSED_GEMV_SCHEMAS[op], impl, fake)
-    for op, (schema, impl, fake) in impls.items():
-        lib.define(schema)
+    """Define the ops of the records with a schema not defined yet; take back those whose record is gone."""
+    for op in [op for op in _LIBS if op not in oprecords.RECORDS]:
+        _LIBS.pop(op)._destroy()
+    for op in oprecords.names(served=True):
+        if op in _LIBS or _defined(op):
+            continue
+        record = oprecords.get(op)
+        lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+        lib.define(record.schema)
+        impl = oprecords.resolve(record.impl)
         # One Python kernel for both device keys: the choice (tuned or vendor)
         # is made inside, at run time, so traced graphs hold a single opaque
         # node and never branch on M in Python.
         lib.impl(op, impl, "CUDA")
         lib.impl(op, impl, "CPU")
-        torch.library.register_fake(f"{NAMESPACE}::{op}", fake, lib=lib)
-    _LIB = lib
+        torch.library.register_fake(f"{NAMESPACE}::{op}", oprecords.resolve(record.fake), lib=lib)
+        _LIBS[op] = lib
 
+
+def impl(op: str):
+    """The run-time impl of ``torch.ops.tunekit.<op>`` (its record's ``impl``): what torch's dispatcher runs for a
+    CUDA or CPU tensor, callable directly in eager code (skipping only the dispatch). ``KeyError`` for an op
+    that is not served."""
+    record = oprecords.get(op)
+    if record.impl is None:
+        raise KeyError(f"op {op!r} is not served as torch.ops.tunekit.{op}")
+    return oprecords.resolve(record.impl)
+
+
+def stock(op: str):
+    """The stock composition of a served op (its record's ``stock``), called as the op is: what the op
+    replaces in plain torch, for a compile pass to splice in where no table serves. ``KeyError`` if none."""
+    record = oprecords.get(op)
+    if record.stock is None:
+        raise KeyError(f"op {op!r} has no stock composition")
+    return oprecords.resolve(record.stock)

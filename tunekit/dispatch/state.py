@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from tunekit.problems import oprecords
+
 logger = logging.getLogger("tunekit.ops")
 
 NAMESPACE = "tunekit"
@@ -106,19 +108,11 @@ def _built_eps() -> float:
 #: serves another as ``fallback:eps``.
 DEFAULT_EPS = _built_eps()
 
-#: Elementwise ops and their schemas. Table keys (m, n, k) as in tunekit.problems.shapes.Problem:
-#: rows m = all leading dims; norms n = k = row length; gated_rms_norm n = G*K, k = len(w);
-#: silu_and_mul k = 2n; bias_gelu k = n.
+#: Elementwise ops and their schemas, from the op records (``tunekit.problems.oprecords``). Table keys
+#: (m, n, k) as in tunekit.problems.shapes.Problem: rows m = all leading dims; norms n = k = row length;
+#: gated_rms_norm n = G*K, k = len(w); silu_and_mul k = 2n; bias_gelu k = n.
 ELEMENTWISE_SCHEMAS: dict[str, str] = {
-    "rms_norm": "rms_norm(Tensor x, Tensor weight, float eps) -> Tensor",
-    "gemma_rms_norm": "gemma_rms_norm(Tensor x, Tensor weight, float eps) -> Tensor",
-    "fused_add_rms_norm": "fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
-    "gemma_fused_add_rms_norm":
-        "gemma_fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
-    "gated_rms_norm": "gated_rms_norm(Tensor x, Tensor z, Tensor weight, float eps) -> Tensor",
-    "silu_and_mul": "silu_and_mul(Tensor x) -> Tensor",
-    "bias_gelu": "bias_gelu(Tensor x, Tensor bias) -> Tensor",
-}
+    op: oprecords.get(op).schema for op in oprecords.names(kind="elementwise", served=True)}
 
 
 @dataclass

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from tunekit.dispatch.state import ELEMENTWISE_SCHEMAS, STATE, VendorKernel
+from tunekit.dispatch.state import STATE, VendorKernel
+from tunekit.problems import oprecords
 
 
 def set_vendor_gemm(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None,
@@ -31,6 +32,12 @@ def set_vendor_gemm(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | Non
         STATE.vendor_gemm = fn
         STATE.vendor_gemm_name = "F.linear" if fn is None else name
         STATE.epoch += 1
+
+
+def _check_elementwise(op: str) -> None:
+    known = oprecords.names(kind="elementwise", served=True)
+    if op not in known:
+        raise ValueError(f"unknown elementwise op {op!r}; one of {sorted(known)}")
 
 
 def set_vendor_elementwise(op: str, fn: Callable[..., Any] | None, name: str,
@@ -54,8 +61,7 @@ def set_vendor_elementwise(op: str, fn: Callable[..., Any] | None, name: str,
     several launches: the default-config kernel (one) serves first where it can,
     ``fn`` where it cannot, as it still beats the composition.
     """
-    if op not in ELEMENTWISE_SCHEMAS:
-        raise ValueError(f"unknown elementwise op {op!r}; one of {sorted(ELEMENTWISE_SCHEMAS)}")
+    _check_elementwise(op)
     with STATE.lock:
         STATE.vendor_ew[op] = VendorKernel(fn, name, frozenset(device_types), single_launch)
 
@@ -75,8 +81,7 @@ def set_engine_runs_vendor(op: str, runs: bool) -> None:
     searches). So with ``runs=False`` tunekit's default-config kernel serves
     the fallbacks first, and the vendor kernel only where that cannot.
     """
-    if op not in ELEMENTWISE_SCHEMAS:
-        raise ValueError(f"unknown elementwise op {op!r}; one of {sorted(ELEMENTWISE_SCHEMAS)}")
+    _check_elementwise(op)
     with STATE.lock:
         if runs:
             STATE.vendor_off_engine_path.discard(op)

@@ -58,9 +58,9 @@ def _op_call(op: str) -> Callable[..., Any]:
     so a tensor subclass (fake, functional, proxy) or any tracing takes the op. (The linears
     inline this, with an :class:`~tunekit.dispatch.gemv.EagerLinear` per module as the impl.)
     """
-    from tunekit.dispatch.elementwise import ELEMENTWISE_IMPLS
+    from tunekit import ops
 
-    impl = ELEMENTWISE_IMPLS[op][0]
+    impl = ops.impl(op)
     traced = getattr(torch.ops.tunekit, op)
     (is_compiling, is_tracing), plain = _TRACING, torch.Tensor
 

@@ -1,9 +1,12 @@
-"""The ops' registry: every op's ``OpSpec`` by name (what each op *is*, independent of any implementation).
+"""The ops' specs by name: what each op *is*, independent of any implementation.
 
-:func:`get` gives the spec of an op; :data:`OPS` maps every op name to its
-spec. The protocol itself (``OpSpec``, the kernel call protocol, ``EPS``)
-lives in ``tunekit.problems.opspec_base`` and is importable from here too;
-the specs live by family:
+:func:`get` gives the spec of an op, the one its record names
+(``tunekit.problems.oprecords``: one record per op, built-in or registered);
+:data:`OPS` maps every tabulated op's name to its spec, read from the records
+when looked up (an op registered later is in it). The protocol itself
+(``OpSpec``, the kernel call protocol, ``EPS``) lives in
+``tunekit.problems.opspec_base`` and is importable from here too; the
+built-in specs live by family:
 
 * ``tunekit.problems.opspec_gemv``: the GEMV and the fused GEMV families;
 * ``tunekit.problems.opspec_elementwise``: the norms and the pointwise ops.
@@ -11,19 +14,33 @@ the specs live by family:
 
 from __future__ import annotations
 
-from tunekit.problems import opspec_elementwise, opspec_gemv
+from collections.abc import Iterator, Mapping
+
+from tunekit.problems import oprecords
 from tunekit.problems.opspec_base import EPS, OpSpec
 
 __all__ = ["EPS", "OPS", "OpSpec", "get"]
 
-OPS: dict[str, OpSpec] = {
-    spec.name: spec for spec in (opspec_gemv.GEMV, *opspec_elementwise.SPECS, *opspec_gemv.FUSED_SPECS)
-}
-
 
 def get(op: str) -> OpSpec:
     """The spec of ``op``; ``KeyError`` naming the known ops for an unknown one."""
-    try:
-        return OPS[op]
-    except KeyError:
-        raise KeyError(f"unknown op {op!r} (known: {', '.join(sorted(OPS))})") from None
+    record = oprecords.RECORDS.get(op)
+    if record is None or record.spec is None:
+        raise KeyError(f"unknown op {op!r} (known: {', '.join(oprecords.names(tabulated=True))})")
+    return oprecords.resolve(record.spec)
+
+
+class _Specs(Mapping):
+    """Op name -> spec for every tabulated op of the records, as they are when read."""
+
+    def __getitem__(self, op: str) -> OpSpec:
+        return get(op)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(oprecords.names(tabulated=True))
+
+    def __len__(self) -> int:
+        return len(oprecords.names(tabulated=True))
+
+
+OPS: Mapping[str, OpSpec] = _Specs()

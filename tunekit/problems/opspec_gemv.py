@@ -430,6 +430,7 @@ def _glu_gemv(op: str) -> OpSpec:
 
 GLU_GEMVS = {op: _glu_gemv(op) for op in GLU_GEMV_OPS}
 
-#: the fused GEMV families, in the registry's order
-FUSED_SPECS: tuple[OpSpec, ...] = (*(_norm_gemv(name) for name in NORM_GEMV_OPS), SILU_MUL_GEMV, GEMV_ADD, RMS_GEMV,
-                                   *GLU_GEMVS.values())
+NORM_GEMVS = {name: _norm_gemv(name) for name in NORM_GEMV_OPS}
+
+#: the fused GEMV families (the op records, ``tunekit.problems.oprecords``, name each one's spec)
+FUSED_SPECS: tuple[OpSpec, ...] = (*NORM_GEMVS.values(), SILU_MUL_GEMV, GEMV_ADD, RMS_GEMV, *GLU_GEMVS.values())

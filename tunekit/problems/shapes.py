@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from tunekit.errors import UserError
+from tunekit.problems import oprecords
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -28,62 +29,51 @@ GEMV_MAX_M = 8
 #: Largest M the elementwise ops take: prefill-sized chunks (4096) with headroom.
 ELEMENTWISE_MAX_M = 65536
 
-#: Hidden-size norms: n = k = the normalised row length.
-NORM_OPS = ("rms_norm", "gemma_rms_norm", "fused_add_rms_norm", "gemma_fused_add_rms_norm")
-ELEMENTWISE_OPS = NORM_OPS + ("gated_rms_norm", "silu_and_mul", "bias_gelu")
+#: The op groups below are read from the op records (``tunekit.problems.oprecords``: one record per op,
+#: in its order), so a registered op joins its kind's group. Hidden-size norms: n = k = the normalised
+#: row length.
+NORM_OPS = oprecords.names(group="norm")
+ELEMENTWISE_OPS = oprecords.names(kind="elementwise")
 OPS = ("gemv",) + ELEMENTWISE_OPS
 #: RMSNorm in the GEMV prologue (kernels_triton/rms_norm_gemv.py): n, k are the GEMV's, the
 #: norm width is k. Opt-in (``--ops rms_norm_gemv``, ``--shape OP:NxK``) and in no default op set:
 #: nothing serves them, so a default search must not tune them.
-NORM_GEMV_OPS = ("rms_norm_gemv", "gemma_rms_norm_gemv", "fused_add_rms_norm_gemv", "gemma_fused_add_rms_norm_gemv")
+NORM_GEMV_OPS = oprecords.names(group="norm_gemv")
 #: SiLU-and-mul in the GEMV prologue (kernels_triton/silu_mul_gemv.py): act_fn -> down_proj; n, k
 #: are the GEMV's (the input gate_up is [m, 2k]). Opt-in as the norm family.
-ACT_GEMV_OPS = ("silu_mul_gemv",)
+ACT_GEMV_OPS = oprecords.names(group="act_gemv")
 #: The residual add in the GEMV epilogue (kernels_triton/gemv.py, ``residual=``): o_proj /
 #: out_proj / down_proj -> the residual stream; n, k are the GEMV's. Served (``SERVED_FUSED_OPS``).
-GEMV_ADD_OPS = ("gemv_add",)
+GEMV_ADD_OPS = oprecords.names(group="gemv_add")
 #: The GEMV of an RMSNorm whose weight is folded into W (kernels_triton/gemv.py, ``rms_eps=``):
 #: y = (x / rms(x)) @ W'^T for every consumer of a norm; n, k are the GEMV's. Served (``SERVED_FUSED_OPS``).
-RMS_GEMV_OPS = ("rms_gemv",)
+RMS_GEMV_OPS = oprecords.names(group="rms_gemv")
 #: SiLU-and-mul in gate_up_proj's epilogue (kernels_triton/gemv.py, ``glu=``): W's rows are
 #: (gate, up) pairs, y[m, n / 2] = silu(x W_gate^T) * (x W_up^T); the ``rms_`` form also
 #: scales by 1/rms (a folded norm before it). n, k are gate_up's. Opt-in as the norm family.
-GLU_GEMV_OPS = ("gemv_silu_mul", "rms_gemv_silu_mul")
+GLU_GEMV_OPS = oprecords.names(group="glu_gemv")
 #: Every op that fuses an elementwise step into a GEMV, before or after it (the problem's n, k
 #: are the GEMV's).
-FUSED_GEMV_OPS = NORM_GEMV_OPS + ACT_GEMV_OPS + GEMV_ADD_OPS + RMS_GEMV_OPS + GLU_GEMV_OPS
+FUSED_GEMV_OPS = oprecords.names(kind="fused_gemv")
 #: The fused GEMV families the vLLM plugin serves: ``rms_gemv`` for the consumers of a folded norm
 #: (``integrations.vllm.fold``; a folded sibling group's ``sibling_gemv`` is one launch of the joined
 #: rows' ``rms_gemv`` entry, which ``ModelSpec.rms_gemvs`` lists), ``gemv_add`` where the compile pass
 #: moves a residual add into the GEMV (``integrations.vllm.graph_routes``). The others are used by
 #: ``tunekit chain`` only.
-SERVED_FUSED_OPS = RMS_GEMV_OPS + GEMV_ADD_OPS
+SERVED_FUSED_OPS = oprecords.names(kind="fused_gemv", served=True)
 #: What ``tunekit search --model/--config`` tunes unless ``--ops`` narrows it: every op the model
 #: runs and the fused families serving uses, so the default search yields the default served table.
-MODEL_OPS = OPS + SERVED_FUSED_OPS
+MODEL_OPS = tuple(r.name for r in oprecords.RECORDS.values() if r.default_search)
 #: ... at these M unless ``--m`` narrows it: the small decode batches vLLM captures as CUDA graphs
 #: (the GEMV kernels take 1..8).
 MODEL_M = (1, 2, 4, 8)
 #: ``--ops`` names -> the ops they select (a family selects both weight conventions;
-#: the model's norm style decides which one its problems use).
-OP_FAMILIES: dict[str, tuple[str, ...]] = {
-    "gemv": ("gemv",),
-    "rms_norm": ("rms_norm", "gemma_rms_norm"),
-    "fused_add_rms_norm": ("fused_add_rms_norm", "gemma_fused_add_rms_norm"),
-    "gated_rms_norm": ("gated_rms_norm",),
-    "silu_and_mul": ("silu_and_mul",),
-    "bias_gelu": ("bias_gelu",),
-    "gemma_rms_norm": ("gemma_rms_norm",),
-    "gemma_fused_add_rms_norm": ("gemma_fused_add_rms_norm",),
-    # fused GEMV families: the model's norm style and layers pick the ops; rms_gemv and gemv_add
-    # are in MODEL_OPS, the others opt-in only
-    "rms_norm_gemv": NORM_GEMV_OPS,
-    "silu_mul_gemv": ACT_GEMV_OPS,
-    "gemv_add": GEMV_ADD_OPS,
-    "rms_gemv": RMS_GEMV_OPS,
-    "gemv_silu_mul": GLU_GEMV_OPS,
-    "fused_gemv": FUSED_GEMV_OPS,  # every fused family
-}
+#: the model's norm style decides which one its problems use; ``fused_gemv``: every fused family).
+OP_FAMILIES: dict[str, tuple[str, ...]] = {}
+for _record in oprecords.RECORDS.values():
+    for _family in _record.selected_by:
+        OP_FAMILIES[_family] = OP_FAMILIES.get(_family, ()) + (_record.name,)
+del _record, _family
 
 
 @dataclass(frozen=True, order=True)

@@ -31,6 +31,7 @@ from tunekit.integrations.vllm.fold import folded_norm_forward
 from tunekit.integrations.vllm.marks import FOLDED
 from tunekit.integrations.vllm.state import MARK, env_flag
 from tunekit.integrations.vllm.vendors import install_vendor_kernels, tell_engine_path
+from tunekit.problems import oprecords
 
 __all__ = ["OOT_SPECS", "oot_installer"]
 
@@ -125,16 +126,18 @@ def _silu_and_mul_route(self: Any, x: torch.Tensor) -> Any:
     return torch.ops.tunekit.silu_and_mul(x)
 
 
-#: vLLM class -> (module, tunekit ops it needs, route). Extension point: a new
-#: vLLM CustomOp is one line here plus a route returning None where the
-#: tunekit op does not apply.
-OOT_SPECS: dict[str, tuple[str, tuple[str, ...], Callable[..., Any]]] = {
-    "RMSNorm": ("vllm.model_executor.layers.layernorm", ("rms_norm", "fused_add_rms_norm"), _rms_norm_route),
-    "GemmaRMSNorm": ("vllm.model_executor.layers.layernorm", ("gemma_rms_norm", "gemma_fused_add_rms_norm"),
-                     _gemma_rms_norm_route),
-    "RMSNormGated": ("vllm.model_executor.layers.layernorm", ("gated_rms_norm",), _rms_norm_gated_route),
-    "SiluAndMul": ("vllm.model_executor.layers.activation", ("silu_and_mul",), _silu_and_mul_route),
+#: vLLM class -> (its module, its route). Extension point: a new vLLM CustomOp is one line here, a route
+#: returning None where the tunekit op does not apply, and the class as ``vllm_hook`` of its ops' records.
+_OOT_CLASSES: dict[str, tuple[str, Callable[..., Any]]] = {
+    "RMSNorm": ("vllm.model_executor.layers.layernorm", _rms_norm_route),
+    "GemmaRMSNorm": ("vllm.model_executor.layers.layernorm", _gemma_rms_norm_route),
+    "RMSNormGated": ("vllm.model_executor.layers.layernorm", _rms_norm_gated_route),
+    "SiluAndMul": ("vllm.model_executor.layers.activation", _silu_and_mul_route),
 }
+
+#: vLLM class -> (module, tunekit ops it needs: the ops whose record names the class as its vLLM hook, route)
+OOT_SPECS: dict[str, tuple[str, tuple[str, ...], Callable[..., Any]]] = {
+    name: (module, oprecords.names(hook=name), route) for name, (module, route) in _OOT_CLASSES.items()}
 
 
 def _tunekit_op_defined(op: str) -> bool:

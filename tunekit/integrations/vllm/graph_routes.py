@@ -45,14 +45,12 @@ from __future__ import annotations
 import contextlib
 import operator
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import fx
 
-from tunekit.dispatch import elementwise, fused_gemv
+from tunekit import ops
 from tunekit.dispatch.state import DTYPE_NAMES, NAMESPACE
 
 
@@ -79,36 +77,26 @@ def _silu_nk(args: tuple) -> tuple[int | None, int | None]:
     return (shape[-1] // 2, shape[-1]) if shape else (None, None)
 
 
-def _rms_gemv_composition(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.linear(fused_gemv.unweighted_rms_norm(x, eps), weight)
-
-
-def _gemv_add_composition(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, weight) + residual  # functional: the spliced trace must not mutate
-
-
 def _rms_gemv_on_gemv(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return torch.ops.tunekit.gemv(fused_gemv.unweighted_rms_norm(x, eps), weight)
+    return torch.ops.tunekit.gemv(ops.unweighted_rms_norm(x, eps), weight)
 
 
 def _gemv_add_on_gemv(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     return torch.ops.tunekit.gemv(x, weight) + residual
 
 
-#: op -> (stock composition: the op's own vendor path, as its fallback computes it; its table key's
-#: (N, K) from the node's argument values). The keys are those the vLLM plugin's routes check
-#: (``coverage.covered``): the gated norm by row width alone (N None).
-COMPOSITIONS: dict[str, tuple[Callable[..., Any], Callable[[tuple], tuple[int | None, int | None]]]] = {
-    "gemv": (F.linear, _gemv_nk),
-    "rms_norm": (partial(elementwise._vendor_rms_norm, gemma=False), _norm_nk),
-    "gemma_rms_norm": (partial(elementwise._vendor_rms_norm, gemma=True), _norm_nk),
-    "fused_add_rms_norm": (partial(elementwise._vendor_fused_add, gemma=False), _norm_nk),
-    "gemma_fused_add_rms_norm": (partial(elementwise._vendor_fused_add, gemma=True), _norm_nk),
-    "gated_rms_norm": (elementwise._vendor_gated, _gated_nk),
-    "silu_and_mul": (elementwise._vendor_silu_and_mul, _silu_nk),
-    "rms_gemv": (_rms_gemv_composition, _gemv_nk),
-    "gemv_add": (_gemv_add_composition, _gemv_nk),
+#: op -> how its table key's (N, K) is read from a node's argument values. The keys are those the vLLM
+#: plugin's routes check (``coverage.covered``): the gated norm by row width alone (N None).
+_KEYS: dict[str, Callable[[tuple], tuple[int | None, int | None]]] = {
+    "gemv": _gemv_nk, "rms_norm": _norm_nk, "gemma_rms_norm": _norm_nk, "fused_add_rms_norm": _norm_nk,
+    "gemma_fused_add_rms_norm": _norm_nk, "gated_rms_norm": _gated_nk, "silu_and_mul": _silu_nk,
+    "rms_gemv": _gemv_nk, "gemv_add": _gemv_nk,
 }
+
+#: op -> (stock composition: the op's own vendor path, as its fallback computes it, from its record
+#: (``tunekit.ops.stock``); its table key's (N, K) from the node's argument values).
+COMPOSITIONS: dict[str, tuple[Callable[..., Any], Callable[[tuple], tuple[int | None, int | None]]]] = {
+    op: (ops.stock(op), key) for op, key in _KEYS.items()}
 
 
 #: fused GEMV op -> its stock composition around ``tunekit::gemv``: what :func:`unroute` splices in where
@@ -141,8 +129,6 @@ def within_table(op: str, dtype: str, n: int | None, k: int, device: str, start:
     """True if the tables serving ``device`` tune (op, dtype, N, K) at some token count >= ``start``:
     then a graph for token counts from ``start`` up keeps the op (its Ms the table lacks fall back
     inside it), else the stock composition serves that whole graph."""
-    from tunekit import ops
-
     top = ops.largest_m(op, dtype, n, k, device)
     return top is not None and top >= start
 
