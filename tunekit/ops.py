@@ -94,6 +94,7 @@ every record's op (an op registered after this module's import: call it again).
 
 from __future__ import annotations
 
+from tunekit.dispatch.elementwise import serve_elementwise
 from tunekit.dispatch.fused_gemv import unweighted_rms_norm
 from tunekit.dispatch.fusions import add_decision, fold_decision
 from tunekit.dispatch.gemv import gemv
@@ -143,6 +144,7 @@ __all__ = [
     "prepare",
     "register",
     "reset_stats",
+    "serve_elementwise",
     "set_engine_runs_vendor",
     "set_vendor_elementwise",
     "set_vendor_gemm",

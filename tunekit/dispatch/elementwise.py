@@ -166,6 +166,10 @@ def _ew_serve(
     return finish(out)
 
 
+#: The public name of the shared body: an op whose inputs view as rows (a plug-in op's impl, a test's)
+#: is served by calling it as the built-in elementwise ops do (``tunekit.ops.serve_elementwise``).
+serve_elementwise = _ew_serve
+
 #: an op's express key (op, x shape, dtypes, devices, eps) -> the _EwRoute whose bound launcher serves it
 _EXPRESS: dict[tuple, Any] = {}
 
