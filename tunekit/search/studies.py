@@ -318,10 +318,11 @@ def _seeds_from_files(paths: Sequence[Path], backend: str, problem: Problem, dom
     # Records of the op itself, of its siblings (the ops that read the same search-space file: one
     # kernel, the weight convention or the residual differ) and, for a fused GEMV family, of the GEMV
     # (its tile tunables have the same names, and (m, n, k) the same meaning): ranks 0, 1, 2.
-    from search_spaces import FILES
+    from tunekit.problems import oprecords
 
-    stem = FILES.get(problem.op, problem.op)
-    rank = {op: 1 for op, s in FILES.items() if s == stem} | {stem: 1}
+    files = {name: record.space for name, record in oprecords.RECORDS.items() if record.space}
+    stem = files.get(problem.op, problem.op)
+    rank = {op: 1 for op, s in files.items() if s == stem} | {stem: 1}
     if problem.op in FUSED_GEMV_OPS:
         rank["gemv"] = 2
     rank[problem.op] = 0
