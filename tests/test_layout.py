@@ -138,3 +138,57 @@ def test_the_circle_check_can_fail():
     assert _package("tunekit.evidence.chain.steps", modules, None) == "tunekit.evidence.chain"
     assert _package("tunekit.evidence.chain", modules, None) == "tunekit.evidence.chain"
     assert _package("tunekit.table", modules, 1) == "tunekit.table"
+
+
+def _serving_api() -> set[str]:
+    """``tunekit.ops.__all__``, read from its source (no torch imported here)."""
+    tree = ast.parse((PACKAGE / "ops.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return {elt.value for elt in node.value.elts}
+    raise AssertionError("tunekit/ops.py has no __all__")
+
+
+def _serving_imports(text: str, api: set[str]) -> list[tuple[int, str]]:
+    """What a module of ``tunekit/integrations`` takes from the serving package other than the public names of
+    ``tunekit.ops`` (line, what): a ``tunekit.dispatch`` module (or the package), a name ``tunekit.ops`` does
+    not export (a ``_private`` one included), or such an attribute of the ``ops`` module (``ops.X``,
+    ``_ops().X``)."""
+    bad = []
+    for node in ast.walk(ast.parse(text)):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Import):
+            bad += [(line, f"import {a.name}") for a in node.names if a.name.startswith("tunekit.dispatch")]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            module = node.module or ""
+            if module == "tunekit.dispatch" or module.startswith("tunekit.dispatch."):
+                bad.append((line, f"from {module} import {', '.join(a.name for a in node.names)}"))
+            elif module == "tunekit.ops":
+                bad += [(line, f"from tunekit.ops import {a.name}") for a in node.names if a.name not in api]
+            elif module == "tunekit":
+                bad += [(line, "from tunekit import dispatch") for a in node.names if a.name == "dispatch"]
+        elif isinstance(node, ast.Attribute):
+            value = node.value
+            owner = value.id if isinstance(value, ast.Name) else (
+                value.func.id if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) else None)
+            if owner in ("ops", "_ops") and node.attr not in api:
+                bad.append((line, f"ops.{node.attr}"))
+    return sorted(bad)
+
+
+def test_integrations_use_only_the_public_serving_api():
+    """``tunekit/integrations`` reaches serving through ``tunekit.ops``' public names only (``__all__``): no
+    ``tunekit.dispatch.<module>`` import, no private name, so the dispatch layer can change inside."""
+    api = _serving_api()
+    bad = [f"{path.relative_to(REPO)}:{line} {what}" for path in sorted((PACKAGE / "integrations").rglob("*.py"))
+           for line, what in _serving_imports(path.read_text(), api)]
+    assert not bad, f"integrations use serving internals (export them from tunekit.ops if they are API): {bad}"
+
+
+def test_the_serving_api_check_can_fail():
+    text = ("from tunekit.dispatch.state import STATE\nimport tunekit.dispatch.tables\n"
+            "from tunekit.ops import covers, _private\nfrom tunekit import ops, dispatch\nops.covers\nops.STATE\n"
+            "_ops().largest_m\n_ops()._cache\n")
+    assert [what for _, what in _serving_imports(text, {"covers", "largest_m"})] == [
+        "from tunekit.dispatch.state import STATE", "import tunekit.dispatch.tables", "from tunekit.ops import _private",
+        "from tunekit import dispatch", "ops.STATE", "ops._cache"]

@@ -94,29 +94,39 @@ every record's op (an op registered after this module's import: call it again).
 
 from __future__ import annotations
 
-from tunekit.dispatch.elementwise import serve_elementwise
+from tunekit.dispatch.decisions import refuse
+from tunekit.dispatch.elementwise import EagerNorm, serve_elementwise
 from tunekit.dispatch.fused_gemv import unweighted_rms_norm
 from tunekit.dispatch.fusions import add_decision, fold_decision
-from tunekit.dispatch.gemv import gemv
+from tunekit.dispatch.gemv import EagerLinear, gemv
 from tunekit.dispatch.log import dispatch_log, write_dispatch_log
-from tunekit.dispatch.markers import dispatch_stats, maybe_register_atexit, reset_stats
+from tunekit.dispatch.markers import count_layer, dispatch_stats, maybe_register_atexit, reset_stats, uncounted
 from tunekit.dispatch.registry import impl, register, stock
-from tunekit.dispatch.state import DEFAULT_EPS as DEFAULT_EPS
 from tunekit.dispatch.state import (
+    DEFAULT_EPS,
     DEFAULT_VENDOR,
+    DTYPE_NAMES,
     EAGER_VENDORS,
+    ELEMENTWISE_SCHEMAS,
     FALLBACK_REASONS,
+    LOG_ENV,
+    NAMESPACE,
+    STATS_FORMAT,
+    TABLE_ENV,
     dtype_name,
 )
-from tunekit.dispatch.state import ELEMENTWISE_SCHEMAS as ELEMENTWISE_SCHEMAS
-from tunekit.dispatch.state import LOG_ENV as LOG_ENV
-from tunekit.dispatch.state import NAMESPACE as NAMESPACE
-from tunekit.dispatch.state import STATS_FORMAT as STATS_FORMAT
-from tunekit.dispatch.state import TABLE_ENV as TABLE_ENV
-from tunekit.dispatch.tables import covers, load_tables, loaded_tables
-from tunekit.dispatch.tables import largest_m as largest_m
-from tunekit.dispatch.tables import largest_rows as largest_rows
-from tunekit.dispatch.tables import served_entry as served_entry
+from tunekit.dispatch.tables import (
+    covers,
+    holds,
+    largest_m,
+    largest_rows,
+    load_tables,
+    loaded_tables,
+    other_tp,
+    served_entry,
+    set_tensor_parallel,
+    tabulated_ms,
+)
 from tunekit.dispatch.vendors import (
     clear_vendor_elementwise,
     set_engine_runs_vendor,
@@ -126,32 +136,24 @@ from tunekit.dispatch.vendors import (
 )
 from tunekit.dispatch.warmup import prepare
 
+#: The serving API: what integrations and users may import (``tests/test_layout.py`` holds
+#: ``tunekit/integrations/`` to these names; nothing of ``tunekit.dispatch``'s modules directly).
 __all__ = [
-    "DEFAULT_VENDOR",
-    "EAGER_VENDORS",
-    "FALLBACK_REASONS",
-    "add_decision",
-    "clear_vendor_elementwise",
-    "covers",
-    "dispatch_log",
-    "dispatch_stats",
-    "dtype_name",
-    "fold_decision",
-    "gemv",
-    "impl",
-    "load_tables",
-    "loaded_tables",
-    "prepare",
-    "register",
-    "reset_stats",
-    "serve_elementwise",
-    "set_engine_runs_vendor",
-    "set_vendor_elementwise",
-    "set_vendor_gemm",
-    "stock",
-    "unweighted_rms_norm",
+    # constants and vocabulary
+    "DEFAULT_EPS", "DEFAULT_VENDOR", "DTYPE_NAMES", "EAGER_VENDORS", "ELEMENTWISE_SCHEMAS", "FALLBACK_REASONS",
+    "LOG_ENV", "NAMESPACE", "STATS_FORMAT", "TABLE_ENV", "dtype_name",
+    # the tables: load, what they cover, the entry for a call, TP
+    "covers", "holds", "largest_m", "largest_rows", "load_tables", "loaded_tables", "other_tp", "served_entry",
+    "set_tensor_parallel", "tabulated_ms",
+    # the registered ops: define, their impls and stock compositions, eager callers, a serving body
+    "EagerLinear", "EagerNorm", "gemv", "impl", "register", "serve_elementwise", "stock", "unweighted_rms_norm",
+    # decisions of the load step
+    "add_decision", "fold_decision", "prepare", "refuse",
+    # markers and the dispatch log
+    "count_layer", "dispatch_log", "dispatch_stats", "reset_stats", "uncounted", "write_dispatch_log",
+    # the stock path an integration installs
+    "clear_vendor_elementwise", "set_engine_runs_vendor", "set_vendor_elementwise", "set_vendor_gemm",
     "vendor_kernels",
-    "write_dispatch_log",
 ]
 
 # Importing the facade is what defines torch.ops.tunekit.* (integrations and users rely on it).

@@ -22,7 +22,7 @@ import torch
 
 from tunekit import table as table_mod
 from tunekit.dispatch.state import STATE, Choice, log_once
-from tunekit.dispatch.tables import tables_for
+from tunekit.dispatch.tables import largest_m, tables_for
 
 
 def resolve(op: str, dtype: str, m: int, n: int, k: int, device: torch.device, capturing: bool) -> Choice:
@@ -135,6 +135,18 @@ def mark_broken(op: str, dtype: str, m: int, n: int, k: int, device: torch.devic
         STATE.choices[(op, dtype, m, n, k, str(device))] = Choice(impl)
         STATE.epoch += 1
     return impl
+
+
+def refuse(op: str, dtype: str, n: int, k: int, device: str) -> int:
+    """Serve (op, dtype, N, K) on ``device`` by the op's fallback at every M up to the tables' largest, from
+    now on (until tables are loaded again): for a kernel that failed a check on real weights where the
+    graph calling it can no longer change. Its marker rows read ``fallback:kernel_error``. Returns that M."""
+    top = largest_m(op, dtype, n, k, device) or 0
+    with STATE.lock:
+        for m in range(1, top + 1):
+            STATE.choices[(op, dtype, m, n, k, device)] = Choice("fallback:kernel_error")
+        STATE.epoch += 1
+    return top
 
 
 #: torch.cuda.is_current_stream_capturing without its Python wrapper (per call on the hot path)

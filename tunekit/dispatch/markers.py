@@ -20,10 +20,12 @@ import, cannot import it.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing.util
 import os
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from tunekit.dispatch.state import LOG_ENV, STATE, CallCounter
@@ -58,6 +60,19 @@ def count_layer(op: str, dtype: str, shape: str, m: int, impl: str, vendor: str)
         with STATE.lock:
             found = STATE.counters.setdefault(key, CallCounter())
     found.tick()
+
+
+@contextlib.contextmanager
+def uncounted() -> Iterator[None]:
+    """Calls made inside are not service calls (a check on real weights, a warm-up): the dispatch markers
+    are put back as they were afterwards."""
+    with STATE.lock:
+        saved = dict(STATE.stats)
+    try:
+        yield
+    finally:
+        with STATE.lock:
+            STATE.stats = saved
 
 
 def dispatch_stats(reset: bool = False) -> list[dict[str, Any]]:

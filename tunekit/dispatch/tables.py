@@ -258,6 +258,19 @@ def _largest(op: str, dtype: str, n: int | None, k: int, device: str, unit: str)
     return hit or None
 
 
+def holds(op: str, device: str) -> bool:
+    """Whether a table serving ``device`` holds any entry of ``op``. Never raises."""
+    merged = serving_table(device)
+    return any(e["op"] == op for e in (merged or {}).get("entries", ()))
+
+
+def tabulated_ms(op: str, dtype: str, n: int, k: int, device: str) -> list[int]:
+    """The Ms the tables serving ``device`` hold entries of (op, dtype, N, K) at, ascending. Never raises."""
+    merged = serving_table(device)
+    return sorted({int(e["m"]) for e in (merged or {}).get("entries", ())
+                   if e["op"] == op and e["dtype"] == dtype and e["n"] == n and e["k"] == k})
+
+
 def served_entry(op: str, dtype: str, m: int, n: int, k: int, device: str) -> dict[str, Any] | None:
     """The table entry that serves (op, dtype, M, N, K) on ``device`` (the lookup rule of the ops:
     exact M, else the smallest tabulated larger M), or None for the vendor path. Never raises.

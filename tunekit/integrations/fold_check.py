@@ -97,49 +97,35 @@ def fold_scale(gain: torch.Tensor, gemma: bool) -> torch.Tensor:
 @contextlib.contextmanager
 def quiet_markers() -> Iterator[None]:
     """Calls made inside are not service calls: the dispatch markers are put back afterwards."""
-    from tunekit.dispatch.state import STATE
+    from tunekit import ops
 
-    with STATE.lock:
-        saved = dict(STATE.stats)
-    try:
+    with ops.uncounted():
         yield
-    finally:
-        with STATE.lock:
-            STATE.stats = saved
 
 
 def refuse_kernels(op: str, dtype: str, n: int, k: int, device: str) -> int:
     """Serve (op, dtype, N, K) on ``device`` by the op's fallback at every M up to the tables' largest, from
     now on (until tables are loaded again): for a kernel that failed a check on real weights where the
     graph calling it can no longer change. Its marker rows read ``fallback:kernel_error``. Returns that M."""
-    from tunekit.dispatch.state import STATE, Choice
-    from tunekit.dispatch.tables import largest_m
+    from tunekit import ops
 
-    top = largest_m(op, dtype, n, k, device) or 0
-    with STATE.lock:
-        for m in range(1, top + 1):
-            STATE.choices[(op, dtype, m, n, k, device)] = Choice("fallback:kernel_error")
-        STATE.epoch += 1
-    return top
+    return ops.refuse(op, dtype, n, k, device)
 
 
 def tables_hold(op: str, device: str) -> bool:
     """Whether a table serving ``device`` holds any entry of ``op`` (no ``rms_gemv`` entry: no fold can pay,
     and none is considered)."""
-    from tunekit.dispatch.tables import serving_table
+    from tunekit import ops
 
-    merged = serving_table(device)
-    return any(e["op"] == op for e in (merged or {}).get("entries", ()))
+    return ops.holds(op, device)
 
 
 def checked_ms(op: str, dtype: str, n: int, k: int, device: str) -> list[int]:
     """The Ms a check calls ``op`` at: every M a serving table tabulates for (op, dtype, N, K) (each may be
     another kernel) and one above the largest (the op's fallback)."""
-    from tunekit.dispatch.tables import serving_table
+    from tunekit import ops
 
-    merged = serving_table(device)
-    ms = sorted({int(e["m"]) for e in (merged or {}).get("entries", ())
-                 if e["op"] == op and e["dtype"] == dtype and e["n"] == n and e["k"] == k})
+    ms = ops.tabulated_ms(op, dtype, n, k, device)
     return [*ms, (ms[-1] if ms else 0) + 1]
 
 
@@ -211,8 +197,9 @@ def check_norm_fold(norm_op: str, gain: torch.Tensor, eps: float, raw: torch.Ten
     """``rms_gemv(x, folded, eps)`` as served against the unfolded sequence on ``raw``: the norm of convention
     ``norm_op`` (``rms_norm``: x / rms * g; ``gemma_rms_norm``: * (1 + g)) with weight ``gain``, then the GEMV.
     At every M :func:`checked_ms` lists; the worst element decides (``CheckResult.ok``: within the bound)."""
-    from tunekit.dispatch.fused_gemv import rms_gemv_impl
+    from tunekit import ops
 
+    rms_gemv_impl = ops.impl("rms_gemv")
     dtype = _dtype_name(raw.dtype)
     if dtype is None or folded.dtype != raw.dtype or gain.dtype != raw.dtype:
         return CheckResult(False, reason=f"no correctness bound for {raw.dtype} weights")
@@ -237,8 +224,9 @@ def check_norm_fold(norm_op: str, gain: torch.Tensor, eps: float, raw: torch.Ten
 def check_residual_add(weight: torch.Tensor, seed: int = _SEED) -> CheckResult:
     """``gemv_add(x, weight, residual)`` as served against the GEMV plus the residual, the residual stream's
     rows with outlier channels as the activations'. At every M :func:`checked_ms` lists."""
-    from tunekit.dispatch.fused_gemv import gemv_add_impl
+    from tunekit import ops
 
+    gemv_add_impl = ops.impl("gemv_add")
     dtype = _dtype_name(weight.dtype)
     if dtype is None:
         return CheckResult(False, reason=f"no correctness bound for {weight.dtype} weights")

@@ -89,8 +89,9 @@ def _folded_norm_forward(hidden_states: torch.Tensor) -> torch.Tensor:
 
 def _folded_linear_forward(module: nn.Linear, eps: float) -> Callable[[torch.Tensor], torch.Tensor]:
     """A consumer of a folded norm: ``rms_gemv`` on its input and its folded weight W diag(g')."""
-    from tunekit.dispatch.fused_gemv import rms_gemv_impl, unweighted_rms_norm
+    from tunekit.ops import impl, unweighted_rms_norm
 
+    rms_gemv_impl = impl("rms_gemv")
     traced = torch.ops.tunekit.rms_gemv
     (is_compiling, is_tracing), plain, grad_enabled = _TRACING, torch.Tensor, torch.is_grad_enabled
 

@@ -48,7 +48,7 @@ class _MergedGemv:
     the graph holds one ``tunekit.gemv`` per group and the slices."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, members: int) -> None:
-        from tunekit.dispatch.gemv import EagerLinear
+        from tunekit.ops import EagerLinear
 
         self.weight, self.bias, self.members = weight, bias, members
         self.eager = EagerLinear()

@@ -88,7 +88,7 @@ __all__ = ["ELEMENTWISE_ROUTES", "FOLDABLE_LAYERS", "SIBLING_LINEARS", "fold_sha
 
 def _norm_forward(op: str) -> Callable[[nn.Module], Callable[..., Any]]:
     def factory(module: nn.Module) -> Callable[..., Any]:
-        from tunekit.dispatch.elementwise import EagerNorm
+        from tunekit.ops import EagerNorm
 
         original = module.forward
         eps = _eps(module)
@@ -136,7 +136,7 @@ _ELEMENTWISE_FORWARDS: dict[str, Callable[[nn.Module], Callable[..., Any]]] = {
 
 
 def _linear_forward(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
-    from tunekit.dispatch.gemv import EagerLinear
+    from tunekit.ops import EagerLinear
 
     # _op_call("gemv"), inlined: every linear of every eager decode step runs this
     eager, traced = EagerLinear(), torch.ops.tunekit.gemv
@@ -181,10 +181,9 @@ def _covered(route: str, module: nn.Module) -> bool:
     (any M: the op picks per call). The gated norm is matched by its row width (head_dim), as the
     op serves either row layout."""
     from tunekit import ops
-    from tunekit.dispatch.state import DTYPE_NAMES
 
     weight = getattr(module, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dtype not in DTYPE_NAMES:
+    if not isinstance(weight, torch.Tensor) or weight.dtype not in ops.DTYPE_NAMES:
         return False
     dtype, device = ops.dtype_name(weight.dtype), str(weight.device)
     if route == "linear":

@@ -236,9 +236,11 @@ def _range_pass(base: type, get_pass_context: Callable[[], Any]) -> Any:
             if self._uuid is None:
                 import inspect
 
-                from tunekit.dispatch import elementwise
-
-                sources = (inspect.getsource(obj) for obj in (graph_routes, elementwise, _range_pass))
+                # the stock compositions' own modules (tunekit's: torch's is in vLLM's key already)
+                modules = {inspect.getmodule(fn) for fn, _ in graph_routes.COMPOSITIONS.values()}
+                stock = sorted((m for m in modules if m is not None and m.__name__.startswith("tunekit.")),
+                               key=lambda m: m.__name__)
+                sources = (inspect.getsource(obj) for obj in (graph_routes, *stock, _range_pass))
                 self._uuid = base.hash_dict({"source": base.hash_source(*sources),
                                              "tables": tables_digest() + load_outcome()})
             return self._uuid

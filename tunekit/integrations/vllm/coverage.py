@@ -59,9 +59,7 @@ def _sync_tp() -> None:
         size = parallel_state.get_tensor_model_parallel_world_size()
     except Exception:  # noqa: BLE001 - no parallel state to ask: TP unknown, tables serve as they record
         return
-    from tunekit.dispatch.tables import set_tensor_parallel
-
-    set_tensor_parallel(int(size))
+    _ops().set_tensor_parallel(int(size))
     _TP_KNOWN[0] = True
 
 
@@ -70,13 +68,10 @@ def _covers_impl(op: str, dtype: str, n: int | None, k: int, device: str) -> boo
     ops = _ops()
     if ops.covers(op, dtype, n, k, device):
         return True
-    if n is not None:
-        from tunekit.dispatch import markers, tables
-
-        if tables.other_tp(op, dtype, n, k, device) is not None:
-            # a table holds the layer's shape but was tuned for another TP size: the layer keeps vLLM's
-            # code, and the markers say why (per call when eager, once per trace when compiled)
-            markers.count_layer(op, dtype, f"{n}x{k}", 0, "fallback:tp_mismatch", LAYER_VENDOR)
+    if n is not None and ops.other_tp(op, dtype, n, k, device) is not None:
+        # a table holds the layer's shape but was tuned for another TP size: the layer keeps vLLM's
+        # code, and the markers say why (per call when eager, once per trace when compiled)
+        ops.count_layer(op, dtype, f"{n}x{k}", 0, "fallback:tp_mismatch", LAYER_VENDOR)
     return False
 
 

@@ -277,8 +277,7 @@ def check_fold(plan: FoldPlan, weights: list[torch.Tensor], joined: bool = False
     """The worst of ``rms_gemv`` on each folded weight against the unfolded sequence on its consumer's
     weight (``raws``: the weights folded, default the consumers' own; ``fold_check.check_norm_fold``), and,
     ``joined``, on the weights joined as the merge step lays them out where the tables hold that shape."""
-    from tunekit.dispatch.state import dtype_name
-    from tunekit.dispatch.tables import covers
+    from tunekit.ops import covers, dtype_name
 
     gain = plan.norm.weight.detach()
     raws = raws if raws is not None else [c.weight.detach() for c in plan.consumers]

@@ -152,7 +152,7 @@ def _folded_gemm(impl: Callable[..., Any], layer: torch.nn.Module, x: torch.Tens
     if coverage.covered("rms_gemv", x, n, k) and not coverage.eager_above_tables("rms_gemv", x, n, k):
         y = torch.ops.tunekit.rms_gemv(x, weight, eps)
         return y if bias is None else y + bias
-    from tunekit.dispatch.fused_gemv import unweighted_rms_norm
+    from tunekit.ops import unweighted_rms_norm
 
     return impl(layer, unweighted_rms_norm(x, eps), weight, bias)
 

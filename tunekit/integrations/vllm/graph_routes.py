@@ -51,7 +51,7 @@ import torch
 from torch import fx
 
 from tunekit import ops
-from tunekit.dispatch.state import DTYPE_NAMES, NAMESPACE
+from tunekit.ops import DTYPE_NAMES, NAMESPACE
 
 
 def _shape(value: Any) -> tuple[int, ...] | None:

@@ -77,8 +77,7 @@ def merge_pays(op: str, weight: torch.Tensor, rows: list[int]) -> bool:
     GEMVs: the joined shape needs an entry; a part without one counts 0 us (the vendor part is never
     the merge's excuse), except a folded part (``rms_gemv``): without an entry it could only run the
     norm and vLLM's GEMM, so the joined entry is its one tuned path."""
-    from tunekit.dispatch.state import dtype_name
-    from tunekit.dispatch.tables import served_entry
+    from tunekit.ops import dtype_name, served_entry
 
     dtype, device, k = dtype_name(weight.dtype), str(weight.device), weight.shape[1]
     entry = served_entry(op, dtype, 1, sum(rows), k, device)

@@ -218,7 +218,7 @@ def _shapes(rec: Folded) -> list[tuple[int, int]]:
 
 
 def _refold(rec: Folded, why: str, counts: dict[str, int]) -> None:
-    from tunekit.dispatch.state import dtype_name
+    from tunekit.ops import dtype_name
 
     plan = rec.plan
     gain = plan.norm.weight.detach()

@@ -55,7 +55,7 @@ class AddReport:
 
 def add_key(weight: torch.Tensor) -> tuple[str, str, int, int, str]:
     """The ``gemv_add`` key of a linear's weight: (op, dtype, N, K, device)."""
-    from tunekit.dispatch.state import dtype_name
+    from tunekit.ops import dtype_name
 
     n, k = weight.shape
     return ("gemv_add", dtype_name(weight.dtype), int(n), int(k), str(weight.device))
@@ -64,7 +64,7 @@ def add_key(weight: torch.Tensor) -> tuple[str, str, int, int, str]:
 def residual_add_linears(model: nn.Module, honours: Callable[[nn.Module], bool]) -> list[tuple[str, nn.Module]]:
     """(path, linear) of every linear the compile pass could route to ``gemv_add``: unquantized, a 2-D weight,
     GEMM through tunekit's route (``honours``), its (gemv_add, dtype, N, K) covered by a table."""
-    from tunekit.dispatch.tables import covers
+    from tunekit.ops import covers
 
     found = []
     for name, module in model.named_modules():
