@@ -311,3 +311,52 @@ def test_nothing_folds_without_rms_gemv_entries_or_with_the_switch_off(plugin, c
     done, why = vllm_load.install_fold()
     assert not done and "TUNEKIT_FOLD_NORMS=0" in why
     assert os.environ.get("TUNEKIT_FOLD_NORMS") == "0"
+
+
+def test_the_fold_and_the_epilogue_follow_the_tables_measured_decision(plugin, compile_ranges, monkeypatch) -> None:
+    """A table whose entries would pay for every fold, but whose fusions section (the search's same-run
+    measurement) decided against the attention input norm's fold and the o_proj epilogue: those stay a norm and
+    an add, the MLP norms fold; the plugin's report gives one line per decided group."""
+    import json
+
+    from vllm.config import set_current_vllm_config
+
+    from tunekit import table as table_mod
+    from tunekit.table_fusions import FusionGroup, Measured, record
+
+    def decided(family: str, norm: str | None, n: int, k: int, fuse: bool) -> tuple[str, dict]:
+        group = FusionGroup(family, "bf16", ((n, k),), norm)
+        return group.key, record(group, {4: Measured(1.0, 2.0) if fuse else Measured(2.0, 1.0)})
+
+    config = compile_ranges(_entries(True))
+    path = Path(os.environ["TUNEKIT_TABLE"])
+    table = json.loads(path.read_text())
+    table["fusions"] = dict([decided("rms_gemv", "rms_norm", Q, H, False),
+                             decided("rms_gemv", "rms_norm", 2 * INTER, H, True),
+                             decided("gemv_add", None, H, Q, False), decided("gemv_add", None, H, INTER, True)])
+    table_mod.save(table, path)
+    from tunekit import ops
+
+    ops.load_tables(str(path))
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(3)).bfloat16()
+    with set_current_vllm_config(config):
+        torch.manual_seed(0)
+        model = _model_class()(vllm_config=config)
+        for name, p in model.named_parameters():
+            p.data.normal_(1.0 if name.endswith("layernorm.weight") or name == "norm.weight" else 0.0, 0.15)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        _load_folded(plugin, monkeypatch, model)
+        model(x)
+        impls = {(op, shape, m): impl for op, shape, m, impl in _impls()}
+    assert vllm_load.FOLDS == {"rms_norm folded": 2, "rms_norm (not fused per the table)": 2}, vllm_load.FOLDS
+    for i in range(2):  # the attention's input norm kept its weights and runs as a norm
+        assert torch.equal(model.layers[i].self_attn.qkv_proj.weight, state[f"layers.{i}.self_attn.qkv_proj.weight"])
+    assert vllm_load.FOLD_REPORT["gemv_add not fused per the table"] == [f"bf16 {H}x{Q}"]
+    lines = vllm_load.FOLD_REPORT["decisions"]
+    assert any(line.startswith(f"not fused: rms_gemv (rms_norm|bf16|{Q}x{H}): slower at M=4") for line in lines), lines
+    assert any(line.startswith(f"fused: rms_gemv (rms_norm|bf16|{2 * INTER}x{H}): faster at M=4") for line in lines)
+    assert impls.get(("rms_gemv", f"{2 * INTER}x{H}", 3)) == "tuned:triton"
+    assert ("rms_gemv", f"{Q}x{H}", 3) not in impls and impls[("gemv", f"{Q}x{H}", 3)] == "tuned:triton"
+    # no residual add is left where gemv_add was decided for (layer 1's input norm is not folded: its add stays
+    # inside the fused-add norm), and o_proj's add after the folded MLP norm stays an add
+    assert not [key for key in impls if key[0] == "gemv_add"], impls
