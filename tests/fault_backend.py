@@ -165,7 +165,7 @@ DRIFT = _AfterCalls("drift")
 
 #: weight.data_ptr() -> the fault of the calls reading it: "gain" (the norm's gain 1% off), "drop_k_block" (the
 #: GEMV's first K block of 64 left out of the sum), "bf16_acc" (the K blocks accumulated in BF16), "no_residual"
-#: (gemv_add without its residual)
+#: (gemv_add, or the fused add + norm, without its residual)
 FAULTS: dict[int, str] = {}
 #: the K block of the reordered sums
 K_BLOCK = 64
@@ -222,9 +222,15 @@ class _Reordered(TritonBackend):
         op = problem.op
 
         def kernel(inputs, out, eps: float = EPS):
-            x, w = inputs[0], inputs[1]
+            x, w = inputs[0], inputs[-1] if op in ("fused_add_rms_norm", "gemma_fused_add_rms_norm") else inputs[1]
             fault = FAULTS.get(w.data_ptr())
-            if op in ("rms_norm", "gemma_rms_norm"):
+            if op in ("fused_add_rms_norm", "gemma_fused_add_rms_norm"):
+                # the residual stream's add, then the norm of the sum (rounded once, as it is stored)
+                summed = (x if fault == "no_residual" else x.float() + inputs[1].float()).to(x.dtype)
+                scale = w.float() + (1.0 if op.startswith("gemma") else 0.0)
+                out[1].copy_(summed)
+                out[0].copy_(summed.float() * _rstd(summed, eps) * scale)
+            elif op in ("rms_norm", "gemma_rms_norm"):
                 g = w.float() * (1.01 if fault == "gain" else 1.0)
                 scale = 1.0 + g if op == "gemma_rms_norm" else g
                 out.copy_(x.float() * _rstd(x, eps) * scale)
@@ -241,7 +247,8 @@ class _Reordered(TritonBackend):
         return kernel
 
 
-#: correct kernels in another order (gemv, rms_gemv, gemv_add, rms_norm, gemma_rms_norm), faults per weight
+#: correct kernels in another order (gemv, rms_gemv, gemv_add, the (Gemma) RMS norms and fused add + norms), faults
+#: per weight
 REORDERED = _Reordered()
 
 

@@ -24,17 +24,18 @@ logprobs per position) and from a patched Hugging Face model (``check_serving.fo
 * ``pass`` otherwise. Without a spread (one process, one batch size) the caps alone judge.
 
 The caps are absolute, per activation dtype (:data:`CAPS_BY_DTYPE`), and come from measurement on the two real
-checkpoints (``tunekit real-weights``) on the CPU, teacher-forced over 16 positions (docs/evidence.md, "The
-agreement verdict"). In BF16 a correct table (another summation order; tunekit's norm, which rounds once where
-Hugging Face's rounds twice; the fold's W diag(g) rounded to BF16) moves max |Δlogprob| by up to 0.39 nats and the
-KL by up to 0.008 (SmolLM2; Gemma 3: 0.24, 0.003), as far as vanilla's own spread across GEMM shapes (0.23-0.25
-nats): logits of 16-64 carry BF16 steps of 0.125-0.25 nats, and 30 layers amplify every rounding. The BF16 caps
-(0.6 nats, KL 0.015) sit 1.5-2x above that; a dropped K block (0.87-0.96 nats) or a dropped residual (7.5-16
-nats) is past them, while one norm gain 1% off in one layer, one layer accumulating in BF16 or one misfolded
-channel (0.19-0.44 nats) is inside BF16's own noise on these models: no cap separates them from a correct
-table there. In fp32 (the same checkpoints upcast) a correct table moves the figures by at most 2.5e-5 nats
-and 3e-11 KL; the fp32 caps (1e-3 nats, KL 1e-6) are 40x above that, and each of those four defects is 13x or
-more past them.
+checkpoints (``tunekit real-weights``) on the CPU, teacher-forced (docs/evidence.md, "The agreement verdict"). In
+BF16 a correct table (another summation order; tunekit's norm and fused add, which round where vLLM's CUDA
+kernels do, not where Hugging Face's or vLLM's native math do; the fold's W diag(g) rounded to BF16) moves max
+|Δlogprob| by up to 0.39 nats and the KL by up to 0.018 (SmolLM2 through tunekit.patch and through vLLM's
+layers; Gemma 3: 0.24, 0.003), as far as vanilla's own spread across GEMM shapes (0.23-0.25 nats): logits of
+16-64 carry BF16 steps of 0.125-0.25 nats, and 18-30 layers amplify every rounding. The BF16 caps (0.55 nats,
+KL 0.03) sit 1.4x / 1.7x above that; a dropped K block in one layer (0.70-0.96 nats) or a dropped residual
+(6.9-16.5 nats) is past them, by its logprobs (a dropped K block's KL, 0.010-0.033, overlaps a correct
+table's), while one norm gain 1% off in one layer, one layer accumulating in BF16 or one misfolded channel
+(0.19-0.44 nats) is inside BF16's own noise on these models: no cap separates them from a correct table there.
+In fp32 (the same checkpoints upcast) a correct table moves the figures by at most 2.5e-5 nats and 3e-11 KL;
+the fp32 caps (1e-3 nats, KL 1e-6) are 40x above that, and each of those four defects is 13x or more past them.
 
 Call protocol::
 
@@ -61,9 +62,9 @@ class Caps:
     """What a correct BF16 kernel may change, at most, in a teacher-forced position (module docstring)."""
 
     #: max |Δlogprob| over the top-K, nats
-    logprob: float = 0.6
+    logprob: float = 0.55
     #: max per-position KL(vanilla || arm), nats
-    kl: float = 0.015
+    kl: float = 0.03
     #: share of positions whose greedy token differs beyond a near tie
     hard_share: float = 0.0
 
@@ -74,8 +75,8 @@ class Caps:
 #: The caps per activation dtype of the model (docs/evidence.md, "The agreement verdict", says how they were
 #: measured). fp16 is not measured: it takes bf16's, which are wider than its three more mantissa bits need.
 CAPS_BY_DTYPE: dict[str, Caps] = {
-    "bf16": Caps(logprob=0.6, kl=0.015),
-    "fp16": Caps(logprob=0.6, kl=0.015),
+    "bf16": Caps(logprob=0.55, kl=0.03),
+    "fp16": Caps(logprob=0.55, kl=0.03),
     "fp32": Caps(logprob=1e-3, kl=1e-6),
 }
 #: The caps of a BF16 model: what serve-bench (BF16 engines) judges with.
