@@ -112,7 +112,7 @@ class _Run:
         self.bar = SimpleNamespace(log=print)
 
 
-def _phase(tmp_path: Path, monkeypatch, costs: dict[str, float], ms=(1, 2)) -> tuple[dict, _Worker]:
+def _phase(tmp_path: Path, monkeypatch, costs: dict[str, float], ms=(1, 2)) -> tuple[dict, _Worker, _Run]:
     monkeypatch.setenv("TUNEKIT_TEST_FUSION_MS", json.dumps(costs))
     monkeypatch.setattr(fusion_phase, "FUSION_REPEATS", 3)
     problems = [Problem(op, "bf16", m, n, K) for m in ms for op, n in (("gemv", N), ("rms_gemv", N), ("rms_norm", K))]
@@ -121,25 +121,35 @@ def _phase(tmp_path: Path, monkeypatch, costs: dict[str, float], ms=(1, 2)) -> t
     run, worker = _Run(tmp_path, problems, rows), _Worker()
     from types import SimpleNamespace
 
-    return fusion_phase.fusion_phase(run, SimpleNamespace(worker=worker)), worker
+    return fusion_phase.fusion_phase(run, SimpleNamespace(worker=worker)), worker, run
 
 
 def test_the_decision_follows_the_same_run_measurement_both_ways(tmp_path: Path, monkeypatch) -> None:
     # rms_gemv 2 ms against the norm's 40 + the GEMV's 40 at M=1 and M=2: fused
-    section, worker = _phase(tmp_path / "a", monkeypatch, {"rms_gemv": 2, "gemv": 40, "rms_norm": 40})
+    section, worker, _ = _phase(tmp_path / "a", monkeypatch, {"rms_gemv": 2, "gemv": 40, "rms_norm": 40})
     rec = section[GROUP.key]
     assert rec["fuse"] and rec["margin"] > 0.3 and set(rec["per_m"]) == {"1", "2"}, rec
     assert rec["per_m"]["1"]["fused"] == [f"rms_gemv 16x32@{COSTED}"]
     assert rec["per_m"]["1"]["unfused"] == [f"rms_norm 32@{COSTED}", f"gemv 16x32@{COSTED}"]
     assert [sorted(t["arms"]) for t in worker.tasks] == [["fused", "unfused"]] * 2  # one session per M
     # the same entries, but rms_gemv 120 ms at M=2: it loses there, so the group is not fused at all
-    section, _ = _phase(tmp_path / "b", monkeypatch, {"rms_gemv": 5, "rms_gemv@2": 120, "gemv": 10, "rms_norm": 10})
+    costs = {"rms_gemv": 5, "rms_gemv@2": 120, "gemv": 10, "rms_norm": 10}
+    section, _, run = _phase(tmp_path / "b", monkeypatch, costs)
     rec = section[GROUP.key]
     assert not rec["fuse"] and rec["margin"] < 0 and rec["why"].startswith("slower at M=2")
     assert rec["per_m"]["1"]["fused_us"] < rec["per_m"]["1"]["unfused_us"]  # M=1 alone would have fused
     # the measurements are kept by the steps they timed: a rerun reads them, export decides again from them
     stored = json.loads((tmp_path / "b" / "fusions.json").read_text())
     assert len(stored["measured"]) == 2 and stored["groups"] == [GROUP.as_dict()]
+    from tunekit.search.finals import final_rows
+
+    rows, device = final_rows(run), run.device
+    table = table_mod.build_table(rows, device, run.probe, 0.0, run.usable)
+    assert fusion_phase.redecide(tmp_path / "b", table, rows, device, run.cfg.problems) == section
+    # another table's steps (here: a norm on the stock path) were never timed: not fused, saying so
+    other = dict(table, entries=[e for e in table["entries"] if e["op"] != "rms_norm"])
+    again = fusion_phase.redecide(tmp_path / "b", other, rows, device, run.cfg.problems)[GROUP.key]
+    assert not again["fuse"] and again["why"].startswith("M=1: not measured with this table's entries")
 
 
 def test_an_m_without_a_fused_entry_counts_against_the_group_untimed(tmp_path: Path, monkeypatch) -> None:

@@ -134,7 +134,7 @@ class Planner:
 
 
 def _cache_key(fused: list[Step], unfused: list[Step]) -> str:
-    return json.dumps({"fused": fused, "unfused": unfused, "repeats": FUSION_REPEATS}, sort_keys=True)
+    return json.dumps({"fused": fused, "unfused": unfused}, sort_keys=True)
 
 
 def _read(run_dir: Path) -> dict[str, Any]:
