@@ -39,7 +39,7 @@ from tunekit import backends as backend_registry
 from tunekit import table as table_mod
 from tunekit.problems.shapes import Problem
 from tunekit.search.stops import STOPS
-from tunekit.table_fusions import NORM_FORMS, FusionGroup, Measured, record
+from tunekit.table_fusions import NORM_FORMS, FusionGroup, Measured, describe, record
 
 FUSIONS_FILE = "fusions.json"
 FORMAT = "tunekit.fusions/1"
@@ -203,8 +203,14 @@ def fusion_phase(run: Any, ctx: Any) -> dict[str, Any]:
             _write(cfg.out_dir, run.stamp, keep, measured)
         return Measured(measured[key]["fused"], measured[key]["unfused"])
 
-    section = decide_all(groups, group_ms(cfg.problems), Planner(table, rows, run.device), measure)
+    ms = group_ms(cfg.problems)
+    if groups:
+        run.bar.log(f"fusions: {len(groups)} layer group(s) at M={','.join(map(str, ms))}, each fused sequence timed "
+                    "against the unfused one serving would run")
+    section = decide_all(groups, ms, Planner(table, rows, run.device), measure)
     _write(cfg.out_dir, run.stamp, keep, measured)
+    for key, rec in section.items():
+        run.bar.log(f"fusions: {describe(key, rec)}")
     return section
 
 
