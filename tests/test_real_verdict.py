@@ -130,3 +130,26 @@ def test_in_fp32_the_correct_table_passes_and_every_defect_fails(name: str, tmp_
         figures[defect.__name__] = (doc["verdict"], doc["max_abs_logprob_diff"], doc["kl_max"])
     assert all(v == "fail" for v, _, _ in figures.values()), figures
     assert all(lp > 5 * caps.logprob for _, lp, _ in figures.values()), figures
+
+
+def test_the_checkpoint_goes_through_the_users_paths(tmp_path: Path) -> None:
+    """A built checkpoint is a user's model folder: ``shapes --config DIR`` lists its problems and
+    ``serve-bench --model-dir DIR`` takes it (its own weights, judged teacher-forced)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tunekit.evidence.serve_bench.settings import build_settings
+
+    folder = rc.checkpoint("smollm2")
+    stamp = json.loads((folder / "tunekit-real.json").read_text())
+    assert stamp["architecture"] == "LlamaForCausalLM" and stamp["layers"] == 30 and stamp["dtype"] == "bfloat16"
+    res = subprocess.run([sys.executable, "-m", "tunekit", "shapes", "--config", str(folder)], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert res.returncode == 0, res.stderr
+    for shape in ("960", "3072", "49152"):  # qkv_proj, gate_up_proj, lm_head (vLLM's merged shapes)
+        assert shape in res.stdout
+    table = rc.table_for(rc.load("smollm2"), tmp_path / "table.json")
+    s = build_settings(None, None, [table], [1], model_dir=str(folder))
+    assert s.weights == "checkpoint" and s.engine(tmp_path)["load_format"] == "auto"
