@@ -400,8 +400,8 @@ def test_ops_exposes_its_documented_api() -> None:
                                 "write_dispatch_log"}
     for name in ops.__all__:
         value = getattr(ops, name)
-        if name.isupper():  # the vocabularies: DEFAULT_VENDOR, EAGER_VENDORS, FALLBACK_REASONS
-            assert isinstance(value, (str, dict)) and value, name
+        if name.isupper():  # the vocabularies and constants: DEFAULT_VENDOR, FALLBACK_REASONS, DEFAULT_EPS ...
+            assert isinstance(value, (str, dict, float)) and value, name
         else:
             assert callable(value), name
     for op in ("gemv", "rms_norm", "gemma_rms_norm", "fused_add_rms_norm", "gemma_fused_add_rms_norm",

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import random
 import time
 from pathlib import Path
@@ -277,9 +276,11 @@ def test_ten_thousand_hostile_documents_load_and_serve_right_or_are_refused_in_o
 
 # ----------------------------------------------------------------------------- a 100,000-entry table
 
-#: seconds to load a 100,000-entry table (39 MB) and serve its first call, measured on the development machine
-#: (2 cores shared with other work) at 3.6-4.8 s (docs/serving.md states it); the test allows this multiple of it
-BIG_ENTRIES, BIG_MEASURED_S, BIG_MARGIN = 100_000, 4.8, 5
+#: CPU seconds to load a 100,000-entry table (39 MB) and serve its first call, measured on the development machine
+#: (2 cores shared with other work) at 0.80-0.86 s: parsing the JSON ~0.46, validating ~0.27, the index ~0.13-0.27
+#: (docs/serving.md states it); the test allows this multiple of it. The wall clock there, a loaded machine's
+#: (load averages of 25 on the 2 cores were seen), stretched the same work to 3-10 s: it is bounded loosely.
+BIG_ENTRIES, BIG_MEASURED_CPU_S, BIG_MARGIN, BIG_WALL_S = 100_000, 0.86, 3, 24
 
 
 def test_a_100000_entry_table_loads_and_serves_within_the_stated_time(tmp_path: Path) -> None:
@@ -293,15 +294,17 @@ def test_a_100000_entry_table_loads_and_serves_within_the_stated_time(tmp_path: 
     path = tmp_path / "big.json"
     path.write_text(json.dumps(table))
     x = torch.randn(1, 64).bfloat16()
-    # the first N: every lookup scans all the entries anyway, and a small GEMV keeps the interpreter's
-    # launch (one program per 4 rows) out of the figure
+    # a small GEMV keeps the interpreter's launch (one program per 4 rows) out of the figure
     w = torch.randn(16, 64).bfloat16()
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     loaded = ops.load_tables(str(path))
     y = torch.ops.tunekit.gemv(x, w, None)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - start_cpu
     assert loaded[0]["entries"] == BIG_ENTRIES and "error" not in loaded[0]
     assert ops.dispatch_stats()[0]["impl"] == "tuned:triton"
     assert canary.mismatch(opspec.get("gemv"), Problem("gemv", "bf16", 1, w.shape[0], 64), (x, w), y) is None
-    assert seconds < BIG_MEASURED_S * BIG_MARGIN, f"{seconds:.1f} s"
-    assert math.isfinite(seconds)
+    assert cpu < BIG_MEASURED_CPU_S * BIG_MARGIN, f"{cpu:.2f} s of CPU"
+    assert seconds < BIG_WALL_S, f"{seconds:.1f} s"
+    # every key's lookup is one dict access and a bisection of its Ms: the last key costs what the first does
+    index = ops.serving_table("cpu")
+    assert index.size == BIG_ENTRIES and index.lookup("gemv", "bf16", 3, 16 + (BIG_ENTRIES - 1) // 4, 64)["m"] == 4

@@ -190,5 +190,5 @@ def test_the_serving_api_check_can_fail():
             "from tunekit.ops import covers, _private\nfrom tunekit import ops, dispatch\nops.covers\nops.STATE\n"
             "_ops().largest_m\n_ops()._cache\n")
     assert [what for _, what in _serving_imports(text, {"covers", "largest_m"})] == [
-        "from tunekit.dispatch.state import STATE", "import tunekit.dispatch.tables", "from tunekit.ops import _private",
-        "from tunekit import dispatch", "ops.STATE", "ops._cache"]
+        "from tunekit.dispatch.state import STATE", "import tunekit.dispatch.tables",
+        "from tunekit.ops import _private", "from tunekit import dispatch", "ops.STATE", "ops._cache"]

@@ -12,7 +12,7 @@ import pytest
 import search_spaces
 from tunekit import backends
 from tunekit.backends import hip_elementwise, vendor
-from tunekit.problems import opspec, oprecords, shapes
+from tunekit.problems import oprecords, opspec, shapes
 
 RECORDS = list(oprecords.RECORDS.values())
 

@@ -10,14 +10,14 @@ import json
 from pathlib import Path
 
 import pytest
-import toy_op
 import torch
+import toy_op
 
 from tunekit import backends, ops
 from tunekit import table as table_mod
 from tunekit.measure import verify
 from tunekit.measure.device import detect
-from tunekit.problems import opspec, oprecords
+from tunekit.problems import oprecords, opspec
 from tunekit.problems.shapes import Problem
 
 pytestmark = pytest.mark.usefixtures("clean_ops")

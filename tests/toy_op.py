@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tunekit.problems.opspec_base import TINY, UNIT_ROUNDOFF, OpSpec, scaled_randn
 from tunekit.problems.oprecords import OpRecord
+from tunekit.problems.opspec_base import TINY, UNIT_ROUNDOFF, OpSpec, scaled_randn
 
 OP = "toy_scale"
 OPS = (OP,)

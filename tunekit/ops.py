@@ -75,8 +75,8 @@ an ``eps`` parameter serves only ``eps == DEFAULT_EPS``; the Triton and HIP
 kernels take any (Llama-3.1's 1e-5 as well). Their vendor path is
 the kernel an integration installed with :func:`set_vendor_elementwise` (the
 vLLM plugin: vLLM's own CUDA / Triton kernels); where none is installed for
-the op and device, tunekit's own Triton kernel at the search space's default
-config (``search_spaces/<op>.toml``, valid for every M), built and cached per
+the op and device, tunekit's own Triton kernel at its default config (the
+kernel module's ``DEFAULT``, the search space's default; valid for every M), built and cached per
 key as a tuned entry is (``vendor: "tunekit:triton-default"``, see
 ``tunekit.dispatch.elementwise_fallback._ew_default``); else, or where that cannot serve, the PyTorch math of
 vLLM's native implementations (``vllm.ir.ops.rms_norm`` ...), rounding where
@@ -99,6 +99,7 @@ from tunekit.dispatch.elementwise import EagerNorm, serve_elementwise
 from tunekit.dispatch.fused_gemv import unweighted_rms_norm
 from tunekit.dispatch.fusions import add_decision, fold_decision
 from tunekit.dispatch.gemv import EagerLinear, gemv
+from tunekit.dispatch.index import TABLE_ENV, TableIndex, table_paths
 from tunekit.dispatch.log import dispatch_log, write_dispatch_log
 from tunekit.dispatch.markers import count_layer, dispatch_stats, maybe_register_atexit, reset_stats, uncounted
 from tunekit.dispatch.registry import impl, register, stock
@@ -112,18 +113,19 @@ from tunekit.dispatch.state import (
     LOG_ENV,
     NAMESPACE,
     STATS_FORMAT,
-    TABLE_ENV,
     dtype_name,
 )
 from tunekit.dispatch.tables import (
     covers,
     holds,
+    host_index,
     largest_m,
     largest_rows,
     load_tables,
     loaded_tables,
     other_tp,
     served_entry,
+    serving_table,
     set_tensor_parallel,
     tabulated_ms,
 )
@@ -142,9 +144,9 @@ __all__ = [
     # constants and vocabulary
     "DEFAULT_EPS", "DEFAULT_VENDOR", "DTYPE_NAMES", "EAGER_VENDORS", "ELEMENTWISE_SCHEMAS", "FALLBACK_REASONS",
     "LOG_ENV", "NAMESPACE", "STATS_FORMAT", "TABLE_ENV", "dtype_name",
-    # the tables: load, what they cover, the entry for a call, TP
-    "covers", "holds", "largest_m", "largest_rows", "load_tables", "loaded_tables", "other_tp", "served_entry",
-    "set_tensor_parallel", "tabulated_ms",
+    # the tables: TUNEKIT_TABLE's paths, load, the index per device and TP, what it covers, the entry for a call
+    "TableIndex", "covers", "holds", "host_index", "largest_m", "largest_rows", "load_tables", "loaded_tables",
+    "other_tp", "served_entry", "serving_table", "set_tensor_parallel", "table_paths", "tabulated_ms",
     # the registered ops: define, their impls and stock compositions, eager callers, a serving body
     "EagerLinear", "EagerNorm", "gemv", "impl", "register", "serve_elementwise", "stock", "unweighted_rms_norm",
     # decisions of the load step

@@ -244,6 +244,14 @@ class HipBackend:
         self._check_op(problem.op)
         return search_spaces.load(problem.op, self.name)
 
+    def serving_space(self, problem: Problem) -> SearchSpace:
+        """The names serving checks an entry's params against, each an integer define (the kernel's own list,
+        Python next to its predicate, not the search-time TOML); no default config (HIP serves no fallback)."""
+        self._check_op(problem.op)
+        names = GEMV_PARAMS if problem.op == "gemv" else FAMILIES[problem.op].params
+        return SearchSpace(op=problem.op, backend=self.name, domains={name: [0] for name in names}, default={},
+                           reference={})
+
     def invalid_reason(self, problem: Problem, params: Params) -> str | None:
         if problem.op not in self.ops:
             return f"hip backend has no kernel for op {problem.op!r}"

@@ -57,6 +57,17 @@ class TritonBackend:
     def space(self, problem: Problem) -> SearchSpace:
         return search_spaces.load(problem.op, self.name)
 
+    def serving_space(self, problem: Problem) -> SearchSpace:
+        """What serving checks an entry's params against and builds a fallback's default config from: the
+        kernel module's ``DEFAULT`` config (its names, their types, its values: Python next to the kernel; for
+        the elementwise ops, whose fallbacks it serves, equal to the search space's default and fixed values,
+        ``tests/test_table_index.py``), so serving reads no search-time TOML; a kernel module without one (a
+        plug-in op's) its search space."""
+        default = getattr(self._module(problem.op), "DEFAULT", None)
+        if default is None or not hasattr(default, "as_params"):
+            return self.space(problem)
+        return SearchSpace(op=problem.op, backend=self.name, domains={}, default=default.as_params(), reference={})
+
     @staticmethod
     def _config_class(module, op: str):
         return module.GemvConfig if op == "gemv" else module.Config

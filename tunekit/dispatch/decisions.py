@@ -33,18 +33,15 @@ def resolve(op: str, dtype: str, m: int, n: int, k: int, device: torch.device, c
         choice = STATE.choices.get(key)
     if choice is not None:
         return choice
-    merged, reason = tables_for(device, dev_key)
-    if merged is None:
+    index, reason = tables_for(device, dev_key)
+    if index is None:
         choice = Choice(f"fallback:{reason}")
     else:
-        entry = table_mod.lookup(merged, op, dtype, m, n, k)
+        entry = index.lookup(op, dtype, m, n, k)
         if entry is None:
-            tabulated = any(
-                e["op"] == op and e["dtype"] == dtype and e["n"] == n and e["k"] == k for e in merged["entries"]
-            )
-            if tabulated:
+            if index.ms(op, dtype, n, k):
                 choice = Choice("fallback:m_above_table")
-            elif (op, dtype, n, k) in merged.get("other_tp", ()):
+            elif (op, dtype, n, k) in index.other_tp:
                 choice = Choice("fallback:tp_mismatch")  # held by a table of another TP size only
             else:
                 choice = Choice("fallback:no_entry")
@@ -53,7 +50,7 @@ def resolve(op: str, dtype: str, m: int, n: int, k: int, device: torch.device, c
             # the vendor path for this size; the next eager call builds it.
             return Choice("fallback:not_built_at_capture", entry=entry)
         else:
-            choice = _build(op, dtype, m, n, k, entry, merged["device"])
+            choice = _build(op, dtype, m, n, k, entry, index.device)
     with STATE.lock:
         STATE.choices.setdefault(key, choice)
         return STATE.choices[key]
@@ -73,7 +70,8 @@ def _build(op: str, dtype: str, m: int, n: int, k: int, entry: dict[str, Any], d
             return Choice("fallback:backend_unavailable", entry=entry)
         # Never build what the kernel's own predicate refuses (a hostile or hand-edited table: params of
         # the wrong names or types, or past the predicate's edge), whatever the backend's build checks.
-        refused = table_mod.params_problem(backend, name, Problem(op, dtype, entry["m"], n, k), entry["params"],
+        refused = table_mod.params_problem(_Served(backend) if hasattr(backend, "serving_space") else backend,
+                                           name, Problem(op, dtype, entry["m"], n, k), entry["params"],
                                            need_space=False)
         if refused is not None:
             raise ValueError(refused)
@@ -104,6 +102,20 @@ def _build(op: str, dtype: str, m: int, n: int, k: int, entry: dict[str, Any], d
                   op, dtype, m, n, k, name, exc)
         return Choice("fallback:build_error", entry=entry)
     return Choice(f"tuned:{name}", kernel=kernel, entry=entry, takes_eps=takes_eps)
+
+
+class _Served:
+    """A backend as serving checks an entry: the names and types of its ``serving_space`` (the kernel's own,
+    no search-time file), then its kernel's predicate."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+
+    def space(self, problem: Any) -> Any:
+        return self.backend.serving_space(problem)
+
+    def invalid_reason(self, problem: Any, params: dict[str, Any]) -> str | None:
+        return self.backend.invalid_reason(problem, params)
 
 
 def kernel_takes_eps(kernel: Callable[..., Any]) -> bool:

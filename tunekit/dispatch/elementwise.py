@@ -23,7 +23,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tunekit import table as table_mod
 from tunekit.dispatch import launch
 from tunekit.dispatch.decisions import _stream_capturing, is_capturing, mark_broken
 from tunekit.dispatch.elementwise_fallback import _ew_default, _ew_vendor
@@ -361,13 +360,11 @@ def _gated_layout(dtype: str, m: int, n: int, k: int, device: torch.device) -> t
     if layout is not None:
         return layout
     layout = (m, n)
-    merged, _ = tables_for(device, str(device))
-    if merged is not None and table_mod.lookup(merged, "gated_rms_norm", dtype, m, n, k) is None:
-        widths = sorted({e["n"] for e in merged["entries"]
-                         if e["op"] == "gated_rms_norm" and e["dtype"] == dtype and e["k"] == k and e["n"] != n
-                         and e["n"] % k == 0 and (m * n) % e["n"] == 0})
+    index, _ = tables_for(device, str(device))
+    if index is not None and index.lookup("gated_rms_norm", dtype, m, n, k) is None:
+        widths = [w for w in index.widths("gated_rms_norm", dtype, k) if w != n and w % k == 0 and (m * n) % w == 0]
         for width in widths:
-            if table_mod.lookup(merged, "gated_rms_norm", dtype, m * n // width, width, k) is not None:
+            if index.lookup("gated_rms_norm", dtype, m * n // width, width, k) is not None:
                 layout = (m * n // width, width)
                 break
     with STATE.lock:

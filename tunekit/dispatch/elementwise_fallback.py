@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -97,8 +97,9 @@ def _ew_default(op: str, dtype: str, m: int, n: int, k: int, x: torch.Tensor, ca
 
     The config is that of the table's Triton entry for the same shape at
     the nearest M (:func:`_nearest_config`) where one exists and runs this
-    M, else the op's default (``search_spaces/<op>.toml``'s ``default``,
-    with its ``fixed`` numerics switches, as the search enqueues it first).
+    M, else the op's default (the kernel module's ``DEFAULT`` config: the
+    search space's ``default`` with its ``fixed`` numerics switches, as the
+    search enqueues it first; ``TritonBackend.serving_space``, no TOML read).
     Either serves any M the table lacks in one launch, where the
     composition takes several. Its numerics are those of the tuned kernels
     of the family (``VLLM_ROUNDING=1``): within the op's BF16 error bound of
@@ -123,8 +124,8 @@ def _ew_default(op: str, dtype: str, m: int, n: int, k: int, x: torch.Tensor, ca
         if capturing:
             # Never compile or load a module inside a capture (as for tuned entries); not cached,
             # so the next eager call builds it.
-            merged, _ = tables_for(device, str(device))
-            return None, (None if merged is None else "eager:default_not_built_at_capture")
+            index, _ = tables_for(device, str(device))
+            return None, (None if index is None else "eager:default_not_built_at_capture")
         dk = _build_default(op, dtype, m, n, k, device)
         with STATE.lock:
             dk = STATE.defaults.setdefault(key, dk)
@@ -171,7 +172,7 @@ def _launch_default(route: _EwRoute, dk: DefaultKernel, inputs: tuple[torch.Tens
     route.drun(inputs, out)
 
 
-def _nearest_config(entries: list[dict[str, Any]], op: str, dtype: str, m: int, n: int, k: int,
+def _nearest_config(entries: Iterable[dict[str, Any]], op: str, dtype: str, m: int, n: int, k: int,
                     backend: str) -> dict[str, Any] | None:
     """The params of the table's ``backend`` entry for (op, dtype, N, K) at the M nearest ``m`` (the
     largest M below it first), or None.
@@ -194,8 +195,8 @@ def _nearest_config(entries: list[dict[str, Any]], op: str, dtype: str, m: int, 
 
 def _build_default(op: str, dtype: str, m: int, n: int, k: int, device: torch.device) -> DefaultKernel:
     """Build the default-config kernel of one key (slow path: once per key). Never raises."""
-    merged, _ = tables_for(device, str(device))
-    if merged is None:
+    index, _ = tables_for(device, str(device))
+    if index is None:
         # No table serves this device (none loaded, or tuned for another one, or Triton's
         # interpreter mode does not match the tensors): tunekit is not serving here at all.
         return DefaultKernel(None)
@@ -204,7 +205,7 @@ def _build_default(op: str, dtype: str, m: int, n: int, k: int, device: torch.de
     from tunekit import backends
     from tunekit.problems.shapes import Problem
 
-    info = merged["device"]
+    info = index.device
     name = _DEFAULT_BACKEND
     try:
         backend = backends.get(name)
@@ -215,11 +216,12 @@ def _build_default(op: str, dtype: str, m: int, n: int, k: int, device: torch.de
                       "for its fallbacks", op, name, why)
             return DefaultKernel(None, "eager:default_unavailable")
         problem = Problem(op, dtype, m, n, k)
-        space = backend.space(problem)
+        # the kernel's own default (Python next to it, the search space's default and fixed values): no TOML read
+        space = backend.serving_space(problem) if hasattr(backend, "serving_space") else backend.space(problem)
         params = dict(space.fixed) | dict(space.default)  # as the search enqueues the default
-        tuned = _nearest_config(merged["entries"], op, dtype, m, n, k, name)
+        tuned = _nearest_config(index.entries_of(op, dtype, n, k), op, dtype, m, n, k, name)
         if tuned is not None:
-            candidate = dict(space.fixed) | tuned
+            candidate = params | tuned  # the default fills what the entry does not name (its fixed switches)
             if backend.invalid_reason(problem, candidate) is None:
                 params = candidate
         invalid = backend.invalid_reason(problem, params)

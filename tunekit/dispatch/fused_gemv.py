@@ -46,6 +46,7 @@ from tunekit.dispatch.gemv import _static_reason, gemv_impl
 from tunekit.dispatch.markers import count, counter
 from tunekit.dispatch.state import DEFAULT_EPS, DTYPE_NAMES, STATE, dtype_name
 
+
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) in fp32, rounded to x's dtype: the norm a folded weight (W diag(g)) still needs.
     Plain torch ops, so autograd flows through it too."""

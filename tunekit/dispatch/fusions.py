@@ -57,13 +57,13 @@ def _decided(key: str, device: str) -> tuple[dict | None, str]:
     some served table has no ``fusions`` section)."""
     from tunekit.dispatch.tables import serving_table
 
-    merged = serving_table(device)
-    if merged is None:
+    index = serving_table(device)
+    if index is None:
         return None, "no table serves this device"
-    record = merged.get("fusions", {}).get(key)
+    record = index.fusions.get(key)
     if record is not None:
         return record, ""
-    if merged.get("unmeasured"):
+    if index.unmeasured:
         return None, "older"
     return None, "no served table measured this group (its search did not list it)"
 
@@ -72,7 +72,8 @@ def _notice(device: str) -> str | None:
     """Once per load: which served tables have no ``fusions`` section, and what that means."""
     from tunekit.dispatch.tables import serving_table
 
-    unmeasured = (serving_table(device) or {}).get("unmeasured", [])
+    index = serving_table(device)
+    unmeasured = index.unmeasured if index is not None else ()
     if not unmeasured or not _first("older tables"):
         return None
     return (f"{', '.join(unmeasured)} {'has' if len(unmeasured) == 1 else 'have'} no fusions section (written "

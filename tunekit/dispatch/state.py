@@ -26,7 +26,6 @@ from tunekit.problems import oprecords
 logger = logging.getLogger("tunekit.ops")
 
 NAMESPACE = "tunekit"
-TABLE_ENV = "TUNEKIT_TABLE"
 LOG_ENV = "TUNEKIT_DISPATCH_LOG"
 STATS_FORMAT = "tunekit.dispatch_stats/1"
 
@@ -162,8 +161,9 @@ class State:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.tables: list[LoadedTable] | None = None  # None: not loaded yet (TUNEKIT_TABLE read lazily)
-        #: device key ("cuda:0", "cpu") -> (merged table of the matching tables, verdict)
-        self.device_tables: dict[str, tuple[dict[str, Any] | None, str | None]] = {}
+        #: device key ("cuda:0", "cpu") -> (the index of the tables serving it at this TP size, or None and
+        #: the fallback reason): ``tunekit.dispatch.tables.tables_for``, cleared on a load or a TP change
+        self.device_tables: dict[str, tuple[Any, str | None]] = {}
         #: (op, dtype, m, n, k, device key) -> Choice
         self.choices: dict[tuple, Choice] = {}
         #: bumped (under ``lock``) whenever a cached choice or the vendor hook may change: a table
@@ -187,11 +187,6 @@ class State:
         #: elementwise ops whose installed vendor kernel the engine itself would not run in this process
         #: (``set_engine_runs_vendor``): their fallbacks try tunekit's default-config kernel first
         self.vendor_off_engine_path: set[str] = set()
-        #: (op, dtype, n, k, device, "m" | "rows") -> the largest tabulated M (or M x N / K rows), 0 for
-        #: none (the cache of tables.largest_m, largest_rows and covers); (..., "other_tp") -> the TP size of
-        #: a table that holds the key for another TP, 0 for none (tables.other_tp); cleared with the tables
-        #: and on a TP change
-        self.largest: dict[tuple, int] = {}
         #: (op, dtype, m, n, k, device key) -> the default-config kernel serving fallbacks that have no
         #: vendor kernel (or why none does); cleared with the tables
         self.defaults: dict[tuple, DefaultKernel] = {}

@@ -1,14 +1,18 @@
-"""The dispatch tables being served: loading, the per-device environment check, the merged table.
+"""The dispatch tables being served: loading, and per device one index of what serves it.
 
 Call protocol: :func:`load_tables` replaces the served tables (``None``
-reads ``TUNEKIT_TABLE``; the first use of any table loads it lazily), and
-forgets every cached decision. :func:`tables_for` gives, per device, the
-merged table of the loaded tables whose environment stamp matches that
-device (first path wins a duplicate key), or the fallback reason when none
-does; it is cached per device key in ``STATE.device_tables``.
-:func:`covers` and :func:`served_entry` answer integrations that decide
-per layer or per call site before entering a tunekit op. Nothing here
-raises for a broken table: it is logged once and served as absent.
+reads ``TUNEKIT_TABLE``, through ``index.table_paths``, its one reader; the
+first use of any table loads it lazily), and forgets every cached decision.
+:func:`tables_for` gives, per device, the :class:`~tunekit.dispatch.index.TableIndex`
+of the loaded tables whose environment stamp and TP size match (first path
+wins a duplicate key), or the fallback reason when none does; it is built
+once per device key and TP size (cached in ``STATE.device_tables``, cleared
+on a load or a TP change). :func:`covers`, :func:`largest_m`,
+:func:`served_entry` ... answer integrations that decide per layer or per
+call site before entering a tunekit op, from that same index; :func:`host_index`
+is the index a caller that must not touch the GPU reads (the vLLM plugin's
+compile ranges). Nothing here raises for a broken table: it is logged once
+and served as absent.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ from typing import Any
 import torch
 
 from tunekit import table as table_mod
+from tunekit.dispatch import index as index_mod
+from tunekit.dispatch.index import TableIndex, table_paths
 from tunekit.dispatch.markers import maybe_register_atexit
-from tunekit.dispatch.state import STATE, TABLE_ENV, LoadedTable, log_once
+from tunekit.dispatch.state import STATE, LoadedTable, log_once
 
 
 def load_tables(paths: str | os.PathLike | Sequence[str | os.PathLike] | None) -> list[dict[str, Any]]:
@@ -33,16 +39,15 @@ def load_tables(paths: str | os.PathLike | Sequence[str | os.PathLike] | None) -
     and served as absent (``fallback:table_error``); this function itself
     never raises. Returns :func:`loaded_tables`.
     """
-    if paths is None:
-        paths = os.environ.get(TABLE_ENV, "")
-    if isinstance(paths, (str, os.PathLike)):
-        parts = [p for p in str(paths).split(os.pathsep) if p.strip()]
+    if paths is None or isinstance(paths, (str, os.PathLike)):
+        parts = table_paths(None if paths is None else str(paths))
     else:
         parts = [str(p) for p in paths]
     loaded = []
     for path in parts:
         try:
-            loaded.append(LoadedTable(path, table_mod.load(path)))
+            with index_mod.no_collection():
+                loaded.append(LoadedTable(path, table_mod.load(path)))
         except Exception as exc:  # serving never raises: a broken table is a vendor path + one log line
             loaded.append(LoadedTable(path, None, str(exc)))
             log_once(f"table-error:{path}", logging.ERROR, "tunekit: table %s not used: %s", path, exc)
@@ -72,7 +77,6 @@ def _forget_decisions() -> None:
     STATE.choices.clear()
     STATE.epoch += 1
     STATE.gated_layouts.clear()
-    STATE.largest.clear()
     STATE.defaults.clear()
 
 
@@ -117,92 +121,85 @@ def device_info(device: torch.device) -> Any:
     return "device"
 
 
-def tables_for(device: torch.device, dev_key: str) -> tuple[dict[str, Any] | None, str | None]:
-    """(merged table of the loaded tables whose stamp matches ``device``, reason if none)."""
-    with STATE.lock:
-        cached = STATE.device_tables.get(dev_key)
+def _warn(dev_key: str) -> Any:
+    def warn(kind: str, path: str, detail: Any) -> None:
+        if kind == "env":
+            log_once(f"mismatch:{path}:{dev_key}", logging.WARNING,
+                     "tunekit: table %s was tuned for another environment, vendor path for its shapes on %s: %s",
+                     path, dev_key, detail)
+        else:
+            log_once(f"tp:{path}:{STATE.tp}", logging.WARNING,
+                     "tunekit: table %s was tuned for tp=%d, this process serves tp=%d: vendor path for its shapes "
+                     "(tune with tunekit search --tp %d)", path, detail, STATE.tp, STATE.tp)
+    return warn
+
+
+def tables_for(device: torch.device, dev_key: str) -> tuple[TableIndex | None, str | None]:
+    """(the index of the loaded tables that serve ``device`` at this process's TP size, reason if none)."""
+    cached = STATE.device_tables.get(dev_key)  # lock-free read (atomic under the GIL)
     if cached is not None:
         return cached
-    tables = all_tables()
-    usable = [lt for lt in tables if lt.table is not None]
-    result: tuple[dict[str, Any] | None, str | None]
+    all_tables()  # the lazy first load of TUNEKIT_TABLE, if none happened yet
+    with STATE.lock:  # one snapshot: a load or a TP change after it leaves this index uncached
+        epoch, tables = STATE.epoch, STATE.tables or []
+    usable = [(lt.path, lt.table) for lt in tables if lt.table is not None]
+    result: tuple[TableIndex | None, str | None]
     if not tables:
         result = (None, "no_table")
     elif not usable:
         result = (None, "table_error")
     else:
         info = device_info(device)
-        if isinstance(info, str):
-            result = (None, info)
-        else:
-            entries: list[dict[str, Any]] = []
-            seen: set[tuple] = set()
-            matched = 0
-            #: the fusions sections (the first table wins a group) and the tables without one
-            fusions: dict[str, Any] = {}
-            unmeasured: list[str] = []
-            #: (op, dtype, n, k) -> TP size of the first table that holds it but was tuned for another TP
-            other_tp: dict[tuple, int] = {}
-            for lt in usable:
-                diffs = table_mod.environment_mismatch(lt.table, info.as_dict())
-                if diffs:
-                    log_once(
-                        f"mismatch:{lt.path}:{dev_key}", logging.WARNING,
-                        "tunekit: table %s was tuned for another environment, vendor path for its shapes on %s: %s",
-                        lt.path, dev_key, "; ".join(diffs),
-                    )
-                    continue
-                tp = table_mod.table_tp(lt.table)
-                if tp is not None and STATE.tp is not None and tp != STATE.tp:
-                    log_once(f"tp:{lt.path}:{STATE.tp}", logging.WARNING,
-                             "tunekit: table %s was tuned for tp=%d, this process serves tp=%d: vendor path for "
-                             "its shapes (tune with tunekit search --tp %d)", lt.path, tp, STATE.tp, STATE.tp)
-                    for entry in lt.table["entries"]:
-                        other_tp.setdefault((entry["op"], entry["dtype"], entry["n"], entry["k"]), tp)
-                    continue
-                matched += 1
-                if "fusions" in lt.table:
-                    for group, decision in lt.table["fusions"].items():
-                        fusions.setdefault(group, decision)
-                else:
-                    unmeasured.append(lt.path)
-                for entry in lt.table["entries"]:
-                    key = (entry["op"], entry["dtype"], entry["m"], entry["n"], entry["k"])
-                    if key not in seen:  # the first path given wins a duplicate key
-                        seen.add(key)
-                        entries.append(entry)
-            merged = {"entries": entries, "device": info, "other_tp": other_tp, "fusions": fusions,
-                      "unmeasured": unmeasured}
-            result = (merged, None) if matched or other_tp else (None, "env_mismatch")
+        result = (None, info) if isinstance(info, str) else index_mod.build(usable, info, STATE.tp, _warn(dev_key))
     with STATE.lock:
-        STATE.device_tables[dev_key] = result
+        if STATE.epoch == epoch:
+            STATE.device_tables[dev_key] = result
     return result
 
-def serving_table(device: str) -> dict[str, Any] | None:
-    """The merged table that serves ``device``, or None (no usable table, or any error: never raises)."""
+
+def host_index(tp: int | None = None) -> TableIndex | None:
+    """The index of the served tables (``TUNEKIT_TABLE``'s, unless :func:`load_tables` named others) at TP size
+    ``tp`` for this host, built without touching a GPU: the stamps are checked against the device where torch
+    knows it already (the interpreter, a CPU-only host, CUDA already initialised), else against the software
+    only (torch, Triton, the kernel sources: the GPU's own fields are the ops' to check at their first call).
+    None where no table serves. Never raises. For callers that run before any GPU work (the vLLM plugin's
+    compile ranges, at vLLM's config time)."""
     try:
-        merged, _ = tables_for(torch.device(device), str(torch.device(device)))
+        from tunekit.measure.device import detect, interpret_mode
+
+        info = None
+        if interpret_mode() or not torch.cuda.is_available():
+            info = detect()
+        elif torch.cuda.is_initialized():
+            info = detect(torch.cuda.current_device())
+        usable = [(lt.path, lt.table) for lt in all_tables() if lt.table is not None]
+        index, _ = index_mod.build(usable, info, tp) if usable else (None, None)
+        return index
+    except Exception:  # noqa: BLE001 - the ops log a broken table once, at their first call
+        return None
+
+
+def serving_table(device: str) -> TableIndex | None:
+    """The index that serves ``device`` ("cuda:0", "cpu"), or None (no usable table, or any error: never
+    raises). Integrations ask per layer call: a device seen before costs one dict access."""
+    cached = STATE.device_tables.get(device)  # lock-free read (atomic under the GIL)
+    if cached is not None:
+        return cached[0]
+    try:
+        index, _ = tables_for(torch.device(device), str(torch.device(device)))
     except Exception:
         return None
-    return merged
+    return index
 
 
 def other_tp(op: str, dtype: str, n: int, k: int, device: str) -> int | None:
     """The TP size of a loaded table that holds (op, dtype, N, K) for ``device`` but does not serve it here,
     being tuned for another TP size than :func:`set_tensor_parallel`'s; None if there is none. Never raises.
 
-    For integrations that count why a layer keeps its own code: an eager vLLM layer the tables do not cover
-    asks on every call, so the answer is cached per key until the tables or the TP size change."""
-    key = (op, dtype, n, k, device, "other_tp")
-    hit = STATE.largest.get(key)  # lock-free read (atomic under the GIL)
-    if hit is None:
-        epoch = STATE.epoch  # read first: a load_tables or set_tensor_parallel meanwhile leaves nothing cached
-        merged = serving_table(device)
-        hit = 0 if merged is None else merged.get("other_tp", {}).get((op, dtype, n, k), 0)
-        with STATE.lock:
-            if STATE.epoch == epoch:
-                STATE.largest[key] = hit
-    return hit or None
+    For integrations that count why a layer keeps its own code (an eager vLLM layer the tables do not cover
+    asks on every call: two dict accesses)."""
+    index = serving_table(device)
+    return None if index is None else index.other_tp.get((op, dtype, n, k))
 
 
 def covers(op: str, dtype: str, n: int | None, k: int, device: str) -> bool:
@@ -211,7 +208,6 @@ def covers(op: str, dtype: str, n: int | None, k: int, device: str) -> bool:
 
     For integrations that decide per layer (static: no M) whether to enter a
     tunekit op at all, where the op's vendor path would differ from theirs.
-    An eager integration asks on every call: :func:`largest_m` caches the scan.
     """
     return largest_m(op, dtype, n, k, device) is not None
 
@@ -223,10 +219,10 @@ def largest_m(op: str, dtype: str, n: int | None, k: int, device: str) -> int | 
 
     For integrations that compile per token-count range (a range starting above it gains nothing
     from the op: ``tunekit.integrations.vllm.graph_routes``) or that know M per eager call; :func:`covers`
-    is its "any M". Cached per key until the tables change: eager integrations ask on every call,
-    and the scan is over every entry.
+    is its "any M". Two dict accesses: eager integrations ask on every call.
     """
-    return _largest(op, dtype, n, k, device, "m")
+    index = serving_table(device)
+    return None if index is None else index.largest_m(op, dtype, n, k)
 
 
 def largest_rows(op: str, dtype: str, k: int, device: str) -> int | None:
@@ -236,39 +232,22 @@ def largest_rows(op: str, dtype: str, k: int, device: str) -> int | None:
     For an op whose calls come in either row layout, so that a call's M cannot be read from it: the
     gated norm, which vLLM 0.26's Qwen3.5 calls as [tokens * heads, head_dim] where the table holds
     [tokens, heads * head_dim] (``tunekit.dispatch.elementwise._gated_layout`` serves the same groups
-    in the table's rows). A call of more rows is above every entry. Cached as :func:`largest_m`.
+    in the table's rows). A call of more rows is above every entry.
     """
-    return _largest(op, dtype, None, k, device, "rows")
-
-
-def _largest(op: str, dtype: str, n: int | None, k: int, device: str, unit: str) -> int | None:
-    key = (op, dtype, n, k, device, unit)
-    hit = STATE.largest.get(key)  # lock-free read (atomic under the GIL)
-    if hit is None:
-        with STATE.lock:
-            tables = STATE.tables
-        merged = serving_table(device)
-        sizes = [] if merged is None else [
-            e["m"] if unit == "m" else e["m"] * e["n"] // k for e in merged["entries"]
-            if e["op"] == op and e["dtype"] == dtype and n in (None, e["n"]) and e["k"] == k]
-        hit = max(sizes, default=0)
-        with STATE.lock:
-            if tables is not None and STATE.tables is tables:  # not cached across a load_tables in between
-                STATE.largest[key] = hit
-    return hit or None
+    index = serving_table(device)
+    return None if index is None else index.largest_rows(op, dtype, k)
 
 
 def holds(op: str, device: str) -> bool:
     """Whether a table serving ``device`` holds any entry of ``op``. Never raises."""
-    merged = serving_table(device)
-    return any(e["op"] == op for e in (merged or {}).get("entries", ()))
+    index = serving_table(device)
+    return index is not None and index.holds(op)
 
 
 def tabulated_ms(op: str, dtype: str, n: int, k: int, device: str) -> list[int]:
     """The Ms the tables serving ``device`` hold entries of (op, dtype, N, K) at, ascending. Never raises."""
-    merged = serving_table(device)
-    return sorted({int(e["m"]) for e in (merged or {}).get("entries", ())
-                   if e["op"] == op and e["dtype"] == dtype and e["n"] == n and e["k"] == k})
+    index = serving_table(device)
+    return [] if index is None else list(index.ms(op, dtype, n, k))
 
 
 def served_entry(op: str, dtype: str, m: int, n: int, k: int, device: str) -> dict[str, Any] | None:
@@ -278,6 +257,5 @@ def served_entry(op: str, dtype: str, m: int, n: int, k: int, device: str) -> di
     For callers that choose per call site between a tunekit op and their own
     (faster than the op's fallback) path, such as ``tunekit.evidence.chain``.
     """
-    merged = serving_table(device)
-    return None if merged is None else table_mod.lookup(merged, op, dtype, m, n, k)
-
+    index = serving_table(device)
+    return None if index is None else index.lookup(op, dtype, m, n, k)

@@ -52,20 +52,18 @@ def prepare(device: torch.device | str | None = None, ms: Iterable[int] | None =
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         summary["device"] = str(device)
-        merged, reason = tables_for(device, str(device))
+        index, reason = tables_for(device, str(device))
     except Exception as exc:
         summary["errors"].append(f"{type(exc).__name__}: {exc}")
         return summary
-    if merged is None:
+    if index is None:
         summary["fallback"][f"fallback:{reason}"] = 1
         return summary
     from tunekit.problems import opspec
     from tunekit.problems.shapes import Problem
 
     wanted = None if ms is None else sorted({int(m) for m in ms})
-    by_shape: dict[tuple, list[int]] = {}
-    for e in merged["entries"]:
-        by_shape.setdefault((e["op"], e["dtype"], e["n"], e["k"]), []).append(e["m"])
+    by_shape = {key: list(index.ms(*key)) for key in index.keys()}
     gen = torch.Generator(device=device).manual_seed(0)
     # Warm-up calls are not service calls: the markers are put back afterwards.
     with STATE.lock:

@@ -400,7 +400,7 @@ def run_check(settings: Settings, log: Callable[[str], None] = print, argv: Sequ
     device = pick_device(settings.device)
     report = Report(log)
     env = environment(device)
-    tables = list(settings.tables) or [p for p in os.environ.get(ops.TABLE_ENV, "").split(os.pathsep) if p.strip()]
+    tables = list(settings.tables) or ops.table_paths()
     log(f"device {env.get('gpu', device)}; torch {env['torch']}, triton {env.get('triton')}, "
         f"transformers {env.get('transformers')}; model {settings.model}; tables {tables or 'none'}")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

@@ -116,19 +116,14 @@ RANGE_FUSIONS: dict[str, int] = {}
 RANGE_MERGES: dict[str, int] = {}
 
 
-def tables_tops() -> dict[str, int]:
-    """Per op, the largest M of its entries in the named tables (read from the files: no GPU here)."""
-    from tunekit import table as table_mod
+def tables_tops(tp: int | None = None) -> dict[str, int]:
+    """Per op, the largest M of the entries serving keeps at TP size ``tp`` (None: any) on this host: the index
+    the ops serve from (``tunekit.ops.host_index``: no GPU touched, a table stamped for other software or
+    another TP size left out as the ops leave it out)."""
+    from tunekit import ops
 
-    tops: dict[str, int] = {}
-    for path in table_paths():
-        try:
-            entries = table_mod.load(path)["entries"]
-        except Exception:  # the ops log a broken table once, at their first call
-            continue
-        for entry in entries:
-            tops[entry["op"]] = max(tops.get(entry["op"], 0), int(entry["m"]))
-    return tops
+    index = ops.host_index(tp)
+    return {} if index is None else index.tops()
 
 
 def range_endpoints(tops: dict[str, int]) -> list[int]:
@@ -159,7 +154,7 @@ def install_compile_ranges() -> tuple[bool, str]:
     # it a pass hands every tunekit node back to the stock math (graph_routes.unroute).
     tops = tables_tops()
     if not tops:
-        return False, "the named tables hold no entry"
+        return False, "the named tables hold no entry this host's software serves"
     top, endpoints = max(tops.values()), range_endpoints(tops)
     try:
         from vllm.compilation.passes import pass_manager
@@ -179,8 +174,11 @@ def install_compile_ranges() -> tuple[bool, str]:
     if not getattr(set_ranges, MARK, False):
         @functools.wraps(set_ranges)
         def _set_compile_ranges(self: Any) -> Any:
+            # the endpoints of the entries serving keeps at this engine's TP size (known here, at config time)
+            tp = getattr(getattr(self, "parallel_config", None), "tensor_parallel_size", None)
+            ends = range_endpoints(tables_tops(tp if isinstance(tp, int) else None))
             cc = self.compilation_config
-            cc.compile_ranges_endpoints = sorted(set(cc.compile_ranges_endpoints or ()) | set(endpoints))
+            cc.compile_ranges_endpoints = sorted(set(cc.compile_ranges_endpoints or ()) | set(ends))
             return set_ranges(self)
 
         setattr(_set_compile_ranges, MARK, True)

@@ -76,7 +76,7 @@ from tunekit.integrations.vllm.compile import install_compile_factor, install_co
 from tunekit.integrations.vllm.custom_ops import OOT_SPECS, oot_installer
 from tunekit.integrations.vllm.gemm import install_linear
 from tunekit.integrations.vllm.load import install_fold, install_merge
-from tunekit.integrations.vllm.state import TABLE_ENV, logger, table_paths
+from tunekit.integrations.vllm.state import logger, table_paths
 
 __all__ = ["installed", "register", "skipped"]
 
@@ -100,7 +100,7 @@ def register() -> None:
         "tunekit vLLM plugin: installed %s; skipped %s; tables from %s=%r (read at the first call)",
         ", ".join(f"{k} ({v})" for k, v in installed.items()) or "nothing",
         ", ".join(f"{k} ({v})" for k, v in skipped.items()) or "nothing",
-        "TUNEKIT_TABLE", os.environ.get("TUNEKIT_TABLE", ""),
+        "TUNEKIT_TABLE", os.pathsep.join(table_paths()),
     )
 
 
@@ -112,9 +112,9 @@ def _install_nothing() -> None:
     """No table named: vLLM must run exactly as without tunekit, so no hook goes in at all."""
     # The ops are still defined (no GPU work, no table read): a compiled graph
     # that names them, loaded from a cache, resolves instead of failing.
-    import tunekit.ops  # noqa: F401
+    from tunekit import ops
 
-    why = f"{TABLE_ENV} is not set: no table, so nothing is routed and vLLM's own layers run unchanged"
+    why = f"{ops.TABLE_ENV} is not set: no table, so nothing is routed and vLLM's own layers run unchanged"
     state.STATE["installed"], state.STATE["skipped"] = {}, {name: why for name in _hook_names()}
     logger.info("tunekit vLLM plugin: nothing installed (%s)", why)
 

@@ -2,11 +2,12 @@
 
 Everything here is read by more than one of the plugin's modules (``gemm``,
 ``custom_ops``, ``vendors``, ``compile``, ``load``, and ``plugin`` on top);
-none of them imports another duty for it. Imports neither vLLM nor torch.
+none of them imports another duty for it. Imports neither vLLM nor torch (``table_paths`` asks
+``tunekit.ops``, which serving imports anyway, when it is called).
 
 Call protocol::
 
-    table_paths()            # the tables TUNEKIT_TABLE names (os.pathsep-separated); [] = plugin off
+    table_paths()            # the tables TUNEKIT_TABLE names (tunekit.ops.table_paths); [] = plugin off
     fold_requested()         # TUNEKIT_FOLD_NORMS unless 0
     merge_requested()        # TUNEKIT_MERGE_SIBLINGS unless 0
     env_flag("VLLM_X", False)  # vLLM's parse of a boolean env var
@@ -21,15 +22,13 @@ import os
 import threading
 from typing import Any
 
-__all__ = ["FOLD_ENV", "LOCK", "MARK", "MERGE_ENV", "STATE", "TABLE_ENV", "env_flag", "fold_requested", "logger",
+__all__ = ["FOLD_ENV", "LOCK", "MARK", "MERGE_ENV", "STATE", "env_flag", "fold_requested", "logger",
            "merge_requested", "table_paths"]
 
 # A child of vLLM's logger: vLLM configures "vllm" (its handler, VLLM_LOGGING_LEVEL) in every
 # process, so the plugin's lines land in vLLM's own log, where a user reads what was installed.
 logger = logging.getLogger("vllm.tunekit")
 
-#: The tables to serve (os.pathsep-separated paths); unset or empty: the plugin installs nothing.
-TABLE_ENV = "TUNEKIT_TABLE"
 #: Set to 0 to keep decoder norms unfolded (``tunekit.integrations.vllm.fold``; on by default: it folds only
 #: where the tables' rms_gemv entries pay and the fold passes its check on the loaded weights).
 FOLD_ENV = "TUNEKIT_FOLD_NORMS"
@@ -48,8 +47,11 @@ STATE: dict[str, Any] = {"registered": False, "installed": {}, "skipped": {}, "f
 
 
 def table_paths() -> list[str]:
-    """The table paths ``TUNEKIT_TABLE`` names, blanks dropped."""
-    return [p for p in os.environ.get(TABLE_ENV, "").split(os.pathsep) if p.strip()]
+    """The tables to serve: the paths ``TUNEKIT_TABLE`` names, blanks dropped (``tunekit.ops.table_paths``: the
+    variable's one reader); none: the plugin installs nothing."""
+    from tunekit import ops
+
+    return ops.table_paths()
 
 
 def fold_requested() -> bool:
