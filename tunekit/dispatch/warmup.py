@@ -17,10 +17,19 @@ import torch
 from tunekit.dispatch.state import DEFAULT_EPS, STATE
 from tunekit.dispatch.tables import tables_for
 from tunekit.dispatch.vendors import has_vendor_kernel
+from tunekit.problems import oprecords
 
-#: ops served like the GEMV (their fallback is the vendor GEMM), and the ops without an eps argument
-_GEMV_FAMILY = ("gemv", "rms_gemv", "gemv_add")
-_NO_EPS = ("gemv", "gemv_add", "silu_and_mul", "bias_gelu")
+
+def _gemv_family(op: str) -> bool:
+    """Served like the GEMV (its record's kind): its fallback is the vendor GEMM."""
+    record = oprecords.RECORDS.get(op)
+    return record is not None and record.kind in ("gemv", "fused_gemv")
+
+
+def _takes_eps(op: str) -> bool:
+    """Its schema (the op record's) ends in an eps argument."""
+    record = oprecords.RECORDS.get(op)
+    return record is not None and record.schema is not None and "float eps)" in record.schema
 
 
 def prepare(device: torch.device | str | None = None, ms: Iterable[int] | None = None) -> dict[str, Any]:
@@ -72,7 +81,7 @@ def prepare(device: torch.device | str | None = None, ms: Iterable[int] | None =
         top = max(tab_ms)
         if wanted is not None:
             # the GEMV family's fallback is the vendor GEMM, never a default-config kernel
-            above = op not in _GEMV_FAMILY and not has_vendor_kernel(op, device)
+            above = not _gemv_family(op) and not has_vendor_kernel(op, device)
             served = [m for m in wanted if m <= top or above]
         else:
             served = list(range(1, top + 1)) if top <= 64 else sorted(set(tab_ms))
@@ -80,7 +89,7 @@ def prepare(device: torch.device | str | None = None, ms: Iterable[int] | None =
             try:
                 inputs = opspec.get(op).make_inputs(Problem(op, dtype, m, n, k), device, gen)
                 fn = getattr(torch.ops.tunekit, op)
-                fn(*inputs) if op in _NO_EPS else fn(*inputs, DEFAULT_EPS)
+                fn(*inputs, DEFAULT_EPS) if _takes_eps(op) else fn(*inputs)
             except Exception as exc:
                 summary["errors"].append(f"{op} {dtype} m={m} n={n} k={k}: {type(exc).__name__}: {exc}")
                 continue
