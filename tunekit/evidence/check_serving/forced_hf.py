@@ -39,6 +39,11 @@ def _top(logits: Any, topk: int) -> list[list[Any]]:
     return [[int(i), float(v)] for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
 
 
+def _device(model: Any) -> Any:
+    """Where the model's weights are: the token ids go there (a model on a GPU takes no CPU indices)."""
+    return next(model.parameters()).device
+
+
 def _cache_kwarg(model: Any) -> str:
     """The name this transformers gives the KV cache argument (``cache`` in 5.x, ``past_key_values`` before)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -59,7 +64,7 @@ def decode_record(model: Any, prompts: Sequence[Sequence[int]], steps: int, topk
     with torch.no_grad():
         for r, prompt in enumerate(prompts):
             given = list(forced[r]) if forced is not None else None
-            out = model(input_ids=torch.tensor([list(prompt)]), use_cache=True)
+            out = model(input_ids=torch.tensor([list(prompt)], device=_device(model)), use_cache=True)
             tops, tokens = [], []
             for s in range(steps):
                 logits = out["logits"][0, -1]
@@ -67,7 +72,7 @@ def decode_record(model: Any, prompts: Sequence[Sequence[int]], steps: int, topk
                 token = given[s] if given is not None else int(logits.argmax())
                 tokens.append(token)
                 if s + 1 < steps:
-                    out = model(input_ids=torch.tensor([[token]]), use_cache=True, **{name: _cache_of(out)})
+                    out = model(input_ids=torch.tensor([[token]], device=_device(model)), use_cache=True, **{name: _cache_of(out)})
             requests.append({"forced": tokens, "forced_from": "vanilla" if given is not None else "self",
                              "top": tops})
     return {"steps": steps, "topk": topk, "requests": requests}
@@ -82,7 +87,7 @@ def prefill_record(model: Any, prompts: Sequence[Sequence[int]], forced: Sequenc
     with torch.no_grad():
         for prompt, tokens in zip(prompts, forced, strict=True):
             ids = list(prompt) + list(tokens[:-1])
-            logits = model(input_ids=torch.tensor([ids]), use_cache=False)["logits"][0]
+            logits = model(input_ids=torch.tensor([ids], device=_device(model)), use_cache=False)["logits"][0]
             tops = [_top(logits[len(prompt) - 1 + s], topk) for s in range(len(tokens))]
             requests.append({"forced": list(tokens), "forced_from": "vanilla", "top": tops})
     return {"steps": len(forced[0]) if forced else 0, "topk": topk, "requests": requests}
