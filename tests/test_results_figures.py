@@ -281,6 +281,23 @@ def test_standalone_m1248_per_token() -> None:
         stated(speedups[m], figure)
 
 
+def test_h100_small_m_per_token() -> None:
+    speedups = {t.m: t.speedup for t in comparison("h100-small-m-gemv-3fc28cd").tokens}
+    for m, figure in ((1, "1.077"), (2, "1.064"), (4, "1.021"), (8, "1.001")):
+        stated(speedups[m], figure)
+
+
+def test_h100_real_verdict_smollm2() -> None:
+    doc = json.loads((RESULTS / "h100-real-verdict-smollm2-85ebda3/verdict.json").read_text())
+    assert doc["device"].startswith("NVIDIA H100")
+    arms = {name: arm["agreement"] for name, arm in doc["arms"].items()}
+    assert [arms[a]["verdict"] for a in ("unfolded", "folded", "folded+drop_residual")] == ["pass", "pass", "fail"]
+    assert all(arm["served_tuned_calls"] == 10920 for arm in doc["arms"].values())
+    stated(arms["unfolded"]["max_abs_logprob_diff"], "0.324")
+    stated(arms["folded+drop_residual"]["max_abs_logprob_diff"], "16.15")
+    stated(arms["unfolded"]["spread"][0]["max_abs_logprob_diff"], "0.232")
+
+
 def test_standalone_elementwise() -> None:
     problems = comparison("h200-ew-m1-4096-triton-hip-2265568").problems
     big = [p for p in problems if p.m == 4096]
@@ -398,7 +415,7 @@ def test_every_current_figure_has_its_test() -> None:
         "test_every_current_figure_has_its_test", "test_a_changed_raw_number_changes_the_figure"}
     assert figures == set(named), figures ^ set(named)
     for row in rows:  # the folder cell names folders that exist
-        for folder in re.findall(r"`(h200-[\w.-]+)", row):
+        for folder in re.findall(r"`(h[12]00-[\w.-]+)", row):
             assert (RESULTS / folder).is_dir(), folder
 
 
