@@ -51,7 +51,8 @@ def main() -> int:
     ref = forced_hf.decode_record(model, prompts, args.steps, args.topk)
     forced = forced_hf.forced_of(ref)
     spread = forced_hf.prefill_record(model, prompts, forced, args.topk)
-    doc: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "model_dir": str(args.model_dir),
+    doc: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                 "model_dir": str(args.model_dir),
                  "table": str(args.table), "steps": args.steps, "topk": args.topk, "prompts": list(PROMPTS),
                  "reference_text": [tok.decode(ids) for ids in forced], "arms": {}}
     layers = model.model.layers

@@ -14,8 +14,8 @@ arms within 1e-3 nats of vanilla, no flip. Every call appends "arm index pid" to
 Environment knobs: FAKE_PROBE (JSON merged into the probe answer), FAKE_TUNED_MISMATCH=1 (the tuned arm's
 ops find the table tuned elsewhere: every call env_mismatch), FAKE_FAIL_ARM=ARM (that arm's engine raises),
 FAKE_ENGINE_SLEEP (seconds the engine takes to start), FAKE_SLOW_ONE_TOKEN_MS (a 1-token generate takes that many
-ms longer: the difference method's TPOT drops below the timestamps'), FAKE_PERTURB_ARM=ARM (realistic or a checkpoint's weights: that
-arm's distributions are 0.05-0.2 nats off, as a wrong kernel would make them).
+ms longer: the difference method's TPOT drops below the timestamps'), FAKE_PERTURB_ARM=ARM (realistic or a
+checkpoint's weights: that arm's distributions are 0.05-0.2 nats off, as a wrong kernel would make them).
 """
 
 from __future__ import annotations

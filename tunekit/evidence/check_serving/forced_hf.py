@@ -72,7 +72,8 @@ def decode_record(model: Any, prompts: Sequence[Sequence[int]], steps: int, topk
                 token = given[s] if given is not None else int(logits.argmax())
                 tokens.append(token)
                 if s + 1 < steps:
-                    out = model(input_ids=torch.tensor([[token]], device=_device(model)), use_cache=True, **{name: _cache_of(out)})
+                    step = torch.tensor([[token]], device=_device(model))
+                    out = model(input_ids=step, use_cache=True, **{name: _cache_of(out)})
             requests.append({"forced": tokens, "forced_from": "vanilla" if given is not None else "self",
                              "top": tops})
     return {"steps": steps, "topk": topk, "requests": requests}
