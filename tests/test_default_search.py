@@ -57,7 +57,8 @@ def test_gemv_add_is_left_out_above_tp_1_and_ops_narrows_exactly() -> None:
 def searched(monkeypatch, tmp_path):
     """Run `tunekit search ARGS` in process up to run_search; returns (exit code, output, SearchConfig)."""
     from tunekit import cli
-    from tunekit.search import engine, summary
+    from tunekit.evidence import search_summary as summary
+    from tunekit.search import engine
 
     seen = {}
 
