@@ -6,6 +6,7 @@ read in one function, and that serving reads no search-time TOML."""
 from __future__ import annotations
 
 import ast
+import os
 import random
 from pathlib import Path
 
@@ -69,13 +70,15 @@ def test_lookup_agrees_with_the_table_rule() -> None:
             assert index.lookup("gemv", "bf16", m, n, 64) == table_mod.lookup(table, "gemv", "bf16", m, n, 64)
 
 
-def test_dispatch_coverage_and_compile_ranges_read_the_same_index(tmp_path: Path) -> None:
+def test_dispatch_coverage_and_compile_ranges_read_the_same_index(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A table of another TP size holds the largest M: serving drops it, and so do coverage and the compile
     ranges (they were computed from every entry of the named tables, kept or not)."""
     kept = _save(tmp_path, "kept.json", _table([("gemv", 1, 16, 64), ("gemv", 4, 16, 64)], tp=2))
     dropped = _save(tmp_path, "tp1.json", _table([("gemv", 8, 16, 64), ("rms_gemv", 8, 16, 64)], tp=1))
     stale = _save(tmp_path, "stale.json", _table([("gemv", 64, 16, 64)], torch="0.0.1"))
-    ops.load_tables([kept, dropped, stale])
+    monkeypatch.setenv("TUNEKIT_TABLE", os.pathsep.join([kept, dropped, stale]))  # as vLLM is started
+    ops.load_tables(None)
     try:
         ops.set_tensor_parallel(2)
         index = ops.serving_table("cpu")

@@ -39,24 +39,33 @@ def load_tables(paths: str | os.PathLike | Sequence[str | os.PathLike] | None) -
     and served as absent (``fallback:table_error``); this function itself
     never raises. Returns :func:`loaded_tables`.
     """
-    if paths is None or isinstance(paths, (str, os.PathLike)):
-        parts = table_paths(None if paths is None else str(paths))
-    else:
-        parts = [str(p) for p in paths]
-    loaded = []
-    for path in parts:
-        try:
-            with index_mod.no_collection():
-                loaded.append(LoadedTable(path, table_mod.load(path)))
-        except Exception as exc:  # serving never raises: a broken table is a vendor path + one log line
-            loaded.append(LoadedTable(path, None, str(exc)))
-            log_once(f"table-error:{path}", logging.ERROR, "tunekit: table %s not used: %s", path, exc)
+    loaded = _read(paths)
     with STATE.lock:
         STATE.tables = loaded
         _forget_decisions()
         STATE.built.clear()  # other tables: other kernels
     maybe_register_atexit()  # TUNEKIT_DISPATCH_LOG may have been set since import tunekit.ops
     return loaded_tables()
+
+
+def _parts(paths: str | os.PathLike | Sequence[str | os.PathLike] | None) -> list[str]:
+    if paths is None or isinstance(paths, (str, os.PathLike)):
+        return table_paths(None if paths is None else str(paths))
+    return [str(p) for p in paths]
+
+
+def _read(paths: str | os.PathLike | Sequence[str | os.PathLike] | None) -> list[LoadedTable]:
+    """Every table of ``paths`` read and validated (``tunekit.table.load``), or the error why not (logged once):
+    the one place serving reads table files."""
+    loaded = []
+    for path in _parts(paths):
+        try:
+            with index_mod.no_collection():
+                loaded.append(LoadedTable(path, table_mod.load(path)))
+        except Exception as exc:  # serving never raises: a broken table is a vendor path + one log line
+            loaded.append(LoadedTable(path, None, str(exc)))
+            log_once(f"table-error:{path}", logging.ERROR, "tunekit: table %s not used: %s", path, exc)
+    return loaded
 
 
 def set_tensor_parallel(size: int | None) -> None:
@@ -157,9 +166,10 @@ def tables_for(device: torch.device, dev_key: str) -> tuple[TableIndex | None, s
     return result
 
 
-def host_index(tp: int | None = None) -> TableIndex | None:
-    """The index of the served tables (``TUNEKIT_TABLE``'s, unless :func:`load_tables` named others) at TP size
-    ``tp`` for this host, built without touching a GPU: the stamps are checked against the device where torch
+def host_index(tp: int | None = None, paths: Sequence[str] | None = None) -> TableIndex | None:
+    """The index of the tables ``paths`` names (None: the served ones, ``TUNEKIT_TABLE``'s unless
+    :func:`load_tables` named others; the served ones are reused where they are these) at TP size ``tp``
+    for this host, built without touching a GPU: the stamps are checked against the device where torch
     knows it already (the interpreter, a CPU-only host, CUDA already initialised), else against the software
     only (torch, Triton, the kernel sources: the GPU's own fields are the ops' to check at their first call).
     None where no table serves. Never raises. For callers that run before any GPU work (the vLLM plugin's
@@ -172,7 +182,15 @@ def host_index(tp: int | None = None) -> TableIndex | None:
             info = detect()
         elif torch.cuda.is_initialized():
             info = detect(torch.cuda.current_device())
-        usable = [(lt.path, lt.table) for lt in all_tables() if lt.table is not None]
+        with STATE.lock:
+            served = STATE.tables
+        if paths is None:
+            tables = all_tables()
+        elif served is not None and [lt.path for lt in served] == [str(p) for p in paths]:
+            tables = served
+        else:
+            tables = _read(list(paths))
+        usable = [(lt.path, lt.table) for lt in tables if lt.table is not None]
         index, _ = index_mod.build(usable, info, tp) if usable else (None, None)
         return index
     except Exception:  # noqa: BLE001 - the ops log a broken table once, at their first call

@@ -117,12 +117,12 @@ RANGE_MERGES: dict[str, int] = {}
 
 
 def tables_tops(tp: int | None = None) -> dict[str, int]:
-    """Per op, the largest M of the entries serving keeps at TP size ``tp`` (None: any) on this host: the index
-    the ops serve from (``tunekit.ops.host_index``: no GPU touched, a table stamped for other software or
-    another TP size left out as the ops leave it out)."""
+    """Per op, the largest M of the entries serving keeps of the named tables at TP size ``tp`` (None: any) on
+    this host: the index the ops serve from (``tunekit.ops.host_index``: no GPU touched, a table stamped for
+    other software or another TP size left out as the ops leave it out)."""
     from tunekit import ops
 
-    index = ops.host_index(tp)
+    index = ops.host_index(tp, table_paths())
     return {} if index is None else index.tops()
 
 
@@ -154,7 +154,7 @@ def install_compile_ranges() -> tuple[bool, str]:
     # it a pass hands every tunekit node back to the stock math (graph_routes.unroute).
     tops = tables_tops()
     if not tops:
-        return False, "the named tables hold no entry this host's software serves"
+        return False, "the named tables hold no entry"
     top, endpoints = max(tops.values()), range_endpoints(tops)
     try:
         from vllm.compilation.passes import pass_manager
