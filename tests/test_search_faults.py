@@ -360,17 +360,18 @@ def _stopped_at(out: Path, moment: str, delay: float, signum: int, to_group: boo
         marker, lambda: any(line.startswith(marker) for line in lines["out"]))
     name = signal.Signals(signum).name
     what = f"{name} to the {'group' if to_group else 'search'} {delay:.2f} s into {moment}"
-    _wait(begun, proc, f"{moment} ({what})", limit_s=300)
-    time.sleep(delay)
-    if proc.poll() is not None:  # it ended before the signal: nothing was sent
-        return f"{what}: finished first"
-    (os.killpg if to_group else os.kill)(proc.pid, signum)
-    sent = time.monotonic()
     try:
+        _wait(begun, proc, f"{moment} ({what})", limit_s=300)
+        time.sleep(delay)
+        if proc.poll() is not None:  # it ended before the signal: nothing was sent
+            return f"{what}: finished first"
+        (os.killpg if to_group else os.kill)(proc.pid, signum)
+        sent = time.monotonic()
         proc.wait(timeout=120)
     finally:
-        if proc.poll() is None:
+        if proc.poll() is None:  # a failed wait: nothing of it is left running
             os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
     took = time.monotonic() - sent
     for reader in readers:
         reader.join(timeout=10)
@@ -415,8 +416,8 @@ def test_a_stop_signal_at_a_random_moment_stops_the_search_in_one_line(tmp_path)
         for index, future in enumerate(futures):
             try:
                 outcomes.append(f"{index}: {future.result()}")
-            except AssertionError as exc:
-                raise AssertionError(f"seed {seed}, search {index}: {exc}") from None
+            except Exception as exc:
+                raise AssertionError(f"seed {seed}, search {index}: {type(exc).__name__}: {exc}") from exc
     print("\n".join(outcomes))
     assert sum("finished first" not in o for o in outcomes) >= _STRESS_SEARCHES - 2, outcomes
 
