@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +24,6 @@ from tunekit.measure import verify
 from tunekit.problems import opspec
 from tunekit.problems.shapes import Problem, adhoc_problems, parse_m_list, parse_op_shape
 
-REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
 #: One config per tile family: one row per program / a wide tile / multi-warp, split over K steps.
 CONFIGS = {
@@ -186,13 +181,21 @@ def test_shapes_parse_the_fused_ops() -> None:
 
 
 @pytest.mark.slow  # over 10 s on 2 cores: the slow tier
-def test_cli_search_of_a_tiny_fused_problem(tmp_path) -> None:
+def test_cli_search_of_a_tiny_fused_problem(tmp_path, monkeypatch) -> None:
+    # The command in this process (test_search.py runs `python -m tunekit search` itself), so the final
+    # re-measure can time 2 rounds, not FINAL_REPEATS: what is asserted (the table follows final.csv's
+    # ranking) holds at any count, and 30 rounds of the interpreter were 2/3 of the test's time.
+    from typer.testing import CliRunner
+
+    from tunekit import cli
+    from tunekit.search import finals
+
+    monkeypatch.setattr(finals, "FINAL_REPEATS", 2)
+    monkeypatch.chdir(tmp_path)
     out = tmp_path / "run"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}")
-    res = subprocess.run([sys.executable, "-m", "tunekit", "search", "--shape", "gemma_fused_add_rms_norm_gemv:16x64",
-                          "--m", "2", "--backend", "triton", "--trials", "3", "--out", str(out)],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stderr + res.stdout
+    res = CliRunner().invoke(cli.app, ["search", "--shape", "gemma_fused_add_rms_norm_gemv:16x64", "--m", "2",
+                                       "--backend", "triton", "--trials", "3", "--out", str(out)])
+    assert res.exit_code == 0, f"{res.output}\n{res.exception!r}"
     assert (out / "final.csv").is_file()
     import pandas as pd
 
