@@ -130,6 +130,13 @@ def pytest_configure(config: pytest.Config) -> None:
                                        f"({', '.join(EXTRAS)}); skipped without one, failed under its switch")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # the tests of the postgres fixture need its extra too: marked, `-m needs` selects every test that needs one
+    for item in items:
+        if "postgres" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.needs("postgres"))
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     for mark in item.iter_markers("needs"):
         for name in mark.args:
