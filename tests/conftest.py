@@ -38,6 +38,18 @@ def clean_ops():
     reset()
 
 
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test (modules opt in with ``pytest.mark.usefixtures("one_thread")``): on two
+    shared cores its default thread pool only contends (a 64-wide forward ran 60x slower)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # ----------------------------------------------------------------------------- what a test needs beyond [test]
 # `pip install -e .[test]` alone runs the whole suite: a test that needs more (an optional extra of pyproject.toml,
 # a system compiler, the vLLM tier's virtualenv) says so with ``@pytest.mark.needs("EXTRA")`` (or a module's

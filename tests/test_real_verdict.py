@@ -27,18 +27,9 @@ from tunekit import ops
 from tunekit.evidence.check_serving import forced_hf
 from tunekit.evidence.verdict import caps_for
 
-pytestmark = [pytest.mark.usefixtures("clean_ops"), pytest.mark.needs("hf")]
+pytestmark = [pytest.mark.usefixtures("clean_ops", "one_thread"), pytest.mark.needs("hf")]
 
 STEPS, TOPK = 6, 20
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two shared cores: more threads only contend."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 class Subject:

@@ -21,13 +21,7 @@ PROMPTS = [[(7 * r + 13 * j) % 500 + 3 for j in range(8)] for r in range(4)]
 TOL = 2.0 ** -6
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two shared cores: torch's default thread pool makes a 64-wide forward 60x slower here."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
