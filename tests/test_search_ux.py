@@ -395,7 +395,8 @@ def test_summary_columns_count_this_search_and_say_so(tmp_path) -> None:
     from tunekit.search.common import SearchOutcome, StudyStats
 
     stats = StudyStats(Problem("gemv", "bf16", 1, 96, 5120), "triton", measured_before=4, measured_now=5, ok=3,
-                       failed=2, invalid=7, duplicates=1, best_us=2.5)
+                       failed=2, invalid=7, duplicates=1, best_us=2.5,
+                       stopped="plateau: no gain over 1% in the last 10 trials")
     outcome = SearchOutcome(run_dir=tmp_path, stats=[stats], probe={"kind": "cpu"})
     console = Console(record=True, width=400)
     print_summary(console, outcome)
@@ -403,11 +404,12 @@ def test_summary_columns_count_this_search_and_say_so(tmp_path) -> None:
     header = next(line for line in text.splitlines() if "problem" in line and "backend" in line)
     columns = [cell.strip() for cell in header.strip("┃│ ").replace("┃", "│").split("│")]
     assert columns == ["problem", "backend", "measured", "ok", "failed", "invalid", "dup", "stored before",
-                       "best us (search)"]
+                       "best us (search)", "stopped early"]
     row = next(line for line in text.splitlines() if "m1 96x5120" in line)
     cells = [cell.strip() for cell in row.strip("┃│ ").split("│")]
     # measured = ok + failed (this search); the storage's earlier trials in their own column
     assert cells[2:8] == ["5", "3", "2", "7", "1", "4"]
+    assert cells[9] == "plateau: no gain over 1% in the last 10 trials"  # why the study ended before --trials
     assert "(+" not in text
     flat = " ".join(text.split())
     assert "trials of this search, per study" in flat

@@ -168,6 +168,16 @@ def search(
              f"bytes moved plus a launch's cost, times calls per step), {QUICK_TRIALS} trials per study "
              "unless --trials is given; decided from the problem list alone, and one line says what it "
              "left out")] = "full",
+    min_trials: Annotated[int, typer.Option(
+        help="measured trials a study runs before it may stop early (near the limit, or a plateau)")] = 12,
+    stop_near_limit: Annotated[float, typer.Option(
+        help="stop a study once its best moves its bytes within this share of the measured read (GEMV) or copy "
+             "(elementwise) limit: 0.02 is 98% of it; 0: off")] = 0.02,
+    stop_patience: Annotated[int, typer.Option(
+        help="stop a study once its last N measured trials gained no more than --stop-gain over its best; "
+             "0: off (every study runs --trials)")] = 10,
+    stop_gain: Annotated[float, typer.Option(
+        help="the gain over the best so far that counts as progress for --stop-patience (0.01: 1%)")] = 0.01,
     timeout: Annotated[float | None, typer.Option(help="seconds for the trial phase of the whole run")] = None,
     sampler: Annotated[str, typer.Option(help="tpe, random or grid")] = "tpe",
     numerics: Annotated[str, typer.Option(help="bounded (fp64 reference + BF16 bound) or exact")] = "bounded",
@@ -226,6 +236,7 @@ def search(
     from tunekit.measure.verify import NUMERICS
     from tunekit.problems import shapes as shapes_mod
     from tunekit.problems.budget import apply_budget
+    from tunekit.search.early_stop import StopRule
     from tunekit.search.engine import SearchConfig, read_seed_records, run_search
     from tunekit.table_fusions import model_groups
 
@@ -257,6 +268,7 @@ def search(
         console.print(planned.note, soft_wrap=True, markup=False, highlight=False)
     cfg = SearchConfig(
         problems=problems, backends=names, out_dir=out_dir, trials=trials, timeout_s=timeout,
+        stop=StopRule(min_trials=min_trials, near_limit=stop_near_limit, patience=stop_patience, min_gain=stop_gain),
         sampler=sampler, numerics=numerics, storage=storage, seed=seed, min_gain=min_gain, warm_start=warm_start,
         seed_from=tuple(seed_from or ()), restrict=restricted,
         trial_timeout_s=trial_timeout, command=shlex.join(["tunekit"] + sys.argv[1:]),

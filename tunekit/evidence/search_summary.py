@@ -23,7 +23,8 @@ TRIALS_CAPTION = (
     "or finish in time; trials.csv says why); invalid: refused by the kernel's own predicate, not run; dup: a "
     "config already measured, not run again; stored before: measured trials the storage held for the study "
     "before this search (earlier runs, other searches), so its total is stored before + measured; best: the "
-    "fastest verified trial in the storage (search timing; the re-measure below is the one that counts)")
+    "fastest verified trial in the storage (search timing; the re-measure below is the one that counts); stopped "
+    "early: why the study ended before --trials (near the measured limit, or a plateau; stored on the study)")
 
 #: Under the re-measure table.
 FINAL_CAPTION = (
@@ -36,13 +37,13 @@ FINAL_CAPTION = (
 def print_summary(console: Console, outcome) -> None:
     """Per problem: trials, vendor and best tuned time (interleaved re-measure), speedup, % of limit."""
     stats = Table("problem", "backend", "measured", "ok", "failed", "invalid", "dup", "stored before",
-                  "best us (search)", title="trials of this search, per study", caption=TRIALS_CAPTION,
+                  "best us (search)", "stopped early", title="trials of this search, per study", caption=TRIALS_CAPTION,
                   caption_justify="left")
     for s in outcome.stats:
         p = s.problem
         stats.add_row(_problem_label(p.op, p.m, p.n, p.k), s.backend, str(s.measured_now), str(s.ok),
                       str(s.failed), str(s.invalid), str(s.duplicates), str(s.measured_before),
-                      "-" if s.best_us is None else f"{s.best_us:.2f}")
+                      "-" if s.best_us is None else f"{s.best_us:.2f}", s.stopped or "-")
     console.print(stats)
     limit = outcome.probe.get("read_gbps")
     if outcome.probe.get("kind") == "cpu":

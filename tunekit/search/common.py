@@ -23,6 +23,7 @@ from optuna.trial import TrialState
 
 from tunekit.problems.shapes import Problem
 from tunekit.search import fleet
+from tunekit.search.early_stop import StopRule
 from tunekit.search.liveness import Liveness
 from tunekit.search.worker import DEFAULT_TIMEOUT_S, Worker
 
@@ -35,6 +36,8 @@ class SearchConfig:
     backends: list[str]
     out_dir: Path
     trials: int = 40
+    #: when a study may end before ``trials`` (near the measured limit, or a plateau; never before its minimum)
+    stop: StopRule = field(default_factory=StopRule)
     timeout_s: float | None = None  # whole-run budget for the trial phase
     sampler: str = "tpe"
     numerics: str = "bounded"
@@ -69,6 +72,7 @@ class StudyStats:
     invalid: int = 0
     duplicates: int = 0
     best_us: float | None = None
+    stopped: str | None = None  # why the study ended before --trials (early_stop.stop_reason), None if it did not
 
 
 @dataclass

@@ -96,6 +96,7 @@ def _run_search(cfg: SearchConfig, progress: bool | str, log: Callable[[str], No
         raise UserError(f"unknown sampler {cfg.sampler!r} (choose from {', '.join(SAMPLERS)})")
     if cfg.trials < 1:
         raise UserError("--trials must be at least 1")
+    cfg.stop.check()
     if not (math.isfinite(cfg.min_gain) and cfg.min_gain >= 0):
         raise UserError(f"--min-gain must be a number >= 0 (got {cfg.min_gain}); 0.01 asks a 1% gain")
     slots = fleet.parse_gpus(cfg.gpus, fleet.visible_gpu_count(), os.environ.get("TRITON_INTERPRET") == "1")
@@ -291,6 +292,7 @@ def _merged_stats(stats: list[StudyStats]) -> list[StudyStats]:
             setattr(m, name, getattr(m, name) + getattr(s, name))
         bests = [b for b in (m.best_us, s.best_us) if b is not None]
         m.best_us = min(bests) if bests else None
+        m.stopped = m.stopped or s.stopped
     return list(merged.values())
 
 

@@ -34,6 +34,7 @@ from tunekit.search.common import (
     tell,
     trial_index,
 )
+from tunekit.search.early_stop import stop_reason
 from tunekit.search.liveness import fail_dead_trials
 from tunekit.search.stops import STOPS
 from tunekit.search.studies import PRUNE_LIMIT, OpenStudy, shared_study
@@ -103,6 +104,10 @@ def _run_trials(run: Run, ctx: WorkerContext, st: OpenStudy, mine: _WorkerStudy,
             seen, inflight = trial_index(study, live.worker)
             measured = len(seen)
             if measured >= st.wanted or study.user_attrs.get("exhausted"):
+                return "done"
+            reason = stop_reason(seen.values(), run.cfg.stop)
+            if reason is not None:
+                _record_stop(run, st, stats, reason)
                 return "done"
             if measured + len(inflight) >= st.wanted:
                 return "elsewhere"
@@ -180,6 +185,15 @@ def _run_trials(run: Run, ctx: WorkerContext, st: OpenStudy, mine: _WorkerStudy,
             live.end()
             if stats.best_us is None:
                 stats.best_us = best_us(study)
+
+
+def _record_stop(run: Run, st: OpenStudy, stats: StudyStats, reason: str) -> None:
+    """The study ends before ``--trials``: its reason on the study (``stopped``, the same for every worker that
+    sees it: it is read from the stored trials) and in this search's counts; one log line per study."""
+    stats.stopped = reason
+    if st.study.user_attrs.get("stopped") != reason:
+        retrying(lambda: st.study.set_user_attr("stopped", reason))
+        run.bar.log(f"{st.name}: stopped early, {reason}")
 
 
 def _enqueue_unmeasured_grid(study: optuna.Study, st: OpenStudy, seen: dict[str, Any],
