@@ -198,7 +198,8 @@ def search(
         help="first measure the N best configs of every other study of the op in the storage")] = 3,
     seed_from: Annotated[list[Path] | None, typer.Option(
         help="table.json or trials.csv of an earlier run (repeatable): its best configs of the same op and "
-             "backend are measured first, nearest shape and M first")] = None,
+             "backend are measured first, nearest shape and M first; auto: the shipped tables measured on this "
+             "GPU (tunekit tables)")] = None,
     trial_timeout: Annotated[float, typer.Option(help="seconds before a stuck candidate is killed")] = 180.0,
     restrict: Annotated[list[str] | None, typer.Option(
         help="NAME=V1,V2 (repeatable): search only these values of a tunable, in every backend that has it, "
@@ -260,7 +261,8 @@ def search(
         if name not in registry.BUILTIN and ":" not in name:
             raise UserError(f"unknown backend {name!r} (known: {', '.join(registry.TUNED)})")
     for path in seed_from or ():
-        read_seed_records(path)  # a bad file fails now, not after the bandwidth probe
+        if str(path) != "auto":  # the shipped tables of the device's GPU, named once the device is known
+            read_seed_records(path)  # a bad file fails now, not after the bandwidth probe
     restricted = _parse_restrict(restrict or [], problems, names)
     run_name = spec.name if spec else "shapes"
     out_dir = out or Path("runs") / run_name
@@ -535,3 +537,30 @@ def probe() -> None:
     console.print(json.dumps(report, indent=2))
 
 
+
+
+@app.command()
+def tables(as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False) -> None:
+    """List the tables tunekit ships, one per GPU and model it was measured on.
+
+    Per table: the GPU, the model, its Ms, when it was measured, the per-token speedup its search recorded
+    per M (a prediction from the interleaved microbenchmarks) and the results folder it came from. Serve
+    them with TUNEKIT_TABLE=auto or tunekit.patch(model, table="auto"): each is checked on the device at load
+    (another GPU's is refused; each entry is verified against the reference). `tunekit search --seed-from
+    auto` starts from the ones measured on this GPU.
+    """
+    from tunekit import shipped
+
+    rows = [shipped.describe(s) for s in shipped.load_all()]
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        console.print(f"no shipped tables in {shipped.TABLES_DIR}")
+        return
+    table = Table("GPU", "model", "M", "entries", "measured", "per-token speedup (recorded)", "source")
+    for r in rows:
+        speedups = ", ".join(f"M={m}: {s:.3f}x" for m, s in r["speedup_per_token"].items()) or "-"
+        table.add_row(r["gpu"], r["model"] or "-", ",".join(map(str, r["ms"])), str(r["entries"]),
+                      (r["created"] or "-")[:10], speedups, r["source"] or "-")
+    console.print(table)

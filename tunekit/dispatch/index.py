@@ -27,6 +27,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
+from tunekit import shipped
 from tunekit import table as table_mod
 
 #: The tables to serve (os.pathsep-separated paths), read by :func:`table_paths` alone.
@@ -55,11 +56,20 @@ def no_collection() -> Iterator[None]:
 
 
 def table_paths(text: str | None = None) -> list[str]:
-    """The table paths ``TUNEKIT_TABLE`` names (or ``text``, the same form), blanks dropped: the one reader of
-    the variable (serving's lazy load, the vLLM plugin's switch and compile-cache digest)."""
+    """The table paths ``TUNEKIT_TABLE`` names (or ``text``, the same form), blanks dropped, ``auto`` replaced by
+    the shipped tables' paths: the one reader of the variable (serving's lazy load, the vLLM plugin's switch and
+    compile-cache digest)."""
     if text is None:
         text = os.environ.get(TABLE_ENV, "")
-    return [p for p in text.split(os.pathsep) if p.strip()]
+    out: list[str] = []
+    for part in (p for p in text.split(os.pathsep) if p.strip()):
+        # "auto": every shipped table (tunekit.shipped), in its place in the precedence order; each is checked
+        # on the device when it is read (dispatch.auto)
+        if part.strip() == shipped.AUTO:
+            out.extend(str(p) for p in shipped.paths())
+        else:
+            out.append(part)
+    return out
 
 
 class TableIndex:

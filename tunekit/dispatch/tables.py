@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from tunekit import shipped
 from tunekit import table as table_mod
 from tunekit.dispatch import index as index_mod
 from tunekit.dispatch.index import TableIndex, table_paths
@@ -51,12 +52,15 @@ def load_tables(paths: str | os.PathLike | Sequence[str | os.PathLike] | None) -
 def _parts(paths: str | os.PathLike | Sequence[str | os.PathLike] | None) -> list[str]:
     if paths is None or isinstance(paths, (str, os.PathLike)):
         return table_paths(None if paths is None else str(paths))
-    return [str(p) for p in paths]
+    return [q for p in paths for q in (table_paths(str(p)) if str(p).strip() == shipped.AUTO else [str(p)])]
 
 
-def _read(paths: str | os.PathLike | Sequence[str | os.PathLike] | None) -> list[LoadedTable]:
+def _read(paths: str | os.PathLike | Sequence[str | os.PathLike] | None,
+          check_shipped: bool = True) -> list[LoadedTable]:
     """Every table of ``paths`` read and validated (``tunekit.table.load``), or the error why not (logged once):
-    the one place serving reads table files."""
+    the one place serving reads table files. The shipped tables among them (``auto``) are checked on this
+    device (``dispatch.auto``: a foreign GPU's refused, each entry verified) unless ``check_shipped`` is off (a
+    caller that must not touch the GPU: they are then read as stamped)."""
     loaded = []
     for path in _parts(paths):
         try:
@@ -65,6 +69,17 @@ def _read(paths: str | os.PathLike | Sequence[str | os.PathLike] | None) -> list
         except Exception as exc:  # serving never raises: a broken table is a vendor path + one log line
             loaded.append(LoadedTable(path, None, str(exc)))
             log_once(f"table-error:{path}", logging.ERROR, "tunekit: table %s not used: %s", path, exc)
+    mine = {id(lt) for lt in loaded if lt.table is not None and shipped.is_shipped(lt.path)}
+    if check_shipped and mine:
+        from tunekit.dispatch import auto
+
+        try:
+            served = dict(auto.check([(lt.path, lt.table) for lt in loaded if id(lt) in mine]))
+        except Exception as exc:  # noqa: BLE001 - serving never raises: the shipped tables are then not served
+            served = {}
+            log_once(f"auto-error:{exc}", logging.ERROR, "tunekit: the shipped tables not used: %s", exc)
+        loaded = [LoadedTable(lt.path, served[lt.path]) if id(lt) in mine else lt for lt in loaded
+                  if id(lt) not in mine or lt.path in served]
     return loaded
 
 
@@ -189,7 +204,7 @@ def host_index(tp: int | None = None, paths: Sequence[str] | None = None) -> Tab
         elif served is not None and [lt.path for lt in served] == [str(p) for p in paths]:
             tables = served
         else:
-            tables = _read(list(paths))
+            tables = _read(list(paths), check_shipped=info is not None)
         usable = [(lt.path, lt.table) for lt in tables if lt.table is not None]
         index, _ = index_mod.build(usable, info, tp) if usable else (None, None)
         return index

@@ -67,7 +67,7 @@ from tunekit.search.progress import Progress
 from tunekit.search.stops import POLL_S, STOPS
 from tunekit.search.storage import fault as storage_fault
 from tunekit.search.storage import open_storage, storage_url, stored_trials
-from tunekit.search.studies import SAMPLERS, read_seed_records
+from tunekit.search.studies import SAMPLERS, read_seed_records, seed_paths
 from tunekit.search.trials import trial_phase
 from tunekit.search.worker import Worker
 
@@ -159,6 +159,10 @@ def _run_locked(run: Run, slots: Sequence[fleet.Slot], progress: bool | str,
             ctx.device = reply["device"]
         device = run.contexts[0].device
         outcome.device = device
+        if any(str(p) == "auto" for p in cfg.seed_from):
+            cfg.seed_from = tuple(seed_paths(cfg.seed_from, device))
+            log(f"--seed-from auto: {', '.join(str(p) for p in cfg.seed_from) or 'no shipped table'} "
+                f"for {device['name']}")
         run.usable = _usable_backends(cfg.backends, device)
         run.stamp, run.stamp_text = fleet.device_stamp(table_mod.environment_stamp(device, run.usable))
         for ctx in run.contexts[1:]:

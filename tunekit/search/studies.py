@@ -271,6 +271,20 @@ def _warm_start(storage, name: str, backend: str, problem: Problem, domains: dic
 SEEDS_FROM_FILES = 8
 
 
+def seed_paths(paths: Sequence[Path], device: dict[str, Any]) -> list[Path]:
+    """``--seed-from`` with ``auto`` replaced, in its place, by the shipped tables measured on ``device``'s GPU
+    model (``tunekit.shipped``): their winners are measured first, then refined by this search."""
+    from tunekit import shipped
+
+    out: list[Path] = []
+    for path in paths:
+        if str(path) == shipped.AUTO:
+            out.extend(s.path for s in shipped.for_device(device))
+        else:
+            out.append(Path(path))
+    return out
+
+
 def read_seed_records(path: Path) -> list[dict[str, Any]]:
     """(op, backend, m, n, k, params, time_us) records of the verified configs in a
     dispatch table (``table.json``) or a trials table (``trials.csv`` / ``.parquet``)."""

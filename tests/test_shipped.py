@@ -1,0 +1,127 @@
+"""The shipped tables: TUNEKIT_TABLE=auto checks each at load on this device, `tunekit tables` lists them,
+`search --seed-from auto` seeds from the ones of this GPU."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from test_ops import make_table, timed_entry
+
+import tunekit.ops as ops
+from tunekit import shipped
+from tunekit import table as table_mod
+from tunekit.measure.device import detect
+
+pytestmark = pytest.mark.usefixtures("clean_ops")  # conftest.py: no table, markers or vendor GEMM leak
+
+REPO = Path(__file__).resolve().parents[1]
+H200 = json.loads((REPO / "benchmarks/results/h200-serve-qwen35-27b-a831b66/table/run.json").read_text())["device"]
+N, K, HIDDEN = 8, 64, 64
+
+
+def _ship(root: Path, gpu: str, model: str, rows: list[dict], device: dict | None = None) -> Path:
+    path = make_table(root / gpu / f"{model}.json", rows, device)
+    table = json.loads(path.read_text())
+    table["shipped"] = {"gpu": table["environment"]["gpu"], "model": model, "ms": [1], "search": "tunekit search ...",
+                        "created": table["created"], "speedup_per_token": {"1": 1.25}, "source": "benchmarks/x"}
+    path.write_text(json.dumps(table))
+    return path
+
+
+@pytest.fixture
+def shipped_dir(tmp_path: Path, monkeypatch) -> Path:
+    """A shipped set of two tables: one stamped for this device (the CPU under the interpreter: a right GEMV
+    and a wrong fused GEMV, fault_backend:WRONG), one for an H200."""
+    root = tmp_path / "tables"
+    (root / "cpu").mkdir(parents=True)
+    (root / "nvidia-h200").mkdir(parents=True)
+    _ship(root, "cpu", "tiny", [timed_entry("gemv", N, K),
+                               dict(timed_entry("rms_gemv", N, HIDDEN), backend="fault_backend:WRONG")])
+    _ship(root, "nvidia-h200", "tiny", [timed_entry("gemv", 16, K)], device=H200)
+    monkeypatch.setattr(shipped, "TABLES_DIR", root)
+    return root
+
+
+def _auto_line(caplog) -> str:
+    lines = [r.getMessage() for r in caplog.records if "auto tables" in r.getMessage()]
+    assert len(lines) == 1, lines  # one line says what was used and what was dropped
+    return lines[0]
+
+
+def test_auto_serves_this_devices_table_refuses_a_foreign_gpu_and_drops_a_wrong_entry(shipped_dir, monkeypatch,
+                                                                                      caplog) -> None:
+    monkeypatch.setenv("TUNEKIT_TABLE", "auto")
+    with caplog.at_level(logging.INFO, logger="tunekit"):
+        loaded = ops.load_tables(None)
+    assert [Path(row["path"]).parent.name for row in loaded] == ["cpu"] and loaded[0]["entries"] == 1
+    line = _auto_line(caplog)
+    assert f"used {detect().name}/tiny: 1 of 2 entries passed their check" in line
+    assert "dropped 1: rms_gemv m1 8x64 fault_backend:WRONG:" in line and "bound" in line
+    assert "refused NVIDIA H200/tiny: measured on another GPU (gpu: table 'NVIDIA H200'" in line
+    # the kept entry serves; the dropped one's calls take the stock path
+    x = torch.randn(1, K, dtype=torch.bfloat16)
+    w = torch.randn(N, K, dtype=torch.bfloat16)
+    torch.testing.assert_close(torch.ops.tunekit.gemv(x, w, None), torch.nn.functional.linear(x, w))
+    assert [r["impl"] for r in ops.dispatch_stats() if r["op"] == "gemv"] == ["tuned:triton"]
+    assert ops.served_entry("rms_gemv", "bf16", 1, N, HIDDEN, "cpu") is None
+
+
+def test_only_a_foreign_gpus_table_is_one_line_and_nothing_served(shipped_dir, caplog) -> None:
+    (shipped_dir / "cpu" / "tiny.json").unlink()
+    with caplog.at_level(logging.INFO, logger="tunekit"):
+        assert ops.load_tables("auto") == []
+    line = _auto_line(caplog)
+    assert "refused NVIDIA H200/tiny: measured on another GPU" in line and "nothing served from them" in line
+    assert ops.served_entry("gemv", "bf16", 1, 16, K, "cpu") is None
+
+
+def test_a_table_of_this_gpu_timed_with_other_software_serves_its_checked_entries_and_says_so(shipped_dir,
+                                                                                              caplog) -> None:
+    path = shipped_dir / "cpu" / "tiny.json"
+    table = json.loads(path.read_text())
+    table["environment"]["kernel_hash"]["triton"] = "0000000000000000"  # the kernels changed since
+    table["entries"] = table["entries"][:1]
+    path.write_text(json.dumps(table))
+    assert table_mod.environment_mismatch(table, detect().as_dict())  # as stamped, serving would refuse it
+    with caplog.at_level(logging.INFO, logger="tunekit"):
+        assert [row["entries"] for row in ops.load_tables(["auto"])] == [1]
+    assert "timed with other software: triton kernel sources: table '0000000000000000'" in _auto_line(caplog)
+    assert ops.served_entry("gemv", "bf16", 1, N, K, "cpu") is not None
+
+
+def test_the_tables_command_lists_the_shipped_set(shipped_dir) -> None:
+    from typer.testing import CliRunner
+
+    from tunekit.cli import app
+
+    result = CliRunner().invoke(app, ["tables", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output)
+    assert [(r["gpu"], r["model"], r["ms"], r["speedup_per_token"]) for r in rows] == [
+        (detect().name, "tiny", [1], {"1": 1.25}), ("NVIDIA H200", "tiny", [1], {"1": 1.25})]
+    assert all(r["source"] == "benchmarks/x" and r["created"] for r in rows)
+
+
+def test_the_real_shipped_set_is_valid_and_every_figure_comes_from_its_results_folder() -> None:
+    rows = [shipped.describe(s) for s in shipped.load_all()]
+    assert {(r["gpu"], r["model"]) for r in rows} >= {("NVIDIA H200", "qwen3.5-27b"),
+                                                      ("NVIDIA H100 80GB HBM3", "qwen3.5-27b")}
+    for s in shipped.load_all():
+        source = REPO / s.meta["source"]
+        recorded = table_mod.load(source / "table.json")
+        assert {k: v for k, v in s.table.items() if k != "shipped"} == recorded  # copied as written
+        report = (source / "report.md").read_text()
+        for m, speedup in s.meta["speedup_per_token"].items():
+            assert f"| {m} |" in report and f"| {speedup:.4f} |" in report
+
+
+def test_seed_from_auto_names_the_tables_of_the_searchs_gpu(shipped_dir) -> None:
+    from tunekit.search.studies import seed_paths
+
+    cpu = shipped_dir / "cpu" / "tiny.json"
+    assert seed_paths([Path("auto")], detect().as_dict()) == [cpu]
+    assert seed_paths([Path("auto"), cpu], H200) == [shipped_dir / "nvidia-h200" / "tiny.json", cpu]

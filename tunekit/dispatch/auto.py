@@ -1,0 +1,113 @@
+"""``TUNEKIT_TABLE=auto``: the shipped tables, each checked at load on this device; what passes is served.
+
+A shipped table (``tunekit.shipped``) was measured on one GPU model with the software of its day. At load
+(:func:`check`, from ``dispatch.tables``' reader, once per load of the tables):
+
+1. **the stamp**: a table whose GPU fields (name, architecture, wave size, SM count) differ from this device
+   is refused whole: its configs were chosen by timings on another GPU;
+2. **every entry**: its kernel is built by its backend and checked against the op's fp64 reference on fresh
+   inputs the way the search checks a candidate (``tunekit.measure.verify``: every output written, finite,
+   within the op's BF16 bound, the same bits over two runs). An entry that does not build, whose backend
+   cannot run here, or that fails the check is dropped; the rest are served.
+
+A table stamped for this GPU with other software (torch, Triton, the kernel sources: the stamp's other
+fields) is served by its checked entries with the stamp's software fields set to this host's (serving's
+stamp check would refuse it otherwise), and the line says so: each kept entry is correct here, its speed is
+the one measured with the recorded software. The fusions section is kept as measured; a fold is checked on
+the model's own weights where it is made (``tunekit.patch``'s fold check, the vLLM plugin's).
+
+One line (:data:`LAST`, logged at INFO where all was kept, else WARNING) says what was used and what was
+dropped and why.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from tunekit import shipped
+from tunekit import table as table_mod
+from tunekit.dispatch.state import logger
+
+#: the one line of the last check (what was used, what was dropped and why)
+LAST: list[str] = []
+
+
+def _device() -> Any:
+    import torch
+
+    from tunekit.measure.device import detect, interpret_mode
+
+    if interpret_mode() or not torch.cuda.is_available():
+        return detect()
+    return detect(torch.cuda.current_device())
+
+
+def _entry_failure(entry: dict[str, Any], info: Any) -> str | None:
+    """Why ``entry`` cannot serve on this device (its build, its backend, its check), or None."""
+    import torch
+
+    from tunekit import backends
+    from tunekit.measure import verify
+    from tunekit.problems import opspec
+    from tunekit.problems.shapes import Problem
+
+    problem = Problem(entry["op"], entry["dtype"], entry["m"], entry["n"], entry["k"])
+    try:
+        backend = backends.get(entry["backend"])
+        reason = backend.unavailable_reason(info)
+        if reason:
+            return f"backend {entry['backend']} cannot run here ({reason})"
+        kernel = backend.build(problem, entry["params"], info)
+        result = verify.verify(kernel, opspec.get(problem.op), problem, torch.device(info.torch_device), seed=0)
+    except Exception as exc:  # noqa: BLE001 - any failure of a shipped entry drops it, with its reason
+        return f"{type(exc).__name__}: {exc}"
+    return None if result.ok else result.reason
+
+
+def check(loaded: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    """The shipped ``loaded`` tables ((path, table)) that serve on this device, each with the entries that
+    passed their check here; logs the one line (kept in :data:`LAST`)."""
+    info = _device()
+    device = info.as_dict()
+    here = table_mod.environment_stamp(device, [])
+    used, notes, worst = [], [], logging.INFO
+    for path, table in loaded:
+        name = shipped.describe(shipped.Shipped(path, table))
+        label = f"{name['gpu']}/{name['model'] or path}"
+        foreign = shipped.gpu_mismatch(table, device)
+        if foreign:
+            notes.append(f"refused {label}: measured on another GPU ({'; '.join(foreign)})")
+            continue
+        kept, dropped = [], []
+        for entry in table["entries"]:
+            why = _entry_failure(entry, info)
+            if why is None:
+                kept.append(entry)
+            else:
+                dropped.append(f"{entry['op']} m{entry['m']} {entry['n']}x{entry['k']} {entry['backend']}: {why}")
+        software = [d for d in table_mod.environment_mismatch(table, device)
+                    if not d.startswith(tuple(f"{f}:" for f in shipped.GPU_FIELDS))]
+        served = dict(table, entries=kept)
+        if software:
+            # each kept entry was checked here; the stamp now names this host's software, so serving's stamp
+            # check (dispatch.index) takes it, and the line says the timings were taken with other software
+            hashes = table_mod.environment_stamp(device, sorted({e["backend"] for e in kept}))["kernel_hash"]
+            served["environment"] = dict(table["environment"], runtime=here["runtime"], torch=here["torch"],
+                                         triton=here["triton"],
+                                         kernel_hash=dict(table["environment"]["kernel_hash"], **hashes))
+        note = f"used {label}: {len(kept)} of {len(table['entries'])} entries passed their check on {info.name}"
+        if software:
+            note += f" (timed with other software: {'; '.join(software)})"
+        if dropped:
+            worst = logging.WARNING
+            note += f"; dropped {len(dropped)}: {'; '.join(dropped)}"
+        notes.append(note)
+        used.append((path, served))
+    if not used:
+        worst = logging.WARNING
+        notes.append("nothing served from them (the stock path serves every call)")
+    line = f"tunekit: {shipped.AUTO} tables on {info.name}: " + " | ".join(notes)
+    LAST[:] = [line]
+    logger.log(worst, "%s", line)
+    return used
