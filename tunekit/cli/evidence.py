@@ -123,6 +123,12 @@ def serve_bench(
     logprobs: Annotated[int | None, typer.Option(
         help="top-K logprobs per decode position for the agreement (default 5 on dummy weights, 20 otherwise: "
              "vLLM's max_logprobs, raised for the engine when more)")] = None,
+    speculative: Annotated[list[str], typer.Option(
+        help="vLLM's speculative decoding in every arm, METHOD:K (ngram, k = 1..15 draft tokens; repeatable or a "
+             "comma list, e.g. ngram:3,ngram:5): one run per setting in DIR/<method>-<k>")] = [],  # noqa: B006
+    prompts: Annotated[str | None, typer.Option(
+        help="distinct (token ids that never repeat) or repeat (a pattern of 8 ids tiled, which the n-gram "
+             "proposer matches); default repeat with --speculative, else distinct")] = None,
 ) -> None:
     """vLLM decode end to end: vanilla vs plugin without table vs tuned, TPOT per batch size, vs the prediction.
 
@@ -170,6 +176,13 @@ def serve_bench(
     TUNEKIT_PROFILE_KERNELS=1 each served tuned kernel is also timed
     standalone in the engine's own process (in_process).
 
+    --speculative ngram:3,ngram:5: every arm with vLLM's n-gram
+    speculative decoding at k draft tokens, one run per k in
+    DIR/ngram-<k>; per arm and batch size the acceptance (vLLM's
+    counters), the decode steps' M and the dispatch coverage at those M;
+    DIR/serve.md sets the k side by side. The prompts repeat a pattern
+    unless --prompts distinct (docs/serving.md).
+
     Writes DIR/serve.json, serve.md, serve.png; a rerun resumes. --endpoint
     vanilla=URL --endpoint tuned=URL runs the same A/B against running
     OpenAI-compatible servers (streaming: TTFT, TPOT, throughput per
@@ -180,6 +193,7 @@ def serve_bench(
     from tunekit.evidence.serve_bench import endpoint as endpoint_mod
     from tunekit.evidence.serve_bench.agreement import DEFAULT_TOL
     from tunekit.evidence.serve_bench.settings import build_settings, parse_sizes
+    from tunekit.evidence.serve_bench.spec_decode import parse_speculative
 
     def log(text: str) -> None:
         console.print(text, markup=False, highlight=False)
@@ -195,14 +209,19 @@ def serve_bench(
             raise UserError("--report-only needs --out DIR (a serve-bench folder)")
         bench.report_dir(out, tol, log)
         return
-    settings = build_settings(
+    variants = parse_speculative(speculative) or (None,)
+    all_settings = [build_settings(
         model, config, table, parse_sizes(batch, "--batch"), tokens=tokens, prompt_len=prompt_len,
         repeats=repeats, processes=processes, layers=layers, arms=[a.strip() for a in arms.split(",") if a.strip()],
         gpu_memory_utilization=gpu_memory_utilization, enforce_eager=eager, agree_steps=agree_steps,
         logprob_tol=tol, python=str(python) if python else sys.executable, runner_timeout_s=runner_timeout,
         profile_steps=profile_steps, weights=weights, model_dir=str(model_dir) if model_dir else None,
-        logprobs=logprobs)
-    serve = bench.run_offline(settings, out or Path("runs") / f"serve-{settings.model}", log, stop_after_s=stop_after)
+        logprobs=logprobs, speculative=v, prompts=prompts) for v in variants]
+    folder = out or Path("runs") / f"serve-{all_settings[0].model}"
+    if speculative:
+        serve = bench.run_speculative(all_settings, folder, log, stop_after_s=stop_after)
+    else:
+        serve = bench.run_offline(all_settings[0], folder, log, stop_after_s=stop_after)
     if serve is None:
         sys.exit(3)  # stopped early on purpose: not an error, not done
 

@@ -112,6 +112,14 @@ class LLM:
         self.llm_engine = types.SimpleNamespace(output_processor=_OutputProcessor())
         self.arm = _arm()
         self.batches_seen: set[int] = set()
+        # speculative decoding (the spec's speculative_config): every decode step verifies k drafts per request, of
+        # which the first k // 2 are accepted; the counters as LLM.get_metrics() gives them, the steps through the
+        # in-process scheduler's schedule() as vLLM's engine core calls it
+        spec = kwargs.get("speculative_config")
+        self.k = int(spec["num_speculative_tokens"]) if isinstance(spec, dict) else 0
+        self.metrics = {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "per_pos": [0] * self.k}
+        self.llm_engine.engine_core = types.SimpleNamespace(
+            engine_core=types.SimpleNamespace(scheduler=_Scheduler()))
         if os.environ.get("FAKE_FAIL_ARM") == self.arm:
             raise RuntimeError("CUDA out of memory (stub)")
         if _plugins_allowed("tunekit"):
@@ -157,6 +165,15 @@ class LLM:
             outs.append(_Output(_Completion(tokens, lps if sp.logprobs is not None else None)))
         return outs
 
+    def get_metrics(self) -> list:
+        if not self.k:
+            raise AssertionError("Stat logging disabled")
+        m, name = self.metrics, "vllm:spec_decode_num_"
+        return [types.SimpleNamespace(name=name + "drafts", value=m["drafts"]),
+                types.SimpleNamespace(name=name + "draft_tokens_total", value=m["draft_tokens"]),
+                types.SimpleNamespace(name=name + "accepted_tokens", value=m["accepted_tokens"]),
+                types.SimpleNamespace(name=name + "accepted_tokens_per_pos", values=list(m["per_pos"]))]
+
     def _peaked(self, ids: list[int], sp: SamplingParams) -> _Output:
         """Realistic weights: the next token a function of the last one, a peaked distribution over three."""
         lps = [-0.12, -2.5, -4.0]
@@ -179,11 +196,28 @@ class LLM:
         step = TPOT_MS[self.arm] / 1000.0
         slow = float(os.environ.get("FAKE_SLOW_ONE_TOKEN_MS", "0")) / 1000.0 if tokens == 1 else 0.0
         start = time.perf_counter() + 0.001 + slow
+        scheduler = self.llm_engine.engine_core.engine_core.scheduler
+        scheduler.schedule(requests, new=True)  # the prefill
         for s in range(tokens):
+            if s and self.k:
+                scheduler.schedule(requests * (1 + self.k))
+                self.metrics["drafts"] += requests
+                self.metrics["draft_tokens"] += requests * self.k
+                self.metrics["accepted_tokens"] += requests * (self.k // 2)
+                for pos in range(self.k // 2):
+                    self.metrics["per_pos"][pos] += requests
             # to a deadline, not by steps: a sleep's overshoot on a loaded machine does not add up over the tokens
             time.sleep(max(0.0, start + (s + 1) * step - time.perf_counter()))
             self.llm_engine.output_processor.process_outputs(
                 [types.SimpleNamespace(request_id=str(r), new_token_ids=[s]) for r in range(requests)])
+
+
+class _Scheduler:
+    """vLLM v1's scheduler, as far as serve-bench's step hook reads its output."""
+
+    def schedule(self, tokens: int, new: bool = False) -> types.SimpleNamespace:
+        return types.SimpleNamespace(total_num_scheduled_tokens=tokens, scheduled_new_reqs=["r"] if new else [],
+                                     scheduled_spec_decode_tokens={})
 
 
 def _load_stub_plugin(llm: LLM) -> None:
@@ -206,6 +240,11 @@ def _load_stub_plugin(llm: LLM) -> None:
             calls.append({"op": "gemv", "dtype": "bf16", "shape": "96x5120", "m": 16 * m, "bias": False,
                           "impl": "fallback:no_table" if not table else "fallback:m_above_table",
                           "calls": 48, "counted_at": "call"})
+            if llm.k:  # the verify steps: each request's token and its k drafts; tables serve up to M = 8 here
+                verify = m * (1 + llm.k)
+                calls.append({"op": "gemv", "dtype": "bf16", "shape": "96x5120", "m": verify, "bias": False,
+                              "impl": impl_gemv if verify <= 8 else "fallback:m_above_table", "calls": 48,
+                              "counted_at": "capture"})
         tables = [{"path": p, "entries": 1} for p in table.split(os.pathsep) if p]
         return {"format": "tunekit.dispatch_stats/1", "pid": os.getpid(), "tables": tables, "note": "capture",
                 "calls": calls}

@@ -25,6 +25,10 @@ Figures per batch size B:
   Tables tuned for another environment are left out (the ops serve nothing
   from them either).
 
+With ``--speculative`` (``spec_decode.py``): per batch size and arm the acceptance from vLLM's counters and
+the decode steps' M histogram (``spec_decode``); over the run, the dispatch coverage per M up to the largest
+verify step's (``speculative``). TPOT stays per output token, so the arms compare at the same k.
+
 TPOT is also read from per-token timestamps (``tpot.py``); a batch size where
 the two figures differ by more than 2% gets a note.
 
@@ -44,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from tunekit.errors import UserError
-from tunekit.evidence.serve_bench import ARMS, TABLE_ARMS
+from tunekit.evidence.serve_bench import ARMS, TABLE_ARMS, spec_decode
 from tunekit.evidence.serve_bench.agreement import DEFAULT_TOL, agreement_row
 from tunekit.evidence.serve_bench.profile import arm_profile, compare
 from tunekit.evidence.serve_bench.runner import FORMAT as RUN_FORMAT
@@ -396,6 +400,12 @@ def summarize(settings: dict[str, Any], results: dict[str, list[dict[str, Any]]]
             notes.append(f"B={batch}: the prediction counts ops that ran no tuned call in vLLM ("
                          + ", ".join(f"{op} {us:.0f} us" for op, us in gaps.items())
                          + "): a routing gap or a fallback; the dispatch coverage says which")
+        if settings.get("speculative"):
+            row["spec_decode"] = {arm: spec_decode.arm_figures([(_batch_row(res, batch) or {}).get("spec_decode")
+                                                                for res in results.get(arm, [])])
+                                  for arm in ARMS if arm in results}
+            if (note := spec_decode.acceptance_note(batch, row["spec_decode"])) is not None:
+                notes.append(note)
         row["agreement"] = agreement_row(results, batch, tol, settings.get("weights", "dummy"), settings["batches"])
         profiles = {arm: arm_profile((_batch_row(res, batch) or {}).get("profile") for res in results.get(arm, []))
                     for arm in ARMS if arm in results}
@@ -419,8 +429,16 @@ def summarize(settings: dict[str, Any], results: dict[str, list[dict[str, Any]]]
     short = sum(r.get("short_outputs", 0) for docs in results.values() for res in docs for r in res["batches"])
     if short:
         notes.append(f"{short} timed outputs were shorter than --tokens (max_model_len?): their TPOT is off")
+    speculative = None
+    if settings.get("speculative"):
+        bound = spec_decode.verify_bound(settings["batches"], settings["speculative"])
+        speculative = {"setting": settings["speculative"], "prompts": settings.get("prompts"), "verify_max_m": bound,
+                       "coverage": {arm: spec_decode.verify_coverage(cov, bound) for arm, cov in coverage.items()}}
+        if min(settings["batches"]) * settings.get("prompt_len", 0) <= bound:
+            notes.append(f"prompts of {settings.get('prompt_len')} tokens prefill at M <= {bound}: the coverage per "
+                         "M of the verify steps counts those prefill calls too")
     return {
-        "format": FORMAT, "mode": "offline", "model": settings.get("model"), "layers": settings.get("layers"),
+        "format": FORMAT, "mode": "offline", "speculative": speculative, "model": settings.get("model"), "layers": settings.get("layers"),
         "device": _first(results, "device"), "vllm": _first(results, "vllm"), "torch": _first(results, "torch"),
         "tunekit_commit": commit, "settings": settings, "tables": [p for p, _ in tables],
         "table_mismatch": table_mismatch,

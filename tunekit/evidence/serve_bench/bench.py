@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from tunekit.errors import Interrupted, UserError
-from tunekit.evidence.serve_bench import ARMS, TABLE_ARMS, endpoint
+from tunekit.evidence.serve_bench import ARMS, TABLE_ARMS, endpoint, spec_decode
 from tunekit.evidence.serve_bench.agreement import DEFAULT_TOL
 from tunekit.evidence.serve_bench.analysis import (
     RUNS_DIR,
@@ -263,7 +263,8 @@ def _run_offline(settings: Settings, out_dir: Path, log: Callable[[str], None], 
     order = schedule(settings.arms, settings.processes)
     log(f"serve-bench {settings.model}: {len(order)} processes ({', '.join(settings.arms)} x "
         f"{settings.processes}), batches {','.join(map(str, settings.batches))}, {settings.tokens} tokens, "
-        f"vLLM {info['vllm']} ({info.get('python')})")
+        + (f"speculative {settings.speculative} ({settings.prompts} prompts), " if settings.speculative else "")
+        + f"vLLM {info['vllm']} ({info.get('python')})")
     started = time.perf_counter()
     longest = 0.0
     for n, (arm, i) in enumerate(order, 1):
@@ -286,7 +287,7 @@ def _run_offline(settings: Settings, out_dir: Path, log: Callable[[str], None], 
                 "batches": list(settings.batches), "tokens": settings.tokens, "prompt_len": settings.prompt_len,
                 "repeats": settings.repeats, "agree_steps": settings.agree_steps, "logprobs": settings.logprobs,
                 "vocab_size": vocab_size(settings.model_config), "profile_steps": settings.profile_steps,
-                "weights": settings.weights, "weights_seed": settings.weights_seed,
+                "weights": settings.weights, "weights_seed": settings.weights_seed, "prompts": settings.prompts,
                 "forced": None if (arm, i) == ("vanilla", 0) else forced_tokens(runs_dir)}
         spec_path = runs_dir / f"{arm}-{i}.spec.json"
         spec_path.write_text(json.dumps(spec, indent=1) + "\n")
@@ -306,6 +307,49 @@ def _run_offline(settings: Settings, out_dir: Path, log: Callable[[str], None], 
             raise UserError(f"{arm} #{i} failed: {why} (log: {log_path}); finished processes are kept, "
                             "rerun the same command to resume")
     return report_dir(out_dir, settings.logprob_tol, log, table_mismatch=mismatch)
+
+
+def run_speculative(settings: Sequence[Settings], out_dir: Path, log: Callable[[str], None] = print,
+                    base_env: dict[str, str] | None = None,
+                    stop_after_s: float | None = None) -> dict[str, Any] | None:
+    """One offline run per speculative setting (``--speculative ngram:3,ngram:5``), each a whole serve-bench
+    folder ``DIR/<method>-<k>`` (every arm at that k: tuned is compared with vanilla at the same k), then
+    ``DIR/serve.json`` and ``serve.md``: the settings side by side (``spec_index``). None when stopped early."""
+    out_dir = Path(out_dir)
+    started = time.perf_counter()
+    for s in settings:
+        if s.speculative is None:
+            raise UserError("run_speculative takes settings with a speculative value each")
+        left = None if stop_after_s is None else stop_after_s - (time.perf_counter() - started)
+        log(f"serve-bench: speculative {s.speculative} in {out_dir / spec_decode.folder(s.speculative)}")
+        if run_offline(s, out_dir / spec_decode.folder(s.speculative), log, base_env, left) is None:
+            return None
+    return spec_index(out_dir, log)
+
+
+def spec_index(out_dir: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """``DIR/serve.json`` (mode ``speculative``) and ``serve.md`` from the speculative settings' folders'
+    ``serve.json``: per setting and batch size, TPOT per arm, tuned over vanilla, acceptance and mean M."""
+    from tunekit.evidence.serve_bench.report import write_spec_index
+
+    variants = []
+    for sub in sorted(p for p in Path(out_dir).iterdir() if (p / SETTINGS_FILE).is_file()):
+        key = load_json(sub / SETTINGS_FILE, "serve-bench settings")
+        if not key.get("speculative") or not (sub / "serve.json").is_file():
+            continue
+        serve = load_json(sub / "serve.json", "serve-bench report")
+        variants.append({"speculative": key["speculative"], "folder": sub.name,
+                         "rows": [{"batch": r["batch"], "tpot": {a: (t or {}).get("median_ms") for a, t in
+                                                                 r["tpot"].items()},
+                                   "speedup": r.get("speedup"), "spec_decode": r.get("spec_decode")}
+                                  for r in serve["batches"]], "notes": serve.get("notes", [])})
+    if not variants:
+        raise UserError(f"{out_dir} holds no finished speculative run (a <method>-<k> folder with serve.json)")
+    variants.sort(key=lambda v: spec_decode.parse_one(v["speculative"]))
+    doc = {"format": "tunekit.evidence.serve_bench.speculative/1", "mode": "speculative", "variants": variants}
+    path, md = write_spec_index(doc, Path(out_dir))
+    log(f"wrote {path}, {md}")
+    return doc
 
 
 def forced_tokens(runs_dir: Path) -> dict[str, list[list[int]]] | None:
@@ -332,6 +376,11 @@ def report_dir(out_dir: Path, tol: float = DEFAULT_TOL, log: Callable[[str], Non
     from tunekit.problems.models.spec import ModelSpec
 
     out_dir = Path(out_dir)
+    subs = [p for p in out_dir.iterdir() if (p / SETTINGS_FILE).is_file()] if out_dir.is_dir() else []
+    if not (out_dir / SETTINGS_FILE).is_file() and subs:  # a --speculative run: one folder per setting
+        for sub in sorted(subs):
+            report_dir(sub, tol, log)
+        return spec_index(out_dir, log)
     if not (out_dir / SETTINGS_FILE).is_file() and (out_dir / "serve.json").is_file():
         if load_json(out_dir / "serve.json", "serve-bench report").get("mode") == "endpoint":
             return endpoint.add_coverage(out_dir, log)

@@ -301,6 +301,74 @@ def prefill_work_table(serve: dict[str, Any]) -> tuple[list[str], list[list[str]
     return head, rows
 
 
+def _m_hist(hist: dict[str, int] | None) -> str:
+    """``{"4": 120, "3": 7}`` -> ``4: 120, 3: 7`` (most steps first)."""
+    items = sorted((hist or {}).items(), key=lambda kv: (-kv[1], int(kv[0])))
+    return ", ".join(f"{m}: {n}" for m, n in items) or "-"
+
+
+def spec_lines(serve: dict[str, Any]) -> list[str]:
+    """The speculative-decoding section: acceptance and the decode steps' M per arm and batch size, then
+    the dispatch coverage per M up to the largest verify step's."""
+    spec = serve["speculative"]
+    head = ["B", "arm", "TPOT ms", "acceptance", "mean accepted length", "drafts", "decode steps' M (steps)",
+            "mean M"]
+    rows = []
+    for row in serve["batches"]:
+        for arm, f in (row.get("spec_decode") or {}).items():
+            if f:
+                rows.append([str(row["batch"]), arm, _f(row.get(f"{arm}_tpot_ms"), ".3f"),
+                             _f(f["acceptance_rate"], ".3f"), _f(f["mean_accepted_length"], ".2f"),
+                             _f(f["counters"].get("drafts"), "d"), _m_hist(f["decode_m"]), _f(f["mean_m"], ".2f")])
+    lines = ["", f"Speculative decoding: vLLM's {spec['setting']} in every arm ({spec.get('prompts')} prompts). "
+             "Acceptance = accepted / draft tokens, mean accepted length = 1 + accepted / drafts (vLLM's counters "
+             "over the batch size's generates, summed over processes); M of a decode step = the tokens the "
+             "scheduler ran in it (each sequence's last token and its drafts), before any CUDA-graph padding.",
+             "", _md_table(head, rows) if rows else "(no process recorded spec-decode figures)"]
+    head = ["arm", "M", "tuned calls", "fallback calls", "by op and impl"]
+    rows = []
+    for arm, cov in (spec.get("coverage") or {}).items():
+        for m, cell in (cov or {}).get("by_m", {}).items():
+            ops = "; ".join(f"{op} " + ", ".join(f"{impl} x{n}" for impl, n in sorted(impls.items()))
+                            for op, impls in sorted(cell["ops"].items()))
+            rows.append([arm, m, str(cell["tuned"]), str(cell["fallback"]), ops])
+    if rows:
+        lines += ["", f"Dispatch coverage at the verify steps' M (every M up to {spec['verify_max_m']}, the largest "
+                  "batch with all its drafts), from the plugin's markers over the whole run (markers carry no step): "
+                  "the M a GEMV ran at, after padding to a captured size; under CUDA graphs counted at capture.",
+                  "", _md_table(head, rows)]
+    return lines
+
+
+def write_spec_index(doc: dict[str, Any], out: Path) -> tuple[Path, Path]:
+    """``serve.json`` and ``serve.md`` of a ``--speculative`` run's folder: each setting's figures side by side
+    (its own folder holds the whole report)."""
+    path = out / "serve.json"
+    path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    head = ["speculative", "B", "vanilla TPOT ms", "tuned TPOT ms", "tuned speedup", "acceptance vanilla / tuned",
+            "mean M vanilla / tuned"]
+    rows = []
+    for v in doc["variants"]:
+        for r in v["rows"]:
+            sd = r.get("spec_decode") or {}
+            van, tun = sd.get("vanilla") or {}, sd.get("tuned") or {}
+            rows.append([f"[{v['speculative']}]({v['folder']}/serve.md)", str(r["batch"]),
+                         _f(r["tpot"].get("vanilla"), ".3f"), _f(r["tpot"].get("tuned"), ".3f"),
+                         _f(r.get("speedup"), ".4f"),
+                         f"{_f(van.get('acceptance_rate'), '.3f')} / {_f(tun.get('acceptance_rate'), '.3f')}",
+                         f"{_f(van.get('mean_m'), '.2f')} / {_f(tun.get('mean_m'), '.2f')}"])
+    lines = ["## Served decode with speculative decoding", "",
+             "One serve-bench run per setting, every arm at that setting (tuned over vanilla at the same k); "
+             "each folder's serve.md has the whole report (coverage per M, agreement, notes).", "",
+             _md_table(head, rows)]
+    notes = [f"{v['speculative']}: {n}" for v in doc["variants"] for n in v.get("notes", [])]
+    if notes:
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
+    md = out / "serve.md"
+    md.write_text("\n".join(lines) + "\n")
+    return path, md
+
+
 def write_markdown(serve: dict[str, Any], path: Path) -> Path:
     """The report section: settings, TPOT per arm, prediction vs measurement, coverage, agreement, notes."""
     s = serve.get("settings", {})
@@ -349,6 +417,8 @@ def write_markdown(serve: dict[str, Any], path: Path) -> Path:
         lines += ["", "Dispatch coverage at M = B, merged over the processes' TUNEKIT_DISPATCH_LOG files. "
                   "Under CUDA graphs calls are counted at capture (replays run no Python): counts are captures "
                   "and eager calls, not executions.", "", _md_table(*cov)]
+    if serve.get("speculative"):
+        lines += spec_lines(serve)
     ag = agreement_table(serve)
     if ag[1]:
         tol = next((r["agreement"]["tolerance"] for r in serve["batches"] if r.get("agreement")), None)

@@ -51,6 +51,7 @@ Result (``format`` = ``tunekit.serve_run/1``; the parent's parse test reads it):
      "batches": [{"batch", "tokens", "prompt_len", "repeats", "t_tokens_s": [...], "t_1_s": [...],
                   "tpot_ms": [...], "tpot_ms_median", "tpot_ms_min", "tpot_ms_max", "tokens_per_s",
                   "short_outputs", "vllm_metrics": {...} | None,
+                  "spec_decode": {"counters", "steps", "error"} (with a speculative_config: spec_decode.py),
                   "t_1_host" / "t_tokens_host": [HostEvents.record() per timed generate],
                   "t_tokens_clock": [TokenClock.record() per timed --tokens generate], "tpot_stamps_ms_median",
                   "agreement": {"steps", "logprobs", "requests": [{"token_ids", "logprobs", "top"}]},
@@ -79,6 +80,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from tunekit.evidence.serve_bench import spec_decode
 from tunekit.evidence.serve_bench.forced import forced_row
 from tunekit.evidence.serve_bench.tpot import TokenClock, stamps_ms
 from tunekit.evidence.serve_bench.weights import describe, weights_after_start, weights_before_start
@@ -170,17 +172,27 @@ def accepted_fields(cls: Any) -> set[str] | None:
 def engine_kwargs(engine: dict[str, Any], fields: set[str] | None) -> tuple[dict[str, Any], list[str]]:
     """The spec's engine arguments that this vLLM's EngineArgs has (dropped names listed, never fatal
     for the optional ones: ``gdn_prefill_backend`` exists from vLLM 0.26 on)."""
+    # speculative_config is required where given: a run told to speculate must never run without it
     required = {"model", "load_format", "skip_tokenizer_init", "dtype", "max_model_len", "max_num_seqs",
-                "gpu_memory_utilization"}
+                "gpu_memory_utilization", "speculative_config"}
     if fields is None:
         return dict(engine), []
     kept = {k: v for k, v in engine.items() if k in fields or k in required}
     return kept, sorted(set(engine) - set(kept))
 
 
-def make_prompts(batch: int, prompt_len: int, vocab_size: int) -> list[list[int]]:
-    """``batch`` distinct token-id prompts (no shared prefix), the same in every arm and process."""
+#: ``repeat`` prompts: each request's pattern of this many distinct ids, tiled (speculative decoding's n-gram
+#: proposer finds the prompt's last tokens earlier in it, so every sequence gets drafts from its first step)
+REPEAT_PERIOD = 8
+
+
+def make_prompts(batch: int, prompt_len: int, vocab_size: int, kind: str = "distinct") -> list[list[int]]:
+    """``batch`` distinct token-id prompts (no shared prefix), the same in every arm and process; ``repeat``:
+    request r's own REPEAT_PERIOD ids over and over (distinct from the other requests')."""
     span = max(1, min(_ID_SPAN, vocab_size - _ID_BASE))
+    if kind == "repeat":
+        return [[_ID_BASE + (r * REPEAT_PERIOD + j % REPEAT_PERIOD) * 37 % span for j in range(prompt_len)]
+                for r in range(batch)]
     return [[_ID_BASE + (r * 7919 + j * 131 + r * j) % span for j in range(prompt_len)] for r in range(batch)]
 
 
@@ -417,11 +429,15 @@ def _run(spec: dict[str, Any], result: dict[str, Any]) -> None:
     def sampling(n: int, logprobs: int | None = None) -> Any:
         return _sampling(SamplingParams, sp_fields, n, logprobs)
 
+    speculative = "speculative_config" in kwargs
     known: dict[int, list[int]] = {}  # request -> the tokens it was forced with (its prompt is the same at every B)
     for batch in spec["batches"]:
-        ids = make_prompts(batch, int(spec["prompt_len"]), int(spec["vocab_size"]))
+        ids = make_prompts(batch, int(spec["prompt_len"]), int(spec["vocab_size"]), spec.get("prompts", "distinct"))
         prompts = [TokensPrompt(prompt_token_ids=p) for p in ids]
-        row = measure_batch(llm, prompts, sampling, batch, spec)
+        if speculative:
+            row = _measure_speculative(llm, prompts, sampling, batch, spec)
+        else:
+            row = measure_batch(llm, prompts, sampling, batch, spec)
         steps, k = int(spec["agree_steps"]), int(spec["logprobs"])
         outs = llm.generate(prompts, sampling(steps, k), use_tqdm=False)
         requests = int(spec.get("agree_requests", 8))
@@ -434,6 +450,24 @@ def _run(spec: dict[str, Any], result: dict[str, Any]) -> None:
         result["batches"].append(row)
         progress(f"{spec['arm']} #{spec['index']}: B={batch} TPOT {row['tpot_ms_median']:.3f} ms "
                  f"({row['tpot_ms_min']:.3f}-{row['tpot_ms_max']:.3f}), {row['tokens_per_s']:.1f} tokens/s")
+
+
+def _measure_speculative(llm: Any, prompts: list[Any], sampling: Any, batch: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """``measure_batch`` with the batch size's spec-decode record (``row["spec_decode"]``): vLLM's acceptance
+    counters over its generates and the M of each engine step (``spec_decode``). The step hook is on during
+    every generate of both lengths, as the token clock is: its cost cancels in the difference."""
+    def read() -> dict[str, Any]:
+        return spec_decode.counters(llm.get_metrics())
+
+    try:
+        before, error = read(), None
+    except Exception as exc:  # noqa: BLE001 - a vLLM without metrics still gives its TPOT; the report says why
+        before, error = None, f"LLM.get_metrics() failed: {type(exc).__name__}: {exc}"
+    with spec_decode.StepShapes(llm) as shapes:
+        row = measure_batch(llm, prompts, sampling, batch, spec)
+    counts = spec_decode.delta(before, read()) if before is not None else None
+    row["spec_decode"] = {"counters": counts, "steps": shapes.record(), "error": error}
+    return row
 
 
 def profile_row(generate: Any, steps: int, have_cuda: bool) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tunekit.errors import UserError
-from tunekit.evidence.serve_bench import ARMS, DEFAULT_ARMS, TABLE_ARMS
+from tunekit.evidence.serve_bench import ARMS, DEFAULT_ARMS, TABLE_ARMS, spec_decode
 from tunekit.evidence.serve_bench.agreement import DEFAULT_TOL
 from tunekit.evidence.serve_bench.analysis import load_json
 
@@ -62,6 +62,11 @@ class Settings:
     weights_seed: int = 0
     #: a model folder with a checkpoint (config.json and weights); None: DIR/model with config.json alone
     model_dir: str | None = None
+    #: vLLM's speculative decoding in every arm (``"ngram:3"``: tunekit.evidence.serve_bench.spec_decode); None: off
+    speculative: str | None = None
+    #: the prompts' recipe (runner.make_prompts): "distinct" ids, or "repeat" (a short pattern tiled, which the
+    #: n-gram proposer matches: the default with ``speculative``)
+    prompts: str = "distinct"
 
     @property
     def max_model_len(self) -> int:
@@ -82,7 +87,7 @@ class Settings:
             "gpu_memory_utilization": self.gpu_memory_utilization, "enforce_eager": self.enforce_eager,
             "seed": 0, "enable_prefix_caching": False,
             # the SM90 default is FlashInfer's JIT GDN prefill, absent where flashinfer is
-            "gdn_prefill_backend": "triton", **extra,
+            "gdn_prefill_backend": "triton", **spec_decode.engine_args(self.speculative), **extra,
         }
 
     def key(self) -> dict[str, Any]:
@@ -94,6 +99,9 @@ class Settings:
         if self.weights == "dummy":  # likewise for the weights
             for name in ("weights", "weights_seed", "model_dir"):
                 doc.pop(name)
+        if self.speculative is None and self.prompts == "distinct":  # likewise for speculative decoding
+            doc.pop("speculative")
+            doc.pop("prompts")
         doc["tables"] = list(self.tables)
         doc["batches"], doc["arms"] = list(self.batches), list(self.arms)
         return doc
@@ -169,6 +177,11 @@ def build_settings(model: str | None, config: Path | None, tables: Sequence[Path
         table_mod.load(t)  # missing or corrupt: one error line, before anything starts
         paths.append(str(Path(t).resolve()))
     options = _weights_options(options)
+    if options.get("speculative") is not None:
+        options["speculative"] = spec_decode.parse_speculative([options["speculative"]])[0]
+    options["prompts"] = options.get("prompts") or ("repeat" if options.get("speculative") else "distinct")
+    if options["prompts"] not in PROMPTS:
+        raise UserError(f"--prompts takes {' or '.join(PROMPTS)}, got {options['prompts']!r}")
     if options.get("model_dir"):
         if config is not None or model:
             raise UserError("--model-dir is the model: give it without --model or --config")
@@ -193,6 +206,8 @@ def build_settings(model: str | None, config: Path | None, tables: Sequence[Path
     return s
 
 
+#: ``--prompts`` values (``runner.make_prompts``).
+PROMPTS = ("distinct", "repeat")
 #: ``--weights`` values (``checkpoint`` is what ``--model-dir`` makes).
 WEIGHTS = ("dummy", "realistic")
 
