@@ -19,6 +19,9 @@ Modules:
   two TPOT figures side by side.
 * ``agreement``: pure: every arm against vanilla, teacher-forced (greedy
   tokens, max |Δlogprob|, KL against vanilla's spread) and free-running.
+* ``spec_decode``: ``--speculative``: the values, vLLM's speculative_config
+  for them, the acceptance from vLLM's counters, the decode steps' M (a
+  hook on the in-process scheduler) and the dispatch coverage at those M.
 * ``settings``: what a run measures (``Settings``, checked before anything
   starts) and the model folder vLLM loads.
 * ``bench``: the parent: arm schedule, environment per arm (``VLLM_PLUGINS``,
@@ -32,7 +35,7 @@ Modules:
   (streaming ``/v1/completions``, standard library only).
 * ``provenance``: the package root the runners start with, its git commit.
 
-Layers: ``weights``, ``forced``, ``tpot``, ``agreement`` and ``profile`` at the
+Layers: ``weights``, ``forced``, ``tpot``, ``agreement``, ``profile`` and ``spec_decode`` at the
 bottom (standard library at import), ``runner`` on them, then ``analysis``,
 ``report``, ``provenance``, ``settings``, ``endpoint``, and ``bench`` on top.
 """

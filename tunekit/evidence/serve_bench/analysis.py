@@ -438,7 +438,8 @@ def summarize(settings: dict[str, Any], results: dict[str, list[dict[str, Any]]]
             notes.append(f"prompts of {settings.get('prompt_len')} tokens prefill at M <= {bound}: the coverage per "
                          "M of the verify steps counts those prefill calls too")
     return {
-        "format": FORMAT, "mode": "offline", "speculative": speculative, "model": settings.get("model"), "layers": settings.get("layers"),
+        "format": FORMAT, "mode": "offline", "speculative": speculative, "model": settings.get("model"),
+        "layers": settings.get("layers"),
         "device": _first(results, "device"), "vllm": _first(results, "vllm"), "torch": _first(results, "torch"),
         "tunekit_commit": commit, "settings": settings, "tables": [p for p, _ in tables],
         "table_mismatch": table_mismatch,

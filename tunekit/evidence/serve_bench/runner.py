@@ -18,7 +18,8 @@ difference method is done here directly with ``LLM.generate`` in one engine
 for every batch size:
 
 * per batch size B: B distinct token-id prompts of ``prompt_len`` tokens
-  (the same in every arm), a warm-up ``generate`` of ``tokens`` and of 1
+  (the same in every arm; the spec's ``prompts`` = ``repeat`` tiles each one's
+  own short pattern, for speculative decoding's n-gram proposer), a warm-up ``generate`` of ``tokens`` and of 1
   new token, then ``repeats`` timed pairs (1 token, ``tokens`` tokens),
   the order alternating per repeat so a drift charges both equally;
 * TPOT = (t_tokens - t_1) / (tokens - 1): prefill, scheduling and Python
@@ -452,7 +453,8 @@ def _run(spec: dict[str, Any], result: dict[str, Any]) -> None:
                  f"({row['tpot_ms_min']:.3f}-{row['tpot_ms_max']:.3f}), {row['tokens_per_s']:.1f} tokens/s")
 
 
-def _measure_speculative(llm: Any, prompts: list[Any], sampling: Any, batch: int, spec: dict[str, Any]) -> dict[str, Any]:
+def _measure_speculative(llm: Any, prompts: list[Any], sampling: Any, batch: int,
+                         spec: dict[str, Any]) -> dict[str, Any]:
     """``measure_batch`` with the batch size's spec-decode record (``row["spec_decode"]``): vLLM's acceptance
     counters over its generates and the M of each engine step (``spec_decode``). The step hook is on during
     every generate of both lengths, as the token clock is: its cost cancels in the difference."""
