@@ -1,4 +1,4 @@
-"""Triton GEMV family: y[M, N] = x[M, K] @ W[N, K]^T for decode (M = 1..8),
+"""Triton GEMV family: y[M, N] = x[M, K] @ W[N, K]^T for decode (M = 1..16),
 ``gemv_add``: y = x @ W^T + r, the residual add in the epilogue, and
 ``rms_gemv``: y = (x / rms(x)) @ W^T, an RMSNorm whose weight is folded into W.
 
@@ -22,7 +22,8 @@ Design, for a memory-bound problem:
   once in all of them), chosen by M_MODE:
   "tile": one [BLOCK_M, BLOCK_N, BLOCK_K] fp32 tile, BLOCK_M = next_pow2(M);
   on the H200 it lost to cuBLAS by 1.1-2.8x at M = 2..8;
-  "rows": one [BLOCK_N, BLOCK_K] accumulator per row of x, each exactly the
+  "rows": one [BLOCK_N, BLOCK_K] accumulator per row of x (up to 16: the
+  M <= 16 of speculative decoding's verify steps), each exactly the
   M=1 kernel's 2D tile and layout (the M=1 path reaches 92-101% of the read
   limit), so no 3D broadcast or layout conversion;
   "dot": tl.dot on tensor cores with M padded to 16 (x is the MMA's M side;
@@ -68,7 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_triton.config import next_pow2
+from kernels_triton.config import GEMV_MAX_M, next_pow2
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,12 @@ class GemvConfig:
 #: The name every kernel module gives its config (``gemv_add`` is built through it).
 Config = GemvConfig
 
-#: Valid for every shape and M = 1..8 (the fallback / "tactic -1" config).
+#: Valid for every shape and M = 1..MAX_M (the fallback / "tactic -1" config).
 DEFAULT = GemvConfig()
+
+#: Largest M the kernel serves: every mode keeps all M rows of x on one W tile (W read once), up to the
+#: 16 of one MMA tile ("dot"/"dot_w"), 16 "rows" accumulators, a BLOCK_M = 16 "tile".
+MAX_M = GEMV_MAX_M
 
 #: Smallest tile dimension tl.dot takes (M is padded up to it).
 _DOT_MIN = 16
@@ -126,8 +131,8 @@ def invalid_reason(config: GemvConfig, m: int, n: int, k: int) -> str | None:
             return f"{name}={value} is not a power of two"
     if config.SPLIT_K < 1:
         return f"SPLIT_K={config.SPLIT_K} < 1"
-    if not 1 <= m <= 8:
-        return f"M={m} outside 1..8"
+    if not 1 <= m <= MAX_M:
+        return f"M={m} outside 1..{MAX_M}"
     if config.W_EVICT not in ("", "evict_first", "evict_last"):
         return f"unknown W_EVICT {config.W_EVICT!r}"
     if config.SPLIT_REDUCE not in ("kernel", "fused"):
@@ -159,6 +164,18 @@ def invalid_reason(config: GemvConfig, m: int, n: int, k: int) -> str | None:
 
 
 @triton.jit
+def _row_fma(acc, wf, xk, r: tl.constexpr, stride_xm, km, r0, M):
+    """The "rows" mode's step for row ``r`` of x: acc += W tile * x[r, k-step] (zeros past M or K)."""
+    return acc + wf * tl.load(xk + r * stride_xm, mask=km & (r0 + r < M), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _row_out(out, rows_m, acc, r: tl.constexpr):
+    """Row ``r`` of the [BLOCK_M, BLOCK_N] result: its accumulator reduced over K."""
+    return tl.where(rows_m == r, tl.sum(acc, axis=1)[None, :], out)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, y_ptr, p_ptr, count_ptr, r_ptr,
     M, N, K, K_PER_SPLIT, eps,
@@ -181,15 +198,11 @@ def _gemv_kernel(
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     m_mask = offs_m[:, None] < M
-    # per-row accumulators of the "rows" mode (dead code, removed, otherwise)
+    # per-row accumulators of the "rows" mode, one per row of x up to BLOCK_M (Triton has no list of
+    # tensors; the unused ones are dead code, removed)
     acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc4 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc5 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc6 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc7 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc1, acc2, acc3, acc4, acc5, acc6, acc7 = acc0, acc0, acc0, acc0, acc0, acc0, acc0
+    acc8, acc9, acc10, acc11, acc12, acc13, acc14, acc15 = acc0, acc0, acc0, acc0, acc0, acc0, acc0, acc0
     if USE_DOT and SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     elif USE_DOT:
@@ -220,15 +233,24 @@ def _gemv_kernel(
             # as an int), which Triton >= 3.9 turns into an int32 mask and rejects.
             r0 = tl.zeros([1, BLOCK_K], dtype=tl.int32)
             acc0 += wf * tl.load(xk, mask=km, other=0.0).to(tl.float32)
-            acc1 += wf * tl.load(xk + stride_xm, mask=km & (r0 + 1 < M), other=0.0).to(tl.float32)
+            acc1 = _row_fma(acc1, wf, xk, 1, stride_xm, km, r0, M)
             if BLOCK_M > 2:
-                acc2 += wf * tl.load(xk + 2 * stride_xm, mask=km & (r0 + 2 < M), other=0.0).to(tl.float32)
-                acc3 += wf * tl.load(xk + 3 * stride_xm, mask=km & (r0 + 3 < M), other=0.0).to(tl.float32)
+                acc2 = _row_fma(acc2, wf, xk, 2, stride_xm, km, r0, M)
+                acc3 = _row_fma(acc3, wf, xk, 3, stride_xm, km, r0, M)
             if BLOCK_M > 4:
-                acc4 += wf * tl.load(xk + 4 * stride_xm, mask=km & (r0 + 4 < M), other=0.0).to(tl.float32)
-                acc5 += wf * tl.load(xk + 5 * stride_xm, mask=km & (r0 + 5 < M), other=0.0).to(tl.float32)
-                acc6 += wf * tl.load(xk + 6 * stride_xm, mask=km & (r0 + 6 < M), other=0.0).to(tl.float32)
-                acc7 += wf * tl.load(xk + 7 * stride_xm, mask=km & (r0 + 7 < M), other=0.0).to(tl.float32)
+                acc4 = _row_fma(acc4, wf, xk, 4, stride_xm, km, r0, M)
+                acc5 = _row_fma(acc5, wf, xk, 5, stride_xm, km, r0, M)
+                acc6 = _row_fma(acc6, wf, xk, 6, stride_xm, km, r0, M)
+                acc7 = _row_fma(acc7, wf, xk, 7, stride_xm, km, r0, M)
+            if BLOCK_M > 8:
+                acc8 = _row_fma(acc8, wf, xk, 8, stride_xm, km, r0, M)
+                acc9 = _row_fma(acc9, wf, xk, 9, stride_xm, km, r0, M)
+                acc10 = _row_fma(acc10, wf, xk, 10, stride_xm, km, r0, M)
+                acc11 = _row_fma(acc11, wf, xk, 11, stride_xm, km, r0, M)
+                acc12 = _row_fma(acc12, wf, xk, 12, stride_xm, km, r0, M)
+                acc13 = _row_fma(acc13, wf, xk, 13, stride_xm, km, r0, M)
+                acc14 = _row_fma(acc14, wf, xk, 14, stride_xm, km, r0, M)
+                acc15 = _row_fma(acc15, wf, xk, 15, stride_xm, km, r0, M)
         elif USE_DOT and SWAP_AB:
             # [BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M(>=16)]: W is the MMA's M side
             if DOT_IN_FP32:
@@ -253,13 +275,22 @@ def _gemv_kernel(
         out = tl.where(rows_m == 0, tl.sum(acc0, axis=1)[None, :], 0.0)
         out = tl.where(rows_m == 1, tl.sum(acc1, axis=1)[None, :], out)
         if BLOCK_M > 2:
-            out = tl.where(rows_m == 2, tl.sum(acc2, axis=1)[None, :], out)
-            out = tl.where(rows_m == 3, tl.sum(acc3, axis=1)[None, :], out)
+            out = _row_out(out, rows_m, acc2, 2)
+            out = _row_out(out, rows_m, acc3, 3)
         if BLOCK_M > 4:
-            out = tl.where(rows_m == 4, tl.sum(acc4, axis=1)[None, :], out)
-            out = tl.where(rows_m == 5, tl.sum(acc5, axis=1)[None, :], out)
-            out = tl.where(rows_m == 6, tl.sum(acc6, axis=1)[None, :], out)
-            out = tl.where(rows_m == 7, tl.sum(acc7, axis=1)[None, :], out)
+            out = _row_out(out, rows_m, acc4, 4)
+            out = _row_out(out, rows_m, acc5, 5)
+            out = _row_out(out, rows_m, acc6, 6)
+            out = _row_out(out, rows_m, acc7, 7)
+        if BLOCK_M > 8:
+            out = _row_out(out, rows_m, acc8, 8)
+            out = _row_out(out, rows_m, acc9, 9)
+            out = _row_out(out, rows_m, acc10, 10)
+            out = _row_out(out, rows_m, acc11, 11)
+            out = _row_out(out, rows_m, acc12, 12)
+            out = _row_out(out, rows_m, acc13, 13)
+            out = _row_out(out, rows_m, acc14, 14)
+            out = _row_out(out, rows_m, acc15, 15)
     elif USE_DOT and SWAP_AB:
         out = tl.trans(acc)
     elif USE_DOT:

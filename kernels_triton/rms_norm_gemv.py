@@ -11,7 +11,7 @@ This is one kernel in place of a decoder layer's ``input_layernorm ->
 qkv_proj`` (or ``in_proj_qkvz``) and ``post_attention_layernorm ->
 gate_up_proj``: the normalised activations never go through memory. BF16 in
 and out, FP32 math; the caller passes an explicit ``RmsNormGemvConfig`` (no
-``@triton.autotune``); ``DEFAULT`` is valid for every shape and M = 1..8.
+``@triton.autotune``); ``DEFAULT`` is valid for every shape and M = 1..16.
 
 Design (the GEMV of ``kernels_triton.gemv``, M_MODE="tile", SPLIT_K=1):
 - every program computes rstd of the M rows itself in a prologue pass over
@@ -82,7 +82,7 @@ class RmsNormGemvConfig(StrictConfig):
 
 
 Config = RmsNormGemvConfig
-#: Valid for every shape and M = 1..8 (the fallback config).
+#: Valid for every shape and M = 1..16 (the fallback config).
 DEFAULT = RmsNormGemvConfig()
 
 #: fp32 accumulator values per thread before Triton spills (as the GEMV's budget).

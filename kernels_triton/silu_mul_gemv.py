@@ -7,7 +7,7 @@ down_proj's weight [N, K] (N = hidden size, K = intermediate size / TP). So
 (m, n, k) of the problem are the GEMV's; the activation input is 2k wide.
 BF16 in and out, FP32 math; the caller passes an explicit
 ``SiluMulGemvConfig`` (no ``@triton.autotune``); ``DEFAULT`` is valid for
-every shape and M = 1..8.
+every shape and M = 1..16.
 
 Design (the GEMV of ``kernels_triton.gemv``: its tile and tensor-core modes and split-K, no fused reduce):
 - one program owns BLOCK_N rows of W and streams them along K in BLOCK_K
@@ -74,7 +74,7 @@ class SiluMulGemvConfig(StrictConfig):
 
 
 Config = SiluMulGemvConfig
-#: Valid for every shape and M = 1..8 (the fallback config).
+#: Valid for every shape and M = 1..16 (the fallback config).
 DEFAULT = SiluMulGemvConfig()
 
 #: fp32 accumulator values per thread before Triton spills (as the GEMV's budget).

@@ -141,7 +141,7 @@ def test_chain_cli_serves_tabulated_steps_on_the_interpreter(tiny: Path, tmp_pat
         (["chain", "--model", "qwen3.5-27b", "--table", "no/such/table.json"], "no such table"),
         (["chain", "--table", "x.json"], "--model or --config"),
         (["chain", "--model", "qwen3.5-27b", "--config", "c.json", "--table", "x.json"], "--model or --config"),
-        (["chain", "--model", "qwen3.5-27b", "--table", "x.json", "--m", "9"], "1..8"),
+        (["chain", "--model", "qwen3.5-27b", "--table", "x.json", "--m", "17"], "1..16"),
         (["chain", "--model", "qwen3.5-27b", "--table", "x.json", "--profile-replays", "-1"], "--profile-replays"),
     ],
 )

@@ -324,12 +324,12 @@ def test_search_model_tunes_every_op_it_runs_at_m_1_2_4_8(monkeypatch) -> None:
     # and the fused GEMV families the vLLM plugin serves (tests/test_default_search.py: their problems)
     ops = {op for _, op, _, _, _ in spec.elementwise(1)} | {"gemv", "rms_gemv", "gemv_add"}
     assert {p.op for p in problems} == ops and len(ops) >= 6
-    assert {p.m for p in problems} == {1, 2, 4, 8}
+    assert {p.m for p in problems} == {1, 2, 4, 8, 16}
     assert len({(p.op, p.n, p.k) for p in problems if p.op == "gemv"}) == len({(n, k) for _, n, k, _ in
                                                                                spec.linears(1)})
     # --ops / --m narrow it
     assert {(p.op, p.m) for p in _searched(monkeypatch, model="qwen3.5-27b", ops="gemv")} == {
-        ("gemv", m) for m in (1, 2, 4, 8)}
+        ("gemv", m) for m in (1, 2, 4, 8, 16)}
     assert {p.m for p in _searched(monkeypatch, model="qwen3.5-27b", m="1")} == {1}
     assert {p.op for p in _searched(monkeypatch, model="qwen3.5-27b", m="1")} == ops
     # only --shape: one GEMV at M=1, as before

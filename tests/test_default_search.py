@@ -30,7 +30,7 @@ def test_the_model_default_includes_the_served_fused_families_at_every_m(name) -
     spec = load_model(name)
     problems = _model_default(name)
     by_m = {m: {(p.op, p.n, p.k, p.count) for p in problems if p.m == m} for m in shapes.MODEL_M}
-    assert sorted({p.m for p in problems}) == list(shapes.MODEL_M) == [1, 2, 4, 8]
+    assert sorted({p.m for p in problems}) == list(shapes.MODEL_M) == [1, 2, 4, 8, 16]
     assert all(shapes_at_m == by_m[1] for shapes_at_m in by_m.values())
     # every GEMV that reads a decoder norm as rms_gemv (the sibling consumers as one), every GEMV that
     # writes the residual as gemv_add: exactly the spec's lists, merged by shape
@@ -86,7 +86,7 @@ def test_cli_search_model_tunes_the_served_fused_families_by_default(searched) -
     assert "--budget" not in output  # a full budget trims nothing and says nothing
     code, output, cfg = searched("--model", "qwen3.5-0.8b", "--ops", "gemv")
     assert code == 0, output
-    assert {p.op for p in cfg.problems} == {"gemv"} and {p.m for p in cfg.problems} == {1, 2, 4, 8}
+    assert {p.op for p in cfg.problems} == {"gemv"} and {p.m for p in cfg.problems} == {1, 2, 4, 8, 16}
     code, output, cfg = searched("--model", "qwen3.5-0.8b", "--ops", "rms_gemv", "--m", "1")
     assert code == 0, output
     assert {(p.op, p.m) for p in cfg.problems} == {("rms_gemv", 1)}

@@ -154,7 +154,7 @@ def test_invalid_reason() -> None:
     assert invalid_reason(RmsNormGemvConfig(BLOCK_N=3), 1, 64, 256) is not None
     assert invalid_reason(RmsNormGemvConfig(BLOCK_K=96), 1, 64, 256) is not None
     assert invalid_reason(RmsNormGemvConfig(num_stages=0), 1, 64, 256) is not None
-    assert invalid_reason(DEFAULT, 9, 64, 256) is not None
+    assert invalid_reason(DEFAULT, 17, 64, 256) is not None
     assert invalid_reason(DEFAULT, 0, 64, 256) is not None
     assert "register" in invalid_reason(RmsNormGemvConfig(BLOCK_N=64, BLOCK_K=4096, num_warps=1), 8, 64, 8192)
     assert "threads" in invalid_reason(RmsNormGemvConfig(BLOCK_N=1, BLOCK_K=64, num_warps=4), 1, 64, 256)

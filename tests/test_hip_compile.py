@@ -45,7 +45,7 @@ AMD_ARCHS = ("gfx906", "gfx90a", "gfx940")
 #: Define combinations covering every code path: defaults, wave64 with row
 #: groups wider than a wave (two-stage reduction), split-K with both reductions,
 #: nontemporal loads, staged x, DPP reduction, small vectors, several rows per
-#: thread, M = 1.
+#: thread, M = 1, M up to 16 (speculative decoding's verify steps).
 COMBOS: list[dict[str, int]] = [
     {},
     {"WAVE": 64, "MAX_M": 1, "THREADS_PER_ROW": 64, "ROWS_PER_BLOCK": 4, "VEC": 8, "UNROLL": 4},
@@ -57,6 +57,8 @@ COMBOS: list[dict[str, int]] = [
     {"WAVE": 32, "MAX_M": 4, "THREADS_PER_ROW": 512, "ROWS_PER_BLOCK": 2, "X_IN_SHARED": 1, "UNROLL": 1},
     # one 32-thread row group per block: half a wave on wave64
     {"WAVE": 64, "MAX_M": 1, "THREADS_PER_ROW": 32, "ROWS_PER_BLOCK": 1, "REDUCE_DPP": 1},
+    {"WAVE": 64, "MAX_M": 16, "THREADS_PER_ROW": 64, "ROWS_PER_BLOCK": 4, "ROWS_PER_THREAD": 2, "X_IN_SHARED": 1},
+    {"WAVE": 32, "MAX_M": 16, "SPLIT_K": 4, "FUSED_REDUCE": 1, "UNROLL": 4},
 ]
 
 
@@ -442,6 +444,17 @@ def test_emulated_numerics(emu_dir: Path, config: dict[str, int]) -> None:
     for k, layout in ((2 * 1536 + 8 * 5, {}), (2 * 1536 + 8 * 5 + 3, {"w_pad": 3, "x_offset": 1, "y_pad": 5})):
         y, ref = _emulate(emu_dir, config, m, n, k, **layout)
         _check_close(y, ref, k)
+
+
+@pytest.mark.parametrize("config", [{"ROWS_PER_THREAD": 2, "ROWS_PER_BLOCK": 4},
+                                    {"THREADS_PER_ROW": 64, "ROWS_PER_BLOCK": 2, "X_IN_SHARED": 1, "SPLIT_K": 2}],
+                         ids=_ids)
+def test_emulated_every_m_to_16(emu_dir: Path, config: dict[str, int]) -> None:
+    # One build for M <= 16 (MAX_M = the tabulated M) serves every smaller M, odd ones included: the
+    # in-between Ms a table's M = 16 entry serves (docs/serving.md)
+    for m in range(1, 17):
+        y, ref = _emulate(emu_dir, {"MAX_M": 16} | config, m, 13, 2 * 256 + 40, seed=m)
+        _check_close(y, ref, 2 * 256 + 40)
 
 
 def test_emulated_bits_depend_only_on_reduction_order(emu_dir: Path) -> None:

@@ -140,7 +140,7 @@ def test_wrapper_checks_shapes() -> None:
 def test_invalid_reason() -> None:
     assert invalid_reason(SiluMulGemvConfig(BLOCK_N=3), 1, 64, 256) is not None
     assert invalid_reason(SiluMulGemvConfig(num_stages=5), 1, 64, 256) is not None
-    assert invalid_reason(DEFAULT, 9, 64, 256) is not None
+    assert invalid_reason(DEFAULT, 17, 64, 256) is not None
     assert "register" in invalid_reason(SiluMulGemvConfig(BLOCK_N=64, BLOCK_K=4096, num_warps=1), 8, 64, 8192)
     assert "threads" in invalid_reason(SiluMulGemvConfig(BLOCK_N=1, BLOCK_K=64, num_warps=4), 1, 64, 256)
     assert "far larger" in invalid_reason(SiluMulGemvConfig(BLOCK_K=4096), 1, 64, 256)

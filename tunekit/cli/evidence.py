@@ -19,7 +19,7 @@ def chain(
     model: Annotated[str | None, typer.Option(help="built-in model name")] = None,
     config: Annotated[Path | None, typer.Option(help="path to a Hugging Face config.json")] = None,
     tp: Annotated[int, typer.Option(help="tensor-parallel size (one rank's shards)")] = 1,
-    m: Annotated[str, typer.Option(help="tokens per step, e.g. 1,4 (1..8)")] = "1",
+    m: Annotated[str, typer.Option(help="tokens per step, e.g. 1,4 (1..16)")] = "1",
     layers: Annotated[int | None, typer.Option(help="first N decoder layers only (default: all)")] = None,
     iters: Annotated[int, typer.Option(help="graph replays per timing")] = 20,
     repeats: Annotated[int, typer.Option(help="interleaved timings per variant (median)")] = 15,

@@ -23,7 +23,7 @@ def _problems(model: str | None, shape: list[str], tp: int, m: str, config: Path
     from tunekit.problems.models import load_model
 
     selected = shapes.parse_ops(ops)
-    # the M limits depend on the ops that will get problems: GEMV takes 1..8
+    # the M limits depend on the ops that will get problems: GEMV takes 1..16
     in_play = (selected if (model or config) else ()) + tuple(shapes.shape_op(text) for text in shape)
     m_list = shapes.parse_m_list(m, in_play or selected)
     problems = []
@@ -78,8 +78,8 @@ _OPS_HELP = ("ops of the model to list / tune: gemv, rms_norm, fused_add_rms_nor
              "rms_gemv (the GEMV of a norm folded into its consumers' weights: every GEMV that reads a "
              "decoder norm), gemv_silu_mul (SiLU-and-mul in gate_up_proj's epilogue, plain and after a folded "
              "norm), fused_gemv (all five)")
-_M_HELP = "batch sizes (tokens per step), e.g. 1,2,4,8; gemv takes 1..8, elementwise ops up to 65536"
-_SEARCH_M_HELP = _M_HELP + " (default: 1,2,4,8 with --model/--config, else 1)"
+_M_HELP = "batch sizes (tokens per step), e.g. 1,2,4,8,16; gemv takes 1..16, elementwise ops up to 65536"
+_SEARCH_M_HELP = _M_HELP + " (default: 1,2,4,8,16 with --model/--config, else 1)"
 _SEARCH_OPS_HELP = _OPS_HELP + (" (default with --model/--config: every op the model runs and the fused families "
                                 "serving uses, rms_gemv and gemv_add; else gemv)")
 
@@ -100,7 +100,7 @@ def shapes(
     the weight bytes it reads per token, an elementwise op with the bytes
     one call moves. Shapes come from the config the way vLLM builds its
     layers (merged qkv_proj, gate_up_proj, in_proj_qkvz, in_proj_ba ...),
-    sharded for --tp. --shape adds ad-hoc problems: a GEMV takes M 1..8,
+    sharded for --tp. --shape adds ad-hoc problems: a GEMV takes M 1..16,
     an elementwise op any M (1, 256, 4096 ...).
     """
     _, problems = _problems(model, shape, tp, m, config, ops)
@@ -213,7 +213,7 @@ def search(
     With --model/--config: every op the model runs (its GEMVs and fused
     elementwise ops) and the fused GEMV families the vLLM plugin serves
     (rms_gemv: a norm folded into its consumers' GEMV; gemv_add: the
-    residual add in the GEMV's epilogue) at M = 1,2,4,8, unless --ops / --m
+    residual add in the GEMV's epilogue) at M = 1,2,4,8,16, unless --ops / --m
     narrow it; with only --shape: gemv at M=1. One Optuna study per (problem, backend). Every
     candidate is checked against an fp64 reference before it is timed; the
     vendor path is timed in the same process, and each problem's top

@@ -24,8 +24,9 @@ from tunekit.problems import oprecords
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
-#: Largest decode batch the GEMV kernels take (MAX_M of gemv.hip, M loops unrolled).
-GEMV_MAX_M = 8
+#: Largest decode batch the GEMV kernels take (MAX_M of gemv.hip, the "rows" accumulators and the one MMA
+#: tile of kernels_triton/gemv.py): decode batches and speculative decoding's verify steps (M = 1 + k).
+GEMV_MAX_M = 16
 #: Largest M the elementwise ops take: prefill-sized chunks (4096) with headroom.
 ELEMENTWISE_MAX_M = 65536
 
@@ -64,9 +65,10 @@ SERVED_FUSED_OPS = oprecords.names(kind="fused_gemv", served=True)
 #: What ``tunekit search --model/--config`` tunes unless ``--ops`` narrows it: every op the model
 #: runs and the fused families serving uses, so the default search yields the default served table.
 MODEL_OPS = tuple(r.name for r in oprecords.RECORDS.values() if r.default_search)
-#: ... at these M unless ``--m`` narrows it: the small decode batches vLLM captures as CUDA graphs
-#: (the GEMV kernels take 1..8).
-MODEL_M = (1, 2, 4, 8)
+#: ... at these M unless ``--m`` narrows it: the small decode batches vLLM captures as CUDA graphs, and 16,
+#: the top of the GEMV kernels' 1..16 (speculative decoding's verify steps run M = 1 + k draft tokens). A
+#: call between two of them is served by the next one above whose config runs at its M (docs/serving.md).
+MODEL_M = (1, 2, 4, 8, 16)
 #: ``--ops`` names -> the ops they select (a family selects both weight conventions;
 #: the model's norm style decides which one its problems use; ``fused_gemv``: every fused family).
 OP_FAMILIES: dict[str, tuple[str, ...]] = {}
@@ -168,7 +170,7 @@ def parse_shape(text: str) -> tuple[int, int]:
 def parse_m_list(text: str | Sequence[int], ops: Iterable[str] = ("gemv",)) -> list[int]:
     """``"1,2,4,8"`` -> [1, 2, 4, 8].
 
-    With ``gemv`` among ``ops`` M must be 1..8 (decode batch sizes, the unrolled M
+    With ``gemv`` among ``ops`` M must be 1..16 (decode batch sizes, the unrolled M
     loops of the GEMV kernels); the elementwise ops take M up to
     ``ELEMENTWISE_MAX_M`` (one row per token, also prefill-sized chunks).
     """

@@ -6,7 +6,7 @@ Usage::
 
     spec = load_model("qwen3.5-27b")          # or a path to a config.json
     spec.linears(tp=4)                        # [(name, n, k, count per token), ...]
-    spec.problems(tp=1, m_list=(1, 2, 4, 8))  # tunekit.problems.shapes.Problem, merged by shape
+    spec.problems(tp=1, m_list=(1, 2, 4, 8, 16))  # tunekit.problems.shapes.Problem, merged by shape
 
 Modules: ``hf_config`` (config fields, validated), ``spec`` (:class:`ModelSpec`: the
 linears and fused ops per token), ``load`` (built-in models and config files).
