@@ -2,9 +2,12 @@
 
 Call protocol (the op impls' slow path): read ``STATE.choices`` lock-free
 for the key; on a miss, :func:`resolve` looks the key up in the merged
-table of the device (``tunekit.table.lookup``'s M rule), builds the entry's
-kernel through its backend and caches the :class:`~tunekit.dispatch.state.Choice`
-(a built kernel, or ``fallback:<reason>``). Under CUDA-graph capture
+table of the device (``tunekit.table.lookup``'s M rule: the entry at M, else
+the smallest tabulated M above; an M between two entries, M = 3 with entries
+at 2 and 4, takes the next entry above whose config runs at that M, passing
+over one that cannot), builds the entry's kernel through its backend and
+caches the :class:`~tunekit.dispatch.state.Choice` (a built kernel, whose
+``entry["m"]`` the markers record as ``served_m``, or ``fallback:<reason>``). Under CUDA-graph capture
 (:func:`is_capturing`) nothing is built and the fallback is not cached. A
 kernel that raises at launch, or that the canary catches, is marked broken
 (:func:`mark_broken`): the key serves the vendor path from then on. Never raises for a table entry's
@@ -50,7 +53,12 @@ def resolve(op: str, dtype: str, m: int, n: int, k: int, device: torch.device, c
             # the vendor path for this size; the next eager call builds it.
             return Choice("fallback:not_built_at_capture", entry=entry)
         else:
-            choice = _build(op, dtype, m, n, k, entry, index.device)
+            # the entries at M or above, smallest M first (``entry`` the first): the first whose config
+            # runs at this M serves it; none does: the last one's reasoned fallback (config_invalid_at_m)
+            for candidate in (e for e in index.entries_of(op, dtype, n, k) if e["m"] >= m):
+                choice = _build(op, dtype, m, n, k, candidate, index.device)
+                if choice.impl != "fallback:config_invalid_at_m":
+                    break
     with STATE.lock:
         STATE.choices.setdefault(key, choice)
         return STATE.choices[key]

@@ -18,7 +18,7 @@ import torch
 
 from tunekit.dispatch import canary, launch
 from tunekit.dispatch.decisions import resolve
-from tunekit.dispatch.markers import counter
+from tunekit.dispatch.markers import counter, served_m
 from tunekit.dispatch.state import DEFAULT_EPS, STATE
 
 
@@ -44,7 +44,8 @@ class _EwRoute:
         self.choice = STATE.choices.get(self.ckey) or resolve(op, dtype, m, n, k, device, capturing)
         self.shape = f"{n}x{k}"
         # ticks[capturing]: the tuned rows (fallbacks count through count(): their vendor varies per call)
-        self.ticks = [counter(op, dtype, self.shape, m, False, self.choice.impl, c).tick for c in (False, True)]
+        self.ticks = [counter(op, dtype, self.shape, m, False, self.choice.impl, c, None, served_m(self.choice)).tick
+                      for c in (False, True)]
         self.run, self.launcher, self.bind = None, None, False
         #: (impl, served by, capturing) -> tick of a fallback's row
         self.vticks: dict[tuple, Callable[[], int]] = {}

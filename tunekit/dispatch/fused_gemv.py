@@ -43,7 +43,7 @@ from tunekit.dispatch import canary, launch
 from tunekit.dispatch.decisions import is_capturing, kernel_takes_eps, mark_broken, resolve
 from tunekit.dispatch.gemv import _layout_reason as gemv_layout_reason
 from tunekit.dispatch.gemv import _static_reason, gemv_impl
-from tunekit.dispatch.markers import count, counter
+from tunekit.dispatch.markers import count, counter, served_m
 from tunekit.dispatch.state import DEFAULT_EPS, DTYPE_NAMES, STATE, dtype_name
 
 
@@ -180,7 +180,9 @@ class _Route:
                 self.bind = not tried
         vendor = None if self.run is not None else _vendor_name(op)
         # the marker rows of what this route serves (tuned, or its fallback's vendor path), per capturing
-        self.ticks = [counter(op, self.dtype, self.shape, self.m, False, impl, c, vendor).tick for c in (False, True)]
+        served = served_m(self.choice) if self.run is not None else None
+        self.ticks = [counter(op, self.dtype, self.shape, self.m, False, impl, c, vendor, served).tick
+                      for c in (False, True)]
 
     def valid(self) -> bool:
         return self.static is not None or STATE.choices.get(self.ckey) is self.choice

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from tunekit.dispatch import canary, launch
 from tunekit.dispatch.decisions import _stream_capturing, is_capturing, mark_broken, resolve
-from tunekit.dispatch.markers import count, counter
+from tunekit.dispatch.markers import count, counter, served_m
 from tunekit.dispatch.state import DTYPE_NAMES, STATE, dtype_name
 
 
@@ -117,7 +117,8 @@ class _Route:
         #: what _vendor_gemv calls for this device
         self.vcall = self.vendor_fn if self.vendor_fn is not None and x.is_cuda else F.linear
         # ticks[bias][capturing]: the marker rows of what this route serves
-        self.ticks = [[counter("gemv", self.dtype, self.shape, self.m, b, self.impl, c, vendor).tick
+        served = served_m(self.choice) if self.static is None and self.kernel is not None else None
+        self.ticks = [[counter("gemv", self.dtype, self.shape, self.m, b, self.impl, c, vendor, served).tick
                        for c in (False, True)] for b in (False, True)]
 
     def valid(self) -> bool:

@@ -32,17 +32,18 @@ from tunekit.dispatch.state import LOG_ENV, STATE, CallCounter
 
 
 def count(op: str, dtype: str, shape: str, m: int, bias: bool, impl: str, capturing: bool,
-           vendor: str | None = None) -> None:
+           vendor: str | None = None, served_m: int | None = None) -> None:
     # vendor: what served a fallback (None for a tuned kernel), so the log shows
     # whether a miss ran the integration's kernel or tunekit's eager composition.
-    counter(op, dtype, shape, m, bias, impl, capturing, vendor).tick()
+    counter(op, dtype, shape, m, bias, impl, capturing, vendor, served_m).tick()
 
 
 def counter(op: str, dtype: str, shape: str, m: int, bias: bool, impl: str, capturing: bool,
-            vendor: str | None = None) -> CallCounter:
+            vendor: str | None = None, served_m: int | None = None) -> CallCounter:
     """The live counter of one marker row (made once): the op impls' routes keep it and call its
-    ``tick()`` per call, so the hot path builds no key or string and takes no lock."""
-    key = (op, dtype, shape, m, bias, impl, "capture" if capturing else "call", vendor)
+    ``tick()`` per call, so the hot path builds no key or string and takes no lock. ``served_m``: the
+    tabulated M whose entry's kernel served the call (:func:`served_m`), None for a fallback."""
+    key = (op, dtype, shape, m, bias, impl, "capture" if capturing else "call", vendor, served_m)
     found = STATE.counters.get(key)  # lock-free read (atomic under the GIL)
     if found is None:
         with STATE.lock:
@@ -54,12 +55,20 @@ def count_layer(op: str, dtype: str, shape: str, m: int, impl: str, vendor: str)
     """Count a decision an integration made for a layer before any tunekit op (the layer kept its own code:
     ``vendor`` names it), as a row with ``counted_at`` ``"layer"``: per call where the layer is called eagerly,
     once per trace where it is compiled."""
-    key = (op, dtype, shape, m, False, impl, "layer", vendor)
+    key = (op, dtype, shape, m, False, impl, "layer", vendor, None)
     found = STATE.counters.get(key)
     if found is None:
         with STATE.lock:
             found = STATE.counters.setdefault(key, CallCounter())
     found.tick()
+
+
+def served_m(choice: Any) -> int | None:
+    """The tabulated M a tuned choice's kernel was taken from (a call at M = 3 served by the M = 4 entry:
+    4); None where no tuned kernel serves (a fallback)."""
+    if choice.impl.startswith("tuned:") and choice.entry is not None:
+        return int(choice.entry["m"])
+    return None
 
 
 @contextlib.contextmanager
@@ -76,7 +85,7 @@ def uncounted() -> Iterator[None]:
 
 
 def dispatch_stats(reset: bool = False) -> list[dict[str, Any]]:
-    """Every call counted so far: one row per (op, dtype, shape, m, bias, impl, counted_at, vendor).
+    """Every call counted so far: one row per (op, dtype, shape, m, bias, impl, counted_at, vendor, served_m).
 
     ``shape`` is ``"NxK"`` for gemv; ``impl`` is ``"tuned:<backend>"`` or
     ``"fallback:<reason>"`` (see :data:`FALLBACK_REASONS`); ``vendor`` is None
@@ -86,16 +95,18 @@ def dispatch_stats(reset: bool = False) -> list[dict[str, Any]]:
     ``"call"`` or ``"capture"`` (CUDA-graph capture: counted once per capture,
     replays are not counted because Python does not run; such rows carry a
     ``note`` saying so), or ``"layer"`` (:func:`count_layer`: a layer an
-    integration kept on its own code, with the reason). ``reset=True`` clears the counters after reading.
+    integration kept on its own code, with the reason); ``served_m`` is the tabulated M whose entry served
+    a tuned call (``m`` itself, or the next tabulated M above it whose config runs at ``m``), None for a
+    fallback. ``reset=True`` clears the counters after reading.
     """
     with STATE.lock:
         items = sorted(STATE.stats.items(), key=lambda kv: tuple(str(v) for v in kv[0]))
         if reset:
             STATE.stats.clear()
     rows = []
-    for (op, dtype, shape, m, bias, impl, counted_at, vendor), calls in items:
+    for (op, dtype, shape, m, bias, impl, counted_at, vendor, served), calls in items:
         row: dict[str, Any] = {"op": op, "dtype": dtype, "shape": shape, "m": m, "bias": bias, "impl": impl,
-                               "vendor": vendor, "calls": calls, "counted_at": counted_at}
+                               "vendor": vendor, "calls": calls, "counted_at": counted_at, "served_m": served}
         if counted_at == "capture":
             row["note"] = "counted at capture: CUDA-graph replays run without Python and are not counted"
         rows.append(row)

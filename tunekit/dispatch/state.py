@@ -52,8 +52,8 @@ FALLBACK_REASONS: dict[str, str] = {
     "interpreter_off": "CPU tensors while TRITON_INTERPRET is not set (Triton runs on GPUs only then)",
     "interpreter_on": "GPU tensors while TRITON_INTERPRET=1 (interpreted kernels take CPU tensors)",
     "backend_unavailable": "the entry's backend cannot run here (logged once with the reason)",
-    "config_invalid_at_m": "the entry serving this M (tuned at a larger M) holds a config this M cannot run "
-                           "(M_MODE=\"rows\" at M=1); logged once",
+    "config_invalid_at_m": "every entry at a larger M holds a config this M cannot run (M_MODE=\"rows\" at "
+                           "M=1; an entry that can is taken over one that cannot); logged once",
     "build_error": "the entry's kernel failed to build (logged once with the error)",
     "not_built_at_capture": "met first under CUDA-graph capture, where kernels are never built: the graph keeps "
                             "the vendor path for this size (call tunekit.ops.prepare() or run a warm-up first)",
