@@ -274,7 +274,7 @@ def test_the_vllm_fold_and_gemv_add_follow_the_tables_decision(tmp_path: Path) -
     qkvz = group_key("rms_gemv", "gemma_rms_norm", "bf16", [(N_QKVZ, H), (N_BA, H)])
     mlp = group_key("rms_gemv", "gemma_rms_norm", "bf16", [(N_GU, H)])
     ops.load_tables(str(_decided(path, {qkvz: False, mlp: True})))
-    layer = _layer("Qwen3_5DecoderLayer")
+    layer = _layer()
     report = vllm_fold.FoldReport()
     counts = vllm_fold.fold_model(nn.ModuleList([layer]), _everything, report=report)
     assert counts == {"gemma_rms_norm (not fused per the table)": 1, "gemma_rms_norm folded": 1}

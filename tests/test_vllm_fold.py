@@ -1,8 +1,10 @@
 """tunekit.integrations.vllm.fold without vLLM: which decoder norms fold, what a fold writes.
 
-Stand-in modules carry the names and attributes the fold reads from vLLM's
-(a decoder layer's class name, the plugin's ``TunekitRMSNorm`` /
-``TunekitGemmaRMSNorm``, ``quant_method`` of class ``UnquantizedLinearMethod``);
+Stand-in modules carry the structure and attributes the fold reads from vLLM's
+(a decoder layer's forward, as vLLM's Qwen3.5 one calls its norms, in a
+``ModuleList``; the plugin's ``TunekitRMSNorm`` / ``TunekitGemmaRMSNorm``;
+linears deriving from a ``LinearBase``, ``quant_method`` of class
+``UnquantizedLinearMethod``);
 the real classes and vLLM's compile path are in tests/vllm/test_vllm_fold.py.
 """
 
@@ -33,11 +35,18 @@ class OtherMethod:  # a quantized linear's method
     pass
 
 
-class Linear(nn.Module):
+class LinearBase(nn.Module):  # the base the finder knows vLLM's linears by
+    pass
+
+
+class Linear(LinearBase):
     def __init__(self, n: int, k: int, method: type = UnquantizedLinearMethod) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.randn(n, k).bfloat16(), requires_grad=False)
         self.quant_method = method()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return x @ self.weight.T, None
 
 
 class TunekitGemmaRMSNorm(nn.Module):
@@ -51,11 +60,37 @@ class TunekitRMSNorm(TunekitGemmaRMSNorm):
     pass
 
 
-def _layer(name: str, *, ba: bool = True, method: type = UnquantizedLinearMethod, norm=TunekitGemmaRMSNorm):
-    """A decoder layer named ``name`` with Gated DeltaNet input projections and a dense MLP."""
-    layer = type(name, (nn.Module,), {})()
+class GatedDeltaNet(nn.Module):  # its input projections, as vLLM's forward_cuda reads the input
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden_states.size(0)
+        qkvz, _ = self.in_proj_qkvz(hidden_states)
+        ba, _ = self.in_proj_ba(hidden_states)
+        return (qkvz[:num_tokens, :H] + ba.sum(-1, keepdim=True)).to(hidden_states.dtype)
+
+
+class MLP(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up, _ = self.gate_up_proj(x)
+        return gate_up[:, :H]
+
+
+class DecoderLayer(nn.Module):  # as vLLM's Qwen3.5 layer calls its norms
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.linear_attn(hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+def _layer(*, ba: bool = True, method: type = UnquantizedLinearMethod, norm=TunekitGemmaRMSNorm):
+    """A decoder layer with Gated DeltaNet input projections and a dense MLP."""
+    layer = DecoderLayer()
     layer.input_layernorm, layer.post_attention_layernorm = norm(H), norm(H, eps=1e-5)
-    layer.linear_attn, layer.mlp = nn.Module(), nn.Module()
+    layer.linear_attn, layer.mlp = GatedDeltaNet(), MLP()
     layer.linear_attn.in_proj_qkvz = Linear(N_QKVZ, H, method)
     if ba:
         layer.linear_attn.in_proj_ba = Linear(N_BA, H)
@@ -68,16 +103,15 @@ def _everything(module: nn.Module) -> bool:
 
 
 def test_the_plan_takes_a_norm_only_with_every_reader_known_and_routed() -> None:
-    model = nn.ModuleList([_layer("Qwen3_5DecoderLayer"), _layer("Qwen3_5DecoderLayer", ba=False),
-                           _layer("Qwen3_5DecoderLayer", method=OtherMethod), _layer("SomeOtherDecoderLayer")])
+    model = nn.ModuleList([_layer(), _layer(ba=False), _layer(method=OtherMethod)])
     plan = {(id(norm), op, eps): [id(c) for c in consumers]
             for norm, op, eps, consumers in vllm_fold.fold_plan(model, _everything)}
-    full, no_ba, quantized, _ = model
+    full, no_ba, quantized = model
     assert plan == {
         (id(full.input_layernorm), "gemma_rms_norm", 1e-6): [id(full.linear_attn.in_proj_qkvz),
                                                              id(full.linear_attn.in_proj_ba)],
         (id(full.post_attention_layernorm), "gemma_rms_norm", 1e-5): [id(full.mlp.gate_up_proj)],
-        # in_proj_ba missing: some reader of the input norm is unknown, so only the MLP's norm folds
+        # in_proj_ba missing: the forward calls what the layer lacks, so only the MLP's norm folds
         (id(no_ba.post_attention_layernorm), "gemma_rms_norm", 1e-5): [id(no_ba.mlp.gate_up_proj)],
         (id(quantized.post_attention_layernorm), "gemma_rms_norm", 1e-5): [id(quantized.mlp.gate_up_proj)],
     }
@@ -98,7 +132,7 @@ def _tables(tmp_path: Path, rms_gemv_us: float, norm_op: str = "gemma_fused_add_
 @pytest.mark.parametrize(("norm", "scale"), [(TunekitGemmaRMSNorm, lambda g: 1.0 + g), (TunekitRMSNorm, lambda g: g)])
 def test_a_fold_that_pays_rescales_the_consumers_once_and_marks_both_sides(tmp_path: Path, norm, scale) -> None:
     torch.manual_seed(0)
-    layer = _layer("Qwen3_5DecoderLayer", norm=norm)
+    layer = _layer(norm=norm)
     g = layer.input_layernorm.weight.float()
     before = {n: layer.get_submodule(n).weight.clone() for n in ("linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba")}
     op = "gemma_rms_norm" if norm is TunekitGemmaRMSNorm else "rms_norm"
@@ -116,7 +150,7 @@ def test_a_fold_that_pays_rescales_the_consumers_once_and_marks_both_sides(tmp_p
 
 
 def test_a_fold_the_tables_do_not_pay_for_changes_nothing(tmp_path: Path) -> None:
-    layer = _layer("Qwen3_5DecoderLayer")
+    layer = _layer()
     state = {k: v.clone() for k, v in layer.state_dict().items()}
     _tables(tmp_path, rms_gemv_us=0.9)  # 1.8 us for qkvz + ba against 0.5 + 1.2: not paying
     counts = vllm_fold.fold_model(nn.ModuleList([layer]), _everything)
@@ -125,7 +159,7 @@ def test_a_fold_the_tables_do_not_pay_for_changes_nothing(tmp_path: Path) -> Non
     assert not getattr(layer.input_layernorm, marks.FOLDED, False)
     assert getattr(layer.post_attention_layernorm, marks.FOLDED)  # one consumer: 0.9 < 0.5 + 0.6
     ops.load_tables([])
-    fresh = _layer("Qwen3_5DecoderLayer")
+    fresh = _layer()
     assert vllm_fold.fold_model(nn.ModuleList([fresh]), _everything) == {
         "gemma_rms_norm (fold not in the tables or not paying)": 2}
 
@@ -161,7 +195,7 @@ def _fold_tables(tmp_path: Path, backend: str = "triton") -> None:
 
 
 def test_folds_under_realistic_gains_and_outlier_activations_pass_their_check(tmp_path: Path) -> None:
-    layer = _layer("Qwen3_5DecoderLayer")
+    layer = _layer()
     _realistic(layer)
     _fold_tables(tmp_path)
     report = vllm_fold.FoldReport()
@@ -181,7 +215,7 @@ def test_folds_under_realistic_gains_and_outlier_activations_pass_their_check(tm
 
 
 def test_a_broken_rms_gemv_kernel_is_caught_at_load_and_the_layer_stays_unfolded(tmp_path: Path) -> None:
-    layer = _layer("Qwen3_5DecoderLayer")
+    layer = _layer()
     _realistic(layer)
     state = {k: v.clone() for k, v in layer.state_dict().items()}
     _fold_tables(tmp_path, "fault_backend:WRONG")
@@ -200,7 +234,7 @@ def test_a_broken_rms_gemv_kernel_is_caught_at_load_and_the_layer_stays_unfolded
 
 
 def test_a_fold_corrupted_on_purpose_is_caught_at_load(tmp_path: Path, monkeypatch) -> None:
-    layer = _layer("Qwen3_5DecoderLayer")
+    layer = _layer()
     _realistic(layer)
     state = {k: v.clone() for k, v in layer.state_dict().items()}
     _fold_tables(tmp_path)
@@ -221,31 +255,41 @@ def test_norms_without_a_safe_fold_are_counted_with_the_reason(tmp_path: Path) -
             super().__init__()
             self.base_layer = base
 
-    extra = _layer("Qwen3_5DecoderLayer")
-    extra.shared_expert_gate = Linear(1, H)  # a child that could read the norm's output
-    lora = _layer("Qwen3_5DecoderLayer")
+    class TappedMLP(MLP):  # the normed input also gates the output: a non-linear reads it
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            gate_up, _ = self.gate_up_proj(x)
+            return gate_up[:, :H] * torch.sigmoid(x)
+
+    namespace: dict = {}  # a forward compiled from a string: no source to read
+    exec("def forward(self, hidden_states):\n    return self.in_proj_qkvz(hidden_states)[0]", namespace)
+
+    tapped = _layer()
+    tapped.mlp = TappedMLP()
+    tapped.mlp.gate_up_proj = Linear(N_GU, H)
+    lora = _layer()
     lora.mlp.gate_up_proj = MergedColumnParallelLinearWithLoRA(lora.mlp.gate_up_proj)
-    unknown = type("MixtralDecoderLayer", (nn.Module,), {})()
-    unknown.input_layernorm = TunekitRMSNorm(H)
-    quantized = _layer("Qwen3_5DecoderLayer", method=OtherMethod)
-    model = nn.ModuleList([extra, lora, unknown, quantized])
+    hidden = _layer()
+    hidden.linear_attn.__class__ = type("NoSourceMixer", (GatedDeltaNet,), {"forward": namespace["forward"]})
+    quantized = _layer(method=OtherMethod)
+    model = nn.ModuleList([tapped, lora, hidden, quantized])
     plans, skipped = vllm_fold.survey(model, _everything)
     assert {(name, why.split(" (")[0]) for name, _, why in skipped} == {
-        ("0.input_layernorm", "unknown reader"), ("0.post_attention_layernorm", "unknown reader"),
-        ("1.post_attention_layernorm", "LoRA"), ("2.input_layernorm", "unknown layer"),
-        ("3.input_layernorm", "quantized consumer")}
-    assert [p.name for p in plans] == ["1.input_layernorm", "3.post_attention_layernorm"]
-    assert "OtherMethod" in dict((n, w) for n, _, w in skipped)["3.input_layernorm"]
+        ("0.post_attention_layernorm", "read by a non-linear"), ("1.post_attention_layernorm", "LoRA"),
+        ("2.input_layernorm", "read by a module without source"), ("3.input_layernorm", "quantized consumer")}
+    assert [p.name for p in plans] == ["0.input_layernorm", "1.input_layernorm", "2.post_attention_layernorm",
+                                       "3.post_attention_layernorm"]
+    reasons = {n: w for n, _, w in skipped}
+    assert "OtherMethod" in reasons["3.input_layernorm"] and "torch.sigmoid(x)" in reasons["0.post_attention_layernorm"]
     # an engine with LoRA adapters (vLLM wraps the linears after loading): nothing folds
-    plans, skipped = vllm_fold.survey(nn.ModuleList([_layer("Qwen3_5DecoderLayer")]), _everything, lora=True)
+    plans, skipped = vllm_fold.survey(nn.ModuleList([_layer()]), _everything, lora=True)
     assert plans == [] and {why.split(" (")[0] for *_, why in skipped} == {"LoRA"}
     _fold_tables(tmp_path)
     report = vllm_fold.FoldReport()
     counts = vllm_fold.fold_model(model, _everything, report=report)
-    assert counts == {"gemma_rms_norm (not folded: unknown reader)": 2, "gemma_rms_norm (not folded: LoRA)": 1,
-                      "rms_norm (not folded: unknown layer)": 1,
-                      "gemma_rms_norm (not folded: quantized consumer)": 1, "gemma_rms_norm folded": 2}
-    assert len(report.not_folded) == 5 and report.checked == 2
+    assert counts == {"gemma_rms_norm (not folded: read by a non-linear)": 1, "gemma_rms_norm (not folded: LoRA)": 1,
+                      "gemma_rms_norm (not folded: read by a module without source)": 1,
+                      "gemma_rms_norm (not folded: quantized consumer)": 1, "gemma_rms_norm folded": 4}
+    assert len(report.not_folded) == 4 and report.checked == 4
 
 
 # ----------------------------------------------------------------------------- weights written later
@@ -254,7 +298,7 @@ def test_norms_without_a_safe_fold_are_counted_with_the_reason(tmp_path: Path) -
 def _folded_layer(tmp_path: Path) -> tuple[nn.Module, nn.Module]:
     from tunekit.integrations.vllm import refold
 
-    layer = _layer("Qwen3_5DecoderLayer")
+    layer = _layer()
     _realistic(layer)
     model = nn.ModuleList([layer])
     _fold_tables(tmp_path)

@@ -12,7 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 from test_ops import make_table, timed_entry
-from test_vllm_fold import N_BA, N_GU, N_QKVZ, H, Linear, OtherMethod, TunekitGemmaRMSNorm
+from test_vllm_fold import (
+    MLP,
+    N_BA,
+    N_GU,
+    N_QKVZ,
+    DecoderLayer,
+    GatedDeltaNet,
+    H,
+    Linear,
+    OtherMethod,
+    TunekitGemmaRMSNorm,
+)
 from torch import nn
 
 from tunekit import ops
@@ -32,7 +43,7 @@ def _no_joined_layouts():
 
 
 def _gdn(name: str = "QwenGatedDeltaNetAttention", method: type | None = None) -> nn.Module:
-    gdn = type(name, (nn.Module,), {})()
+    gdn = type(name, (GatedDeltaNet,), {})()  # the merge knows its siblings by the class's name
     gdn.in_proj_qkvz = Linear(N_QKVZ, H) if method is None else Linear(N_QKVZ, H, method)
     gdn.in_proj_ba = Linear(N_BA, H)
     return gdn
@@ -40,9 +51,9 @@ def _gdn(name: str = "QwenGatedDeltaNetAttention", method: type | None = None) -
 
 def _layer() -> nn.Module:
     """A Qwen3.5 linear-attention decoder layer: its input norm feeds the Gated DeltaNet's two linears."""
-    layer = type("Qwen3_5DecoderLayer", (nn.Module,), {})()
+    layer = DecoderLayer()
     layer.input_layernorm, layer.post_attention_layernorm = TunekitGemmaRMSNorm(H), TunekitGemmaRMSNorm(H, 1e-5)
-    layer.linear_attn, layer.mlp = _gdn(), nn.Module()
+    layer.linear_attn, layer.mlp = _gdn(), MLP()
     layer.mlp.gate_up_proj = Linear(N_GU, H)
     return layer
 

@@ -6,9 +6,11 @@ the norm passes its input on, and each consumer runs ``tunekit::rms_gemv``, whic
 Before a fold is kept, ``rms_gemv`` on the folded weights (through the kernels the tables serve) is
 compared with the unfolded sequence on the original weights, on seeded activations with outlier
 channels, under the search's BF16 bound (``tunekit.integrations.fold_check``); a norm that fails stays
-unfolded and is logged with its worst error and the bound. Not folded, with the reason counted: a
-consumer with a LoRA adapter (it reads the normed input), a quantized consumer, a reader ``patch`` does
-not know (a layer with a child :data:`FOLDABLE_LAYERS` does not list), a decoder layer not listed.
+unfolded and is logged with its worst error and the bound. Which norms: every norm child of a decoder
+layer (an item of an ``nn.ModuleList``, whatever its class) whose output only ``nn.Linear`` modules read,
+as the layer's forward shows (``tunekit.integrations.fold_graph``). Not folded, with the reason counted: a
+consumer with a LoRA adapter (it reads the normed input), a quantized consumer, and the finder's reasons
+(Gemma's post-attention and post-feedforward norms go into a residual add; a non-linear reads it ...).
 
 The originals stay on the consumers (``unpatch`` puts them back), and the folded model keeps to them for
 its weights' traffic: ``state_dict()`` gives the original weights (a saved patched model is an unfolded
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tunekit.integrations.fold_check import CheckResult, check_norm_fold, fold_scale, tables_hold
+from tunekit.integrations.fold_graph import decoder_layers, norm_readers
 from tunekit.integrations.torch_routes import (
     _ROUTE,
     _SAVED,
@@ -43,36 +46,6 @@ from tunekit.integrations.torch_routes import (
 )
 
 logger = logging.getLogger("tunekit")
-
-#: Decoder-layer class name -> (norm attribute, the linears that read its output), from the layer's
-#: forward in transformers' modeling code: ``patch(fold_norms=True)`` folds a norm only into all of
-#: them (a path a layer lacks, such as self_attn in a linear-attention layer, is skipped). HF adds
-#: the residual itself, so each of these norms is a plain one.
-_LLAMA_LIKE = (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-               ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")))
-
-
-FOLDABLE_LAYERS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
-    "LlamaDecoderLayer": _LLAMA_LIKE,
-    "MistralDecoderLayer": _LLAMA_LIKE,
-    "Qwen2DecoderLayer": _LLAMA_LIKE,
-    "Qwen3DecoderLayer": _LLAMA_LIKE,
-    # full attention (self_attn) or Gated DeltaNet (linear_attn: its four input projections)
-    "Qwen3_5DecoderLayer": (
-        ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "linear_attn.in_proj_qkv",
-                             "linear_attn.in_proj_z", "linear_attn.in_proj_b", "linear_attn.in_proj_a")),
-        ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"))),
-    # Gemma 3: four norms a layer; input_layernorm feeds q/k/v, pre_feedforward_layernorm gate/up
-    "Gemma3DecoderLayer": (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-                           ("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj"))),
-}
-
-#: Children of a ``FOLDABLE_LAYERS`` layer that read other tensors than the folded norms' outputs (Gemma 3's
-#: norms of the attention and MLP outputs, before each residual add): not unknown readers.
-OTHER_READERS: dict[str, tuple[str, ...]] = {
-    "Gemma3DecoderLayer": ("post_attention_layernorm", "post_feedforward_layernorm"),
-}
-
 
 #: Attribute holding a folded linear's original weight Parameter (``unpatch`` puts it back).
 _FOLD_SAVED = "_tunekit_unfolded_weight"
@@ -106,21 +79,23 @@ def _folded_linear_forward(module: nn.Linear, eps: float) -> Callable[[torch.Ten
     return forward
 
 
-def _has_submodule(module: nn.Module, path: str) -> bool:
-    try:
-        module.get_submodule(path)
-    except AttributeError:
-        return False
-    return True
+def _norm_op(module: nn.Module) -> str | None:
+    op = ELEMENTWISE_ROUTES.get(type(module).__name__)
+    return op if op in ("rms_norm", "gemma_rms_norm") else None
 
 
-def _why_not(layer: nn.Module, spec: tuple, consumers: list[nn.Module]) -> str | None:
-    """Why a norm of a listed layer cannot fold (counted), or None."""
-    known = ({norm for norm, _ in spec} | {p.split(".")[0] for _, paths in spec for p in paths}
-             | set(OTHER_READERS.get(type(layer).__name__, ())))
-    child = next((name for name, _ in layer.named_children() if name not in known), None)
-    if child is not None:
-        return f"unknown reader (child {child!r} of {type(layer).__name__})"
+def _is_norm(module: nn.Module) -> bool:
+    """A norm for the finder: one ``patch`` folds, or any other ``*Norm`` (a reader that refuses a fold)."""
+    return _norm_op(module) is not None or type(module).__name__.endswith("Norm")
+
+
+def _is_linear(module: nn.Module) -> bool:
+    """Where the finder stops and takes a reader: an ``nn.Linear`` or an adapter wrapping one (LoRA)."""
+    return isinstance(module, nn.Linear) or isinstance(getattr(module, "base_layer", None), nn.Module)
+
+
+def _why_not(consumers: list[nn.Module]) -> str | None:
+    """Why a norm whose readers are all linears cannot fold (counted), or None."""
     for c in consumers:
         if isinstance(getattr(c, "base_layer", None), nn.Module) or "lora" in type(c).__module__.lower():
             return "LoRA (an adapter reads the normed input)"
@@ -134,35 +109,26 @@ def _why_not(layer: nn.Module, spec: tuple, consumers: list[nn.Module]) -> str |
 
 def _fold_survey(model: nn.Module) -> tuple[list[tuple[str, nn.Module, str, list[nn.Linear]]],
                                             list[tuple[str, str, str]]]:
-    """(path, norm, its op, its consumers) for every norm of a ``FOLDABLE_LAYERS`` layer that can be folded
-    (a plain or zero-centred RMSNorm whose consumers are all bias-free linears of its dtype and width), and
-    (path, op, reason) for the decoder norms with no safe fold."""
+    """(path, norm, its op, its consumers) for every decoder norm that can be folded (a plain or zero-centred
+    RMSNorm not yet routed whose readers, as ``fold_graph`` finds them, are all bias-free linears of its dtype
+    and width), and (path, op, reason) for the decoder norms with no safe fold."""
     plans, skipped = [], []
-    for layer_name, layer in model.named_modules():
-        prefix = f"{layer_name}." if layer_name else ""
-        spec = FOLDABLE_LAYERS.get(type(layer).__name__)
-        if spec is None:
-            if type(layer).__name__.endswith("DecoderLayer"):
-                for child_name, child in layer.named_children():
-                    op = ELEMENTWISE_ROUTES.get(type(child).__name__)
-                    if op in ("rms_norm", "gemma_rms_norm") and not getattr(child, _ROUTE, None):
-                        skipped.append((prefix + child_name, op, f"unknown layer ({type(layer).__name__})"))
-            continue
-        for norm_name, paths in spec:
-            norm = getattr(layer, norm_name, None)
-            op = ELEMENTWISE_ROUTES.get(type(norm).__name__)
-            if op not in ("rms_norm", "gemma_rms_norm") or getattr(norm, _ROUTE, None):
-                continue
-            consumers = [layer.get_submodule(p) for p in paths if _has_submodule(layer, p)]
-            why = _why_not(layer, spec, consumers)
+    for layer_name, layer, norm_names in decoder_layers(model, lambda m: _norm_op(m) is not None):
+        prefix = f"{layer_name}."
+        names = [n for n in norm_names if not getattr(getattr(layer, n), _ROUTE, None)]
+        found = norm_readers(layer, names, _is_linear, _is_norm)
+        for norm_name in names:
+            norm, readers = getattr(layer, norm_name), found[norm_name]
+            op = _norm_op(norm)
+            consumers = [layer.get_submodule(p) for p in readers.readers]
+            why = readers.reason or _why_not(consumers)
             if why is not None:
                 skipped.append((prefix + norm_name, op, why))
                 continue
             weight = norm.weight
-            if not consumers or any(
-                    not isinstance(c, nn.Linear) or c.bias is not None or getattr(c, _ROUTE, None)
-                    or c.weight.dtype != weight.dtype or c.weight.shape[1] != weight.shape[0]
-                    or c.weight.device != weight.device for c in consumers):
+            if any(not isinstance(c, nn.Linear) or c.bias is not None or getattr(c, _ROUTE, None)
+                   or c.weight.dtype != weight.dtype or c.weight.shape[1] != weight.shape[0]
+                   or c.weight.device != weight.device for c in consumers):
                 continue
             plans.append((prefix + norm_name, norm, op, consumers))
     return plans, skipped

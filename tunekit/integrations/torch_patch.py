@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tunekit.integrations.torch_fold import _FOLD_HOOKS, _FOLDS, FOLDABLE_LAYERS, fold_shapes, unroute
+from tunekit.integrations.torch_fold import _FOLD_HOOKS, _FOLDS, fold_shapes, unroute
 from tunekit.integrations.torch_fold import fold_norms as fold_norms_of
 from tunekit.integrations.torch_merge import (
     _MERGED,
@@ -82,7 +82,7 @@ from tunekit.integrations.torch_routes import (
     _set_forward,
 )
 
-__all__ = ["ELEMENTWISE_ROUTES", "FOLDABLE_LAYERS", "SIBLING_LINEARS", "fold_shapes", "linear_shapes", "merged_shapes",
+__all__ = ["ELEMENTWISE_ROUTES", "SIBLING_LINEARS", "fold_shapes", "linear_shapes", "merged_shapes",
            "patch", "unpatch"]
 
 
@@ -208,8 +208,8 @@ def patch(model: nn.Module, table: str | os.PathLike | Sequence[str | os.PathLik
     op yet how many were left as they are.
 
     ``fold_norms`` (on by default; ``False`` keeps every norm a norm): first,
-    each decoder norm of a ``FOLDABLE_LAYERS`` layer whose consumers all have
-    ``rms_gemv`` entries, whose entries at M=1 beat the tuned norm and GEMVs
+    each decoder norm whose readers (``fold_graph``: from the layer's
+    forward) are all linears that have ``rms_gemv`` entries, whose entries at M=1 beat the tuned norm and GEMVs
     they replace, and whose fold passes its check on the model's own weights
     (``rms_gemv`` through the served kernels against the unfolded sequence,
     the search's BF16 bound: ``tunekit.integrations.torch_fold``), is folded:
@@ -221,9 +221,9 @@ def patch(model: nn.Module, table: str | os.PathLike | Sequence[str | os.PathLik
     numerics move by one BF16 rounding of W diag(g') instead of one of the
     normalised activation. Counted as ``"rms_gemv"`` and ``"<norm op>
     folded"``, ``"<op> (kept unfolded: failed the check)"`` and ``"<op> (not
-    folded: <reason>)"`` (LoRA, a quantized consumer, an unknown reader or
-    layer); a token count the table lacks runs the norm's math then the
-    vendor GEMM per consumer. With no table paying for a fold, nothing folds.
+    folded: <reason>)"`` (LoRA, a quantized consumer, or what else the
+    layer's forward does with the norm's output); a token count the table
+    lacks runs the norm's math then the vendor GEMM per consumer. With no table paying for a fold, nothing folds.
 
     ``merge_siblings`` (on by default): then, each group of ``SIBLING_LINEARS`` (the linears
     a module calls on one input: q/k/v, gate/up, Gated DeltaNet's qkv/z and

@@ -16,18 +16,15 @@ A decode step of Qwen3.5-27B launches 128 decoder norms, each a separate
   projection's epilogue (``graph_routes.fuse_residual_adds``: ``gemv_add``)
   where a table holds that op, so a layer's two norms cost no launch.
 
-Which norms: those of a decoder layer whose class :data:`FOLDABLE_LAYERS`
-names, whose children are exactly the ones listed there (any other child
-could read a norm's output) and with every linear that reads the norm's
-output listed there (read from the layer's forward in vLLM 0.26 and 0.33),
-each of them a plain unquantized linear whose GEMM goes through tunekit's
-route, and whose fold the tables decided for: their ``fusions`` section,
-where the search timed the folded GEMVs against the norm plus the GEMVs
-they replace at every M (tables without it: their M=1 entries, as before). Not folded, with the reason counted
-(:func:`survey`): a norm whose consumers may carry LoRA adapters (an
-adapter reads the normed input), a quantized consumer, a reader tunekit
-does not know (a layer not exactly as listed), a decoder layer of a class
-not listed.
+Which norms: every norm child of a decoder layer (an item of an ``nn.ModuleList`` with one, whatever its
+class) whose output only linears read, as the layer's forward shows (``tunekit.integrations.fold_graph``:
+a dataflow analysis of the forward's source, down through the modules it calls), each of them a plain
+unquantized linear whose GEMM goes through tunekit's route, and whose fold the tables decided for: their
+``fusions`` section, where the search timed the folded GEMVs against the norm plus the GEMVs they replace
+at every M (tables without it: their M=1 entries, as before). Not folded, with the reason counted
+(:func:`survey`): a norm whose consumers may carry LoRA adapters (an adapter reads the normed input), a
+quantized consumer, and every reason the finder gives (a residual add or another norm reads the output,
+as Gemma's post-attention and post-feedforward norms; a non-linear; a module without source; ...).
 
 Checked before kept: the folded weights are computed aside and
 ``rms_gemv`` on them, through the kernels the tables serve, is compared
@@ -65,28 +62,11 @@ import torch
 from torch import nn
 
 from tunekit.integrations.fold_check import CheckResult, check_norm_fold, fold_scale
+from tunekit.integrations.fold_graph import decoder_layers, norm_readers
 from tunekit.integrations.vllm.marks import FOLD_EPS, FOLDED, sibling_groups
 
-__all__ = ["FOLDABLE_LAYERS", "LORA", "QUANTIZED", "UNKNOWN_LAYER", "UNKNOWN_READER", "ZERO_SCALE", "FoldPlan",
-           "FoldReport", "check_fold", "commit", "fold_model", "fold_plan", "folded_norm_forward", "folded_weights",
-           "survey", "zero_columns"]
-
-#: vLLM decoder-layer class name -> (norm attribute, alternatives of consumer paths). The first
-#: alternative whose first path the layer has is the norm's consumer set, and every path in it must
-#: be there: full attention reads the norm with ``self_attn.qkv_proj``, Qwen3.5's Gated DeltaNet with
-#: ``in_proj_qkvz`` and ``in_proj_ba``. A layer without any (a MoE block in place of ``mlp``, LoRA's
-#: split projections) keeps that norm, and so does a layer with a child not named here. From each
-#: class's ``forward`` in vLLM 0.26.0 and 0.33.0.
-_ATTENTION = ("input_layernorm", (("self_attn.qkv_proj",),))
-_MLP = ("post_attention_layernorm", (("mlp.gate_up_proj",),))
-FOLDABLE_LAYERS: dict[str, tuple[tuple[str, tuple[tuple[str, ...], ...]], ...]] = {
-    "LlamaDecoderLayer": (_ATTENTION, _MLP),
-    "Qwen2DecoderLayer": (_ATTENTION, _MLP),
-    "Qwen3DecoderLayer": (_ATTENTION, _MLP),
-    "Qwen3_5DecoderLayer": (
-        ("input_layernorm", (("self_attn.qkv_proj",), ("linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba"))),
-        _MLP),
-}
+__all__ = ["LORA", "QUANTIZED", "ZERO_SCALE", "FoldPlan", "FoldReport", "check_fold", "commit", "fold_model",
+           "fold_plan", "folded_norm_forward", "folded_weights", "survey", "zero_columns"]
 
 #: vLLM norm class name -> the tunekit op of its convention (a tunekit subclass keeps its base's name
 #: after "Tunekit").
@@ -95,8 +75,6 @@ _NORM_OPS = {"RMSNorm": "rms_norm", "GemmaRMSNorm": "gemma_rms_norm"}
 #: Why a decoder norm was not folded (the counts' and the log's words).
 LORA = "LoRA"
 QUANTIZED = "quantized consumer"
-UNKNOWN_READER = "unknown reader"
-UNKNOWN_LAYER = "unknown layer"
 
 
 @dataclass
@@ -145,26 +123,15 @@ def _norm_op(norm: Any) -> str | None:
     return _NORM_OPS.get(type(norm).__name__.removeprefix("Tunekit"))
 
 
-def _consumers(layer: nn.Module, alternatives: tuple[tuple[str, ...], ...]) -> list[str] | None:
-    for paths in alternatives:
-        try:
-            layer.get_submodule(paths[0])
-        except AttributeError:
-            continue
-        try:
-            for p in paths:
-                layer.get_submodule(p)
-        except AttributeError:
-            return None  # a partial set: some reader of the norm is unknown
-        return list(paths)
-    return None
+def _is_norm(module: nn.Module) -> bool:
+    """A norm for the finder: one tunekit folds, or any other ``*Norm`` (a reader that refuses a fold)."""
+    return _norm_op(module) is not None or type(module).__name__.endswith("Norm")
 
 
-def _children_known(layer: nn.Module, spec: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...]) -> str | None:
-    """None where every child of ``layer`` is a norm or a consumer's parent :data:`FOLDABLE_LAYERS` lists,
-    else the first other child's name (it could read a norm's output)."""
-    known = {norm for norm, _ in spec} | {path.split(".")[0] for _, alts in spec for paths in alts for path in paths}
-    return next((name for name, _ in layer.named_children() if name not in known), None)
+def _is_linear(module: nn.Module) -> bool:
+    """Where the finder stops and takes a reader: a vLLM linear (any ``LinearBase``) or a LoRA wrapper."""
+    return (any(c.__name__ == "LinearBase" for c in type(module).__mro__)
+            or isinstance(getattr(module, "base_layer", None), nn.Module))
 
 
 def _is_lora(c: nn.Module) -> bool:
@@ -188,14 +155,8 @@ def _norm_ok(norm: nn.Module, honours: Callable[[nn.Module], bool]) -> bool:
             and honours(norm))
 
 
-def _why_not(layer: nn.Module, spec: tuple, paths: list[str] | None, lora: bool) -> str | None:
-    """Why a norm of a listed layer cannot fold (a reason to count), or None."""
-    child = _children_known(layer, spec)
-    if child is not None:
-        return f"{UNKNOWN_READER} (child {child!r} of {type(layer).__name__})"
-    if paths is None:
-        return f"{UNKNOWN_READER} (the consumers {type(layer).__name__} is listed with are not all there)"
-    consumers = [layer.get_submodule(p) for p in paths]
+def _why_not(consumers: list[nn.Module], lora: bool) -> str | None:
+    """Why a norm whose readers are all linears cannot fold (a reason to count), or None."""
     if lora or any(_is_lora(c) for c in consumers):
         return f"{LORA} (an adapter would read the normed input)"
     quantized = [type(getattr(c, "quant_method", None)).__name__ for c in consumers
@@ -211,35 +172,25 @@ def survey(model: nn.Module, honours: Callable[[nn.Module], bool], lora: bool = 
     """The norms that can fold (:class:`FoldPlan`, consumers all foldable linears: plain, unquantized, of
     the norm's dtype, width and device, routed by tunekit), and those with no safe fold, as (norm path,
     op, reason): LoRA (``lora``: the engine runs adapters, or a consumer is LoRA-wrapped), a quantized
-    consumer, an unknown reader, an unknown decoder layer. Norms tunekit does not route are neither."""
+    consumer, or the finder's reason (``fold_graph``). Norms tunekit does not route are neither."""
     plans, skipped = [], []
-    for layer_name, layer in model.named_modules():
-        cls = type(layer).__name__
-        spec = FOLDABLE_LAYERS.get(cls)
-        prefix = f"{layer_name}." if layer_name else ""
-        if spec is None:
-            if cls.endswith("DecoderLayer"):
-                for child_name, child in layer.named_children():
-                    op = _norm_op(child)
-                    if op is not None and _norm_ok(child, honours):
-                        skipped.append((prefix + child_name, op, f"{UNKNOWN_LAYER} ({cls})"))
-            continue
-        for norm_name, alternatives in spec:
-            norm = getattr(layer, norm_name, None)
+    for layer_name, layer, norm_names in decoder_layers(model, lambda m: _norm_op(m) is not None):
+        prefix = f"{layer_name}."
+        routed = [n for n in norm_names if _norm_ok(getattr(layer, n), honours)]
+        found = norm_readers(layer, routed, _is_linear, _is_norm)
+        for norm_name in routed:
+            norm, readers = getattr(layer, norm_name), found[norm_name]
             op = _norm_op(norm)
-            if op is None or not _norm_ok(norm, honours):
-                continue
-            paths = _consumers(layer, alternatives)
-            why = _why_not(layer, spec, paths, lora)
+            assert op is not None
+            consumers = [layer.get_submodule(p) for p in readers.readers]
+            why = readers.reason or _why_not(consumers, lora)
             if why is not None:
                 skipped.append((prefix + norm_name, op, why))
                 continue
-            assert paths is not None
-            consumers = [layer.get_submodule(p) for p in paths]
             if not all(_foldable_linear(c, norm.weight, honours) for c in consumers):
                 continue
             plans.append(FoldPlan(prefix + norm_name, norm, op, float(norm.variance_epsilon), consumers,
-                                  [prefix + p for p in paths]))
+                                  [prefix + p for p in readers.readers]))
     return plans, skipped
 
 
