@@ -129,6 +129,12 @@ def serve_bench(
     prompts: Annotated[str | None, typer.Option(
         help="distinct (token ids that never repeat) or repeat (a pattern of 8 ids tiled, which the n-gram "
              "proposer matches); default repeat with --speculative, else distinct")] = None,
+    first_token: Annotated[str | None, typer.Option(
+        help="prompt lengths whose time to first token is timed on its own, e.g. 64,2048,8192: per process, after "
+             "the TPOT batch sizes, 1-token generates at each (length, --batch) round-robin, fresh prompts; a "
+             "verdict per case against 2% (docs/serving.md)")] = None,
+    first_token_repeats: Annotated[int, typer.Option(
+        help="--first-token: timed 1-token generates per (length, batch) and process")] = 20,
 ) -> None:
     """vLLM decode end to end: vanilla vs plugin without table vs tuned, TPOT per batch size, vs the prediction.
 
@@ -183,6 +189,12 @@ def serve_bench(
     DIR/serve.md sets the k side by side. The prompts repeat a pattern
     unless --prompts distinct (docs/serving.md).
 
+    --first-token 64,2048,8192: the time to first token on its own, per
+    prompt length and --batch size: --first-token-repeats timed 1-token
+    generates each per process, interleaved round-robin, fresh prompts;
+    per case the ratio to vanilla over process pairs and a verdict
+    (within 2% only when vanilla's processes agree within 2%).
+
     Writes DIR/serve.json, serve.md, serve.png; a rerun resumes. --endpoint
     vanilla=URL --endpoint tuned=URL runs the same A/B against running
     OpenAI-compatible servers (streaming: TTFT, TPOT, throughput per
@@ -199,7 +211,10 @@ def serve_bench(
         console.print(text, markup=False, highlight=False)
 
     tol = DEFAULT_TOL if logprob_tol is None else logprob_tol
+    lengths = parse_sizes(first_token, "--first-token") if first_token is not None else []
     if endpoint:
+        if lengths:
+            raise UserError("--first-token times offline engines; against --endpoint servers TTFT is in the report")
         urls = endpoint_mod.parse_endpoints(endpoint)
         endpoint_mod.run(urls, out or Path("runs") / "serve-endpoints", parse_sizes(concurrency, "--concurrency"),
                          tokens, prompt_len, repeats, model, config, table, log=log)
@@ -216,7 +231,8 @@ def serve_bench(
         gpu_memory_utilization=gpu_memory_utilization, enforce_eager=eager, agree_steps=agree_steps,
         logprob_tol=tol, python=str(python) if python else sys.executable, runner_timeout_s=runner_timeout,
         profile_steps=profile_steps, weights=weights, model_dir=str(model_dir) if model_dir else None,
-        logprobs=logprobs, speculative=v, prompts=prompts) for v in variants]
+        logprobs=logprobs, speculative=v, prompts=prompts, first_token=lengths,
+        first_token_repeats=first_token_repeats) for v in variants]
     folder = out or Path("runs") / f"serve-{all_settings[0].model}"
     if speculative:
         serve = bench.run_speculative(all_settings, folder, log, stop_after_s=stop_after)

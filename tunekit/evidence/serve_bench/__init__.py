@@ -22,6 +22,9 @@ Modules:
 * ``spec_decode``: ``--speculative``: the values, vLLM's speculative_config
   for them, the acceptance from vLLM's counters, the decode steps' M (a
   hook on the in-process scheduler) and the dispatch coverage at those M.
+* ``first_token``: ``--first-token``: the time to first token on its own, per (prompt length, batch
+  size), interleaved 1-token generates with fresh prompts in every process, and its figures: the ratio
+  to vanilla over process pairs, vanilla's spread, a verdict against 2% that a noisy run cannot pass.
 * ``settings``: what a run measures (``Settings``, checked before anything
   starts) and the model folder vLLM loads.
 * ``bench``: the parent: arm schedule, environment per arm (``VLLM_PLUGINS``,
@@ -35,7 +38,7 @@ Modules:
   (streaming ``/v1/completions``, standard library only).
 * ``provenance``: the package root the runners start with, its git commit.
 
-Layers: ``weights``, ``forced``, ``tpot``, ``agreement``, ``profile`` and ``spec_decode`` at the
+Layers: ``weights``, ``forced``, ``tpot``, ``agreement``, ``profile``, ``spec_decode`` and ``first_token`` at the
 bottom (standard library at import), ``runner`` on them, then ``analysis``,
 ``report``, ``provenance``, ``settings``, ``endpoint``, and ``bench`` on top.
 """

@@ -29,6 +29,10 @@ With ``--speculative`` (``spec_decode.py``): per batch size and arm the acceptan
 the decode steps' M histogram (``spec_decode``); over the run, the dispatch coverage per M up to the largest
 verify step's (``speculative``). TPOT stays per output token, so the arms compare at the same k.
 
+With ``--first-token`` (``first_token.py``): ``ttft``, the time to first token per (prompt length, batch
+size) from its own interleaved 1-token generates, each arm's ratio to vanilla with its range over process
+pairs and a verdict that a noisy run cannot pass.
+
 TPOT is also read from per-token timestamps (``tpot.py``); a batch size where
 the two figures differ by more than 2% gets a note.
 
@@ -48,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from tunekit.errors import UserError
-from tunekit.evidence.serve_bench import ARMS, TABLE_ARMS, spec_decode
+from tunekit.evidence.serve_bench import ARMS, TABLE_ARMS, first_token, spec_decode
 from tunekit.evidence.serve_bench.agreement import DEFAULT_TOL, agreement_row
 from tunekit.evidence.serve_bench.profile import arm_profile, compare
 from tunekit.evidence.serve_bench.runner import FORMAT as RUN_FORMAT
@@ -429,6 +433,8 @@ def summarize(settings: dict[str, Any], results: dict[str, list[dict[str, Any]]]
     short = sum(r.get("short_outputs", 0) for docs in results.values() for res in docs for r in res["batches"])
     if short:
         notes.append(f"{short} timed outputs were shorter than --tokens (max_model_len?): their TPOT is off")
+    ttft = first_token.summarize(results) if settings.get("first_token") else None
+    notes.extend(first_token.notes(ttft))
     speculative = None
     if settings.get("speculative"):
         bound = spec_decode.verify_bound(settings["batches"], settings["speculative"])
@@ -446,5 +452,5 @@ def summarize(settings: dict[str, Any], results: dict[str, list[dict[str, Any]]]
         "engine_start_s": {arm: [res.get("engine_start_s") for res in docs] for arm, docs in results.items()},
         "plugin": {arm: [res.get("plugin") for res in docs] for arm, docs in results.items()},
         "runs": {arm: [f"{RUNS_DIR}/{run_file(arm, res['index'])}" for res in docs] for arm, docs in results.items()},
-        "coverage": coverage, "batches": batches, "notes": notes,
+        "coverage": coverage, "batches": batches, "ttft": ttft, "notes": notes,
     }

@@ -264,6 +264,8 @@ def _run_offline(settings: Settings, out_dir: Path, log: Callable[[str], None], 
     log(f"serve-bench {settings.model}: {len(order)} processes ({', '.join(settings.arms)} x "
         f"{settings.processes}), batches {','.join(map(str, settings.batches))}, {settings.tokens} tokens, "
         + (f"speculative {settings.speculative} ({settings.prompts} prompts), " if settings.speculative else "")
+        + (f"first token at prompts of {','.join(map(str, settings.first_token))} x "
+           f"{settings.first_token_repeats}, " if settings.first_token else "")
         + f"vLLM {info['vllm']} ({info.get('python')})")
     started = time.perf_counter()
     longest = 0.0
@@ -288,6 +290,7 @@ def _run_offline(settings: Settings, out_dir: Path, log: Callable[[str], None], 
                 "repeats": settings.repeats, "agree_steps": settings.agree_steps, "logprobs": settings.logprobs,
                 "vocab_size": vocab_size(settings.model_config), "profile_steps": settings.profile_steps,
                 "weights": settings.weights, "weights_seed": settings.weights_seed, "prompts": settings.prompts,
+                "first_token": list(settings.first_token), "first_token_repeats": settings.first_token_repeats,
                 "forced": None if (arm, i) == ("vanilla", 0) else forced_tokens(runs_dir)}
         spec_path = runs_dir / f"{arm}-{i}.spec.json"
         spec_path.write_text(json.dumps(spec, indent=1) + "\n")

@@ -115,6 +115,31 @@ def first_token_table(serve: dict[str, Any]) -> tuple[list[str], list[list[str]]
     return head, rows
 
 
+def ttft_table(serve: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """``--first-token``: per (prompt length, batch) vanilla's time, spread between and within its processes,
+    and each other arm's time, ratio to vanilla (range over process pairs) and verdict."""
+    ttft = serve.get("ttft") or {"cases": []}
+    others = [a for a in ARMS if a != "vanilla" and any(a in c["arms"] for c in ttft["cases"])]
+    head = (["prompt", "B", "vanilla ms (min-max)", "vanilla spread between / within processes"]
+            + [h for a in others for h in (f"{a} ms", f"{a} / vanilla (pairs min-max)", f"{a} verdict")])
+    rows = []
+    for case in ttft["cases"]:
+        v = case["arms"].get("vanilla")
+        spread, iqr = case.get("vanilla_spread"), case.get("vanilla_iqr_rel")
+        cells = [str(case["prompt_len"]), str(case["batch"]),
+                 f"{v['median_ms']:.2f} ({v['min_ms']:.2f}-{v['max_ms']:.2f})" if v else "-",
+                 f"{_f(None if spread is None else spread * 100, '.1f', '%')} / "
+                 f"{_f(None if iqr is None else iqr * 100, '.1f', '%')}"]
+        for a in others:
+            fig, c = case["arms"].get(a), case["compared"].get(a) or {}
+            cells += [_f(fig and fig["median_ms"], ".2f"),
+                      "-" if c.get("ratio") is None else f"{c['ratio']:.4f} (" + (
+                          "no pair" if c.get("min") is None else f"{c['min']:.4f}-{c['max']:.4f}") + ")",
+                      c.get("verdict", "-")]
+        rows.append(cells)
+    return head, rows
+
+
 def prediction_table(serve: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     head = ["B", "vanilla ms", "measured saving ms", "predicted saving ms", "measured / predicted",
             "predicted over the ops that ran tuned ms", "speedup", "predicted speedup",
@@ -408,6 +433,16 @@ def write_markdown(serve: dict[str, Any], path: Path) -> Path:
                   "eager; where the plugin's compile_ranges hook is installed, the graph vLLM compiles for token "
                   "counts above the tables' largest M holds no tunekit op.", "",
                   _md_table(*first_token_table(serve))]
+    if serve.get("ttft"):
+        t = serve["ttft"]
+        lines += ["", f"Time to first token on its own (--first-token): per process, {t['repeats']} timed 1-token "
+                  "generates per (prompt, B) after an untimed one, the cases round-robin, every request a fresh "
+                  "prompt (no prefix-cache hit); an arm's figure is the median of its processes' medians. Spread "
+                  "between vanilla's processes: max / min of their medians - 1; within: the largest IQR / median. "
+                  f"Verdict: within {t['band']:.0%} only with the whole range of arm #i / vanilla #i inside "
+                  f"1 +- {t['band']:g} and vanilla's spread between processes below {t['band']:.0%}; slower / "
+                  "faster with the whole range past a bound; otherwise unresolved.", "",
+                  _md_table(*ttft_table(serve))]
     if any(r.get("predicted_saving_ms") is not None for r in serve["batches"]):
         lines += ["", "Prediction from the tables' standalone figures (per token at M = B: sum of count x "
                   "(baseline - tuned) over the model's problems a table serves; predicted speedup = vanilla / "

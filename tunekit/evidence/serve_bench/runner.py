@@ -59,6 +59,8 @@ Result (``format`` = ``tunekit.serve_run/1``; the parent's parse test reads it):
                   "forced": {"steps", "topk", "rounds", "requests": [{"forced", "forced_from", "top",
                                                                       "prefill_steps"}]}}],
      "weights": {"mode", "seed", "applied", "counts"},
+     "first_token": first_token.measure() (with --first-token: {"lengths", "batches", "repeats", "order",
+                    "requests", "cases": [{"prompt_len", "batch", "t_s": [...], "host": [...]}]}),
      "error": None | "Type: message", "traceback"}
 """
 
@@ -81,7 +83,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from tunekit.evidence.serve_bench import spec_decode
+from tunekit.evidence.serve_bench import first_token, spec_decode
 from tunekit.evidence.serve_bench.forced import forced_row
 from tunekit.evidence.serve_bench.tpot import TokenClock, stamps_ms
 from tunekit.evidence.serve_bench.weights import describe, weights_after_start, weights_before_start
@@ -451,6 +453,12 @@ def _run(spec: dict[str, Any], result: dict[str, Any]) -> None:
         result["batches"].append(row)
         progress(f"{spec['arm']} #{spec['index']}: B={batch} TPOT {row['tpot_ms_median']:.3f} ms "
                  f"({row['tpot_ms_min']:.3f}-{row['tpot_ms_max']:.3f}), {row['tokens_per_s']:.1f} tokens/s")
+    if spec.get("first_token"):  # after every TPOT figure: its long prefills never precede a timed pair
+        one = sampling(1)
+        result["first_token"] = first_token.measure(
+            lambda ids: llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], one, use_tqdm=False),
+            spec["first_token"], spec["batches"], int(spec["first_token_repeats"]), int(spec["vocab_size"]),
+            events=HostEvents, log=lambda text: progress(f"{spec['arm']} #{spec['index']}: {text}"))
 
 
 def _measure_speculative(llm: Any, prompts: list[Any], sampling: Any, batch: int,

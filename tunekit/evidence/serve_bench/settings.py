@@ -22,6 +22,7 @@ from typing import Any
 
 from tunekit.errors import UserError
 from tunekit.evidence.serve_bench import ARMS, DEFAULT_ARMS, TABLE_ARMS, spec_decode
+from tunekit.evidence.serve_bench import first_token as ttft
 from tunekit.evidence.serve_bench.agreement import DEFAULT_TOL
 from tunekit.evidence.serve_bench.analysis import load_json
 
@@ -67,11 +68,15 @@ class Settings:
     #: the prompts' recipe (runner.make_prompts): "distinct" ids, or "repeat" (a short pattern tiled, which the
     #: n-gram proposer matches: the default with ``speculative``)
     prompts: str = "distinct"
+    #: ``--first-token``: prompt lengths whose time to first token is timed on its own (first_token.py); (): off
+    first_token: tuple[int, ...] = ()
+    first_token_repeats: int = ttft.DEFAULT_REPEATS
 
     @property
     def max_model_len(self) -> int:
-        """Prompt + new tokens + a margin, rounded up to 64: small, so the KV cache costs nothing."""
-        return -(-(self.prompt_len + max(self.tokens, self.agree_steps) + 16) // 64) * 64
+        """The longest prompt + new tokens + a margin, rounded up to 64: small, so the KV cache costs nothing."""
+        longest = max(self.prompt_len + max(self.tokens, self.agree_steps), max(self.first_token, default=0) + 1)
+        return -(-(longest + 16) // 64) * 64
 
     def engine(self, model_dir: Path) -> dict[str, Any]:
         """``LLM(**engine)`` arguments; the runner drops those this vLLM lacks (``gdn_prefill_backend``).
@@ -102,8 +107,13 @@ class Settings:
         if self.speculative is None and self.prompts == "distinct":  # likewise for speculative decoding
             doc.pop("speculative")
             doc.pop("prompts")
+        if not self.first_token:  # likewise for the first-token mode
+            doc.pop("first_token")
+            doc.pop("first_token_repeats")
         doc["tables"] = list(self.tables)
         doc["batches"], doc["arms"] = list(self.batches), list(self.arms)
+        if self.first_token:
+            doc["first_token"] = list(self.first_token)
         return doc
 
 
@@ -168,6 +178,7 @@ def build_settings(model: str | None, config: Path | None, tables: Sequence[Path
     if unknown or "vanilla" not in arms or len(set(arms)) != len(arms):
         raise UserError(f"--arms takes vanilla plus any of passthrough, tuned, folded (got {','.join(arms)})")
     arms = tuple(a for a in ARMS if a in arms)  # the round order is fixed
+    options["first_token"] = tuple(options.get("first_token") or ())
     # Without a tuned arm (vanilla against passthrough: the plugin's own cost) a table is optional;
     # given, it still feeds the predicted-saving column.
     if not tables and set(TABLE_ARMS) & set(arms):
@@ -201,9 +212,25 @@ def build_settings(model: str | None, config: Path | None, tables: Sequence[Path
                             ("--profile-steps", s.profile_steps, 0)):
         if value < low:
             raise UserError(f"{opt} must be at least {low}, got {value}")
+    _check_first_token(s)
     if not 0.05 <= s.gpu_memory_utilization <= 0.99:
         raise UserError(f"--gpu-memory-utilization must be in 0.05..0.99, got {s.gpu_memory_utilization}")
     return s
+
+
+def _check_first_token(s: Settings) -> None:
+    """``--first-token`` lengths: distinct, at least 2 tokens (the request's serial number), inside the model's
+    positions; ``--first-token-repeats`` enough for an IQR."""
+    if not s.first_token:
+        return
+    positions = _text_part(s.model_config).get("max_position_embeddings")
+    top = int(positions) - 1 if isinstance(positions, int) else None
+    if len(set(s.first_token)) != len(s.first_token) or any(n < 2 or (top and n > top) for n in s.first_token):
+        raise UserError(f"--first-token takes distinct prompt lengths 2..{top or 'the model length'}, "
+                        f"got {','.join(map(str, s.first_token))}")
+    if s.first_token_repeats < ttft.MIN_REPEATS:
+        raise UserError(f"--first-token-repeats must be at least {ttft.MIN_REPEATS}, "
+                        f"got {s.first_token_repeats}")
 
 
 #: ``--prompts`` values (``runner.make_prompts``).
