@@ -9,8 +9,8 @@ Loaded by name as ``fault_backend:BACKEND`` (the registry imports any
 
 ``fault_backend:RAISE_AFTER`` and ``fault_backend:DRIFT`` serve right for a few
 calls, then raise or drift (a kernel failing mid-serve, for the serving
-fallback and the canary). ``fault_backend:WRONG`` is a table entry whose kernel is broken: Triton's fused
-GEMV with outputs 25% off, for the load checks (``tunekit.patch``'s and the
+fallback and the canary). ``fault_backend:WRONG`` is a table entry whose kernel is broken: Triton's
+GEMV (fused or plain) with outputs 25% off, for the load checks (``tunekit.patch``'s and the
 vLLM plugin's) to catch.
 """
 
@@ -101,13 +101,19 @@ SLOW = _SlowBackend([4, 32, 64])
 
 
 class _WrongFusedGemv(TritonBackend):
-    """Triton's fused GEMVs (rms_gemv, gemv_add) with outputs 25% off: a table entry whose kernel is broken
-    (``fault_backend:WRONG``)."""
+    """Triton's GEMVs (the fused rms_gemv, gemv_add; the plain gemv) with outputs 25% off: a table entry whose
+    kernel is broken (``fault_backend:WRONG``)."""
 
     name = "wrong"
 
     def build(self, problem, params, device):
         good = super().build(problem, params, device)
+        if problem.op == "gemv":  # the plain GEMV's kernel takes no eps
+            def plain(inputs, out):
+                good(inputs, out)
+                out.mul_(1.25)
+
+            return plain
 
         def kernel(inputs, out, eps: float = 1e-6):
             good(inputs, out, eps=eps)

@@ -125,3 +125,35 @@ def test_seed_from_auto_names_the_tables_of_the_searchs_gpu(shipped_dir) -> None
     cpu = shipped_dir / "cpu" / "tiny.json"
     assert seed_paths([Path("auto")], detect().as_dict()) == [cpu]
     assert seed_paths([Path("auto"), cpu], H200) == [shipped_dir / "nvidia-h200" / "tiny.json", cpu]
+
+
+def test_check_shipped_loads_with_the_check_and_hands_its_line_to_the_caller(shipped_dir, tmp_path, monkeypatch,
+                                                                            caplog) -> None:
+    """The load an integration runs where the device is set (the vLLM plugin's worker): the line is returned
+    for the caller's own log, not logged on tunekit's; the digest names what was kept."""
+    monkeypatch.setenv("TUNEKIT_TABLE", str(make_table(tmp_path / "own.json", [timed_entry("gemv", N, K)])))
+    assert ops.check_shipped() is None  # no shipped table named: nothing loaded, nothing checked
+    monkeypatch.setenv("TUNEKIT_TABLE", "auto")
+    with caplog.at_level(logging.INFO, logger="tunekit"):
+        level, line, digest = ops.check_shipped()
+    assert not [r for r in caplog.records if "auto tables" in r.getMessage()]
+    assert level == logging.WARNING and "1 of 2 entries passed" in line and "refused NVIDIA H200/tiny" in line
+    assert [Path(row["path"]).parent.name for row in ops.loaded_tables()] == ["cpu"]
+    assert ops.served_entry("gemv", "bf16", 1, N, K, "cpu") is not None
+    assert ops.served_entry("rms_gemv", "bf16", 1, N, HIDDEN, "cpu") is None
+    # the same tables give the same digest; a table whose check keeps other entries another
+    assert ops.check_shipped()[2] == digest
+    (shipped_dir / "cpu" / "tiny.json").unlink()
+    assert ops.check_shipped()[2] != digest
+
+
+def test_host_index_counts_the_shipped_tables_unchecked(shipped_dir, monkeypatch) -> None:
+    """Before any GPU work (the vLLM plugin's compile ranges, at config time) the shipped tables are not
+    checked; every entry counts, another GPU's too: the check only drops, so this bounds what will serve."""
+    from tunekit.dispatch import auto
+
+    monkeypatch.setattr(auto, "_entry_failure", lambda *a: pytest.fail("host_index checked an entry"))
+    index = ops.host_index(None, ops.table_paths("auto"))
+    assert index.tops() == {"gemv": 1, "rms_gemv": 1}
+    assert index.largest_m("gemv", "bf16", 16, K) == 1  # the H200 table's entry, unchecked
+    assert ops.loaded_tables() == []  # nothing served by it (clean_ops: no table loaded)

@@ -11,6 +11,8 @@ Call protocol::
 
     import tunekit.ops as ops                       # registers torch.ops.tunekit.*
     ops.load_tables(["runs/a/table.json"])          # or TUNEKIT_TABLE=a.json:b.json (read at the first call)
+    ops.check_shipped()                             # auto named where no GPU work may happen: load now, the
+                                                    # shipped tables checked here -> (level, line, digest)
     ops.prepare()                                   # optional: build + warm every tabulated kernel (before capture)
     y = torch.ops.tunekit.gemv(x, w, None)          # tuned kernel or vendor path; never raises for tunekit's sake
     ops.dispatch_stats()                            # [{"op", "dtype", "shape", "m", "impl", "calls", ...}]
@@ -116,6 +118,7 @@ from tunekit.dispatch.state import (
     dtype_name,
 )
 from tunekit.dispatch.tables import (
+    check_shipped,
     covers,
     holds,
     host_index,
@@ -144,9 +147,10 @@ __all__ = [
     # constants and vocabulary
     "DEFAULT_EPS", "DEFAULT_VENDOR", "DTYPE_NAMES", "EAGER_VENDORS", "ELEMENTWISE_SCHEMAS", "FALLBACK_REASONS",
     "LOG_ENV", "NAMESPACE", "STATS_FORMAT", "TABLE_ENV", "dtype_name",
-    # the tables: TUNEKIT_TABLE's paths, load, the index per device and TP, what it covers, the entry for a call
-    "TableIndex", "covers", "holds", "host_index", "largest_m", "largest_rows", "load_tables", "loaded_tables",
-    "other_tp", "served_entry", "serving_table", "set_tensor_parallel", "table_paths", "tabulated_ms",
+    # the tables: TUNEKIT_TABLE's paths, load (the shipped ones checked where a caller chooses), the index per
+    # device and TP, what it covers, the entry for a call
+    "TableIndex", "check_shipped", "covers", "holds", "host_index", "largest_m", "largest_rows", "load_tables",
+    "loaded_tables", "other_tp", "served_entry", "serving_table", "set_tensor_parallel", "table_paths", "tabulated_ms",
     # the registered ops: define, their impls and stock compositions, eager callers, a serving body
     "EagerLinear", "EagerNorm", "gemv", "impl", "register", "serve_elementwise", "stock", "unweighted_rms_norm",
     # decisions of the load step

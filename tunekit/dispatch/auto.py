@@ -23,6 +23,7 @@ dropped and why.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from tunekit import shipped
@@ -65,9 +66,11 @@ def _entry_failure(entry: dict[str, Any], info: Any) -> str | None:
     return None if result.ok else result.reason
 
 
-def check(loaded: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+def check(loaded: list[tuple[str, dict[str, Any]]],
+          log: Callable[[int, str], None] | None = None) -> list[tuple[str, dict[str, Any]]]:
     """The shipped ``loaded`` tables ((path, table)) that serve on this device, each with the entries that
-    passed their check here; logs the one line (kept in :data:`LAST`)."""
+    passed their check here; logs the one line (kept in :data:`LAST`) on ``tunekit.ops``, or hands it to
+    ``log(level, line)`` (an integration that logs it where its users read: the vLLM plugin)."""
     info = _device()
     device = info.as_dict()
     here = table_mod.environment_stamp(device, [])
@@ -109,5 +112,8 @@ def check(loaded: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str,
         notes.append("nothing served from them (the stock path serves every call)")
     line = f"tunekit: {shipped.AUTO} tables on {info.name}: " + " | ".join(notes)
     LAST[:] = [line]
-    logger.log(worst, "%s", line)
+    if log is None:
+        logger.log(worst, "%s", line)
+    else:
+        log(worst, line)
     return used

@@ -175,6 +175,15 @@ def mismatch(table: Mapping[str, Any], device: Any) -> list[str]:
     return [d for d in table_mod.environment_mismatch(table, _NO_DEVICE) if not d.startswith(_DEVICE_FIELDS)]
 
 
+def stamped_here(table: Mapping[str, Any], device: Any) -> dict[str, Any]:
+    """``table`` with its stamp replaced by this host's (``device``: its ``DeviceInfo``; None: the software
+    only), so that :func:`build` keeps every entry of it: a shipped table counted before its check can run
+    (``dispatch.tables.host_index``), never served so."""
+    backends = sorted({e["backend"] for e in table["entries"]})
+    here = table_mod.environment_stamp(device.as_dict() if device is not None else _NO_DEVICE, backends)
+    return dict(table, environment=here)
+
+
 def build(tables: Sequence[tuple[str, Mapping[str, Any]]], device: Any, tp: int | None,
           warn: Any = None) -> tuple[TableIndex | None, str | None]:
     """The index of loaded ``tables`` ((path, table), in precedence order) for ``device`` and TP size ``tp``,

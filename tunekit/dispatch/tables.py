@@ -11,12 +11,15 @@ on a load or a TP change). :func:`covers`, :func:`largest_m`,
 :func:`served_entry` ... answer integrations that decide per layer or per
 call site before entering a tunekit op, from that same index; :func:`host_index`
 is the index a caller that must not touch the GPU reads (the vLLM plugin's
-compile ranges). Nothing here raises for a broken table: it is logged once
-and served as absent.
+compile ranges), and :func:`check_shipped` the load that checks the shipped
+tables where a caller chooses (the plugin's worker). Nothing here raises
+for a broken table: it is logged once and served as absent.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 from collections.abc import Sequence
@@ -40,13 +43,38 @@ def load_tables(paths: str | os.PathLike | Sequence[str | os.PathLike] | None) -
     and served as absent (``fallback:table_error``); this function itself
     never raises. Returns :func:`loaded_tables`.
     """
-    loaded = _read(paths)
+    _serve(_read(paths))
+    return loaded_tables()
+
+
+def _serve(loaded: list[LoadedTable]) -> None:
     with STATE.lock:
         STATE.tables = loaded
         _forget_decisions()
         STATE.built.clear()  # other tables: other kernels
     maybe_register_atexit()  # TUNEKIT_DISPATCH_LOG may have been set since import tunekit.ops
-    return loaded_tables()
+
+
+def check_shipped(paths: str | os.PathLike | Sequence[str | os.PathLike] | None = None
+                  ) -> tuple[int, str, str] | None:
+    """Serve ``paths`` (None: ``TUNEKIT_TABLE``'s) as :func:`load_tables` does, the shipped tables among them
+    (``auto``) checked on this device now (``dispatch.auto``); the check's one line is returned, not logged.
+
+    For an integration that names the tables where no GPU work may happen (the vLLM plugin's register, in
+    every process) and serves them where the device is set (its worker, after the weights load, before the
+    first forward): it logs the line in its own log. None where ``paths`` name no shipped table (nothing is
+    loaded then); else (the line's level: INFO where every entry was kept, else WARNING; the line; a digest
+    of what the check kept: the served shipped tables' paths and entries, for a compile-cache key). Never
+    raises."""
+    if not any(shipped.is_shipped(p) for p in _parts(paths)):
+        return None
+    heard: list[tuple[int, str]] = []
+    loaded = _read(paths, log=lambda level, line: heard.append((level, line)))
+    _serve(loaded)
+    kept = [[lt.path, lt.table["entries"]] for lt in loaded if lt.table is not None and shipped.is_shipped(lt.path)]
+    digest = hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
+    level, line = heard[-1] if heard else (logging.ERROR, "tunekit: auto tables: not checked, nothing served from them")
+    return level, line, digest
 
 
 def _parts(paths: str | os.PathLike | Sequence[str | os.PathLike] | None) -> list[str]:
@@ -56,11 +84,12 @@ def _parts(paths: str | os.PathLike | Sequence[str | os.PathLike] | None) -> lis
 
 
 def _read(paths: str | os.PathLike | Sequence[str | os.PathLike] | None,
-          check_shipped: bool = True) -> list[LoadedTable]:
+          check_shipped: bool = True, log: Any = None) -> list[LoadedTable]:
     """Every table of ``paths`` read and validated (``tunekit.table.load``), or the error why not (logged once):
     the one place serving reads table files. The shipped tables among them (``auto``) are checked on this
-    device (``dispatch.auto``: a foreign GPU's refused, each entry verified) unless ``check_shipped`` is off (a
-    caller that must not touch the GPU: they are then read as stamped)."""
+    device (``dispatch.auto``: a foreign GPU's refused, each entry verified; its line logged, or handed to
+    ``log(level, line)``) unless ``check_shipped`` is off (a caller that must not touch the GPU: they are then
+    read as stamped)."""
     loaded = []
     for path in _parts(paths):
         try:
@@ -74,10 +103,12 @@ def _read(paths: str | os.PathLike | Sequence[str | os.PathLike] | None,
         from tunekit.dispatch import auto
 
         try:
-            served = dict(auto.check([(lt.path, lt.table) for lt in loaded if id(lt) in mine]))
+            served = dict(auto.check([(lt.path, lt.table) for lt in loaded if id(lt) in mine], log))
         except Exception as exc:  # noqa: BLE001 - serving never raises: the shipped tables are then not served
             served = {}
             log_once(f"auto-error:{exc}", logging.ERROR, "tunekit: the shipped tables not used: %s", exc)
+            if log is not None:
+                log(logging.ERROR, f"tunekit: auto tables: the check failed ({exc}): nothing served from them")
         loaded = [LoadedTable(lt.path, served[lt.path]) if id(lt) in mine else lt for lt in loaded
                   if id(lt) not in mine or lt.path in served]
     return loaded
@@ -187,8 +218,11 @@ def host_index(tp: int | None = None, paths: Sequence[str] | None = None) -> Tab
     for this host, built without touching a GPU: the stamps are checked against the device where torch
     knows it already (the interpreter, a CPU-only host, CUDA already initialised), else against the software
     only (torch, Triton, the kernel sources: the GPU's own fields are the ops' to check at their first call).
-    None where no table serves. Never raises. For callers that run before any GPU work (the vLLM plugin's
-    compile ranges, at vLLM's config time)."""
+    The shipped tables (``auto``) not yet checked by a load count unchecked, every entry whatever its stamp
+    (``index.stamped_here``): their check builds every entry on the device, work a caller here must not do,
+    and it only drops entries, so this index holds at least what they will serve. None where no table
+    serves. Never raises. For callers that run before any GPU work (the vLLM plugin's compile ranges, at
+    vLLM's config time)."""
     try:
         from tunekit.measure.device import detect, interpret_mode
 
@@ -199,13 +233,13 @@ def host_index(tp: int | None = None, paths: Sequence[str] | None = None) -> Tab
             info = detect(torch.cuda.current_device())
         with STATE.lock:
             served = STATE.tables
-        if paths is None:
-            tables = all_tables()
-        elif served is not None and [lt.path for lt in served] == [str(p) for p in paths]:
-            tables = served
+        fresh = False
+        if served is not None and (paths is None or [lt.path for lt in served] == [str(p) for p in paths]):
+            tables = served  # loaded by the ops: the shipped ones among them were checked then
         else:
-            tables = _read(list(paths), check_shipped=info is not None)
-        usable = [(lt.path, lt.table) for lt in tables if lt.table is not None]
+            tables, fresh = _read(None if paths is None else list(paths), check_shipped=False), True
+        usable = [(lt.path, index_mod.stamped_here(lt.table, info) if fresh and shipped.is_shipped(lt.path)
+                   else lt.table) for lt in tables if lt.table is not None]
         index, _ = index_mod.build(usable, info, tp) if usable else (None, None)
         return index
     except Exception:  # noqa: BLE001 - the ops log a broken table once, at their first call

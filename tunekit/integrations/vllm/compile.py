@@ -77,12 +77,16 @@ def tables_digest() -> str:
 
 
 def load_outcome() -> str:
-    """What the load checks decided that a traced graph bakes in (the norms folded, ``marks.REFUSED``): "" where
-    nothing was folded or refused, else "+" and a hash of both."""
+    """What the load checks decided that a traced graph bakes in (the norms folded, ``marks.REFUSED``, the
+    entries the shipped tables' check kept: which layers they cover): "" where nothing was folded, refused or
+    checked, else "+" and a hash of them."""
     folded = STATE.get("fold_outcome") or []
-    if not folded and not REFUSED:
+    shipped = STATE.get("shipped_outcome") or ""
+    if not folded and not REFUSED and not shipped:
         return ""
-    return "+" + hashlib.sha256(json.dumps([folded, sorted(REFUSED)]).encode()).hexdigest()[:16]
+    # the shipped check's digest joins only where one ran: every other key stays as it was
+    decided = [folded, sorted(REFUSED)] + ([shipped] if shipped else [])
+    return "+" + hashlib.sha256(json.dumps(decided).encode()).hexdigest()[:16]
 
 
 def install_compile_factor() -> tuple[bool, str]:
@@ -122,6 +126,14 @@ def tables_tops(tp: int | None = None) -> dict[str, int]:
     other software or another TP size left out as the ops leave it out)."""
     from tunekit import ops
 
+    # The shipped tables (auto) count here unchecked, every entry of every GPU's (host_index): their check
+    # needs the GPU, which no vLLM process may touch at config time. Harmless: the check only drops entries,
+    # so the endpoints bound the checked tables' Ms from above. A layer whose key the check dropped whole
+    # traces vLLM's own code (coverage is read at trace time, after the check); a key whose kept entries end
+    # below an endpoint is what any table whose ops end at unequal Ms gives: the range pass reads the checked
+    # tables when it compiles (graph_routes.within_table) and hands its node back to vLLM's math in the
+    # ranges above them, and up to the endpoint its calls above them run vLLM's own kernel inside the op.
+    # Every shipped table ends at M=8 today, so the endpoint is the one the checked tables give.
     index = ops.host_index(tp, table_paths())
     return {} if index is None else index.tops()
 

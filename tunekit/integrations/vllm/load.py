@@ -1,6 +1,14 @@
-"""The vLLM plugin's load-time steps (hooks ``fold_norms`` and ``merge_siblings``): one wrapper of
-vLLM's ``BaseModelLoader.load_model`` runs them after the weights load.
+"""The vLLM plugin's load-time steps (hooks ``check_shipped``, ``fold_norms`` and ``merge_siblings``): one
+wrapper of vLLM's ``BaseModelLoader.load_model`` runs them after the weights load.
 
+* ``check_shipped`` (where ``TUNEKIT_TABLE`` names the shipped tables,
+  ``auto``): first, in the worker whose device is set and before the model's
+  first forward, the shipped tables are checked on that device
+  (``tunekit.ops.check_shipped``: another GPU's refused, each entry verified
+  against the fp64 reference) and the tables served again with what passed;
+  its one line is logged here, and what it kept joins the compile-cache key
+  (``compile.load_outcome``). ``register`` cannot check them: it runs in
+  every vLLM process, where no GPU work may happen;
 * ``fold_norms`` (on unless ``TUNEKIT_FOLD_NORMS=0``): decoder norms folded
   into the linears that read them (``tunekit.integrations.vllm.fold``),
   where the tables' ``rms_gemv`` entries pay and the fold passes its check
@@ -23,7 +31,8 @@ the ``fold_norms`` line of ``plugin.installed()``.
 Call protocol::
 
     done, why = install_fold()    # the plugin's hooks; each (installed, what) or (False, why not)
-    done, why = install_merge()   # both share one load_model wrapper, installed once
+    done, why = install_merge()   # all three share one load_model wrapper, installed once
+    done, why = install_shipped_check()
     FOLD_REPORT                   # {"folded": 4, "kept unfolded": {...}, "not folded": {...}, "check seconds": ...}
 """
 
@@ -48,9 +57,11 @@ from tunekit.integrations.vllm.state import (
     fold_requested,
     logger,
     merge_requested,
+    table_paths,
 )
 
-__all__ = ["FOLDS", "FOLD_REPORT", "MERGES", "install_fold", "install_merge"]
+__all__ = ["FOLDS", "FOLD_REPORT", "MERGES", "install_fold", "install_merge", "install_shipped_check",
+           "shipped_named"]
 
 #: What the last model load folded: {"gemma_rms_norm folded": 128, "rms_norm (not folded: LoRA)": 2, ...}.
 FOLDS: dict[str, int] = {}
@@ -88,6 +99,27 @@ def _lora_enabled(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     the linears for them after loading, and an adapter reads the normed input a fold would take away."""
     config = kwargs.get("vllm_config", args[0] if args else None)
     return getattr(config, "lora_config", None) is not None
+
+
+def shipped_named() -> bool:
+    """Whether ``TUNEKIT_TABLE`` names shipped tables (``auto``), which are checked after the weights load."""
+    from tunekit import shipped
+
+    return any(shipped.is_shipped(p) for p in table_paths())
+
+
+def _check_shipped() -> None:
+    """The shipped tables checked on this worker's device (set before vLLM loads the model) and served with
+    what passed, before the fold reads them and before the first forward traces which layers they cover."""
+    from tunekit import ops
+
+    STATE["shipped_outcome"] = ""
+    result = ops.check_shipped()
+    if result is None:
+        return
+    level, line, digest = result
+    STATE["shipped_outcome"] = digest
+    logger.log(level, "tunekit vLLM plugin: %s", line.removeprefix("tunekit: "))
 
 
 def _transform_loaded(model: torch.nn.Module, lora: bool = False) -> None:
@@ -145,6 +177,8 @@ def _wrap_load_model() -> str | None:
         @functools.wraps(load_model)
         def load_model_and_transform(self: Any, *args: Any, **kwargs: Any) -> Any:
             model = load_model(self, *args, **kwargs)
+            if shipped_named():
+                _check_shipped()
             _transform_loaded(model, _lora_enabled(args, kwargs))
             return model
 
@@ -175,3 +209,7 @@ install_merge = _load_step_installer(
     merge_requested, f"{MERGE_ENV} is 0: sibling linears run as separate GEMVs", "nothing joined",
     "after loading, sibling linears (in_proj_qkvz + in_proj_ba) whose joined GEMV the tables pay for get one "
     "weight tensor; the compile pass makes their GEMVs one launch")
+install_shipped_check = _load_step_installer(
+    shipped_named, "TUNEKIT_TABLE names no shipped table", "the shipped tables are not checked, so none is served",
+    "after loading, on the worker's device and before the first forward, the shipped tables (auto) are checked "
+    "(another GPU's refused, each entry verified against the fp64 reference) and served with what passed")

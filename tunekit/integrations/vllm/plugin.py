@@ -38,7 +38,9 @@ Guarantees (an exception escaping a general plugin stops vLLM's start-up):
   and logged, the others still go in;
 * touches no GPU at load: ROCm is told by ``torch.version.hip`` and the
   tables are parsed at the first op call, not here (only their bytes are
-  hashed, for the compile-cache key);
+  hashed, for the compile-cache key, and their Ms read for the compile
+  ranges); the shipped tables (``TUNEKIT_TABLE=auto``) are checked on the
+  device in the worker, after the weights load (hook ``check_shipped``);
 * logs once, at INFO, which hooks it installed and which it skipped and why.
 
 Hooks, one module of this package each (this module only installs them and
@@ -54,6 +56,10 @@ reports; ``state`` holds what they share):
   digest as a compile factor; compile-range endpoints at the tables' Ms and
   a post-grad pass (``graph_routes``) that hands ranges above the tables
   back to vLLM's math, merges sibling GEMVs and fuses residual adds;
+* ``check_shipped`` (``load``, only where ``TUNEKIT_TABLE`` names ``auto``):
+  after the weights load, on the worker's device, the shipped tables are
+  checked (another GPU's refused, each entry verified; one line logged) and
+  served with what passed, before the fold and the first forward read them;
 * ``fold_norms`` and ``merge_siblings`` (``load``): after the weights load,
   decoder norms folded into their consumers (``fold``) and sibling linears'
   weights joined (``merge``), each only where the tables pay; each fold,
@@ -75,7 +81,7 @@ from tunekit.integrations.vllm import state
 from tunekit.integrations.vllm.compile import install_compile_factor, install_compile_ranges
 from tunekit.integrations.vllm.custom_ops import OOT_SPECS, oot_installer
 from tunekit.integrations.vllm.gemm import install_linear
-from tunekit.integrations.vllm.load import install_fold, install_merge
+from tunekit.integrations.vllm.load import install_fold, install_merge, install_shipped_check, shipped_named
 from tunekit.integrations.vllm.state import logger, table_paths
 
 __all__ = ["installed", "register", "skipped"]
@@ -136,7 +142,9 @@ def _install() -> tuple[dict[str, str], dict[str, str]]:
     skipped: dict[str, str] = {}
     hooks = (("linear", install_linear), *[(n, oot_installer(n)) for n in OOT_SPECS],
              ("compile_cache_key", install_compile_factor), ("compile_ranges", install_compile_ranges),
-             ("fold_norms", install_fold), ("merge_siblings", install_merge))
+             ("fold_norms", install_fold), ("merge_siblings", install_merge),
+             # named tables need no check after the load: the hook is listed only where auto is named
+             *([("check_shipped", install_shipped_check)] if shipped_named() else []))
     for name, hook in hooks:
         try:
             done, why = hook()

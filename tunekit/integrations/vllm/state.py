@@ -41,9 +41,11 @@ MARK = "_tunekit_wrapped"
 
 #: Guards ``STATE["registered"]``: ``register`` runs once per process.
 LOCK = threading.Lock()
-#: This process's plugin: registered yet, hook -> what it does / why it was not installed, and the paths of
-#: the norms the last load folded (``fold_outcome``: part of the compile-cache key, a graph traces them).
-STATE: dict[str, Any] = {"registered": False, "installed": {}, "skipped": {}, "fold_outcome": []}
+#: This process's plugin: registered yet, hook -> what it does / why it was not installed, the paths of the
+#: norms the last load folded (``fold_outcome``) and the digest of what the last load's check of the shipped
+#: tables kept (``shipped_outcome``; "": none checked): both part of the compile-cache key, a graph traces them.
+STATE: dict[str, Any] = {"registered": False, "installed": {}, "skipped": {}, "fold_outcome": [],
+                         "shipped_outcome": ""}
 
 
 def table_paths() -> list[str]:
