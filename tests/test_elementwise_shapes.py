@@ -98,9 +98,10 @@ def _merge(items) -> dict[tuple[str, int, int], int]:
 
 
 # ------------------------------------------------------------ parsing rules
-def test_m_list_gemv_stays_at_eight_elementwise_go_large() -> None:
-    with pytest.raises(UserError, match=r"outside 1\.\.8"):
-        shapes.parse_m_list("1,16")
+def test_m_list_gemv_stays_at_sixteen_elementwise_go_large() -> None:
+    assert shapes.parse_m_list("1,16") == [1, 16]
+    with pytest.raises(UserError, match=r"outside 1\.\.16"):
+        shapes.parse_m_list("1,17")
     assert shapes.parse_m_list("4096,1,2,8,256", ops=("silu_and_mul",)) == [1, 2, 8, 256, 4096]
     with pytest.raises(UserError, match="leave gemv out of --ops"):
         shapes.parse_m_list("1,4096", ops=("gemv", "rms_norm"))

@@ -167,8 +167,9 @@ def test_shapes_parse_the_op() -> None:
     assert parse_op_shape("silu_mul_gemv:5120x17408") == (OP, 5120, 17408)
     with pytest.raises(UserError):
         parse_op_shape("silu_mul_gemv:17408")
+    assert parse_m_list("1,16", (OP,)) == [1, 16]
     with pytest.raises(UserError):
-        parse_m_list("1,16", (OP,))
+        parse_m_list("1,17", (OP,))
     (problem,) = adhoc_problems(["silu_mul_gemv:5120x17408"], [2])
     assert (problem.op, problem.m, problem.n, problem.k) == (OP, 2, 5120, 17408)
     assert problem.shape_text == "5120x17408" and problem.weight_bytes == 5120 * 17408 * 2
