@@ -162,7 +162,7 @@ def test_invalid_reason() -> None:
     with pytest.raises(TypeError):
         RmsNormGemvConfig.from_params({"BLOCK_N": 4, "M_MODE": "tile"})  # strict: unknown tunables are errors
     # DEFAULT serves every M and the model shapes (qkv / in_proj_qkvz / gate_up at several TPs)
-    for m in range(1, 9):
+    for m in range(1, 17):
         for n, k in ((14336, 5120), (8192, 4096), (34816, 5120), (1280, 2048), (37, 200), (5, 96)):
             assert invalid_reason(DEFAULT, m, n, k) is None
 
@@ -171,8 +171,9 @@ def test_shapes_parse_the_fused_ops() -> None:
     assert parse_op_shape("fused_add_rms_norm_gemv:96x5120") == ("fused_add_rms_norm_gemv", 96, 5120)
     with pytest.raises(UserError):
         parse_op_shape("rms_norm_gemv:5120")
+    assert parse_m_list("1,16", ("gemma_rms_norm_gemv",)) == [1, 16]
     with pytest.raises(UserError):
-        parse_m_list("1,16", ("gemma_rms_norm_gemv",))
+        parse_m_list("1,17", ("gemma_rms_norm_gemv",))
     (problem,) = adhoc_problems(["gemma_rms_norm_gemv:96x5120"], [2])
     assert (problem.op, problem.m, problem.n, problem.k) == ("gemma_rms_norm_gemv", 2, 96, 5120)
     assert problem.shape_text == "96x5120" and problem.weight_bytes == 96 * 5120 * 2
