@@ -171,12 +171,13 @@ def test_run_offline_on_the_stub_engine(fake: Path, tmp_path: Path) -> None:
         assert row["tokens_per_s"]["tuned"] == pytest.approx(row["batch"] / row["tuned_tpot_ms"] * 1000)
         assert row["measured_saving_ms"] == pytest.approx(row["vanilla_tpot_ms"] - row["tuned_tpot_ms"])
 
-    # prediction from the table at M = B over the 4-layer model: 3 in_proj_ba GEMVs + layer 0's norm
-    # (served at M=1 and 2 by the M=8 entry, the ops' lookup rule)
+    # prediction from the table at M = B over the 4-layer model: the 3 in_proj_ba GEMVs. Layer 0's norm has
+    # an entry at M = 8 only, whose params (BLOCK_K) today's rms_norm kernel does not take: the ops serve
+    # neither M = 1 nor 2 from it (table.serving_lookup, the ops' rule), so the prediction counts it nowhere
     b1, b2 = serve["batches"]
-    assert b1["predicted_saving_ms"] == pytest.approx((3 * (7.2 - 2.5) + 1.0) / 1000)
-    assert b2["predicted_saving_ms"] == pytest.approx((3 * (7.5 - 3.0) + 1.0) / 1000)
-    assert b1["predicted_served_calls"] == 4
+    assert b1["predicted_saving_ms"] == pytest.approx(3 * (7.2 - 2.5) / 1000)
+    assert b2["predicted_saving_ms"] == pytest.approx(3 * (7.5 - 3.0) / 1000)
+    assert b1["predicted_served_calls"] == 3
     v = b1["vanilla_tpot_ms"]
     assert b1["predicted_speedup"] == pytest.approx(v / (v - b1["predicted_saving_ms"]))
 

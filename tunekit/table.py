@@ -1,4 +1,5 @@
-"""Dispatch table: schema, export, load, validate, lookup.
+"""Dispatch table: schema, export, load, validate, lookup (and ``serving_lookup``: the M rule serving applies,
+for the predictions to use the same).
 
 A table maps (op, dtype, n, k, m) to the fastest *verified* candidate that
 beat the baseline by at least ``min_gain`` in the same run. It carries
@@ -445,7 +446,8 @@ def saving_us(entry: dict[str, Any]) -> float:
 
 
 def lookup(table: dict[str, Any], op: str, dtype: str, m: int, n: int, k: int) -> dict[str, Any] | None:
-    """Entry for the exact M, else the smallest tabulated M >= m, else None (vendor path)."""
+    """Entry for the exact M, else the smallest tabulated M >= m, else None (vendor path). Whether that
+    entry's config runs at ``m`` is not asked: :func:`serving_lookup` is what the ops serve."""
     candidates = [
         e for e in table["entries"]
         if e["op"] == op and e["dtype"] == dtype and e["n"] == n and e["k"] == k and e["m"] >= m
@@ -453,3 +455,37 @@ def lookup(table: dict[str, Any], op: str, dtype: str, m: int, n: int, k: int) -
     if not candidates:
         return None
     return min(candidates, key=lambda e: e["m"])
+
+
+def invalid_at_m(entry: dict[str, Any], m: int) -> str | None:
+    """Why ``entry`` (tabulated at ``entry["m"]`` >= ``m``) cannot serve a call at M = ``m``, None where it can:
+    its kernel's own predicate at that M (a Triton config of per-row accumulators, ``M_MODE="rows"``, does not
+    run M = 1). An entry always runs its own M, and a HIP GEMV is built for its tabulated M, which serves every
+    smaller M. The one test serving applies (``tunekit.dispatch.decisions``) and the predictions with it
+    (:func:`serving_lookup`); it imports the entry's backend (torch) only where the Ms differ."""
+    if entry["m"] == m or (entry["backend"] == "hip" and entry["op"] == "gemv"):
+        return None
+    from tunekit import backends as registry
+    from tunekit.problems.shapes import Problem
+
+    backend = registry.get(entry["backend"])
+    if not hasattr(backend, "invalid_reason"):
+        return None
+    return backend.invalid_reason(Problem(entry["op"], entry["dtype"], m, entry["n"], entry["k"]), entry["params"])
+
+
+def serving_lookup(table: dict[str, Any], op: str, dtype: str, m: int, n: int, k: int) -> dict[str, Any] | None:
+    """The entry the ops serve a call at M = ``m`` from: of the entries at M or above, smallest M first
+    (:func:`lookup`'s order), the first whose config runs at ``m`` (:func:`invalid_at_m`); None where none
+    does or none is tabulated (the stock path). An M between two tabulated ones, M = 3 with entries at 2 and
+    4, is served by the one at 4 where its config runs at 3, else by the next above. An entry whose backend
+    cannot be loaded here ends the walk with None, as its build error does in serving."""
+    candidates = sorted((e for e in table["entries"] if e["op"] == op and e["dtype"] == dtype and e["n"] == n
+                         and e["k"] == k and e["m"] >= m), key=lambda e: e["m"])
+    for entry in candidates:
+        try:
+            if invalid_at_m(entry, m) is None:
+                return entry
+        except Exception:  # the backend or its predicate fails to load: serving takes the stock path
+            return None
+    return None

@@ -2,11 +2,11 @@
 
 Call protocol (the op impls' slow path): read ``STATE.choices`` lock-free
 for the key; on a miss, :func:`resolve` looks the key up in the merged
-table of the device (``tunekit.table.lookup``'s M rule: the entry at M, else
-the smallest tabulated M above; an M between two entries, M = 3 with entries
-at 2 and 4, takes the next entry above whose config runs at that M, passing
-over one that cannot), builds the entry's kernel through its backend and
-caches the :class:`~tunekit.dispatch.state.Choice` (a built kernel, whose
+table of the device (``tunekit.table.serving_lookup``'s M rule: the entry at
+M, else the smallest tabulated M above; an M between two entries, M = 3 with
+entries at 2 and 4, takes the next entry above whose config runs at that M,
+``tunekit.table.invalid_at_m``, passing over one that cannot), builds the
+entry's kernel through its backend and caches the :class:`~tunekit.dispatch.state.Choice` (a built kernel, whose
 ``entry["m"]`` the markers record as ``served_m``, or ``fallback:<reason>``). Under CUDA-graph capture
 (:func:`is_capturing`) nothing is built and the fallback is not cached. A
 kernel that raises at launch, or that the canary catches, is marked broken
@@ -86,9 +86,8 @@ def _build(op: str, dtype: str, m: int, n: int, k: int, entry: dict[str, Any], d
         # HIP kernels are built for M up to MAX_M = the tabulated M (one build
         # serves every smaller M); Triton's config is checked for the real M.
         build_m = entry["m"] if (name == "hip" and op == "gemv") else m
-        invalid = None
-        if build_m != entry["m"] and hasattr(backend, "invalid_reason"):
-            invalid = backend.invalid_reason(Problem(op, dtype, build_m, n, k), entry["params"])
+        # the one test of whether an entry runs at this M, shared with the predictions (table.serving_lookup)
+        invalid = table_mod.invalid_at_m(entry, m)
         if invalid is not None:
             # an entry tuned at a larger M may use a config the smaller M cannot run
             # (M_MODE="rows" at M=1): a reasoned fallback, not a build error

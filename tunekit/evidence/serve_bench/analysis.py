@@ -1,7 +1,8 @@
 """From runner results to ``serve.json``: TPOT per arm, speedups, prediction, coverage, agreement.
 
 Pure: reads JSON documents (the runner's ``tunekit.serve_run/1`` results and
-the ``TUNEKIT_DISPATCH_LOG`` files), imports neither torch nor vLLM, so the
+the ``TUNEKIT_DISPATCH_LOG`` files), imports no vLLM (and torch only where the
+prediction asks an entry's backend whether its config runs at an M), so the
 whole parent side is testable on recorded files. ``serve.json`` holds what is
 derived and names the run files it came from (``runs``, ``run_file``), never a
 copy of them: a report rebuilt from ``runs/`` gives the same figures.
@@ -19,9 +20,13 @@ Figures per batch size B:
   the plugin alone costs time);
 * prediction: the per-token saving the tables' standalone figures promise at
   M = B, sum over the model's problems (``ModelSpec.problems``, counts per
-  token) that a table serves under the ops' lookup rule of
-  count x (baseline_us - time_us); ``predicted_speedup`` = vanilla /
-  (vanilla - saving): Amdahl with the measured vanilla step as the whole.
+  token) that a table serves under the ops' own rule
+  (``tunekit.table.serving_lookup``) of count x (baseline_us - time_us);
+  ``predicted_speedup`` = vanilla / (vanilla - saving): Amdahl with the
+  measured vanilla step as the whole. With ``--speculative`` the decode steps
+  run the verify steps' M instead: the saving per step is weighted over
+  vanilla's histogram of them and set against vanilla's time per step
+  (``spec_decode.step_prediction``), or the row says why there is none.
   Tables tuned for another environment are left out (the ops serve nothing
   from them either).
 
@@ -229,10 +234,13 @@ def merged_table(tables: Iterable[dict[str, Any]]) -> dict[str, Any]:
 
 
 def predicted_saving_us(spec: Any, table: dict[str, Any], m: int, tp: int = 1) -> dict[str, Any]:
-    """Per-token saving the table's standalone figures predict at M = ``m``: sum over the model's problems
-    (``ModelSpec.problems``, all ops) that ``tunekit.table.lookup`` serves of count x (baseline - tuned)."""
+    """Saving per forward at M = ``m`` (a decode step: per token at batch ``m``) the table's standalone figures
+    predict: sum over the model's problems (``ModelSpec.problems``, all ops) of count x (baseline - tuned) of
+    the entry the ops serve them from (``tunekit.table.serving_lookup``, serving's own rule: an M between two
+    tabulated ones takes the next entry above whose config runs at it, the stock path where none does)."""
     from tunekit.problems.shapes import OPS
-    from tunekit.table import lookup, saving_us
+    from tunekit.table import saving_us
+    from tunekit.table import serving_lookup as lookup
 
     saving, served, calls = 0.0, 0, 0
     by_op: dict[str, float] = {}
@@ -316,9 +324,43 @@ def coverage_at(coverage: dict[str, Any] | None, m: int) -> dict[str, Any] | Non
     return _coverage_totals([r for r in coverage["rows"] if r["m"] == m])
 
 
+def _coverage_up_to(coverage: dict[str, Any] | None, settings: dict[str, Any]) -> dict[str, Any] | None:
+    """The merged markers of the calls at every M a verify step of this run can run (``verify_bound``)."""
+    if coverage is None:
+        return None
+    bound = spec_decode.verify_bound(settings["batches"], settings["speculative"])
+    return _coverage_totals([r for r in coverage["rows"] if r["m"] <= bound])
+
+
 # ---------------------------------------------------------------------------
 # serve.json
 # ---------------------------------------------------------------------------
+
+
+def _prediction(row: dict[str, Any], spec: Any, serving: dict[str, Any], batch: int, vm: float | None,
+                notes: list[str]) -> dict[str, Any] | None:
+    """Fill ``row``'s prediction; returns it (``saving_us``, ``by_op``) for the coverage check, None where there
+    is none. Without speculation the decode steps run M = B: the saving at M = B against vanilla's TPOT. With
+    it they run the verify steps' M: ``spec_decode.step_prediction`` over vanilla's histogram of them, and
+    where that cannot be made the row says why (``prediction_unavailable``) and predicts nothing."""
+    if "spec_decode" not in row:
+        pred = predicted_saving_us(spec, serving, batch)
+        saving = pred["saving_us"] / 1000.0
+        row.update(predicted_saving_ms=saving, predicted_served_calls=pred["served_calls"],
+                   predicted_calls=pred["calls"], predicted_speedup=vm / (vm - saving) if vm and vm > saving else None)
+        return pred
+    step = spec_decode.step_prediction(row["spec_decode"].get("vanilla"), vm,
+                                       lambda m: predicted_saving_us(spec, serving, m))
+    row["prediction_unavailable"] = step["unavailable"]
+    row["prediction_per_step"] = {key: step[key] for key in ("predicted_step_saving_ms", "vanilla_step_ms",
+                                                             "tokens_per_step", "by_m")}
+    row.update({key: step[key] for key in ("predicted_saving_ms", "predicted_served_calls", "predicted_calls",
+                                           "predicted_speedup")})
+    if step["unavailable"]:
+        notes.append(f"B={batch}: no prediction: {step['unavailable']}; the decode steps run the verify steps' M, "
+                     "not M = B")
+        return None
+    return {"saving_us": step["predicted_step_saving_ms"] * 1000.0, "by_op": step["by_op"]}
 
 
 def _first(results: dict[str, list[dict[str, Any]]], key: str) -> Any:
@@ -370,14 +412,16 @@ def summarize(settings: dict[str, Any], results: dict[str, list[dict[str, Any]]]
         row["folded_speedup_min"] = min(fratios) if fratios else None
         row["folded_speedup_max"] = max(fratios) if fratios else None
         row["folded_over_tuned"] = t["median_ms"] / f["median_ms"] if t and f else None
-        pred = predicted_saving_us(spec, serving, batch) if spec is not None and tables else None
-        row["predicted_saving_ms"] = pred["saving_us"] / 1000.0 if pred else None
-        row["predicted_served_calls"] = pred["served_calls"] if pred else None
-        row["predicted_calls"] = pred["calls"] if pred else None
         vm = v["median_ms"] if v else None
-        row["predicted_speedup"] = (vm / (vm - row["predicted_saving_ms"])
-                                    if vm and row["predicted_saving_ms"] is not None
-                                    and vm > row["predicted_saving_ms"] else None)
+        if settings.get("speculative"):
+            row["spec_decode"] = {arm: spec_decode.arm_figures([(_batch_row(res, batch) or {}).get("spec_decode")
+                                                                for res in results.get(arm, [])])
+                                  for arm in ARMS if arm in results}
+            if (note := spec_decode.acceptance_note(batch, row["spec_decode"])) is not None:
+                notes.append(note)
+        row.update(dict.fromkeys(("predicted_saving_ms", "predicted_served_calls", "predicted_calls",
+                                  "predicted_speedup")))
+        pred = _prediction(row, spec, serving, batch, vm, notes) if spec is not None and tables else None
         row["measured_saving_ms"] = vm - t["median_ms"] if v and t else None
         row["tokens_per_s"] = {arm: tp["tokens_per_s"] for arm, tp in tpot.items() if tp}
         row["tpot_methods"] = arm_methods(results, tpot, batch)
@@ -398,18 +442,15 @@ def summarize(settings: dict[str, Any], results: dict[str, list[dict[str, Any]]]
                          + first_token_spread(vf, row["first_token_ratio"]))
         row["coverage"] = {arm: coverage_at(coverage.get(arm), batch) for arm in (*TABLE_ARMS, "passthrough")
                            if arm in results}
-        gaps = unserved_predictions(pred, row["coverage"].get("tuned"))
+        # the ops a prediction counts against the tuned calls at the Ms it was made for (with speculation: every
+        # M up to the largest verify step's, where the markers count the padded M the GEMVs ran at)
+        gaps = unserved_predictions(pred, row["coverage"].get("tuned") if not settings.get("speculative") else
+                                    _coverage_up_to(coverage.get("tuned"), settings))
         row["predicted_unserved_us"] = gaps
         if gaps:
             notes.append(f"B={batch}: the prediction counts ops that ran no tuned call in vLLM ("
                          + ", ".join(f"{op} {us:.0f} us" for op, us in gaps.items())
                          + "): a routing gap or a fallback; the dispatch coverage says which")
-        if settings.get("speculative"):
-            row["spec_decode"] = {arm: spec_decode.arm_figures([(_batch_row(res, batch) or {}).get("spec_decode")
-                                                                for res in results.get(arm, [])])
-                                  for arm in ARMS if arm in results}
-            if (note := spec_decode.acceptance_note(batch, row["spec_decode"])) is not None:
-                notes.append(note)
         row["agreement"] = agreement_row(results, batch, tol, settings.get("weights", "dummy"), settings["batches"])
         profiles = {arm: arm_profile((_batch_row(res, batch) or {}).get("profile") for res in results.get(arm, []))
                     for arm in ARMS if arm in results}

@@ -444,9 +444,13 @@ def write_markdown(serve: dict[str, Any], path: Path) -> Path:
                   "faster with the whole range past a bound; otherwise unresolved.", "",
                   _md_table(*ttft_table(serve))]
     if any(r.get("predicted_saving_ms") is not None for r in serve["batches"]):
-        lines += ["", "Prediction from the tables' standalone figures (per token at M = B: sum of count x "
-                  "(baseline - tuned) over the model's problems a table serves; predicted speedup = vanilla / "
-                  "(vanilla - saving)):", "", _md_table(*prediction_table(serve))]
+        at = ("per output token S / L: S the saving of a forward at each M vanilla's decode steps ran, weighted "
+              "by their share of its steps, L its mean accepted length (the tokens a step yields per sequence); "
+              "predicted speedup = vanilla x L / (vanilla x L - S)" if serve.get("speculative") else
+              "per token at M = B; predicted speedup = vanilla / (vanilla - saving)")
+        lines += ["", "Prediction from the tables' standalone figures (sum of count x (baseline - tuned) over the "
+                  f"model's problems, each from the entry serving takes at that M; {at}):", "",
+                  _md_table(*prediction_table(serve))]
     cov = coverage_table(serve)
     if cov[1]:
         lines += ["", "Dispatch coverage at M = B, merged over the processes' TUNEKIT_DISPATCH_LOG files. "

@@ -1,6 +1,6 @@
 """Speculative decoding in serve-bench: the ``--speculative`` values, vLLM's engine argument for them, and the
 figures a spec-decode run reports (acceptance from vLLM's own counters, the verify steps' M, dispatch coverage
-at those M).
+at those M, the tables' prediction at those M).
 
 A verify step runs the target model on each sequence's last token plus its k draft tokens, so every linear
 sees M = sum over the step's sequences of (1 + drafts): B(1 + k) when every sequence has k drafts. That is
@@ -29,11 +29,12 @@ Call protocol::
     with StepShapes(llm) as shapes: ...
     row = {"counters": delta(before, counters(llm.get_metrics())), "steps": shapes.record()}
     arm_figures(rows)                                     # the parent: acceptance and M histogram of an arm
+    step_prediction(arm_figures(vanilla_rows), tpot_ms, saving_at)  # the tables' prediction at those M
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from tunekit.errors import UserError
@@ -264,6 +265,55 @@ def verify_coverage(coverage: dict[str, Any] | None, bound: int) -> dict[str, An
     return {"by_m": {str(m): by_m[m] for m in sorted(by_m)},
             "tuned_calls": sum(c["tuned"] for c in by_m.values()),
             "fallback_calls": sum(c["fallback"] for c in by_m.values())}
+
+
+def step_prediction(figures: dict[str, Any] | None, tpot_ms: float | None,
+                    saving_at: Callable[[int], dict[str, Any]]) -> dict[str, Any]:
+    """The tables' prediction for decode steps that run at the verify steps' M, not at M = B.
+
+    ``figures``: vanilla's :func:`arm_figures` at one batch size; ``tpot_ms``: vanilla's TPOT there (per
+    output token); ``saving_at(M)``: ``analysis.predicted_saving_us`` at M (the saving of one forward at M,
+    in us). With p(M) = the share of vanilla's decode steps that ran at M (its ``decode_m`` histogram) and
+    L = its mean accepted length (the tokens one step yields per sequence):
+
+    * saving per step S = sum over M of p(M) x saving_at(M);
+    * vanilla's time per decode step T = TPOT x L (a step yields L tokens of every sequence);
+    * ``predicted_speedup`` = T / (T - S), the same as TPOT / (TPOT - S / L);
+      ``predicted_saving_ms`` = S / L, per output token like the measured saving it is checked against.
+
+    L is vLLM's ``1 + accepted / drafts``: a sequence that drafted nothing in a step yields one token, which L
+    does not count. Without vanilla's histogram or L: ``unavailable`` says why and no figure is given (never
+    the prediction at M = B, which these steps do not run)."""
+    hist = {int(m): int(n) for m, n in ((figures or {}).get("decode_m") or {}).items() if int(n) > 0}
+    length = (figures or {}).get("mean_accepted_length")
+    out: dict[str, Any] = {"unavailable": None, "predicted_saving_ms": None, "predicted_step_saving_ms": None,
+                           "vanilla_step_ms": None, "tokens_per_step": length, "predicted_speedup": None,
+                           "predicted_served_calls": None, "predicted_calls": None, "by_op": {}, "by_m": {}}
+    if not hist:
+        out["unavailable"] = "vanilla recorded no decode steps' M (no in-process scheduler, or no vanilla arm)"
+        return out
+    if not length:
+        out["unavailable"] = "vanilla's spec-decode counters give no mean accepted length (tokens per step)"
+        return out
+    steps = sum(hist.values())
+    step_us = served = calls = 0.0
+    for m, n in sorted(hist.items()):
+        pred = saving_at(m)
+        share = n / steps
+        step_us += share * pred["saving_us"]
+        served += share * pred["served_calls"]
+        calls += share * pred["calls"]
+        for op, us in pred["by_op"].items():
+            out["by_op"][op] = out["by_op"].get(op, 0.0) + share * us
+        out["by_m"][str(m)] = {"steps": n, "saving_us": pred["saving_us"], "served_calls": pred["served_calls"]}
+    out.update(predicted_step_saving_ms=step_us / 1000.0, predicted_saving_ms=step_us / 1000.0 / length,
+               predicted_served_calls=round(served, 2), predicted_calls=round(calls, 2))
+    if tpot_ms:
+        step_ms = tpot_ms * length
+        out["vanilla_step_ms"] = step_ms
+        if step_ms > out["predicted_step_saving_ms"]:
+            out["predicted_speedup"] = step_ms / (step_ms - out["predicted_step_saving_ms"])
+    return out
 
 
 #: tuned and vanilla acceptance rates further apart than this make their TPOTs compare different work
