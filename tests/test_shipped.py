@@ -157,3 +157,41 @@ def test_host_index_counts_the_shipped_tables_unchecked(shipped_dir, monkeypatch
     assert index.tops() == {"gemv": 1, "rms_gemv": 1}
     assert index.largest_m("gemv", "bf16", 16, K) == 1  # the H200 table's entry, unchecked
     assert ops.loaded_tables() == []  # nothing served by it (clean_ops: no table loaded)
+
+
+def test_search_takes_the_shipped_tables_as_seeds_unless_told_none() -> None:
+    from tunekit.cli.tune import _seed_sources
+    from tunekit.errors import UserError
+
+    assert _seed_sources(None) == (Path("auto"),)  # the default: the shipped tables of the search's GPU
+    assert _seed_sources([Path("run/table.json")]) == (Path("run/table.json"),)
+    assert _seed_sources([Path("none")]) == ()
+    with pytest.raises(UserError, match="none means no seeds"):
+        _seed_sources([Path("none"), Path("run/table.json")])
+
+
+@pytest.mark.slow  # a search on the interpreter: the slow tier
+def test_a_default_search_measures_this_gpus_shipped_winner_right_after_the_default(tmp_path, monkeypatch) -> None:
+    """`search` with no --seed-from on a GPU that has a shipped table measures its winner first, then refines."""
+    import optuna
+    from test_ops import _entry
+    from typer.testing import CliRunner
+
+    from tunekit import cli
+    from tunekit.search import finals
+
+    winner = {"BLOCK_N": 2, "BLOCK_K": 128, "num_warps": 2}  # not the default config (trial 0)
+    root = tmp_path / "tables"
+    (root / "cpu").mkdir(parents=True)
+    _ship(root, "cpu", "tiny", [_entry("gemv", 1, 8, 256, params=winner)])
+    monkeypatch.setattr(shipped, "TABLES_DIR", root)
+    monkeypatch.setattr(finals, "FINAL_REPEATS", 1)  # no assertion reads the final re-measure
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(cli.app, ["search", "--shape", "8x256", "--m", "1", "--backend", "triton",
+                                       "--trials", "2", "--warm-start", "0", "--out", "run"])
+    assert res.exit_code == 0, f"{res.output}\n{res.exception!r}"
+    assert f"seeds: the shipped tables measured on {detect().name}: {root / 'cpu' / 'tiny.json'}" in res.output
+    storage = f"sqlite:///{tmp_path / 'run' / 'optuna.db'}"
+    (summary,) = [s for s in optuna.get_all_study_summaries(storage) if s.study_name.endswith("triton|bounded")]
+    trials = optuna.load_study(study_name=summary.study_name, storage=storage).get_trials(deepcopy=False)
+    assert {k: trials[1].params[k] for k in winner} == winner

@@ -198,8 +198,8 @@ def search(
         help="first measure the N best configs of every other study of the op in the storage")] = 3,
     seed_from: Annotated[list[Path] | None, typer.Option(
         help="table.json or trials.csv of an earlier run (repeatable): its best configs of the same op and "
-             "backend are measured first, nearest shape and M first; auto: the shipped tables measured on this "
-             "GPU (tunekit tables)")] = None,
+             "backend are measured first, nearest shape and M first; auto (the default): the shipped tables "
+             "measured on this GPU (tunekit tables); none: no seeds, a fresh search")] = None,
     trial_timeout: Annotated[float, typer.Option(help="seconds before a stuck candidate is killed")] = 180.0,
     restrict: Annotated[list[str] | None, typer.Option(
         help="NAME=V1,V2 (repeatable): search only these values of a tunable, in every backend that has it, "
@@ -260,7 +260,8 @@ def search(
     for name in names:
         if name not in registry.BUILTIN and ":" not in name:
             raise UserError(f"unknown backend {name!r} (known: {', '.join(registry.TUNED)})")
-    for path in seed_from or ():
+    seeds = _seed_sources(seed_from)
+    for path in seeds:
         if str(path) != "auto":  # the shipped tables of the device's GPU, named once the device is known
             read_seed_records(path)  # a bad file fails now, not after the bandwidth probe
     restricted = _parse_restrict(restrict or [], problems, names)
@@ -272,7 +273,7 @@ def search(
         problems=problems, backends=names, out_dir=out_dir, trials=trials, timeout_s=timeout,
         stop=StopRule(min_trials=min_trials, near_limit=stop_near_limit, patience=stop_patience, min_gain=stop_gain),
         sampler=sampler, numerics=numerics, storage=storage, seed=seed, min_gain=min_gain, warm_start=warm_start,
-        seed_from=tuple(seed_from or ()), restrict=restricted,
+        seed_from=seeds, restrict=restricted,
         trial_timeout_s=trial_timeout, command=shlex.join(["tunekit"] + sys.argv[1:]),
         model=spec.name if spec else None, gpus=gpus, add=add, tp=tp if spec else None,
         fusion_groups=model_groups(spec, tp) if spec else [],
@@ -315,6 +316,19 @@ def _progress_mode(progress: bool) -> str | bool:
     if not progress:
         return False
     return "bars" if sys.stdout.isatty() else "lines"
+
+
+def _seed_sources(given: list[Path] | None) -> tuple[Path, ...]:
+    """``--seed-from`` as the search takes it: ``auto`` when not given (a GPU with a shipped table only
+    re-measures and refines its winners; the entries and fusion decisions are still this search's own
+    measurements), nothing for ``none``."""
+    if not given:
+        return (Path("auto"),)
+    if any(str(path) == "none" for path in given):
+        if len(given) > 1:
+            raise UserError("--seed-from none means no seeds: it cannot be given with other --seed-from values")
+        return ()
+    return tuple(given)
 
 
 def _parse_restrict(items: list[str], problems: list, backends: list[str]) -> dict[str, tuple[str, ...]]:

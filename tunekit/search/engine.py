@@ -160,9 +160,11 @@ def _run_locked(run: Run, slots: Sequence[fleet.Slot], progress: bool | str,
         device = run.contexts[0].device
         outcome.device = device
         if any(str(p) == "auto" for p in cfg.seed_from):
+            given = set(cfg.seed_from)
             cfg.seed_from = tuple(seed_paths(cfg.seed_from, device))
-            log(f"--seed-from auto: {', '.join(str(p) for p in cfg.seed_from) or 'no shipped table'} "
-                f"for {device['name']}")
+            found = [str(p) for p in cfg.seed_from if p not in given]
+            log(f"seeds: the shipped tables measured on {device['name']}: {', '.join(found) or 'none'} "
+                "(tunekit tables; --seed-from none: a fresh search)")
         run.usable = _usable_backends(cfg.backends, device)
         run.stamp, run.stamp_text = fleet.device_stamp(table_mod.environment_stamp(device, run.usable))
         for ctx in run.contexts[1:]:

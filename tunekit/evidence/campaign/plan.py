@@ -65,6 +65,9 @@ _PLACEHOLDER = re.compile(r"(?<!\$)\{([A-Za-z_]\w*)\}")
 _ENV_VAR = re.compile(r"\$(?:([A-Za-z_]\w*)|\{([A-Za-z_]\w*)\})")
 #: Path options that a step writes, not reads (the rest must exist before the step runs).
 _OUTPUT_KEYS = {"out", "output"}
+#: Words a path option takes that name no file: search's --seed-from auto (the shipped tables of its GPU) and
+#: none (no seeds).
+_PATH_WORDS = {"auto", "none"}
 #: Folders of the campaign folder the runner itself writes.
 RESERVED = {"logs", "campaign.json", "README.md", "plan.toml"}
 
@@ -362,7 +365,7 @@ def resolve(plan: Plan, out_dir: Path) -> list[Rendered]:
                         continue
                     text = _fill(item, values) if isinstance(item, str) else str(item)
                     argv += [spec.flag, text]
-                    if spec.is_path and spec.key not in _OUTPUT_KEYS:
+                    if spec.is_path and spec.key not in _OUTPUT_KEYS and text not in _PATH_WORDS:
                         inputs.append((spec.flag, text))
             positional = [s for s in specs.values() if s.argument]
             for spec, arg in zip(positional, step.args, strict=False):
