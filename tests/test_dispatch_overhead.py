@@ -123,8 +123,16 @@ def test_vendor_path_costs_little_more_than_any_custom_op() -> None:
 #: key holds the device indices and the check is one comparison with the serving epoch. Under 3 us over
 #: ``F.linear`` is out of reach here for any Python kernel that looks anything up: the dispatch alone
 #: takes 2.3-2.9 us of it. The bounds fail a return to 5 us over ``F.linear`` (per-call decisions).
+#: Another day the same machine, idle (load 0.7), ran everything slower: F.linear 2.7 us, the dispatch
+#: 3.8-4.3 us, tunekit's own 1.9-2.0 us, 5.8-6.2 us over F.linear (3 measurements): the figures in us are
+#: judged only where the dispatch runs at the cost above, their ratio always.
 UNCOVERED_OVER_LINEAR_US = 4.5
 UNCOVERED_OVER_CUSTOM_OP_US = 1.75
+#: torch's dispatch into a Python custom-op kernel over F.linear on that machine at low load: 2.3-2.9 us.
+DISPATCH_IDLE_US = 3.0
+#: tunekit's own cost over that dispatch's: 0.4-0.5 at any load measured (1.09 / 2.6 idle, 2.1-2.7 / 4.6 at
+#: load 3); a return to per-call decisions (5 us over F.linear) is about 0.9.
+OWN_PER_DISPATCH = 0.8
 
 
 def _uncovered_costs(rounds: int = 200, calls: int = 100) -> tuple[float, dict[str, float]]:
@@ -149,20 +157,31 @@ def _uncovered_costs(rounds: int = 200, calls: int = 100) -> tuple[float, dict[s
 
 
 def test_an_uncovered_call_costs_little_more_than_f_linear(tmp_path: Path) -> None:
-    # The figures and the machine: UNCOVERED_OVER_LINEAR_US's comment. Best of five measurements (~0.5 s
-    # each), stopping at the first within both bounds: load has to spoil all five to fail the test.
+    # The figures and the machine: UNCOVERED_OVER_LINEAR_US's comment. Up to five measurements (~0.5 s each),
+    # stopping at the first within the bounds: load has to spoil all five to fail the test.
     ops.load_tables(str(_table(tmp_path / "t.json", [("gemv", 1, N, K, GEMV_PARAMS)])))  # bf16 24x192 only
-    results = []
+
+    def failure(over: float, med: dict[str, float]) -> str | None:
+        dispatch, own = med["floor"] - med["F.linear"], med["op"] - med["floor"]
+        # Load stretches torch's dispatch and tunekit's Python alike (CI's xdist workers at load 3: dispatch
+        # 4.6-4.7 us, tunekit's own 2.1-2.7 us), so their ratio is judged always, the figures in us only
+        # where the dispatch ran at its idle cost.
+        if own > OWN_PER_DISPATCH * dispatch:
+            return f"tunekit's own {own:.2f} us is over {OWN_PER_DISPATCH} x torch's dispatch ({dispatch:.2f} us)"
+        if dispatch <= DISPATCH_IDLE_US and over > UNCOVERED_OVER_LINEAR_US:
+            return f"an uncovered call costs {over:.2f} us over F.linear"
+        if dispatch <= DISPATCH_IDLE_US and own > UNCOVERED_OVER_CUSTOM_OP_US:
+            return f"an uncovered call costs {own:.2f} us over a custom op around F.linear"
+        return None
+
+    failures = []
     for _ in range(5):
         over, med = _uncovered_costs()
-        results.append((over, med["op"] - med["floor"], med))
-        if over <= UNCOVERED_OVER_LINEAR_US and results[-1][1] <= UNCOVERED_OVER_CUSTOM_OP_US:
+        failures.append(failure(over, med))
+        if failures[-1] is None:
             break
-    over, own, med = min(results, key=lambda r: r[0])
-    assert over <= UNCOVERED_OVER_LINEAR_US, f"an uncovered call costs {over:.2f} us over F.linear (medians: {med})"
-    own = min(r[1] for r in results)
-    assert own <= UNCOVERED_OVER_CUSTOM_OP_US, \
-        f"an uncovered call costs {own:.2f} us over a custom op around F.linear (medians: {med})"
+        failures[-1] += f" (medians: {med})"
+    assert failures[-1] is None, "in each of five measurements: " + "; ".join(failures)
     assert [(r["impl"], r["vendor"]) for r in ops.dispatch_stats()] == [("fallback:no_entry", "F.linear")]
 
 
@@ -249,6 +268,32 @@ def test_a_patched_linear_on_the_vendor_path_costs_about_what_the_module_does() 
     ratio, med = _best_of_five(_patched_linear_ratio, 1.45)
     assert ratio <= 1.45, f"a patched linear costs {ratio:.2f}x the unpatched module (median us: {med})"
     assert [(r["impl"], r["vendor"]) for r in ops.dispatch_stats()] == [("fallback:no_table", "F.linear")]
+
+
+def test_an_uncovered_linear_in_a_patched_eager_model_costs_about_what_the_module_does(tmp_path: Path) -> None:
+    # Issue 52's case: the linear an eager model (tunekit.patch) runs that no table covers, with a table
+    # loaded (fallback:no_entry). Its forward calls the op's impl without torch's dispatcher, so it pays
+    # tunekit's own Python and not the dispatch (3.8-4.3 us there on the same machine, idle: the custom op's
+    # figure above). Measured on a 2-core x86 CPU, idle (unpatched 7.1-7.4 us, F.linear 4.3 us): 1.9-2.2 us
+    # over the unpatched module, under the issue's 3 us. Judged as a ratio (a loaded machine stretches both
+    # alike), the bound of the vendor path's test above.
+    import copy
+
+    import tunekit
+
+    ops.load_tables(str(_table(tmp_path / "t.json", [("gemv", 1, N, K, GEMV_PARAMS)])))  # bf16 24x192 only
+    plain = torch.nn.Linear(64, 32, bias=False)
+    patched = copy.deepcopy(plain)
+    assert tunekit.patch(patched, only_covered=False) == {"linear": 1}
+    x = torch.randn(1, 64)
+
+    def ratio() -> tuple[float, dict[str, float]]:
+        with torch.no_grad():
+            return _interleaved_ratio({"plain": lambda: plain(x), "patched": lambda: patched(x)}, "patched", "plain")
+
+    measured, med = _best_of_five(ratio, 1.45)
+    assert measured <= 1.45, f"an uncovered patched linear costs {measured:.2f}x the module (median us: {med})"
+    assert [(r["impl"], r["vendor"]) for r in ops.dispatch_stats()] == [("fallback:no_entry", "F.linear")]
 
 
 def test_patched_eager_calls_skip_the_dispatcher_and_follow_table_reloads(tmp_path: Path) -> None:

@@ -476,3 +476,28 @@ def postgres_server_user() -> str:
     import postgres_server
 
     return postgres_server.USER
+
+
+def test_optunas_query_fallback_warning_is_dropped_and_its_other_warnings_kept(tmp_path) -> None:
+    """A database server stopped mid-search made Optuna's trials query warn "Caught an error from sqlalchemy
+    ... Falling back" with its SQL, six lines before the search's own one line (test_search_faults.py)."""
+    import logging
+
+    import optuna
+
+    from tunekit.search import storage
+
+    storage.open_storage(f"sqlite:///{tmp_path / 'optuna.db'}")
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger = optuna.logging.get_logger("optuna")
+    logger.addHandler(handler)
+    try:
+        rdb = logging.getLogger("optuna.storages._rdb.storage")
+        rdb.warning("Caught an error from sqlalchemy: (psycopg.errors.AdminShutdown) terminating connection\n"
+                    "[SQL: SELECT ...]. Falling back to a slower alternative.")
+        rdb.warning("another warning")
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["another warning"]

@@ -11,6 +11,7 @@ a size limit, a place no longer writable) becomes one line naming the cause and 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import time
 import warnings
@@ -107,12 +108,21 @@ def postgres_driver(url: str) -> str:
     return url
 
 
+def _not_a_query_fallback(record: logging.LogRecord) -> bool:
+    """Optuna's RDB storage logs "Caught an error from sqlalchemy ... Falling back to a slower alternative"
+    (with the whole SQL statement) for any OperationalError of its trials query, meant for SQLite's limit on
+    IN variables. A lost database server raises one there too, and the search's own one line names that
+    fault; where the fallback works, nothing was wrong. So the warning is dropped."""
+    return not record.getMessage().startswith("Caught an error from sqlalchemy")
+
+
 def open_storage(url: str) -> optuna.storages.RDBStorage:
     """The Optuna storage at ``url``, with the heartbeat on; a SQLite file is checked first
     (an empty or corrupt one is refused, not recreated) and put in WAL mode."""
     from tunekit.search import results
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    logging.getLogger("optuna.storages._rdb.storage").addFilter(_not_a_query_fallback)  # added once
     kwargs: dict[str, Any] = {}
     db = results.sqlite_path(url)
     if db is not None:
