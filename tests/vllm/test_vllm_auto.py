@@ -43,15 +43,6 @@ def _ship(path: Path, entries: list[dict], **stamp) -> None:
     path.write_text(json.dumps(table))
 
 
-class _Heard(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 @pytest.fixture
 def shipped_set(tmp_path: Path, monkeypatch):
     from tunekit import shipped
@@ -93,7 +84,7 @@ def test_auto_is_checked_in_the_worker_after_the_load_and_serves_what_passed(plu
     # this register's INFO "installed" line would count as the session fixture's (test_vllm_plugin's
     # _install_logs): the logger keeps WARNING and up here, the check's line among them
     plugin_log = logging.getLogger("vllm.tunekit")
-    level, heard = plugin_log.level, _Heard()
+    level, heard = plugin_log.level, base._Records()
     plugin_log.setLevel(logging.WARNING)  # setLevel: it clears the logger's cache of enabled levels
     plugin_log.addHandler(heard)
     model = nn.Module()

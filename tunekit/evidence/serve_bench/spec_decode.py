@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from tunekit.errors import UserError
+from tunekit.evidence.serve_bench.tpot import InstanceHook
 
 #: The methods ``--speculative`` takes: n-gram lookup needs no draft model, so dummy weights serve.
 METHODS = ("ngram",)
@@ -159,16 +160,17 @@ def acceptance(c: dict[str, Any]) -> dict[str, Any]:
             "per_position": [p / drafts for p in per_pos] if drafts and per_pos else None}
 
 
-class StepShapes:
+class StepShapes(InstanceHook):
     """The M of every engine step during a block (module docstring): wraps the in-process scheduler's
     ``schedule`` on the instance (``llm.llm_engine.engine_core.engine_core.scheduler``, present when the engine
     core runs in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and restores it on exit. Where this vLLM
     has no such scheduler it records nothing (``record()`` -> None)."""
 
+    METHOD = "schedule"
+
     def __init__(self, llm: Any) -> None:
         core = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "engine_core", None)
-        self._target = getattr(core, "scheduler", None)
-        self._orig: Any = None
+        super().__init__(getattr(core, "scheduler", None))
         self.decode: dict[int, int] = {}
         self.prefill_steps = 0
         self.spec_tokens = 0
@@ -184,19 +186,6 @@ class StepShapes:
                 spec = getattr(out, "scheduled_spec_decode_tokens", None) or {}
                 self.spec_tokens += sum(len(t) for t in spec.values())
         return out
-
-    def __enter__(self) -> StepShapes:
-        if self._target is not None and callable(getattr(self._target, "schedule", None)):
-            self._orig = self._target.schedule
-            self._target.schedule = self._wrapped
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._orig is not None:
-            try:
-                del self._target.schedule  # the class's method again
-            except AttributeError:
-                self._target.schedule = self._orig
 
     def record(self) -> dict[str, Any] | None:
         """``{"decode_m": {M: steps}, "prefill_steps", "spec_tokens"}`` (M as text: JSON keys)."""

@@ -35,14 +35,42 @@ from typing import Any
 DISAGREE = 0.02
 
 
-class TokenClock:
-    """Per-request token arrival times during one ``generate`` (module docstring). A context manager that
-    wraps the output processor's ``process_outputs`` on the instance and restores it on exit."""
+class InstanceHook:
+    """A context manager that wraps ``METHOD`` of one vLLM object (``_target``) on the instance with
+    ``_wrapped``, which calls ``_orig``, and restores the class's method on exit. No such object or method:
+    nothing is wrapped and ``_orig`` stays None (the subclass's ``record()`` says so)."""
+
+    METHOD = ""
+
+    def __init__(self, target: Any) -> None:
+        self._target = target
+        self._orig: Any = None
+
+    def _wrapped(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def __enter__(self) -> InstanceHook:
+        if self._target is not None and callable(getattr(self._target, self.METHOD, None)):
+            self._orig = getattr(self._target, self.METHOD)
+            setattr(self._target, self.METHOD, self._wrapped)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._orig is not None:
+            try:
+                delattr(self._target, self.METHOD)  # the class's method again
+            except AttributeError:
+                setattr(self._target, self.METHOD, self._orig)
+
+
+class TokenClock(InstanceHook):
+    """Per-request token arrival times during one ``generate`` (module docstring): wraps the output
+    processor's ``process_outputs`` on the instance and restores it on exit."""
+
+    METHOD = "process_outputs"
 
     def __init__(self, llm: Any) -> None:
-        engine = getattr(llm, "llm_engine", None)
-        self._target = getattr(engine, "output_processor", None)
-        self._orig: Any = None
+        super().__init__(getattr(getattr(llm, "llm_engine", None), "output_processor", None))
         self.steps = 0
         self.per: dict[Any, list[float]] = {}
 
@@ -59,19 +87,6 @@ class TokenClock:
                     rec[1] = now
                     rec[2] += n
         return self._orig(outputs, *args, **kwargs)
-
-    def __enter__(self) -> TokenClock:
-        if self._target is not None and callable(getattr(self._target, "process_outputs", None)):
-            self._orig = self._target.process_outputs
-            self._target.process_outputs = self._wrapped
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._orig is not None:
-            try:
-                del self._target.process_outputs  # the class's method again
-            except AttributeError:
-                self._target.process_outputs = self._orig
 
     def record(self) -> dict[str, Any] | None:
         """``tpot_ms``: the median over requests of (last - first token) / (tokens - 1); None without a clock
