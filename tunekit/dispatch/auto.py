@@ -89,8 +89,7 @@ def check(loaded: list[tuple[str, dict[str, Any]]],
                 kept.append(entry)
             else:
                 dropped.append(f"{entry['op']} m{entry['m']} {entry['n']}x{entry['k']} {entry['backend']}: {why}")
-        software = [d for d in table_mod.environment_mismatch(table, device)
-                    if not d.startswith(tuple(f"{f}:" for f in shipped.GPU_FIELDS))]
+        software = table_mod.environment_mismatch(table, device)  # its GPU fields match: checked above
         served = dict(table, entries=kept)
         if software:
             # each kept entry was checked here; the stamp now names this host's software, so serving's stamp
