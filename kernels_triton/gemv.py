@@ -69,6 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels_triton import pdl
 from kernels_triton.config import GEMV_MAX_M, next_pow2
 
 
@@ -184,7 +185,7 @@ def _gemv_kernel(
     SPLIT_K: tl.constexpr, FUSED_REDUCE: tl.constexpr,
     EVEN_K: tl.constexpr, W_EVICT: tl.constexpr, USE_DOT: tl.constexpr, ROWS: tl.constexpr,
     DOT_IN_FP32: tl.constexpr, SWAP_AB: tl.constexpr, HAS_RESIDUAL: tl.constexpr, RMS_SCALE: tl.constexpr,
-    GLU: tl.constexpr,
+    GLU: tl.constexpr, PDL: tl.constexpr, PF_LINES: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -198,6 +199,13 @@ def _gemv_kernel(
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     m_mask = offs_m[:, None] < M
+    if PDL:
+        # Launched with PDL this program may run while the previous kernel drains: start this program's
+        # first W tile towards L2 (one pointer per 128-byte line; W is never written by a step kernel),
+        # then wait for the previous kernel before x, the residual or any output is touched.
+        lines = tl.minimum(k_start + tl.arange(0, PF_LINES) * 64, K - 1)
+        pdl.prefetch_l2(w_ptr + rows[:, None] * stride_wn + lines[None, :])
+        pdl.wait()
     # per-row accumulators of the "rows" mode, one per row of x up to BLOCK_M (Triton has no list of
     # tensors; the unused ones are dead code, removed)
     acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -270,6 +278,9 @@ def _gemv_kernel(
             acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if PDL:
+        # the weight stream is done: let the next kernel's programs start (they wait for this grid)
+        pdl.launch_dependents()
     if ROWS:
         rows_m = offs_m[:, None]
         out = tl.where(rows_m == 0, tl.sum(acc0, axis=1)[None, :], 0.0)
@@ -338,9 +349,12 @@ def _gemv_kernel(
 @triton.jit
 def _split_k_reduce_kernel(
     p_ptr, y_ptr, r_ptr, M, N, stride_ps, stride_pm, stride_ym, stride_rm,
-    SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
 ):
     # Sums the SPLIT_K fp32 partials in a fixed order: bitwise reproducible.
+    if PDL:
+        pdl.wait()  # the partials are the previous kernel's
+        pdl.launch_dependents()
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
@@ -374,12 +388,15 @@ def gemv(
     residual: torch.Tensor | None = None,
     rms_eps: float | None = None,
     glu: bool = False,
+    use_pdl: bool | None = None,
 ) -> torch.Tensor:
     """y = x @ w.T (+ residual) with an explicit config. x [M, K], w [N, K] (unit stride on K);
     residual [M, N] (unit stride on N; ``out`` may be the residual itself: updated in place).
     With ``rms_eps``: y = (x / sqrt(mean(x^2) + rms_eps)) @ w.T, per row of x (SPLIT_K = 1).
     With ``glu``: w's rows are (gate, up) pairs (``tunekit.problems.opspec_gemv.interleave_gate_up``) and y[M, N / 2] =
-    silu(gate) * up of the fp32 dots (SPLIT_K = 1, even BLOCK_N, no residual)."""
+    silu(gate) * up of the fp32 dots (SPLIT_K = 1, even BLOCK_N, no residual).
+    ``use_pdl``: launch with programmatic dependent launch (``kernels_triton.pdl``); None (the default) uses
+    it wherever the device and Triton support it, False never, True asks for it (ignored where unsupported)."""
     m, k = x.shape
     n = w.shape[0]
     if glu and (config.SPLIT_K != 1 or config.BLOCK_N < 2 or n % 2 or residual is not None):
@@ -410,6 +427,8 @@ def gemv(
         # graph-capturable (a private pool while capturing).
         partials = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
         tickets = _tickets(x.device, blocks_n) if fused else partials
+    on = pdl.enabled(x.device, use_pdl)
+    launch_options = pdl.launch_options(on)
     _gemv_kernel[(blocks_n, split)](
         x, w, out, partials, tickets, r,
         m, n, k, k_per_split, 0.0 if rms_eps is None else rms_eps,
@@ -418,13 +437,14 @@ def gemv(
         BLOCK_M=block_m, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
         SPLIT_K=split, FUSED_REDUCE=fused, EVEN_K=even_k, W_EVICT=config.W_EVICT, USE_DOT=use_dot, ROWS=rows,
         DOT_IN_FP32=_DOT_IN_FP32, SWAP_AB=config.M_MODE == "dot_w", HAS_RESIDUAL=residual is not None,
-        RMS_SCALE=rms_eps is not None, GLU=glu, num_warps=config.num_warps, num_stages=config.num_stages,
+        RMS_SCALE=rms_eps is not None, GLU=glu, PDL=on, PF_LINES=max(1, config.BLOCK_K // 64),
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options,
     )
     if split > 1 and not fused:
         block = 256
         _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
             partials, out, r, m, n, partials.stride(0), partials.stride(1), out.stride(0), r.stride(0),
-            SPLIT_K=split, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=4,
+            SPLIT_K=split, BLOCK=block, HAS_RESIDUAL=residual is not None, PDL=on, num_warps=4, **launch_options,
         )
     return out
 

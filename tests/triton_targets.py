@@ -162,14 +162,6 @@ def compile_bound(launch: Launch, bound: Bound, target_name: str, diag_path: str
     The compiler's stderr goes to ``diag_path`` (a temporary file if None, then
     removed): a caller that gives the path can still read it if LLVM aborts.
     """
-    from triton._C.libtriton import ir
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.compiler.compiler import make_backend
-
-    target_args, last_stage = TARGETS[target_name]
-    target = GPUTarget(*target_args)
-    backend = make_backend(target)
     own_path = diag_path is None
     if own_path:
         with tempfile.NamedTemporaryFile(suffix=".stderr", delete=False) as tmp:
@@ -177,25 +169,7 @@ def compile_bound(launch: Launch, bound: Bound, target_name: str, diag_path: str
     try:
         with _stderr_to(diag_path):
             try:
-                src = ASTSource(launch.kernel, bound.signature, bound.constexprs, bound.attrs)
-                context = ir.context()
-                ir.load_dialects(context)
-                backend.load_dialects(context)
-                module = src.make_ir(target, bound.options, backend.get_codegen_implementation(bound.options),
-                                     backend.get_module_map(), context)
-                stages: dict = {}
-                backend.add_stages(stages, bound.options, src.language)
-                if last_stage not in stages:
-                    return f"target {target_name} has no stage {last_stage!r} (stages: {list(stages)})"
-                # Seeded as triton.compiler.compile does: stages read the options from it
-                # (Triton 3.9's AMD backend reads metadata["num_ctas"]).
-                metadata: dict = {"hash": "0" * 64, "target": target, **bound.options.__dict__}
-                for stage, lower in stages.items():
-                    module = lower(module, metadata)
-                    if stage == last_stage:
-                        break
-                if not module:
-                    return f"stage {last_stage} produced no output"
+                lower(launch, bound, target_name)
                 return None
             except Exception as exc:  # every compiler error is a finding, reported as text
                 error = f"{type(exc).__name__}: {exc}"
@@ -206,6 +180,39 @@ def compile_bound(launch: Launch, bound: Bound, target_name: str, diag_path: str
     finally:
         if own_path:
             os.unlink(diag_path)
+
+
+def lower(launch: Launch, bound: Bound, target_name: str) -> str:
+    """The text of ``target_name``'s last text stage (PTX / AMDGCN) for a bound launch; raises what the
+    compiler raises."""
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+
+    target_args, last_stage = TARGETS[target_name]
+    target = GPUTarget(*target_args)
+    backend = make_backend(target)
+    src = ASTSource(launch.kernel, bound.signature, bound.constexprs, bound.attrs)
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    module = src.make_ir(target, bound.options, backend.get_codegen_implementation(bound.options),
+                         backend.get_module_map(), context)
+    stages: dict = {}
+    backend.add_stages(stages, bound.options, src.language)
+    if last_stage not in stages:
+        raise RuntimeError(f"target {target_name} has no stage {last_stage!r} (stages: {list(stages)})")
+    # Seeded as triton.compiler.compile does: stages read the options from it
+    # (Triton 3.9's AMD backend reads metadata["num_ctas"]).
+    metadata: dict = {"hash": "0" * 64, "target": target, **bound.options.__dict__}
+    for stage, lower_stage in stages.items():
+        module = lower_stage(module, metadata)
+        if stage == last_stage:
+            break
+    if not module:
+        raise RuntimeError(f"stage {last_stage} produced no output")
+    return module if isinstance(module, str) else str(module)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,97 @@
+"""Programmatic dependent launch (PDL): a kernel starts while the one before it in the stream drains.
+
+A decode step is hundreds of short launches in a row (about 546 for Qwen3.5-27B), and every boundary
+costs the next kernel's launch and ramp-up plus the previous one's tail, which no standalone timing of
+one kernel shows. On sm_90 and later a kernel launched with the programmatic-stream-serialization
+attribute (Triton's ``launch_pdl=True``) may be scheduled before its predecessor finished; it must then
+wait (``griddepcontrol.wait``, Triton's ``gdc_wait``) before it reads or writes anything a predecessor
+may touch. The predecessor lets it start early with ``griddepcontrol.launch_dependents``
+(``gdc_launch_dependents``), issued here once a program's main loop is done.
+
+What runs before the wait may only touch what no kernel of the step writes: a GEMV's weight. The GEMV
+family prefetches its programs' first W tile into L2 there (``prefetch.global.L2``: a hint, coherent
+with any write, since L2 is the device's point of coherence), so the weight stream is already moving
+when the activations become readable. Both instructions are no-ops for a kernel launched without the
+attribute, so a PDL build is correct in any stream; the launch attribute is what turns the overlap on.
+
+Where PDL cannot run, :func:`unsupported_reason` says why and the launchers build and launch the
+plain kernel: the Triton interpreter, AMD/HIP, a GPU below sm_90, a Triton without ``gdc_wait``
+(added in 3.4), or ``TUNEKIT_PDL=0``. Kernels of this package import nothing from tunekit.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+#: the switch a user turns PDL off with (any other value, or unset: on where supported)
+ENV = "TUNEKIT_PDL"
+
+
+def _triton_reason() -> str | None:
+    extra = getattr(getattr(tl, "extra", None), "cuda", None)
+    if extra is None or not hasattr(extra, "gdc_wait") or not hasattr(extra, "gdc_launch_dependents"):
+        return f"Triton {triton.__version__} has no gdc_wait / gdc_launch_dependents"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _device_reason(device_type: str, index: int | None) -> str | None:
+    if device_type != "cuda":
+        return f"a {device_type} device"
+    if torch.version.hip:
+        return "AMD GPUs have no programmatic dependent launch"
+    major, minor = torch.cuda.get_device_capability(index)
+    if major < 9:
+        return f"sm_{major}{minor} (PDL needs sm_90 or later)"
+    return _triton_reason()
+
+
+def unsupported_reason(device: torch.device) -> str | None:
+    """None if kernels on ``device`` launch with PDL, else why not (one short phrase). Cheap: the device's
+    answer is cached; the interpreter and the ``TUNEKIT_PDL`` switch are read each call."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "the Triton interpreter"
+    if os.environ.get(ENV, "1") == "0":
+        return f"{ENV}=0"
+    return _device_reason(device.type, device.index)
+
+
+def enabled(device: torch.device, requested: bool | None = None) -> bool:
+    """Whether a launch on ``device`` uses PDL: ``requested`` None means wherever supported; True asks for
+    it (honoured only where supported: a request never makes an unsupported launch); False turns it off."""
+    if requested is False:
+        return False
+    return unsupported_reason(device) is None
+
+
+def launch_options(on: bool) -> dict:
+    """The launch keywords of a kernel call: ``launch_pdl`` only where PDL is on (the interpreter and
+    older launchers are never handed a keyword they may not know)."""
+    return {"launch_pdl": True} if on else {}
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Hint the lines of ``ptrs`` into L2 (one ``prefetch.global.L2`` per element: pass one pointer per
+    128-byte line). Issued before ``gdc_wait``: it reads only weights, which no step kernel writes."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def wait():
+    """``griddepcontrol.wait``: block until the stream's previous kernel has completed and its writes are
+    visible (a no-op for a kernel launched without PDL)."""
+    tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def launch_dependents():
+    """``griddepcontrol.launch_dependents``: once every program of this grid has issued it (or exited), the
+    next kernel in the stream may be scheduled; it still waits for this one in its own :func:`wait`."""
+    tl.extra.cuda.gdc_launch_dependents()
