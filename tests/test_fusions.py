@@ -32,14 +32,23 @@ GROUP = FusionGroup("rms_gemv", "bf16", ((N, K),), "rms_norm", "rms_norm", (), (
 
 
 # ----------------------------------------------------------------------------- the decision rule and the section
-def test_a_group_fuses_only_where_its_fused_sequence_wins_at_every_m() -> None:
+def test_a_group_is_fused_at_the_ms_where_its_fused_sequence_wins_and_no_m_vetoes_another() -> None:
     wins = {1: Measured(5.0, 10.0), 2: Measured(9.0, 10.0)}
-    fuse, margin, why = decide(wins)
-    assert fuse and margin == pytest.approx(0.1) and "faster at every M" in why and "M=2" in why
-    fuse, margin, why = decide({**wins, 4: Measured(12.0, 10.0)})  # one M lost: the whole group
-    assert not fuse and margin == pytest.approx(-0.2) and why.startswith("slower at M=4: 12.00 us fused")
-    fuse, margin, why = decide({**wins, 8: Measured(note="no rms_gemv entry serves 16x32 at M=8")})
-    assert not fuse and margin is None and why == "M=8: no rms_gemv entry serves 16x32 at M=8"
+    fuse, margin, why, fused_m = decide(wins)
+    assert fuse and fused_m == [1, 2] and margin == pytest.approx(0.1)
+    assert "faster at every M" in why and "M=2" in why
+    # one M lost: fused at the others, unfused there (issue 55: one losing M vetoed the group before)
+    fuse, margin, why, fused_m = decide({**wins, 4: Measured(12.0, 10.0)})
+    assert fuse and fused_m == [1, 2] and margin == pytest.approx(0.1)
+    assert why.startswith("faster at M=1,2: by 10.0% at M=2") and "slower at M=4: 12.00 us fused" in why
+    # an M without a fused entry: unfused there, fused where it was measured faster
+    fuse, margin, why, fused_m = decide({**wins, 8: Measured(note="no rms_gemv entry serves 16x32 at M=8")})
+    assert fuse and fused_m == [1, 2] and why.endswith("M=8: no rms_gemv entry serves 16x32 at M=8")
+    # no M wins: not fused, the margin the best M's
+    fuse, margin, why, fused_m = decide({1: Measured(11.0, 10.0), 2: Measured(13.0, 10.0)})
+    assert not fuse and fused_m == [] and margin == pytest.approx(-0.1) and why.startswith("slower at M=1")
+    fuse, margin, why, fused_m = decide({8: Measured(note="no entry")})
+    assert not fuse and margin is None and fused_m == [] and why == "M=8: no entry"
 
 
 def test_the_section_validates_and_says_one_line_per_group(tmp_path: Path) -> None:
@@ -52,7 +61,9 @@ def test_the_section_validates_and_says_one_line_per_group(tmp_path: Path) -> No
     assert describe(GROUP.key, rec) == ("fused: rms_gemv input_layernorm+q_proj (rms_norm|bf16|16x32): faster at M=1: "
                                         "5.00 us fused against 10.00 us unfused (+50.0%)")
     for broken, words in (({"x": rec}, "does not name"), ({GROUP.key: dict(rec, fuse="yes")}, "fuse must be"),
-                          ({GROUP.key: dict(rec, per_m={"1": {"fused_us": -1}})}, "fused_us=-1")):
+                          ({GROUP.key: dict(rec, per_m={"1": {"fused_us": -1}})}, "fused_us=-1"),
+                          ({GROUP.key: dict(rec, fused_m=[])}, "empty exactly where fuse is false"),
+                          ({GROUP.key: dict(rec, fused_m=["1"])}, "fused_m")):
         with pytest.raises(table_mod.TableError, match=words):
             table_mod.validate(dict(table, fusions=broken))
 
@@ -132,12 +143,12 @@ def test_the_decision_follows_the_same_run_measurement_both_ways(tmp_path: Path,
     assert rec["per_m"]["1"]["fused"] == [f"rms_gemv 16x32@{COSTED}"]
     assert rec["per_m"]["1"]["unfused"] == [f"rms_norm 32@{COSTED}", f"gemv 16x32@{COSTED}"]
     assert [sorted(t["arms"]) for t in worker.tasks] == [["fused", "unfused"]] * 2  # one session per M
-    # the same entries, but rms_gemv 120 ms at M=2: it loses there, so the group is not fused at all
+    # the same entries, but rms_gemv 120 ms at M=2: it loses there, so the group is fused at M=1 only
     costs = {"rms_gemv": 5, "rms_gemv@2": 120, "gemv": 10, "rms_norm": 10}
     section, _, run = _phase(tmp_path / "b", monkeypatch, costs)
     rec = section[GROUP.key]
-    assert not rec["fuse"] and rec["margin"] < 0 and rec["why"].startswith("slower at M=2")
-    assert rec["per_m"]["1"]["fused_us"] < rec["per_m"]["1"]["unfused_us"]  # M=1 alone would have fused
+    assert rec["fuse"] and rec["fused_m"] == [1] and rec["margin"] > 0 and "slower at M=2" in rec["why"]
+    assert rec["per_m"]["1"]["fused_us"] < rec["per_m"]["1"]["unfused_us"]
     # the measurements are kept by the steps they timed: a rerun reads them, export decides again from them
     stored = json.loads((tmp_path / "b" / "fusions.json").read_text())
     assert len(stored["measured"]) == 2 and stored["groups"] == [GROUP.as_dict()]
@@ -152,7 +163,7 @@ def test_the_decision_follows_the_same_run_measurement_both_ways(tmp_path: Path,
     assert not again["fuse"] and again["why"].startswith("M=1: not measured with this table's entries")
 
 
-def test_an_m_without_a_fused_entry_counts_against_the_group_untimed(tmp_path: Path, monkeypatch) -> None:
+def test_an_m_without_a_fused_entry_is_unfused_untimed(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("TUNEKIT_TEST_FUSION_MS", "{}")
     problems = [Problem(op, "bf16", m, n, K) for m in (1, 2) for op, n in (("gemv", N), ("rms_gemv", N))]
     rows = [_row(p.op, p.m, p.n, p.k) for p in problems if (p.op, p.m) != ("rms_gemv", 2)]
@@ -166,7 +177,9 @@ def test_an_m_without_a_fused_entry_counts_against_the_group_untimed(tmp_path: P
     # a fused-add norm's residual add rides free only where its writer's gemv_add group fuses
     added = FusionGroup("rms_gemv", "bf16", ((N, K),), "rms_norm", "fused_add_rms_norm", ((K, 64),))
     assert [s["op"] for s in planner.steps(added, 1)[0]] == ["rms_gemv", "add"]
-    planner.fused_adds[("bf16", K, 64)] = True
+    planner.fused_adds[("bf16", K, 64)] = frozenset({2})  # the epilogue serves M=2 only: M=1 still adds
+    assert [s["op"] for s in planner.steps(added, 1)[0]] == ["rms_gemv", "add"]
+    planner.fused_adds[("bf16", K, 64)] = frozenset({1, 2})
     assert [s["op"] for s in planner.steps(added, 1)[0]] == ["rms_gemv"]
 
 

@@ -21,19 +21,23 @@ Groups (:class:`FusionGroup`), by family:
   siblings' separate ``gemv``;
 * ``gemv_add``: the residual add in a GEMV's epilogue: ``gemv_add`` against ``gemv`` then the add.
 
-The decision: fuse only where the fused sequence was measured faster at every M of the group; an M
-where the fused op has no entry (the fold would run its unfused fallback there) or that could not be
-measured counts against it. Schema (``"fusions"`` of ``tunekit.table``; absent in tables written before
-it: serving then keeps its older rule and says so once)::
+The decision is per M (:func:`decide`): the group is fused (weights folded, the fused op in place) where
+the fused sequence was measured faster at one M at least, and the op runs the fused kernel at those Ms
+(``fused_m``) and the unfused path, on the same folded weights, at every other M (an M where the fused
+op has no entry or that could not be measured is one of those: it vetoes no other M). vLLM captures one
+graph per batch size and the op decides once per M, so the choice costs nothing per call. A section
+written before ``fused_m`` keeps its all-or-nothing ``fuse``, and serving says so once. Schema
+(``"fusions"`` of ``tunekit.table``; absent in tables written before it: serving then keeps its older
+rule and says so once)::
 
     "fusions": {GROUP KEY: {"family", "norm", "dtype", "consumers": [[N, K], ...], "names": [...],
-                            "count", "fuse": bool, "margin": float or null, "why": str,
+                            "count", "fuse": bool, "fused_m": [M, ...], "margin": float or null, "why": str,
                             "per_m": {"M": {"fused_us", "unfused_us", "fused": [step, ...],
                                             "unfused": [step, ...], "note"}}}}
 
 GROUP KEY is :func:`group_key`: ``family|norm|dtype|NxK+NxK`` (``-`` for no norm; the consumers' shapes
-sorted). ``margin``: the worst M's saving, (unfused - fused) / unfused (negative: the fused sequence was
-slower there); null where an M has no figures. Each step is ``op NxK@backend`` as it was timed.
+sorted). ``margin``: the worst fused M's saving, (unfused - fused) / unfused (where no M is fused: the
+best M's, negative or zero); null where no M has figures. Each step is ``op NxK@backend`` as it was timed.
 No torch, no optuna: read by both paths.
 """
 
@@ -147,40 +151,79 @@ class Measured:
                 "unfused": list(self.unfused), "note": self.note}
 
 
-def decide(per_m: Mapping[int, Measured]) -> tuple[bool, float | None, str]:
-    """(fuse, margin, why) from a group's measurements: fuse only where the fused sequence was faster at every
-    M; an M without both figures counts against it (its note says why)."""
+def decide(per_m: Mapping[int, Measured]) -> tuple[bool, float | None, str, list[int]]:
+    """(fuse, margin, why, fused Ms) from a group's measurements, decided per M: the group is fused (its
+    weights folded, its fused op in place) where the fused sequence was faster at one M at least, and the
+    op runs the fused kernel at exactly those Ms (``fused_m``); at every other M it runs the unfused path
+    on the same weights (the unit-gain norm and the GEMV, or the GEMV and the add). An M without both
+    figures is unfused (its note says why); it vetoes no other M. ``margin``: the worst fused M's saving."""
     if not per_m:
-        return False, None, "not measured (no M)"
-    for m, got in sorted(per_m.items()):
-        if got.fused_us is None or got.unfused_us is None:
-            return False, None, f"M={m}: {got.note or 'not measured'}"
-    saving = {m: (got.unfused_us - got.fused_us) / got.unfused_us for m, got in per_m.items()}  # type: ignore
-    worst = min(saving, key=lambda m: (saving[m], m))
-    got = per_m[worst]
-    figures = f"{got.fused_us:.2f} us fused against {got.unfused_us:.2f} us unfused"
-    if saving[worst] <= 0:
-        return False, saving[worst], f"slower at M={worst}: {figures} ({saving[worst]:+.1%})"
-    if len(per_m) == 1:
-        return True, saving[worst], f"faster at M={worst}: {figures} ({saving[worst]:+.1%})"
-    best = max(saving, key=lambda m: (saving[m], -m))
-    return True, saving[worst], (f"faster at every M: by {saving[worst]:.1%} at M={worst} ({figures}) to "
-                                 f"{saving[best]:.1%} at M={best}")
+        return False, None, "not measured (no M)", []
+    saving = {m: (got.unfused_us - got.fused_us) / got.unfused_us for m, got in per_m.items()
+              if got.fused_us is not None and got.unfused_us is not None}
+    fused_m = sorted(m for m, s in saving.items() if s > 0)
+
+    def figures(m: int) -> str:
+        got = per_m[m]
+        return f"{got.fused_us:.2f} us fused against {got.unfused_us:.2f} us unfused ({saving[m]:+.1%})"
+
+    unfused = [f"slower at M={m}: {figures(m)}" if m in saving else f"M={m}: {per_m[m].note or 'not measured'}"
+               for m in sorted(per_m) if m not in fused_m]
+    if not fused_m:
+        return False, (max(saving.values()) if saving else None), "; ".join(unfused), []
+    margin = min(saving[m] for m in fused_m)
+    if len(fused_m) == 1:
+        won = f"faster at M={fused_m[0]}: {figures(fused_m[0])}"
+    else:
+        worst = min(fused_m, key=lambda m: (saving[m], m))
+        best = max(fused_m, key=lambda m: (saving[m], -m))
+        won = (f"faster at {'every M' if not unfused else 'M=' + ','.join(map(str, fused_m))}: by "
+               f"{saving[worst]:.1%} at M={worst} ({figures(worst)}) to {saving[best]:.1%} at M={best}")
+    if not unfused:
+        return True, margin, won, fused_m
+    return True, margin, f"{won}; {'; '.join(unfused)}", fused_m
 
 
 def record(group: FusionGroup, per_m: Mapping[int, Measured]) -> dict[str, Any]:
     """A group's entry of the ``fusions`` section."""
-    fuse, margin, why = decide(per_m)
+    fuse, margin, why, fused_m = decide(per_m)
     return {"family": group.family, "norm": group.norm, "dtype": group.dtype,
             "consumers": [list(c) for c in group.consumers], "names": list(group.names), "count": group.count,
-            "fuse": fuse, "margin": margin, "why": why,
+            "fuse": fuse, "fused_m": fused_m, "margin": margin, "why": why,
             "per_m": {str(m): per_m[m].as_dict() for m in sorted(per_m)}}
+
+
+def fused_shapes_of(rec: Mapping[str, Any]) -> list[tuple[str, int, int]]:
+    """(fused op, N, K) a group's record serves: ``gemv_add`` or ``rms_gemv`` on each consumer, one
+    ``rms_gemv`` on the joined rows of ``sibling_rms_gemv``."""
+    consumers = [(int(n), int(k)) for n, k in rec["consumers"]]
+    if rec["family"] == "sibling_rms_gemv":
+        return [("rms_gemv", sum(n for n, _ in consumers), consumers[0][1])]
+    op = "gemv_add" if rec["family"] == "gemv_add" else "rms_gemv"
+    return [(op, n, k) for n, k in consumers]
+
+
+def per_m_choices(section: Mapping[str, Any]) -> dict[tuple[str, str, int, int], frozenset[int]]:
+    """(fused op, dtype, N, K) -> the Ms at which serving runs the fused kernel, from the records that
+    decide per M (``fused_m``); a record without it (a table written before) is not in the map and its
+    group is served at every M or none, by its ``fuse``. Two groups sharing a fused shape: the union."""
+    out: dict[tuple[str, str, int, int], frozenset[int]] = {}
+    for rec in section.values():
+        if not isinstance(rec.get("fused_m"), list) or not rec.get("fuse"):
+            continue
+        for op, n, k in fused_shapes_of(rec):
+            key = (op, rec["dtype"], n, k)
+            out[key] = out.get(key, frozenset()) | frozenset(int(m) for m in rec["fused_m"])
+    return out
 
 
 def describe(key: str, rec: Mapping[str, Any]) -> str:
     """One line: what the group is, whether it is fused and why (with the margin)."""
     names = "".join(f" {name}" if i == 0 else f", {name}" for i, name in enumerate(rec.get("names") or ()))
     verdict = "fused" if rec.get("fuse") else "not fused"
+    fused_m, measured = rec.get("fused_m"), rec.get("per_m") or {}
+    if rec.get("fuse") and isinstance(fused_m, list) and len(fused_m) < len(measured):
+        verdict = f"fused at M={','.join(map(str, fused_m))}"
     return f"{verdict}: {rec.get('family')}{names} ({key.split('|', 1)[1]}): {rec.get('why')}"
 
 
@@ -209,6 +252,11 @@ def section_problem(section: Any) -> str | None:
             return f"fusions {key!r}: fuse must be true or false and why a string"
         if not _number_or_null(rec.get("margin")):
             return f"fusions {key!r}: margin={rec.get('margin')!r} (a number or null)"
+        fused_m = rec.get("fused_m")
+        if fused_m is not None and not (isinstance(fused_m, list) and all(type(m) is int and m > 0 for m in fused_m)
+                                        and bool(fused_m) == rec["fuse"]):
+            return (f"fusions {key!r}: fused_m={fused_m!r} (a list of Ms, empty exactly where fuse is false; "
+                    "absent in tables written before the per-M choice)")
         per_m = rec.get("per_m")
         if not isinstance(per_m, dict):
             return f"fusions {key!r}: per_m must be an object"

@@ -8,7 +8,9 @@ entries at 2 and 4, takes the next entry above whose config runs at that M,
 ``tunekit.table.invalid_at_m``, passing over one that cannot), builds the
 entry's kernel through its backend and caches the :class:`~tunekit.dispatch.state.Choice` (a built kernel, whose
 ``entry["m"]`` the markers record as ``served_m``, or ``fallback:<reason>``). Under CUDA-graph capture
-(:func:`is_capturing`) nothing is built and the fallback is not cached. A
+(:func:`is_capturing`) nothing is built and the fallback is not cached. A fused op (``rms_gemv``,
+``gemv_add``) at a tabulated M where its layer group chose the unfused path (the fusions section's
+``fused_m``, ``TableIndex.fused_at``) is ``fallback:unfused_at_m``: the op's unfused sequence serves. A
 kernel that raises at launch, or that the canary catches, is marked broken
 (:func:`mark_broken`): the key serves the vendor path from then on. Never raises for a table entry's
 sake: a build failure is a logged, reasoned fallback.
@@ -48,6 +50,10 @@ def resolve(op: str, dtype: str, m: int, n: int, k: int, device: torch.device, c
                 choice = Choice("fallback:tp_mismatch")  # held by a table of another TP size only
             else:
                 choice = Choice("fallback:no_entry")
+        elif index.fused_at(op, dtype, entry["m"], n, k) is False:
+            # the layer group measured its unfused path faster at the M this entry serves: the op runs the
+            # unit-gain norm + GEMV (or GEMV + add) on the same folded weights here, the fused kernel elsewhere
+            choice = Choice("fallback:unfused_at_m", entry=entry)
         elif capturing:
             # Never compile or load a module inside a capture: the graph keeps
             # the vendor path for this size; the next eager call builds it.

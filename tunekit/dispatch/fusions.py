@@ -1,7 +1,8 @@
 """Whether to fuse a layer group, as the served tables decided it (their ``fusions`` section).
 
 The search measured each group's fused sequence against the unfused one at every M and recorded the
-decision (``tunekit.table_fusions``); integrations that fuse (the torch patch's and the vLLM plugin's
+decision (``tunekit.table_fusions``): a group is fused where one M at least pays, and inside the op the
+fused kernel serves exactly the Ms that paid (``fused_m``; ``tunekit.dispatch.decisions``); integrations that fuse (the torch patch's and the vLLM plugin's
 norm folds, the plugin's ``gemv_add`` epilogue) follow it and never re-derive it from entries of
 different studies. Where no served table decides a group, the older rule still answers (a fold pays
 where the tables' M=1 ``rms_gemv`` entries beat the norm's and the GEMVs' entries:
@@ -13,7 +14,8 @@ says whether this process gives that group's answer for the first time since the
 
     d = fold_decision("gemma_rms_norm", norm.weight, [(n, k), ...], joined=False, price_ops=(...))
     d.fuse, d.line, d.source, d.first          # source: "table" or "entries"
-    d.notice                                   # once per load: tables without the section, named
+    d.notice                                   # once per load: tables without the section, named,
+                                               # or a section without the per-M choice (fused_m)
     d = add_decision("bf16", n, k, "cuda:0")    # None: no table decides that gemv_add group
 """
 
@@ -98,7 +100,8 @@ def fold_decision(norm_op: str, norm_weight: torch.Tensor, consumer_shapes: list
     except Exception as exc:  # noqa: BLE001 - serving never raises for tunekit's sake
         record, why = None, f"the tables could not be read ({type(exc).__name__}: {exc})"
     if record is not None:
-        return Decision(bool(record["fuse"]), describe(key, record), "table", key, _first(key))
+        return Decision(bool(record["fuse"]), describe(key, record), "table", key, _first(key),
+                        _all_or_nothing_notice(record))
     pays = fold_pays(price_ops or (norm_op,), norm_weight, shapes, joined)
     why = "a table without a fusions section" if why == "older" else why
     line = (f"{'fused' if pays else 'not fused'}: {family} ({key.split('|', 1)[1]}): no measured decision ({why}); "
@@ -116,4 +119,14 @@ def add_decision(dtype: str, n: int, k: int, device: str) -> Decision | None:
         return None
     if record is None:
         return None
-    return Decision(bool(record["fuse"]), describe(key, record), "table", key, _first(key))
+    return Decision(bool(record["fuse"]), describe(key, record), "table", key, _first(key),
+                    _all_or_nothing_notice(record))
+
+
+def _all_or_nothing_notice(record: dict) -> str | None:
+    """Once per load, for a decision read from a fusions section written before the per-M choice."""
+    if "fused_m" in record or not _first("all-or-nothing tables"):
+        return None
+    return ("a served table's fusions section has no per-M choice (fused_m; written before tunekit chose "
+            "fusion per M): its groups are fused at every M or at none, as decided then; search again to "
+            "choose per M")

@@ -29,6 +29,7 @@ from typing import Any
 
 from tunekit import shipped
 from tunekit import table as table_mod
+from tunekit import table_fusions
 
 #: The tables to serve (os.pathsep-separated paths), read by :func:`table_paths` alone.
 TABLE_ENV = "TUNEKIT_TABLE"
@@ -79,7 +80,8 @@ class TableIndex:
     entries themselves are the loaded tables' dicts, shared, never to be written).
     """
 
-    __slots__ = ("_keys", "_tops", "_widths", "_ops", "other_tp", "device", "tp", "fusions", "unmeasured", "size")
+    __slots__ = ("_keys", "_tops", "_widths", "_ops", "other_tp", "device", "tp", "fusions", "unmeasured", "size",
+                 "per_m")
 
     def __init__(self, keys: dict[Key, tuple[tuple[int, ...], tuple[dict[str, Any], ...]]],
                  other_tp: dict[Key, int], device: Any, tp: int | None, fusions: dict[str, Any],
@@ -104,6 +106,8 @@ class TableIndex:
         #: the fusions sections (first table wins a group) and the paths of the tables without one
         self.fusions = MappingProxyType(fusions)
         self.unmeasured = tuple(unmeasured)
+        #: (fused op, dtype, N, K) -> the Ms its fused kernel serves, from the records that choose per M
+        self.per_m = MappingProxyType(table_fusions.per_m_choices(fusions))
         self.size = sum(len(ms) for ms, _ in keys.values())
 
     def __repr__(self) -> str:
@@ -118,6 +122,13 @@ class TableIndex:
         ms, entries = found
         i = bisect.bisect_left(ms, m)
         return entries[i] if i < len(ms) else None
+
+    def fused_at(self, op: str, dtype: str, m: int, n: int, k: int) -> bool | None:
+        """Whether fused op ``op`` runs its fused kernel at tabulated M ``m`` (the fusions' per-M choice,
+        ``tunekit.table_fusions.decide``); None where no per-M record holds (op, dtype, N, K): the entry
+        serves wherever it is, as for tables written before the per-M choice."""
+        ms = self.per_m.get((op, dtype, n, k))
+        return None if ms is None else m in ms
 
     def ms(self, op: str, dtype: str, n: int, k: int) -> tuple[int, ...]:
         """The Ms tabulated for (op, dtype, N, K), ascending (empty: none)."""

@@ -54,6 +54,9 @@ FALLBACK_REASONS: dict[str, str] = {
     "backend_unavailable": "the entry's backend cannot run here (logged once with the reason)",
     "config_invalid_at_m": "every entry at a larger M holds a config this M cannot run (M_MODE=\"rows\" at "
                            "M=1; an entry that can is taken over one that cannot); logged once",
+    "unfused_at_m": "a fused op (rms_gemv, gemv_add) at an M where its layer group measured the unfused path "
+                    "faster (the table's fusions section, fused_m): the unit-gain norm and the GEMV, or the GEMV "
+                    "and the add, run on the same folded weights, each through its own route",
     "build_error": "the entry's kernel failed to build (logged once with the error)",
     "not_built_at_capture": "met first under CUDA-graph capture, where kernels are never built: the graph keeps "
                             "the vendor path for this size (call tunekit.ops.prepare() or run a warm-up first)",

@@ -82,7 +82,8 @@ class Planner:
         self.stock = {(r["op"], r["dtype"], int(r["m"]), int(r["n"]), int(r["k"])): r.get("baseline")
                       for r in rows if r.get("baseline")}
         self.device = device
-        self.fused_adds: dict[tuple[str, int, int], bool] = {}  # gemv_add groups decided so far
+        #: gemv_add groups decided so far: (dtype, N, K) -> the Ms serving runs the epilogue at
+        self.fused_adds: dict[tuple[str, int, int], frozenset[int]] = {}
 
     def served(self, op: str, dtype: str, m: int, n: int, k: int) -> Step | None:
         """The entry serving (op, M, N, K) as a step (its config accepted at M), else None."""
@@ -128,7 +129,7 @@ class Planner:
         norm_op = group.norm_op or group.norm or "rms_norm"
         norm = self.served(norm_op, dtype, m, width, width) or self._stock_norm(norm_op, dtype, m, width)
         if norm_op in NORM_FORMS.values() and not (group.writers and all(
-                self.fused_adds.get((dtype, n, k)) for n, k in group.writers)):
+                m in self.fused_adds.get((dtype, n, k), ()) for n, k in group.writers)):
             fused.append(_step("add", dtype, m, width, width, "torch"))  # the add the fold leaves, on its own
         return fused, [norm] + unfused
 
@@ -170,7 +171,7 @@ def decide_all(groups: Sequence[FusionGroup], ms: Sequence[int], planner: Planne
         section[group.key] = rec = record(group, per_m)
         if group.family == "gemv_add":
             (n, k), = group.consumers
-            planner.fused_adds[(group.dtype, n, k)] = rec["fuse"]
+            planner.fused_adds[(group.dtype, n, k)] = frozenset(rec["fused_m"])
     return section
 
 
