@@ -177,3 +177,10 @@ def test_the_kernels_defaults_are_their_search_spaces(op: str) -> None:
         assert set(hip.domains) | set(hip.fixed) <= names and all(type(v) is int for vs in hip.domains.values()
                                                                       for v in vs)
         assert op == "gemv" or names == set(FAMILIES[op].params)
+
+
+def test_every_ops_largest_m_ends_a_compile_range() -> None:
+    """Issue 55: above an elementwise op's entries its nodes go back to Inductor's math (what vanilla compiles),
+    not to a default-config kernel inside the op: SiLU-and-mul tabulated at M=1 ends the range [1, 2]."""
+    assert vllm_compile.range_endpoints({"gemv": 16, "silu_and_mul": 1, "rms_norm": 8, "rms_gemv": 4}) == [2, 4, 8, 16]
+    assert vllm_compile.range_endpoints({"gemv": 1}) == [2] and vllm_compile.range_endpoints({}) == []

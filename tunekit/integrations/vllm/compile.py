@@ -10,9 +10,9 @@ the tables compile vLLM's own math.
   refused), read when vLLM compiles, after the load.
 * ``compile_ranges``: vLLM compiles each graph piece once per token-count
   range (``CompilationConfig.compile_ranges_endpoints``) and runs its
-  post-grad passes per range. The hook adds endpoints, the tables' largest
-  M and each fused GEMV op's largest M below it (2 at least: vLLM takes
-  endpoints above 1; :func:`range_endpoints` says why the fused ops), and
+  post-grad passes per range. The hook adds endpoints, each op's largest M
+  in the tables (2 at least: vLLM takes endpoints above 1;
+  :func:`range_endpoints` says why every op's), and
   one post-grad pass (``PostGradPassManager.configure`` gains it): in a
   range that starts above the largest M a table holds for a node's (op,
   dtype, N, K), the node is replaced by the stock math
@@ -140,18 +140,18 @@ def tables_tops(tp: int | None = None) -> dict[str, int]:
 
 def range_endpoints(tops: dict[str, int]) -> list[int]:
     """The compile-range endpoints for tables whose ops end at ``tops`` (vLLM takes endpoints above 1
-    only, so an M=1 table ends the range [1, 2]): the largest M, and the largest M of each fused GEMV
-    op below it. Why the fused ops: above their entries a plain op's fallback is the vendor kernel
-    vLLM's graph would run anyway, but a fused op's is its unfused sequence run inside the op, where
-    Inductor cannot fuse it (a folded norm's fallback is a norm launch before the GEMM, a residual
-    add one after it). A range that starts above a fused op's entries hands it back to the stock
-    math, which Inductor compiles as vLLM would; only the Ms up to that endpoint keep its fallback."""
-    from tunekit.problems.shapes import FUSED_GEMV_OPS
-
+    only, so an M=1 table ends the range [1, 2]): every op's largest M. Why every op's and not only the
+    largest: above an op's entries the op's fallback runs inside the op, where Inductor cannot fuse it. A
+    fused GEMV op's fallback is its unfused sequence (a folded norm's is a norm launch before the GEMM, a
+    residual add one after it); an elementwise op's is vLLM's kernel or tunekit's default-config kernel,
+    which no search timed against the Inductor kernel vanilla compiles (issue 55: at batch 4 SiLU-and-mul,
+    tabulated at M=1 only, ran the default kernel 1152 times). A range that starts above an op's entries
+    hands its nodes back to the stock math (``graph_routes.unroute``), which Inductor compiles as vLLM
+    would; only the Ms up to that endpoint keep the op's fallback. Each distinct endpoint is one more
+    range vLLM compiles each piece for (engine start, cached after the first)."""
     if not tops:
         return []
-    top = max(tops.values())
-    return sorted({max(2, top)} | {max(2, m) for op, m in tops.items() if op in FUSED_GEMV_OPS})
+    return sorted({max(2, m) for m in tops.values()})
 
 
 def install_compile_ranges() -> tuple[bool, str]:

@@ -19,7 +19,7 @@ fuses it as it does in a graph traced without tunekit. Nodes the range can
 use stay. A fused GEMV op handed back in a range that keeps the plain GEMV at
 its shape becomes its composition around ``tunekit::gemv`` (:data:`ON_GEMV`):
 the GEMV stays tuned. ``tunekit.integrations.vllm.compile`` adds the range
-endpoints (the tables' largest M, and each fused op's) and installs the pass.
+endpoints (each op's largest M in the tables) and installs the pass.
 
 :func:`fuse_residual_adds` is the other rewrite, for graphs the tables do
 serve: a GEMV whose one use is a residual add becomes ``gemv_add`` (the add
