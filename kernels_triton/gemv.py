@@ -349,7 +349,7 @@ def _gemv_kernel(
 @triton.jit
 def _split_k_reduce_kernel(
     p_ptr, y_ptr, r_ptr, M, N, stride_ps, stride_pm, stride_ym, stride_rm,
-    SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # Sums the SPLIT_K fp32 partials in a fixed order: bitwise reproducible.
     if PDL:

@@ -151,3 +151,4 @@ def test_the_op_takes_the_path_of_the_m_its_entry_serves(tmp_path: Path, legacy:
         assert impls == ({"tuned:triton"} if fused else {"fallback:unfused_at_m"}), (m, impls)
         if not fused:  # the unfused path's GEMV: the table's gemv entry, on the same weight
             assert {r["impl"] for r in ops.dispatch_stats() if r["op"] == "gemv" and r["calls"]} == {"tuned:triton"}
+
