@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels_triton import pdl
 from kernels_triton.config import StrictConfig
 from kernels_triton.rms_norm import _apply_weight, effective_block, tile_reason
 from kernels_triton.rounding import RNE_BY_BITS, round_bf16
@@ -84,7 +85,13 @@ def _fused_add_rms_norm_kernel(
     M, N, stride_xm, stride_rm, stride_ym, stride_om, eps,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, ONE_PASS: tl.constexpr,
     GEMMA: tl.constexpr, ROUND_SUM: tl.constexpr, ROUND_NORMED: tl.constexpr, BY_BITS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:
+        # a short kernel before a GEMV: release it at once, so that it prefetches its weight while this
+        # one runs (it waits for this grid before it reads anything); then wait for the previous kernel
+        pdl.launch_dependents()
+        pdl.wait()
     pid = tl.program_id(0)
     offs_m = pid * ROWS + tl.arange(0, ROWS)
     m_mask = offs_m < M
@@ -130,8 +137,10 @@ def fused_add_rms_norm(
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     eps: float = 1e-6,
     gemma: bool = False,
+    use_pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, x + residual) with an explicit config; x, residual [M, N], w [N]; ``out`` = (y, residual_out)."""
+    """(y, x + residual) with an explicit config; x, residual [M, N], w [N]; ``out`` = (y, residual_out).
+    ``use_pdl``: as ``kernels_triton.gemv.gemv``'s."""
     m, n = x.shape
     if residual.shape != (m, n) or w.shape != (n,):
         raise ValueError(f"x is [{m}, {n}], residual {list(residual.shape)}, w {list(w.shape)}")
@@ -144,12 +153,13 @@ def fused_add_rms_norm(
         raise ValueError("in-place fused_add_rms_norm needs a one-pass config (BLOCK_N >= N)")
     if n > 1 and any(t.stride(1) != 1 for t in (x, residual, y, res_out)):
         raise ValueError("fused_add_rms_norm needs unit stride along N")
+    on = pdl.enabled(x.device, use_pdl)
     _fused_add_rms_norm_kernel[(triton.cdiv(m, config.ROWS),)](
         x, residual, w, y, res_out, m, n,
         x.stride(0), residual.stride(0), y.stride(0), res_out.stride(0), eps,
         BLOCK_N=block, ROWS=config.ROWS, ONE_PASS=block >= n, GEMMA=gemma,
         ROUND_SUM=bool(config.VLLM_ROUNDING), ROUND_NORMED=bool(config.VLLM_ROUNDING) and not gemma,
-        BY_BITS=RNE_BY_BITS, num_warps=config.num_warps,
+        BY_BITS=RNE_BY_BITS, PDL=on, num_warps=config.num_warps, **pdl.launch_options(on),
     )
     return y, res_out
 

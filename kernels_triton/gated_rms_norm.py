@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels_triton import pdl
 from kernels_triton.config import StrictConfig, next_pow2
 from kernels_triton.rms_norm import tile_reason
 from kernels_triton.rounding import RNE_BY_BITS, round_bf16
@@ -59,8 +60,13 @@ def invalid_reason(config: GatedRmsNormConfig, m: int, n: int, k: int) -> str | 
 def _gated_rms_norm_kernel(
     x_ptr, z_ptr, w_ptr, y_ptr,
     Q, G, K, stride_xm, stride_zm, stride_ym, eps,
-    BLOCK_K: tl.constexpr, ROWS: tl.constexpr, BY_BITS: tl.constexpr,
+    BLOCK_K: tl.constexpr, ROWS: tl.constexpr, BY_BITS: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:
+        # a short kernel before a GEMV: release it at once, so that it prefetches its weight while this
+        # one runs (it waits for this grid before it reads anything); then wait for the previous kernel
+        pdl.launch_dependents()
+        pdl.wait()
     pid = tl.program_id(0)
     q = pid * ROWS + tl.arange(0, ROWS)  # group index over all rows: q = m * G + g
     q_mask = q < Q
@@ -86,8 +92,10 @@ def gated_rms_norm(
     config: GatedRmsNormConfig = DEFAULT,
     out: torch.Tensor | None = None,
     eps: float = 1e-6,
+    use_pdl: bool | None = None,
 ) -> torch.Tensor:
-    """y = norm_groups(x) * w * silu(z); x, z [M, N], w [K] (N = G * K), unit stride on N."""
+    """y = norm_groups(x) * w * silu(z); x, z [M, N], w [K] (N = G * K), unit stride on N.
+    ``use_pdl``: as ``kernels_triton.gemv.gemv``'s."""
     m, n = x.shape
     k = w.shape[0]
     if z.shape != (m, n) or w.dim() != 1 or n % k:
@@ -98,9 +106,11 @@ def gated_rms_norm(
         raise ValueError("gated_rms_norm needs unit stride along N")
     groups = n // k
     total = m * groups
+    on = pdl.enabled(x.device, use_pdl)
     _gated_rms_norm_kernel[(triton.cdiv(total, config.ROWS),)](
         x, z, w, out, total, groups, k, x.stride(0), z.stride(0), out.stride(0), eps,
-        BLOCK_K=next_pow2(k), ROWS=config.ROWS, BY_BITS=RNE_BY_BITS, num_warps=config.num_warps,
+        BLOCK_K=next_pow2(k), ROWS=config.ROWS, BY_BITS=RNE_BY_BITS, PDL=on, num_warps=config.num_warps,
+        **pdl.launch_options(on),
     )
     return out
 

@@ -39,7 +39,7 @@ def _triton_reason() -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_reason(device_type: str, index: int | None) -> str | None:
     if device_type != "cuda":
         return f"a {device_type} device"

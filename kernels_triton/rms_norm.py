@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels_triton import pdl
 from kernels_triton.config import StrictConfig, is_pow2, next_pow2
 from kernels_triton.rounding import RNE_BY_BITS, round_bf16
 
@@ -100,8 +101,13 @@ def _rms_norm_kernel(
     x_ptr, w_ptr, y_ptr,
     M, N, stride_xm, stride_ym, eps,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, ONE_PASS: tl.constexpr,
-    GEMMA: tl.constexpr, ROUND_NORMED: tl.constexpr, BY_BITS: tl.constexpr,
+    GEMMA: tl.constexpr, ROUND_NORMED: tl.constexpr, BY_BITS: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:
+        # a short kernel before a GEMV: release it at once, so that it prefetches its weight while this
+        # one runs (it waits for this grid before it reads anything); then wait for the previous kernel
+        pdl.launch_dependents()
+        pdl.wait()
     pid = tl.program_id(0)
     offs_m = pid * ROWS + tl.arange(0, ROWS)
     m_mask = offs_m < M
@@ -155,8 +161,10 @@ def rms_norm(
     out: torch.Tensor | None = None,
     eps: float = 1e-6,
     gemma: bool = False,
+    use_pdl: bool | None = None,
 ) -> torch.Tensor:
-    """y = x / rms(x) * w (``gemma``: * (1 + w)) with an explicit config; x [M, N], w [N], unit stride on N."""
+    """y = x / rms(x) * w (``gemma``: * (1 + w)) with an explicit config; x [M, N], w [N], unit stride on N.
+    ``use_pdl``: as ``kernels_triton.gemv.gemv``'s."""
     m, n = x.shape
     if w.shape != (n,):
         raise ValueError(f"x is [{m}, {n}] but w is {list(w.shape)}")
@@ -165,11 +173,12 @@ def rms_norm(
     if (n > 1 and (x.stride(1) != 1 or out.stride(1) != 1)) or w.stride(0) != 1:
         raise ValueError("rms_norm needs unit stride along N")
     block = effective_block(config.BLOCK_N, n)
+    on = pdl.enabled(x.device, use_pdl)
     _rms_norm_kernel[(triton.cdiv(m, config.ROWS),)](
         x, w, out, m, n, x.stride(0), out.stride(0), eps,
         BLOCK_N=block, ROWS=config.ROWS, ONE_PASS=block >= n,
         GEMMA=gemma, ROUND_NORMED=bool(config.VLLM_ROUNDING) and not gemma, BY_BITS=RNE_BY_BITS,
-        num_warps=config.num_warps,
+        PDL=on, num_warps=config.num_warps, **pdl.launch_options(on),
     )
     return out
 

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels_triton import pdl
 from kernels_triton.config import StrictConfig
 from kernels_triton.rms_norm import tile_reason
 from kernels_triton.rounding import RNE_BY_BITS, round_bf16
@@ -57,8 +58,13 @@ def invalid_reason(config: SiluAndMulConfig, m: int, n: int, k: int) -> str | No
 def _silu_and_mul_kernel(
     x_ptr, y_ptr, M, N, stride_xm, stride_ym,
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, ROUND_ACT: tl.constexpr, BY_BITS: tl.constexpr,
-    GRID_2D: tl.constexpr,
+    GRID_2D: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:
+        # a short kernel before a GEMV: release it at once, so that it prefetches its weight while this
+        # one runs (it waits for this grid before it reads anything); then wait for the previous kernel
+        pdl.launch_dependents()
+        pdl.wait()
     offs_m, cols = tile_offsets(N, BLOCK_N, ROWS, GRID_2D)  # column blocks fastest (tiles.py)
     mask = (offs_m < M)[:, None] & (cols < N)[None, :]
     rows64 = offs_m.to(tl.int64)[:, None]
@@ -72,8 +78,10 @@ def _silu_and_mul_kernel(
     tl.store(y_ptr + rows64 * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor, config: SiluAndMulConfig = DEFAULT, out: torch.Tensor | None = None) -> torch.Tensor:
-    """y = silu(x[:, :N]) * x[:, N:] with an explicit config; x [M, 2N], unit stride on the last dim."""
+def silu_and_mul(x: torch.Tensor, config: SiluAndMulConfig = DEFAULT, out: torch.Tensor | None = None,
+                 use_pdl: bool | None = None) -> torch.Tensor:
+    """y = silu(x[:, :N]) * x[:, N:] with an explicit config; x [M, 2N], unit stride on the last dim.
+    ``use_pdl``: as ``kernels_triton.gemv.gemv``'s."""
     m, k = x.shape
     if k % 2:
         raise ValueError(f"x is [{m}, {k}]: the last dim must be even")
@@ -83,10 +91,11 @@ def silu_and_mul(x: torch.Tensor, config: SiluAndMulConfig = DEFAULT, out: torch
     if x.stride(1) != 1 or (n > 1 and out.stride(1) != 1):
         raise ValueError("silu_and_mul needs unit stride along the last dim")
     grid, grid_2d = pointwise_grid(m, n, config.ROWS, config.BLOCK_N)
+    on = pdl.enabled(x.device, use_pdl)
     _silu_and_mul_kernel[grid](
         x, out, m, n, x.stride(0), out.stride(0),
         BLOCK_N=config.BLOCK_N, ROWS=config.ROWS, ROUND_ACT=bool(config.VLLM_ROUNDING), BY_BITS=RNE_BY_BITS,
-        GRID_2D=grid_2d, num_warps=config.num_warps,
+        GRID_2D=grid_2d, PDL=on, num_warps=config.num_warps, **pdl.launch_options(on),
     )
     return out
 

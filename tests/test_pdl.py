@@ -4,7 +4,8 @@ On the CPU: PDL is refused cleanly where it cannot run (the interpreter, a CPU o
 sm_90, a Triton without ``gdc_wait``, ``TUNEKIT_PDL=0``), and a refused launch is the plain kernel with
 the plain launch (no ``launch_pdl`` keyword reaches Triton); where it is on, the sm_90 PTX of every GEMV-family
 kernel holds the wait before any activation load, the release after the K loop and the weight's L2
-prefetch, and the launch asks for the attribute. The GPU side (a dependent chain bit-equal with and without
+prefetch, each elementwise kernel (the norms and SiLU-and-mul before a GEMV) the release at once and the
+wait before its loads, and the launch asks for the attribute. The GPU side (a dependent chain bit-equal with and without
 PDL, and the chain's time) is ``benchmarks/probes/pdl_chain.py``, recorded under ``benchmarks/results/``.
 """
 
@@ -93,6 +94,16 @@ cases = {
     "gemv_silu_mul": lambda: g.gemv(x, w, g.GemvConfig(BLOCK_N=4), glu=True),
     "off": lambda: g.gemv(x, w, g.DEFAULT, use_pdl=False),
 }
+from kernels_triton import fused_add_rms_norm, gated_rms_norm, rms_norm, silu_and_mul
+
+h, gw = torch.randn(2, 384).bfloat16(), torch.randn(384).bfloat16()
+elementwise = {
+    "rms_norm": lambda: rms_norm.rms_norm(h, gw),
+    "fused_add_rms_norm": lambda: fused_add_rms_norm.fused_add_rms_norm(h, h.clone(), gw),
+    "silu_and_mul": lambda: silu_and_mul.silu_and_mul(h),
+    "gated_rms_norm": lambda: gated_rms_norm.gated_rms_norm(h, h.clone(), torch.randn(128).bfloat16()),
+}
+cases.update({f"elementwise {name}": call for name, call in elementwise.items()})
 backend = make_backend(GPUTarget("cuda", 90, 32))
 out = {}
 for name, call in cases.items():
@@ -126,6 +137,10 @@ def test_pdl_kernels_compile_for_sm90_with_the_wait_first_and_the_release_after_
                              "wait_before_loads": False}], rows
             continue
         main = rows[0]
+        if name.startswith("elementwise"):  # released at once, then the wait before any load
+            assert len(rows) == 1 and main["launch_pdl"] and main["wait"] == 1 and main["release"] == 1, rows
+            assert main["wait_before_loads"], (name, main)
+            continue
         assert main["kernel"] == "_gemv_kernel" and main["launch_pdl"], (name, rows)
         assert main["wait"] == 1 and main["release"] == 1 and main["prefetch"] >= 1, (name, main)
         assert main["wait_before_loads"], (name, main)  # nothing is read from global memory before the wait

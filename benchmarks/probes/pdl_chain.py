@@ -19,6 +19,10 @@ Before any timing, two correctness gates:
   fp32 reference's bound; a PDL kernel that read its input before the wait would differ here;
 * every chain output of ``triton_pdl`` equals ``triton``'s bits after one replay of each graph.
 
+The MLP blocks: per M, the model's layers as [fused add + RMSNorm -> gate_up GEMV -> SiLU-and-mul -> down
+GEMV] (the elementwise kernels at their family defaults), all Triton, with and without PDL: where a GEMV
+follows a short elementwise kernel it can prefetch its weight while that kernel runs.
+
 A diagnostic row: 256 back-to-back N=96 GEMVs (latency-bound, 2-4 us each), where a launch overlap, if
 the graph keeps the programmatic edges, must show.
 
@@ -37,7 +41,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -141,8 +144,65 @@ def dependent_gate(device: torch.device) -> list[dict]:
                 ref = (ref @ w.float().T).to(torch.bfloat16).float()
             rows.append({"m": m, "config": config.as_params(), "bit_equal": bool(torch.equal(outs[False], outs[True])),
                          "finite": bool(torch.isfinite(outs[True]).all()),
-                         "max_rel_vs_fp32": float(((outs[True].float() - ref).abs().max() / ref.abs().max()))})
+                         "max_rel_vs_fp32": float((outs[True].float() - ref).abs().max() / ref.abs().max())})
     return rows
+
+
+def mlp_blocks(args, device: torch.device, entries: list[dict], report: dict) -> dict:
+    """The MLP blocks of every layer, norm and activation between the GEMVs, with and without PDL."""
+    from kernels_triton import fused_add_rms_norm as fan
+    from kernels_triton import silu_and_mul as sam
+
+    spec = load_model(args.model)
+    lin = {name: (n, k) for name, n, k, _ in spec.linears()}
+    (ng, h), (nd, kd) = lin["mlp.gate_up_proj"], lin["mlp.down_proj"]
+    layers = spec.num_layers
+    wg = [torch.empty(ng, h, device=device, dtype=torch.bfloat16).normal_(0, h ** -0.5) for _ in range(layers)]
+    wd = [torch.empty(nd, kd, device=device, dtype=torch.bfloat16).normal_(0, kd ** -0.5) for _ in range(layers)]
+    gain = torch.randn(h, device=device).to(torch.bfloat16) * 0.1
+    out: dict = {}
+    print("| M | MLP blocks, no PDL us | with PDL us | PDL saves |")
+    print("| --- | --- | --- | --- |")
+    for m in [int(v) for v in args.m.split(",")]:
+        cg, cd = pick_config(entries, m, ng, h)[0], pick_config(entries, m, nd, kd)[0]
+        x0 = torch.randn(m, h, device=device).to(torch.bfloat16)
+        r0 = torch.randn(m, h, device=device).to(torch.bfloat16)
+        bufs = {on: dict(x=x0.clone(), r=[r0.clone(), torch.empty_like(r0)], y=torch.empty_like(x0),
+                         g=torch.empty(m, ng, device=device, dtype=torch.bfloat16),
+                         a=torch.empty(m, ng // 2, device=device, dtype=torch.bfloat16)) for on in (False, True)}
+
+        def blocks(on: bool, cg=cg, cd=cd, bufs=bufs):
+            b = bufs[on]
+            for i in range(layers):  # the residual ping-pongs between two buffers
+                fan.fused_add_rms_norm(b["x"], b["r"][i % 2], gain, out=(b["y"], b["r"][(i + 1) % 2]), gemma=True,
+                                       use_pdl=on)
+                g.gemv(b["y"], wg[i], cg, out=b["g"], use_pdl=on)
+                sam.silu_and_mul(b["g"], out=b["a"], use_pdl=on)
+                g.gemv(b["a"], wd[i], cd, out=b["x"], use_pdl=on)
+
+        graphs = {on: capture(lambda on=on: blocks(on)) for on in (False, True)}
+        # correctness: one replay of each from the same inputs gives the same bits
+        for on in (False, True):
+            bufs[on]["x"].copy_(x0)
+            bufs[on]["r"][0].copy_(r0)
+            graphs[on].replay()
+        torch.cuda.synchronize()
+        last = layers % 2
+        same = (torch.equal(bufs[False]["x"], bufs[True]["x"])
+                and torch.equal(bufs[False]["r"][last], bufs[True]["r"][last]))
+        finite = bool(torch.isfinite(bufs[True]["x"]).all())
+        times = time_interleaved({"triton": graphs[False], "triton_pdl": graphs[True]}, args.replays)
+        med = {v: statistics.median(t) for v, t in times.items()}
+        out[m] = {"times_us": times, "median_us": med, "bit_equal_pdl": same, "finite": finite}
+        print(f"| {m} | {med['triton']:.0f} | {med['triton_pdl']:.0f} | {med['triton'] - med['triton_pdl']:.0f} us "
+              f"({(med['triton'] / med['triton_pdl'] - 1) * 100:.2f}%) | bits {'equal' if same else 'DIFFER'}, "
+              f"finite {finite}")
+        report["mlp_blocks"] = out
+        del graphs
+    wg.clear()
+    wd.clear()
+    torch.cuda.empty_cache()
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     limit = probe_bandwidth(detect()).read_gbps
     report["read_limit_gbps"] = limit
     entries = json.loads(Path(args.table).read_text())["entries"] if args.table else []
+    report["mlp_blocks"] = mlp_blocks(args, device, entries, report)
+    (out / "pdl_chain.json").write_text(json.dumps(report, indent=1))
     shapes = chain_shapes(args.model, args.full_every)
     weights = {}
     for i, (_, n, k) in enumerate(shapes):
@@ -209,11 +271,11 @@ def main(argv: list[str] | None = None) -> int:
         outs = {v: [torch.empty(m, n, device=device, dtype=torch.bfloat16) for _, n, _ in shapes]
                 for v in ("vendor", "triton", "triton_pdl")}
 
-        def vendor(m=m, x=x):
+        def vendor(m=m, x=x, outs=outs):
             for i, (_, _, k) in enumerate(shapes):
                 torch.matmul(x[:, :k], weights[i].T, out=outs["vendor"][i])
 
-        def tuned(on: bool, m=m, x=x, cfgs=cfgs):
+        def tuned(on: bool, m=m, x=x, cfgs=cfgs, outs=outs):
             name = "triton_pdl" if on else "triton"
             for i, (_, _, k) in enumerate(shapes):
                 g.gemv(x[:, :k], weights[i], cfgs[i][0], out=outs[name][i], use_pdl=on)
@@ -221,9 +283,9 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.time()
         graphs = {"vendor": capture(vendor), "triton": capture(lambda: tuned(False)),
                   "triton_pdl": capture(lambda: tuned(True))}
-        same = all(torch.equal(a, b) for a, b in zip(outs["triton"], outs["triton_pdl"]))
+        same = all(torch.equal(a, b) for a, b in zip(outs["triton"], outs["triton_pdl"], strict=True))
         close = max(float((a.float() - b.float()).abs().max() / (b.float().abs().max() + 1e-6))
-                    for a, b in zip(outs["triton_pdl"], outs["vendor"]))
+                    for a, b in zip(outs["triton_pdl"], outs["vendor"], strict=True))
         times = time_interleaved(graphs, args.replays)
         med = {v: statistics.median(t) for v, t in times.items()}
         floor = wbytes / limit / 1e3 * 1.0  # us at the read limit (x is negligible)

@@ -27,9 +27,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from tunekit import shipped
+from tunekit import shipped, table_fusions
 from tunekit import table as table_mod
-from tunekit import table_fusions
 
 #: The tables to serve (os.pathsep-separated paths), read by :func:`table_paths` alone.
 TABLE_ENV = "TUNEKIT_TABLE"
