@@ -4,10 +4,11 @@ The search measured each group's fused sequence against the unfused one at every
 decision (``tunekit.table_fusions``): a group is fused where one M at least pays, and inside the op the
 fused kernel serves exactly the Ms that paid (``fused_m``, ``tunekit.dispatch.decisions``); integrations
 that fuse (the torch patch's and the vLLM plugin's norm folds, the plugin's ``gemv_add`` epilogue)
-follow it and never re-derive it from entries of different studies. Where no served table decides a group, the older rule still answers (a fold pays
-where the tables' M=1 ``rms_gemv`` entries beat the norm's and the GEMVs' entries:
-``fused_gemv.fold_pays``; ``gemv_add`` where a table holds it), and the decision's line says so: a
-table written before the section existed, or a group its search did not know (a ``--shape`` search).
+follow it and never re-derive it from entries of different studies. Where no served table decides a
+group, the older rule still answers (a fold pays where the tables' M=1 ``rms_gemv`` entries beat the
+norm's and the GEMVs' entries: ``fused_gemv.fold_pays``; ``gemv_add`` where a table holds it), and the
+decision's line says so: a table written before the section existed, or a group its search did not know
+(a ``--shape`` search).
 
 Call protocol (never raises; each answer carries one line for the integration's log, and ``first``
 says whether this process gives that group's answer for the first time since the tables changed)::
