@@ -395,8 +395,8 @@ def gemv(
     With ``rms_eps``: y = (x / sqrt(mean(x^2) + rms_eps)) @ w.T, per row of x (SPLIT_K = 1).
     With ``glu``: w's rows are (gate, up) pairs (``tunekit.problems.opspec_gemv.interleave_gate_up``) and y[M, N / 2] =
     silu(gate) * up of the fp32 dots (SPLIT_K = 1, even BLOCK_N, no residual).
-    ``use_pdl``: launch with programmatic dependent launch (``kernels_triton.pdl``); None (the default) uses
-    it wherever the device and Triton support it, False never, True asks for it (ignored where unsupported)."""
+    ``use_pdl``: launch with programmatic dependent launch (``kernels_triton.pdl``); None (the default)
+    follows ``TUNEKIT_PDL``, False never, True asks for it (ignored where unsupported)."""
     m, k = x.shape
     n = w.shape[0]
     if glu and (config.SPLIT_K != 1 or config.BLOCK_N < 2 or n % 2 or residual is not None):

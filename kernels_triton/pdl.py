@@ -16,7 +16,11 @@ attribute, so a PDL build is correct in any stream; the launch attribute is what
 
 Where PDL cannot run, :func:`unsupported_reason` says why and the launchers build and launch the
 plain kernel: the Triton interpreter, AMD/HIP, a GPU below sm_90, a Triton without ``gdc_wait``
-(added in 3.4), or ``TUNEKIT_PDL=0``. Kernels of this package import nothing from tunekit.
+(added in 3.4). Where it can, it is opt-in for now (``TUNEKIT_PDL=1``, or ``use_pdl=True`` at a
+launcher): three earlier H200 probes of GEMV -> GEMV boundaries found PDL no faster
+(``benchmarks/results/h200-boundary-probes-9af5854``), and this form (the weight's L2 prefetch, the
+elementwise kernels' early release) waits for its measurement (``benchmarks/probes/pdl_chain.py``)
+before it becomes the default. Kernels of this package import nothing from tunekit.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-#: the switch a user turns PDL off with (any other value, or unset: on where supported)
+#: the switch that turns PDL on for every launch that does not ask (``1``; unset or anything else: off)
 ENV = "TUNEKIT_PDL"
 
 
@@ -52,19 +56,22 @@ def _device_reason(device_type: str, index: int | None) -> str | None:
 
 
 def unsupported_reason(device: torch.device) -> str | None:
-    """None if kernels on ``device`` launch with PDL, else why not (one short phrase). Cheap: the device's
-    answer is cached; the interpreter and the ``TUNEKIT_PDL`` switch are read each call."""
+    """None if kernels on ``device`` can launch with PDL, else why not (one short phrase). Cheap: the
+    device's answer is cached; the interpreter is read each call."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return "the Triton interpreter"
-    if os.environ.get(ENV, "1") == "0":
-        return f"{ENV}=0"
     return _device_reason(device.type, device.index)
 
 
+def default_on() -> bool:
+    """Whether launchers asked nothing (``use_pdl=None``) use PDL where supported: ``TUNEKIT_PDL=1``."""
+    return os.environ.get(ENV, "0") == "1"
+
+
 def enabled(device: torch.device, requested: bool | None = None) -> bool:
-    """Whether a launch on ``device`` uses PDL: ``requested`` None means wherever supported; True asks for
-    it (honoured only where supported: a request never makes an unsupported launch); False turns it off."""
-    if requested is False:
+    """Whether a launch on ``device`` uses PDL: ``requested`` None follows :func:`default_on`; True asks
+    for it; False turns it off. A request never makes an unsupported launch."""
+    if requested is False or (requested is None and not default_on()):
         return False
     return unsupported_reason(device) is None
 
