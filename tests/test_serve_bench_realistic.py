@@ -102,7 +102,7 @@ def test_a_perturbed_arm_fails_the_forced_check(fake: Path, tmp_path: Path, monk
     for row in serve["batches"]:
         forced = row["agreement"]["forced"]
         assert row["agreement"]["verdict"] == "fail"
-        assert forced["tuned"]["checks"] == {"greedy": True, "logprob": False, "kl": False}
+        assert forced["tuned"]["checks"] == {"finite": True, "greedy": True, "logprob": False, "kl": False}
         assert forced["spread"]["processes"] is None and forced["spread"]["batches"]["kl_max"] == 0.0
     assert any("past the caps a correct kernel stays within" in n for n in serve["notes"])
     assert "logprob| 1.3 <= 0.55 FAIL" in (out / "serve.md").read_text()

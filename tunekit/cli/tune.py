@@ -504,7 +504,8 @@ def show(
         from tunekit.table_fusions import describe
 
         console.print(f"fusions ({len(table['fusions'])} group(s), each measured against its unfused sequence at "
-                      "every M, the fused kernel served at the Ms where it won):" if table["fusions"] else "fusions: none decided (no layer group searched)",
+                      "every M, the fused kernel served at the Ms where it won):" if table["fusions"]
+                      else "fusions: none decided (no layer group searched)",
                       soft_wrap=True, markup=False, highlight=False)
         for key, rec in table["fusions"].items():
             console.print(f"  {describe(key, rec)}", soft_wrap=True, markup=False, highlight=False)

@@ -108,6 +108,12 @@ def position(ref_top: Sequence[Sequence[Any]], top: Sequence[Sequence[Any]]) -> 
     """One teacher-forced position: argmaxes, max |Δlogprob| (with the bounds of tokens one list lacks),
     the bucketed KL(ref || other) and the mass of ref's distribution on the shared tokens."""
     p, q = _probs(ref_top), _probs(top)
+    # a NaN or Inf logprob of the arm where vanilla's is finite is a defect of its own: every comparison
+    # below would drop it (max(0.0, nan) is 0.0), so the figures read infinite and the count says why
+    nonfinite = sum(1 for i, v in q.items() if not math.isfinite(v) and math.isfinite(p.get(i, 0.0)))
+    if nonfinite:
+        return {"argmax_ref": _argmax(p), "argmax": None, "max_abs_logprob_diff": math.inf, "kl": math.inf,
+                "ref_mass": sum(math.exp(v) for v in p.values()), "p": p, "q": q, "nonfinite": nonfinite}
     shared = set(p) & set(q)
     gap = max((abs(p[i] - q[i]) for i in shared), default=0.0)
     for mine, other in ((p, q), (q, p)):
@@ -121,13 +127,15 @@ def position(ref_top: Sequence[Sequence[Any]], top: Sequence[Sequence[Any]]) -> 
     if tail_p > _TAIL_EPS:  # below it, 1 - sum is rounding, and so would the term be
         kl += tail_p * (math.log(tail_p) - math.log(max(tail_q, _TAIL_EPS)))
     return {"argmax_ref": _argmax(p), "argmax": _argmax(q), "max_abs_logprob_diff": gap, "kl": max(0.0, kl),
-            "ref_mass": mass_p, "p": p, "q": q}
+            "ref_mass": mass_p, "p": p, "q": q, "nonfinite": 0}
 
 
 def _margins(pos: dict[str, Any]) -> float:
     """A mismatch's margin: how far each run prefers its own token over the other's (the larger); inf where a
     run does not list the other's token."""
     a, b, p, q = pos["argmax_ref"], pos["argmax"], pos["p"], pos["q"]
+    if pos.get("nonfinite"):
+        return math.inf
     ma = p[a] - p[b] if a in p and b in p else math.inf
     mb = q[b] - q[a] if a in q and b in q else math.inf
     return max(ma, mb)
@@ -147,6 +155,7 @@ def compare_requests(ref: dict[str, Any], other: dict[str, Any]) -> dict[str, An
             "max_abs_logprob_diff": max((p["max_abs_logprob_diff"] for p in positions), default=0.0),
             "kl_max": max((p["kl"] for p in positions), default=0.0),
             "kl_sum": sum(p["kl"] for p in positions),
+            "nonfinite": sum(p["nonfinite"] for p in positions),
             "ref_mass_min": min((p["ref_mass"] for p in positions), default=None)}
 
 
@@ -170,12 +179,13 @@ def summarize(pairs: Iterable[dict[str, Any] | None], lp_threshold: float | None
             "max_abs_logprob_diff": max(p["max_abs_logprob_diff"] for p in done),
             "kl_max": max(p["kl_max"] for p in done),
             "kl_mean": sum(p["kl_sum"] for p in done) / positions if positions else 0.0,
+            "nonfinite": sum(p.get("nonfinite", 0) for p in done),
             "top_mass_min": min(masses) if masses else None}
 
 
 def _checks(s: dict[str, Any], caps: Caps) -> dict[str, bool]:
-    return {"greedy": s["hard_share"] <= caps.hard_share, "logprob": s["max_abs_logprob_diff"] <= caps.logprob,
-            "kl": s["kl_max"] <= caps.kl}
+    return {"finite": not s.get("nonfinite"), "greedy": s["hard_share"] <= caps.hard_share,
+            "logprob": s["max_abs_logprob_diff"] <= caps.logprob, "kl": s["kl_max"] <= caps.kl}
 
 
 def spread_within(spread: Iterable[dict[str, Any] | None], caps: Caps = CAPS) -> tuple[bool | None, list[str]]:
@@ -186,7 +196,7 @@ def spread_within(spread: Iterable[dict[str, Any] | None], caps: Caps = CAPS) ->
     over = [f"{name} {s[key]:.3g} > {limit:.3g}" for s in measured
             for name, key, limit in (("max |dlogprob|", "max_abs_logprob_diff", caps.logprob),
                                      ("KL", "kl_max", caps.kl), ("hard share", "hard_share", caps.hard_share))
-            if s[key] > limit]
+            if not s[key] <= limit]  # a NaN figure is past its cap, never within it
     return not over, over
 
 
@@ -205,6 +215,8 @@ def judge(arm: dict[str, Any] | None, spread: Iterable[dict[str, Any] | None] = 
     elif all(checks.values()):
         verdict = "pass"
         why = "within the caps" + (" (no spread measured: the caps alone)" if within is None else "")
+    elif not checks["finite"]:
+        verdict, why = "fail", f"non-finite: {arm['nonfinite']} NaN or Inf logprobs where vanilla's are finite"
     else:
         verdict, why = "fail", "past the caps: " + ", ".join(k for k, ok in checks.items() if not ok)
     return {"verdict": verdict, "checks": checks, "ok": verdict == "pass", "why": why}

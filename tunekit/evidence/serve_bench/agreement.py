@@ -45,7 +45,7 @@ Call protocol::
 
     row = agreement_row(results_by_arm, batch, tol, weights)  # serve.json's per-batch "agreement", both checks
     doc = forced_agreement(results_by_arm, batch)          # per arm: figures and verdict; the spread; the caps
-    doc["tuned"]["verdict"], doc["tuned"]["checks"]      # "fail", {"greedy": True, "logprob": True, "kl": False}
+    doc["tuned"]["verdict"], doc["tuned"]["checks"]      # "fail", {"finite": True, "greedy": True, ..., "kl": False}
 """
 
 from __future__ import annotations
