@@ -16,11 +16,11 @@ attribute, so a PDL build is correct in any stream; the launch attribute is what
 
 Where PDL cannot run, :func:`unsupported_reason` says why and the launchers build and launch the
 plain kernel: the Triton interpreter, AMD/HIP, a GPU below sm_90, a Triton without ``gdc_wait``
-(added in 3.4). Where it can, it is opt-in for now (``TUNEKIT_PDL=1``, or ``use_pdl=True`` at a
-launcher): three earlier H200 probes of GEMV -> GEMV boundaries found PDL no faster
-(``benchmarks/results/h200-boundary-probes-9af5854``), and this form (the weight's L2 prefetch, the
-elementwise kernels' early release) waits for its measurement (``benchmarks/probes/pdl_chain.py``)
-before it becomes the default. Kernels of this package import nothing from tunekit.
+(added in 3.4). Elsewhere it is on unless ``TUNEKIT_PDL=0`` (or ``use_pdl=False`` at a launcher).
+Measured on an H100 (``benchmarks/results/h100-pdl-chain-3594146``): a token's 305 GEMVs at M=1 in one CUDA
+graph 0.45-0.46% faster (17.50 -> 17.42 ms, three processes within 2 us), the MLP blocks with their norm and
+activation 0.95-0.99% faster, the same bits. The search's worker times candidates without it
+(``tunekit.search.worker``). Kernels of this package import nothing from tunekit.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-#: the switch that turns PDL on for every launch that does not ask (``1``; unset or anything else: off)
+#: the switch that turns PDL off for every launch that does not ask (``0``; unset or anything else: on)
 ENV = "TUNEKIT_PDL"
 
 
@@ -64,8 +64,8 @@ def unsupported_reason(device: torch.device) -> str | None:
 
 
 def default_on() -> bool:
-    """Whether launchers asked nothing (``use_pdl=None``) use PDL where supported: ``TUNEKIT_PDL=1``."""
-    return os.environ.get(ENV, "0") == "1"
+    """Whether launchers asked nothing (``use_pdl=None``) use PDL where supported: unless ``TUNEKIT_PDL=0``."""
+    return os.environ.get(ENV, "1") != "0"
 
 
 def enabled(device: torch.device, requested: bool | None = None) -> bool:

@@ -452,3 +452,32 @@ def test_default_search_rate() -> None:
     assert (studies, finished, len(rows)) == (128, 27, 2221)
     stated(wall, "553.5")
     stated(wall * studies / finished / 60, "44")
+
+
+def test_h100_pdl_chain() -> None:
+    """PDL on the H100: the chain and the MLP blocks with and without it, from every replay of three processes."""
+    folder = RESULTS / "h100-pdl-chain-3594146"
+    names = ("run1-m1", "run2-m1-4-16", "run3-m1-2")
+    runs = [json.loads(gzip.open(folder / f"{name}.json.gz").read()) for name in names]
+
+    def saved(times: dict[str, list[float]]) -> tuple[float, float]:
+        off, on = statistics.median(times["triton"]), statistics.median(times["triton_pdl"])
+        return off - on, 1 - on / off
+
+    chain = [saved(r["per_m"]["1"]["times_us"]) for r in runs]
+    assert all(r["per_m"]["1"]["bit_equal_pdl"] and r["mlp_blocks"]["1"]["bit_equal_pdl"] for r in runs)
+    assert all(row["bit_equal"] for r in runs for row in r["dependent_gate"])
+    stated(min(share for _, share in chain) * 100, "0.45")
+    stated(max(share for _, share in chain) * 100, "0.46")
+    stated(min(us for us, _ in chain), "79")
+    stated(max(us for us, _ in chain), "81")
+    mlp = [saved(r["mlp_blocks"]["1"]["times_us"])[1] * 100 for r in runs]
+    stated(min(mlp), "0.95")
+    stated(max(mlp), "0.99")
+    offs = [statistics.median(r["per_m"]["1"]["times_us"]["triton"]) / 1e3 for r in runs]
+    ons = [statistics.median(r["per_m"]["1"]["times_us"]["triton_pdl"]) / 1e3 for r in runs]
+    stated(statistics.median(offs), "17.50")
+    stated(statistics.median(ons), "17.42")
+    small = [statistics.median(r["small_n96_x256"]["triton"]) - statistics.median(r["small_n96_x256"]["triton_pdl"])
+             for r in runs]
+    stated(statistics.median(small) / 256, "0.96")
