@@ -16,11 +16,17 @@ attribute, so a PDL build is correct in any stream; the launch attribute is what
 
 Where PDL cannot run, :func:`unsupported_reason` says why and the launchers build and launch the
 plain kernel: the Triton interpreter, AMD/HIP, a GPU below sm_90, a Triton without ``gdc_wait``
-(added in 3.4). Elsewhere it is on unless ``TUNEKIT_PDL=0`` (or ``use_pdl=False`` at a launcher).
-Measured on an H100 (``benchmarks/results/h100-pdl-chain-3594146``): a token's 305 GEMVs at M=1 in one CUDA
-graph 0.45-0.46% faster (17.50 -> 17.42 ms, three processes within 2 us), the MLP blocks with their norm and
-activation 0.95-0.99% faster, the same bits. The search's worker times candidates without it
-(``tunekit.search.worker``). Kernels of this package import nothing from tunekit.
+(added in 3.4). Where it can, it is opt-in (``TUNEKIT_PDL=1``, or ``use_pdl=True`` at a launcher), as
+the two measurements disagree:
+- on an H100, this form (a GEMV prefetches its first tile, BLOCK_N x BLOCK_K, before the wait; an
+  elementwise kernel releases the next at once) made a token's 305 GEMVs at M=1 0.45-0.46% faster in
+  one CUDA graph and the MLP blocks 0.95-0.99% faster, the same bits
+  (``benchmarks/results/h100-pdl-chain-3594146``);
+- on an H200, an earlier form (4 KB per row prefetched before the wait) made ``tunekit chain`` 3.5%
+  (M=1) to 14% (M=8) slower (``docs/evidence.md``).
+It becomes the default once ``tunekit chain`` and a served run say so on both GPUs. The search's worker
+times candidates without it unless ``TUNEKIT_PDL=1`` (``tunekit.search.worker``). Kernels of this package
+import nothing from tunekit.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-#: the switch that turns PDL off for every launch that does not ask (``0``; unset or anything else: on)
+#: the switch that turns PDL on for every launch that does not ask (``1``; unset or anything else: off)
 ENV = "TUNEKIT_PDL"
 
 
@@ -64,8 +70,8 @@ def unsupported_reason(device: torch.device) -> str | None:
 
 
 def default_on() -> bool:
-    """Whether launchers asked nothing (``use_pdl=None``) use PDL where supported: unless ``TUNEKIT_PDL=0``."""
-    return os.environ.get(ENV, "1") != "0"
+    """Whether launchers asked nothing (``use_pdl=None``) use PDL where supported: ``TUNEKIT_PDL=1``."""
+    return os.environ.get(ENV, "0") == "1"
 
 
 def enabled(device: torch.device, requested: bool | None = None) -> bool:

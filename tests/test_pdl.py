@@ -1,8 +1,8 @@
 """Programmatic dependent launch in the Triton GEMV family (``kernels_triton.pdl``, issue 55).
 
 On the CPU: PDL is refused cleanly where it cannot run (the interpreter, a CPU or AMD device, a GPU below
-sm_90, a Triton without ``gdc_wait``), it is on elsewhere unless turned off (``TUNEKIT_PDL=0``,
-``use_pdl=False``), and a refused launch is the plain kernel with the plain launch (no ``launch_pdl``
+sm_90, a Triton without ``gdc_wait``), it is off unless asked for (``TUNEKIT_PDL=1``, ``use_pdl=True``),
+and a refused launch is the plain kernel with the plain launch (no ``launch_pdl``
 keyword reaches Triton); where
 it is on, the sm_90 PTX of every GEMV-family kernel holds the wait before any activation load, the release
 after the K loop and the weight's L2 prefetch, each elementwise kernel (the norms and SiLU-and-mul before a
@@ -50,13 +50,12 @@ def test_pdl_is_refused_cleanly_where_it_cannot_run(monkeypatch) -> None:
         assert "has no gdc_wait" in pdl.unsupported_reason(torch.device("cuda", 0))
     finally:
         pdl._device_reason.cache_clear()
-    # on where supported unless TUNEKIT_PDL=0 (the search's worker sets it) or use_pdl=False; a request never
-    # makes an unsupported launch
+    # opt-in: off unless asked (TUNEKIT_PDL=1 or use_pdl=True); a request never makes an unsupported launch
     monkeypatch.setattr(pdl, "unsupported_reason", lambda device: None)  # as on an sm_90 GPU
     monkeypatch.delenv(pdl.ENV, raising=False)
-    assert pdl.enabled(torch.device("cuda")) and not pdl.enabled(torch.device("cuda"), False)
-    monkeypatch.setenv(pdl.ENV, "0")
     assert not pdl.enabled(torch.device("cuda")) and pdl.enabled(torch.device("cuda"), True)
+    monkeypatch.setenv(pdl.ENV, "1")
+    assert pdl.enabled(torch.device("cuda")) and not pdl.enabled(torch.device("cuda"), False)
     monkeypatch.undo()
     assert not pdl.enabled(torch.device("cpu"), True)
     assert pdl.launch_options(False) == {} and pdl.launch_options(True) == {"launch_pdl": True}
@@ -90,7 +89,7 @@ from tests import triton_targets as tt
 from kernels_triton import gemv as g, pdl
 
 pdl.unsupported_reason = lambda device: None  # as on an sm_90 GPU
-pdl.default_on = lambda: True  # as without TUNEKIT_PDL=0
+pdl.default_on = lambda: True  # as with TUNEKIT_PDL=1
 x, w, r = torch.randn(2, 384).bfloat16(), torch.randn(40, 384).bfloat16(), torch.randn(2, 40).bfloat16()
 cases = {
     "gemv": lambda: g.gemv(x, w, g.GemvConfig(BLOCK_K=128, M_MODE="rows")),

@@ -54,10 +54,9 @@ class Worker:
     def __init__(self, env: dict[str, str] | None = None) -> None:
         self._ctx = mp.get_context("spawn")
         # Candidates are timed without programmatic dependent launch unless the user asks for it
-        # (TUNEKIT_PDL=1): the standalone bench replays one kernel back to back, where PDL overlaps every
-        # launch with the one before (0.96 us of a 4 us GEMV on an H100), a gain a served step keeps only
-        # between two PDL kernels; timed without it, the entries and the vendor comparison stay
-        # conservative. Serving launches with it (kernels_triton.pdl).
+        # (TUNEKIT_PDL=1, kernels_triton.pdl): the standalone bench replays one kernel back to back, where
+        # PDL overlaps every launch with the one before (0.96 us of a 4 us GEMV on an H100), a gain a
+        # served step keeps only between two PDL kernels. Said here so that it holds whatever the default.
         self._env = {"TUNEKIT_PDL": os.environ.get("TUNEKIT_PDL", "0"), **(env or {})}
         self._proc: mp.process.BaseProcess | None = None
         self._conn = None
