@@ -88,10 +88,7 @@ def _fused_add_rms_norm_kernel(
     PDL: tl.constexpr = False,
 ):
     if PDL:
-        # a short kernel before a GEMV: release it at once, so that it prefetches its weight while this
-        # one runs (it waits for this grid before it reads anything); then wait for the previous kernel
-        pdl.launch_dependents()
-        pdl.wait()
+        pdl.release_then_wait()
     pid = tl.program_id(0)
     offs_m = pid * ROWS + tl.arange(0, ROWS)
     m_mask = offs_m < M

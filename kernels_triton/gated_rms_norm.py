@@ -63,10 +63,7 @@ def _gated_rms_norm_kernel(
     BLOCK_K: tl.constexpr, ROWS: tl.constexpr, BY_BITS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     if PDL:
-        # a short kernel before a GEMV: release it at once, so that it prefetches its weight while this
-        # one runs (it waits for this grid before it reads anything); then wait for the previous kernel
-        pdl.launch_dependents()
-        pdl.wait()
+        pdl.release_then_wait()
     pid = tl.program_id(0)
     q = pid * ROWS + tl.arange(0, ROWS)  # group index over all rows: q = m * G + g
     q_mask = q < Q

@@ -108,3 +108,12 @@ def launch_dependents():
     """``griddepcontrol.launch_dependents``: once every program of this grid has issued it (or exited), the
     next kernel in the stream may be scheduled; it still waits for this one in its own :func:`wait`."""
     tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def release_then_wait():
+    """The prologue of a short kernel before a GEMV (the norms, SiLU-and-mul): release the next kernel at
+    once, so that it prefetches its weight while this one runs (it waits for this grid before it reads
+    anything), then wait for the previous kernel."""
+    launch_dependents()
+    wait()

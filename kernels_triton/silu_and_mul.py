@@ -61,10 +61,7 @@ def _silu_and_mul_kernel(
     GRID_2D: tl.constexpr, PDL: tl.constexpr = False,
 ):
     if PDL:
-        # a short kernel before a GEMV: release it at once, so that it prefetches its weight while this
-        # one runs (it waits for this grid before it reads anything); then wait for the previous kernel
-        pdl.launch_dependents()
-        pdl.wait()
+        pdl.release_then_wait()
     offs_m, cols = tile_offsets(N, BLOCK_N, ROWS, GRID_2D)  # column blocks fastest (tiles.py)
     mask = (offs_m < M)[:, None] & (cols < N)[None, :]
     rows64 = offs_m.to(tl.int64)[:, None]
