@@ -108,3 +108,16 @@ def test_architecture_md_stays_a_map() -> None:
     known = {p.name for p in ROOT.rglob("*") if ".venv" not in p.parts and ".git" not in p.parts}
     gone = sorted(f for f in files if Path(f).name not in known)
     assert not gone, f"ARCHITECTURE.md names files that do not exist: {gone}"
+
+
+#: What rich reads as a markup tag in a help text, and so swallows from the terminal's --help: ``[peers]`` of
+#: ``pip install -e .[peers]`` printed as ``pip install -e .``.
+RICH_TAG = re.compile(r"(?<!\\)\[/?[a-zA-Z#@][^\[\]]*\]")
+
+
+def test_no_help_text_loses_a_bracket_to_rich_markup() -> None:
+    lost = []
+    for name, command in docgen._group().commands.items():
+        texts = [("help", command.help or "")] + [(p.name, getattr(p, "help", None) or "") for p in command.params]
+        lost += [f"tunekit {name} {where}: {m.group(0)}" for where, text in texts for m in RICH_TAG.finditer(text)]
+    assert not lost, "rich would drop these from --help (name the extra in words instead):\n" + "\n".join(lost)

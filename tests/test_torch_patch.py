@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from pathlib import Path
 
 import pytest
@@ -141,11 +143,18 @@ def test_an_existing_instance_forward_is_restored() -> None:
     assert lin.__dict__["forward"] is previous
 
 
-def test_patch_with_an_unreadable_table_raises_at_set_up(tmp_path: Path) -> None:
+def test_patch_with_an_unreadable_table_raises_at_set_up_with_one_message(
+        tmp_path: Path, table: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A missing table raises once, naming it, with nothing logged besides; the tables served before stay."""
+    from tunekit import ops
     from tunekit.table import TableError
 
-    with pytest.raises(TableError):
-        tunekit.patch(_model(), table=tmp_path / "missing.json")
+    ops.load_tables(str(table))
+    missing = tmp_path / "missing.json"
+    with caplog.at_level(logging.DEBUG, logger="tunekit"), pytest.raises(TableError, match="missing.json"):
+        tunekit.patch(_model(), table=missing)
+    assert not [r for r in caplog.records if "missing.json" in r.getMessage()]
+    assert [row["path"] for row in ops.loaded_tables()] == [str(table)]
 
 
 def test_patched_model_compiles_to_opaque_tunekit_nodes(table: Path) -> None:

@@ -157,8 +157,8 @@ def search(
     ops: Annotated[str | None, typer.Option(help=_SEARCH_OPS_HELP, show_default=False)] = None,
     backend: Annotated[str | None, typer.Option(
         help="comma list of tuned backends: triton, hip, vllm_skinny (vLLM's CuTe-DSL skinny GEMM, its "
-             "SkinnyGemmConfig searched per shape; needs vLLM >= 0.33 and the CuTe DSL: pip install -e .[peers]; "
-             "docs/search.md) (default: every tuned backend available here)")] = None,
+             "SkinnyGemmConfig searched per shape; needs vLLM >= 0.33 and the CuTe DSL, "
+             "the peers extra: docs/search.md) (default: every tuned backend available here)")] = None,
     trials: Annotated[int | None, typer.Option(
         help=f"measured trials per (problem, backend) study (default: {FULL_TRIALS}; {QUICK_TRIALS} with "
              "--budget quick)", show_default=False)] = None,

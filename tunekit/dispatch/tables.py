@@ -35,15 +35,19 @@ from tunekit.dispatch.markers import maybe_register_atexit
 from tunekit.dispatch.state import STATE, LoadedTable, log_once
 
 
-def load_tables(paths: str | os.PathLike | Sequence[str | os.PathLike] | None) -> list[dict[str, Any]]:
+def load_tables(paths: str | os.PathLike | Sequence[str | os.PathLike] | None,
+                strict: bool = False) -> list[dict[str, Any]]:
     """Serve ``paths`` (a list, or one ``:``-separated string); ``None`` reads ``TUNEKIT_TABLE`` again.
 
     Replaces the tables loaded before and forgets every cached decision (the
     dispatch markers are kept). A table that cannot be loaded is logged once
     and served as absent (``fallback:table_error``); this function itself
-    never raises. Returns :func:`loaded_tables`.
+    never raises, unless ``strict``: then the first table that cannot be read
+    raises its ``tunekit.table.TableError``, nothing logged and the tables
+    served before kept (a caller that hands the error to its user, once:
+    ``tunekit.patch``). Returns :func:`loaded_tables`.
     """
-    _serve(_read(paths))
+    _serve(_read(paths, strict=strict))
     return loaded_tables()
 
 
@@ -84,7 +88,7 @@ def _parts(paths: str | os.PathLike | Sequence[str | os.PathLike] | None) -> lis
 
 
 def _read(paths: str | os.PathLike | Sequence[str | os.PathLike] | None,
-          check_shipped: bool = True, log: Any = None) -> list[LoadedTable]:
+          check_shipped: bool = True, log: Any = None, strict: bool = False) -> list[LoadedTable]:
     """Every table of ``paths`` read and validated (``tunekit.table.load``), or the error why not (logged once):
     the one place serving reads table files. The shipped tables among them (``auto``) are checked on this
     device (``dispatch.auto``: a foreign GPU's refused, each entry verified; its line logged, or handed to
@@ -96,6 +100,8 @@ def _read(paths: str | os.PathLike | Sequence[str | os.PathLike] | None,
             with index_mod.no_collection():
                 loaded.append(LoadedTable(path, table_mod.load(path)))
         except Exception as exc:  # serving never raises: a broken table is a vendor path + one log line
+            if strict:
+                raise exc if isinstance(exc, table_mod.TableError) else table_mod.TableError(f"{path}: {exc}") from exc
             loaded.append(LoadedTable(path, None, str(exc)))
             log_once(f"table-error:{path}", logging.ERROR, "tunekit: table %s not used: %s", path, exc)
     mine = {id(lt) for lt in loaded if lt.table is not None and shipped.is_shipped(lt.path)}

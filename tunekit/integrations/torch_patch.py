@@ -239,12 +239,7 @@ def patch(model: nn.Module, table: str | os.PathLike | Sequence[str | os.PathLik
     from tunekit import ops
 
     if table is not None:
-        loaded = ops.load_tables(table)
-        errors = [row for row in loaded if row.get("error")]
-        if errors:
-            from tunekit.table import TableError
-
-            raise TableError(errors[0]["error"])
+        ops.load_tables(table, strict=True)  # an unreadable table raises here, its one message
     counts: dict[str, int] = {}
     if fold_norms:
         fold_norms_of(model, counts)
