@@ -88,3 +88,12 @@ def test_a_search_with_the_fixed_cost_backend_stops_on_its_plateau_where_the_rul
     assert stop_reason(measured[:-1], rule) is None  # ... and not a trial later than it first did
     stopped = study.user_attrs["stopped"]
     assert stopped.startswith("plateau") and [s.stopped for s in outcome.stats] == [stopped]
+
+
+def test_the_cpu_interpreter_has_no_limit_to_stop_near() -> None:
+    """The probe's figures on the CPU are interpreter timings: no limit, so no pct_of_limit and no early stop."""
+    from tunekit.search.common import limit_gbps
+
+    problem = Problem(op="gemv", dtype="bf16", m=1, n=96, k=256)
+    assert limit_gbps(problem, {"kind": "cpu", "read_gbps": 4.4, "copy_gbps": 2.0}) is None
+    assert limit_gbps(problem, {"kind": "cuda_graph", "read_gbps": 3171.0}) == 3171.0

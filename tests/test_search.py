@@ -46,6 +46,9 @@ def test_cli_search_leaves_trials_and_a_table_that_show_accepts(tmp_path) -> Non
     assert len(ok) >= 1
     assert (ok["err_ratio"] <= 1).all() and (ok["time_us"] > 0).all()
     assert set(ok["timing_kind"]) == {"cpu"}
+    # the interpreter measures no limit: no % of one, and no study stops "near" it
+    assert "pct_of_limit" not in trials or trials["pct_of_limit"].isna().all()
+    assert "near the limit" not in res.stdout + res.stderr
     assert (out / "table.json").is_file() and (out / "final.csv").is_file()
     shown = _tunekit("show", str(out / "table.json"), cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr

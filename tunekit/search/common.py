@@ -193,7 +193,11 @@ def retrying(action: Callable[[], Any], attempts: int = 5) -> Any:
 
 
 def limit_gbps(problem: Problem, probe: dict[str, Any]) -> float | None:
-    """The measured bandwidth this op's % of limit refers to (read for GEMV, copy for elementwise)."""
+    """The measured bandwidth this op's % of limit refers to (read for GEMV, copy for elementwise); None on
+    the CPU interpreter (probe kind "cpu"), whose timings are no bandwidth evidence: no ``pct_of_limit`` is
+    stored there and no study stops "near the limit" (``early_stop``)."""
     from tunekit.problems import opspec
 
+    if probe.get("kind") == "cpu":
+        return None
     return probe.get(f"{opspec.get(problem.op).limit}_gbps") or None
