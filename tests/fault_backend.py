@@ -155,6 +155,34 @@ class _AfterCalls(TritonBackend):
         return kernel
 
 
+class _WrongWhen(TritonBackend):
+    """Triton's plain GEMV, right except where ``when(x, call)`` holds (x: the call's activation, call: the built
+    kernel's call count from 1): then its output is zeroed. The defects a load check on the tabulated M alone,
+    unit-scale inputs or one call would pass (``tunekit.dispatch.load_check``)."""
+
+    def __init__(self, name: str, when) -> None:
+        self.name, self.when = name, when
+
+    def build(self, problem, params, device):
+        good = super().build(problem, params, device)
+        calls = itertools.count(1)
+
+        def kernel(inputs, out):
+            good(inputs, out)
+            if self.when(inputs[0], next(calls)):
+                out.zero_()
+
+        return kernel
+
+
+#: zero output at M = 3 only: an M between two tabulated ones, served by the larger one's entry
+ZERO_AT_M3 = _WrongWhen("zero-at-m3", lambda x, call: x.shape[0] == 3)
+#: zero output where max |x| > 8 (real activations reach 10^3-10^4; unit randoms stay below 6)
+ZERO_ABOVE_8 = _WrongWhen("zero-above-8", lambda x, call: float(x.abs().max()) > 8)
+#: zero output from its second call on
+ZERO_AFTER_FIRST = _WrongWhen("zero-after-first", lambda x, call: call > 1)
+
+
 #: raises from its AFTER_CALLS + 1-th call on (``fault_backend:RAISE_AFTER``)
 RAISE_AFTER = _AfterCalls("raise")
 #: 6.25% off from its AFTER_CALLS + 1-th call on (``fault_backend:DRIFT``)

@@ -150,9 +150,9 @@ def test_check_shipped_loads_with_the_check_and_hands_its_line_to_the_caller(shi
 def test_host_index_counts_the_shipped_tables_unchecked(shipped_dir, monkeypatch) -> None:
     """Before any GPU work (the vLLM plugin's compile ranges, at config time) the shipped tables are not
     checked; every entry counts, another GPU's too: the check only drops, so this bounds what will serve."""
-    from tunekit.dispatch import auto
+    from tunekit.dispatch import load_check
 
-    monkeypatch.setattr(auto, "_entry_failure", lambda *a: pytest.fail("host_index checked an entry"))
+    monkeypatch.setattr(load_check, "entry_failure", lambda *a: pytest.fail("host_index checked an entry"))
     index = ops.host_index(None, ops.table_paths("auto"))
     assert index.tops() == {"gemv": 1, "rms_gemv": 1}
     assert index.largest_m("gemv", "bf16", 16, K) == 1  # the H200 table's entry, unchecked

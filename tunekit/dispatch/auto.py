@@ -5,10 +5,10 @@ A shipped table (``tunekit.shipped``) was measured on one GPU model with the sof
 
 1. **the stamp**: a table whose GPU fields (name, architecture, wave size, SM count) differ from this device
    is refused whole: its configs were chosen by timings on another GPU;
-2. **every entry**: its kernel is built by its backend and checked against the op's fp64 reference on fresh
-   inputs the way the search checks a candidate (``tunekit.measure.verify``: every output written, finite,
-   within the op's BF16 bound, the same bits over two runs). An entry that does not build, whose backend
-   cannot run here, or that fails the check is dropped; the rest are served.
+2. **every entry**: the load check every served table gets (``dispatch.load_check.entry_failure``): built by
+   its backend and run at every M it serves, on unit-scale and on outlier inputs, several calls, each
+   against the op's fp64 reference. An entry that does not build, whose backend cannot run here, or that
+   fails the check is dropped; the rest are served.
 
 A table stamped for this GPU with other software (torch, Triton, the kernel sources: the stamp's other
 fields) is served by its checked entries with the stamp's software fields set to this host's (serving's
@@ -28,6 +28,7 @@ from typing import Any
 
 from tunekit import shipped
 from tunekit import table as table_mod
+from tunekit.dispatch import load_check
 from tunekit.dispatch.state import logger
 
 #: the one line of the last check (what was used, what was dropped and why)
@@ -42,28 +43,6 @@ def _device() -> Any:
     if interpret_mode() or not torch.cuda.is_available():
         return detect()
     return detect(torch.cuda.current_device())
-
-
-def _entry_failure(entry: dict[str, Any], info: Any) -> str | None:
-    """Why ``entry`` cannot serve on this device (its build, its backend, its check), or None."""
-    import torch
-
-    from tunekit import backends
-    from tunekit.measure import verify
-    from tunekit.problems import opspec
-    from tunekit.problems.shapes import Problem
-
-    problem = Problem(entry["op"], entry["dtype"], entry["m"], entry["n"], entry["k"])
-    try:
-        backend = backends.get(entry["backend"])
-        reason = backend.unavailable_reason(info)
-        if reason:
-            return f"backend {entry['backend']} cannot run here ({reason})"
-        kernel = backend.build(problem, entry["params"], info)
-        result = verify.verify(kernel, opspec.get(problem.op), problem, torch.device(info.torch_device), seed=0)
-    except Exception as exc:  # noqa: BLE001 - any failure of a shipped entry drops it, with its reason
-        return f"{type(exc).__name__}: {exc}"
-    return None if result.ok else result.reason
 
 
 def check(loaded: list[tuple[str, dict[str, Any]]],
@@ -84,7 +63,7 @@ def check(loaded: list[tuple[str, dict[str, Any]]],
             continue
         kept, dropped = [], []
         for entry in table["entries"]:
-            why = _entry_failure(entry, info)
+            why = load_check.entry_failure(entry, load_check.served_ms(table["entries"], entry), info)
             if why is None:
                 kept.append(entry)
             else:

@@ -211,11 +211,40 @@ def tables_for(device: torch.device, dev_key: str) -> tuple[TableIndex | None, s
         result = (None, "table_error")
     else:
         info = device_info(device)
-        result = (None, info) if isinstance(info, str) else index_mod.build(usable, info, STATE.tp, _warn(dev_key))
+        if isinstance(info, str):
+            result = (None, info)
+        elif device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # the load check runs kernels and reads their outputs back: never inside a capture (vLLM's
+            # warm-up, dispatch.warmup, builds this index before capturing); nothing cached, the next eager
+            # call checks and builds it
+            return None, "not_built_at_capture"
+        else:
+            result = index_mod.build(_load_checked(usable, info), info, STATE.tp, _warn(dev_key))
     with STATE.lock:
         if STATE.epoch == epoch:
             STATE.device_tables[dev_key] = result
     return result
+
+
+def _load_checked(usable: list[tuple[str, Any]], info: Any) -> list[tuple[str, Any]]:
+    """``usable`` with the entries that fail the load check on this device dropped (``dispatch.load_check``):
+    every table stamped for this device but the shipped ones, which ``dispatch.auto`` checked when they were
+    read. The check's one line is logged once per load and device (WARNING where an entry was dropped)."""
+    from tunekit.dispatch import load_check
+
+    mine = [i for i, (path, table) in enumerate(usable)
+            if not shipped.is_shipped(path) and not index_mod.mismatch(table, info)]
+    if not mine or not load_check.enabled(info):
+        return usable
+    checked, line = load_check.check([usable[i] for i in mine], info)
+    out = list(usable)
+    for i, pair in zip(mine, checked, strict=True):
+        out[i] = pair
+    dropped = "; dropped " in line
+    log_once(f"load-check:{STATE.epoch}:{info.torch_device}", logging.WARNING if dropped else logging.INFO, "%s",
+             line)
+    load_check.LAST[:] = [line]
+    return out
 
 
 def host_index(tp: int | None = None, paths: Sequence[str] | None = None) -> TableIndex | None:

@@ -126,6 +126,33 @@ def verify(
     return VerifyResult(True, "", max_err, ratio)
 
 
+def repeated_calls(kernel: Kernel, spec: OpSpec, problem: Problem, inputs: tuple[torch.Tensor, ...],
+                   device: torch.device, calls: int) -> str | None:
+    """``calls`` calls of ``kernel`` on the same ``inputs``, each into a NaN-poisoned output and each checked on
+    its own: every element written, finite where the reference is, within the op's bound of the fp64
+    reference. Why the first failing call fails ("call 2: ..."), None where every call passes: a kernel that
+    goes wrong only after its first call, or only on these inputs, is caught here."""
+    reference = reference_of(spec, problem, inputs)
+    labels = _labels(spec, len(reference[0]))
+    for call in range(1, calls + 1):
+        out = _poisoned(spec, problem, device)
+        kernel(inputs, out)
+        _synchronize(device)
+        outs = _as_tuple(out)
+        for label, o, ref in zip(labels, outs, reference[0], strict=True):
+            if o.shape != ref.shape:
+                return f"call {call}: {label}output shape {tuple(o.shape)}, expected {tuple(ref.shape)}"
+            finite = torch.isfinite(ref)
+            bad = ~torch.isfinite(o) & finite
+            if bad.any():
+                what = "not written (NaN poison left)" if torch.isnan(o[bad]).all() else "non-finite"
+                return f"call {call}: {label}{int(bad.sum())} output elements {what}"
+        worst = against_reference(spec, problem, inputs, outs, labels, reference)
+        if worst.ratio > 1.0:
+            return f"call {call}: {worst.failure}"
+    return None
+
+
 @dataclass(frozen=True)
 class Worst:
     """The outputs against the fp64 reference: the worst |err| / bound over every element (<= 1 passes), the
@@ -137,14 +164,21 @@ class Worst:
     failure: str
 
 
-def against_reference(spec: OpSpec, problem: Problem, inputs: tuple[torch.Tensor, ...],
-                      outs: tuple[torch.Tensor, ...], labels: list[str] | None = None) -> Worst:
-    """Every output of one call against ``spec``'s fp64 reference of ``inputs`` under its error bound: the
-    one comparison of the search's check (:func:`verify`) and the serving canary
-    (``tunekit.dispatch.canary``). ``outs`` must have the reference's shapes."""
+def reference_of(spec: OpSpec, problem: Problem, inputs: tuple[torch.Tensor, ...]
+                 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """(the fp64 reference outputs of ``inputs``, their error bounds): computed once for several calls."""
     ref_value = spec.reference(inputs)
-    refs = _as_tuple(ref_value)
-    bounds = _as_tuple(spec.error_bound(problem, inputs, ref_value))
+    return _as_tuple(ref_value), _as_tuple(spec.error_bound(problem, inputs, ref_value))
+
+
+def against_reference(spec: OpSpec, problem: Problem, inputs: tuple[torch.Tensor, ...],
+                      outs: tuple[torch.Tensor, ...], labels: list[str] | None = None,
+                      reference: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None) -> Worst:
+    """Every output of one call against ``spec``'s fp64 reference of ``inputs`` under its error bound: the
+    one comparison of the search's check (:func:`verify`), the serving canary (``tunekit.dispatch.canary``)
+    and the load check (``tunekit.dispatch.load_check``). ``outs`` must have the reference's shapes;
+    ``reference``: :func:`reference_of` of these inputs, where the caller compares several calls."""
+    refs, bounds = reference if reference is not None else reference_of(spec, problem, inputs)
     labels = labels or _labels(spec, len(refs))
     ratio, max_err, worst_err, failure = float("-inf"), 0.0, 0.0, ""
     for label, o, ref, bound in zip(labels, outs, refs, bounds, strict=True):
