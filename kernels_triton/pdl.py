@@ -17,16 +17,19 @@ attribute, so a PDL build is correct in any stream; the launch attribute is what
 Where PDL cannot run, :func:`unsupported_reason` says why and the launchers build and launch the
 plain kernel: the Triton interpreter, AMD/HIP, a GPU below sm_90, a Triton without ``gdc_wait``
 (added in 3.4). Where it can, it is opt-in (``TUNEKIT_PDL=1``, or ``use_pdl=True`` at a launcher), as
-the two measurements disagree:
+no measurement of a whole step shows a gain yet:
 - on an H100, this form (a GEMV prefetches its first tile, BLOCK_N x BLOCK_K, before the wait; an
   elementwise kernel releases the next at once) made a token's 305 GEMVs at M=1 0.45-0.46% faster in
   one CUDA graph and the MLP blocks 0.95-0.99% faster, the same bits
   (``benchmarks/results/h100-pdl-chain-3594146``);
 - on an H200, an earlier form (4 KB per row prefetched before the wait) made ``tunekit chain`` 3.5%
-  (M=1) to 14% (M=8) slower (``docs/evidence.md``).
-It becomes the default once ``tunekit chain`` and a served run say so on both GPUs. The search's worker
-times candidates without it unless ``TUNEKIT_PDL=1`` (``tunekit.search.worker``). Kernels of this package
-import nothing from tunekit.
+  (M=1) to 14% (M=8) slower (``docs/evidence.md``);
+- on an H100, ``tunekit chain`` of the default table ran every variant 0.6-1.6% shorter in the process
+  with it, the vendor variant (no kernel of this package) as much, so the same-run ratio tuned / vendor
+  did not gain (``benchmarks/results/h100-chain-pdl-loadcheck-f9e2499``).
+It becomes the default once a same-run measurement of a whole step and a served run show a gain. The
+search's worker times candidates without it unless ``TUNEKIT_PDL=1`` (``tunekit.search.worker``).
+Kernels of this package import nothing from tunekit.
 """
 
 from __future__ import annotations

@@ -481,3 +481,45 @@ def test_h100_pdl_chain() -> None:
     small = [statistics.median(r["small_n96_x256"]["triton"]) - statistics.median(r["small_n96_x256"]["triton_pdl"])
              for r in runs]
     stated(statistics.median(small) / 256, "0.96")
+
+
+def test_h100_chain_pdl_and_load_check() -> None:
+    """PDL in the whole chain (one process per setting) and the load check's cost, from the raw files."""
+    folder = RESULTS / "h100-chain-pdl-loadcheck-f9e2499"
+
+    def step(name: str, m: int, variant: str) -> dict[str, Any]:
+        doc = json.loads(gzip.open(folder / f"chain-{name}.json.gz").read())
+        assert doc["device"]["name"] == "NVIDIA H100 80GB HBM3" and doc["calls_per_step"] == 546
+        return next(r for r in doc["results"] if r["m"] == m and r["variant"] == variant)
+
+    def ms(name: str, m: int, variant: str) -> float:
+        return step(name, m, variant)["step_us"] / 1e3
+
+    for off, on, m in (("m1-4-pdl0", "m1-4-pdl1", 1), ("m1-4-pdl0b", "m1-4-pdl1b", 1), ("m1-4-pdl0", "m1-4-pdl1", 4),
+                       ("m2-16-pdl0", "m2-16-pdl1", 2), ("m2-16-pdl0", "m2-16-pdl1", 16)):
+        stated(ms(on, m, "vendor") / ms(off, m, "vendor"), "0.985")  # vendor moved with the setting
+    stated(ms("m1-4-pdl0", 1, "tuned"), "17.474")
+    stated(ms("m1-4-pdl1", 1, "tuned"), "17.366")
+    stated(ms("m1-4-pdl1", 1, "tuned") / ms("m1-4-pdl0", 1, "tuned"), "0.994")
+    stated(ms("m1-4-pdl0", 4, "tuned_fused"), "17.919")
+    stated(ms("m1-4-pdl1", 4, "tuned_fused"), "17.630")
+    stated(ms("m2-16-pdl1", 16, "tuned_fused") / ms("m2-16-pdl0", 16, "tuned_fused"), "0.985")
+    # the same-run ratios
+    for name, m, variant, text in (("m1-4-pdl0", 1, "tuned", "1.0721"), ("m1-4-pdl1", 1, "tuned", "1.0624"),
+                                   ("m1-4-pdl0", 1, "tuned_fused", "1.0759"),
+                                   ("m2-16-pdl0", 2, "tuned_fused", "1.0809"),
+                                   ("m2-16-pdl1", 2, "tuned_fused", "1.0750"),
+                                   ("m1-4-pdl0", 4, "tuned_fused", "1.0518"), ("m1-4-pdl1", 4, "tuned_fused", "1.0528"),
+                                   ("m2-16-pdl0", 16, "tuned_fused", "1.0596"),
+                                   ("m2-16-pdl1", 16, "tuned_fused", "1.0591")):
+        stated(ms(name, m, "vendor") / ms(name, m, variant), text)
+    with pytest.raises(StopIteration):  # at M=1 with PDL on the fusion check left every family out
+        step("m1-4-pdl1", 1, "tuned_fused")
+    for name, m, variant, text in (("m1-4-pdl0", 1, "tuned_fused", "59"), ("m2-16-pdl0", 2, "tuned_fused", "66"),
+                                   ("m1-4-pdl0", 4, "tuned_fused", "49"), ("m2-16-pdl0", 16, "tuned_fused", "60")):
+        row = step(name, m, variant)
+        stated(100 * row["measured_saving_us"] / row["predicted_saving_us"], text)
+    lines = (folder / "loadcheck.txt").read_text().splitlines()
+    pattern = r"(\d+) entries at every M they serve, (\d+) calls \(([\d.]+) s, (\d+) ms an entry\); all passed"
+    costs = [re.search(pattern, line).groups() for line in lines if line.startswith("tunekit: load check")]
+    assert costs == [("66", "1266", "17.05", "258"), ("66", "1266", "3.39", "51")]
