@@ -38,6 +38,15 @@ def clean_ops():
     reset()
 
 
+@pytest.fixture(scope="session")
+def session_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder all pytest-xdist workers of this test run share (the run's own temp root; one process: its
+    base temp): for work a module fixture would otherwise repeat on every worker that runs one of its tests
+    (``test_triton_targets``'s compile run). Guard what goes in it with a ``filelock.FileLock``."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if hasattr(request.config, "workerinput") else base
+
+
 @pytest.fixture
 def one_thread():
     """torch on one thread for the test (modules opt in with ``pytest.mark.usefixtures("one_thread")``): on two

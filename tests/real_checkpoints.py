@@ -24,6 +24,10 @@ from test_ops import make_table, timed_entry
 NAMES = ("smollm2", "gemma3-270m")
 #: the prompts (each checkpoint's own tokenizer makes the ids)
 PROMPTS = ("The capital of France is", "def fibonacci(n):")
+#: four prompts of different kinds (prose, code, numbers, a list) for the verdict at every M: batches of 2 and 4;
+#: long enough (over 6 tokens) that no prefill runs at the Ms judged
+PROMPTS_EVERY_M = ("The capital of France is a city that", "def fibonacci(n):\n    if n < 2:\n        return",
+                   "2, 3, 5, 7, 11, 13, 17, 19, 23,", "Ingredients: two eggs, flour, sugar, butter and")
 
 
 def checkpoint(name: str) -> Path:
@@ -47,12 +51,12 @@ def load(name: str, dtype: torch.dtype = torch.bfloat16):
     return AutoModelForCausalLM.from_pretrained(checkpoint(name), dtype=dtype).eval()
 
 
-def prompts(name: str) -> list[list[int]]:
-    """:data:`PROMPTS` as the checkpoint's tokenizer encodes them."""
+def prompts(name: str, texts: tuple[str, ...] = PROMPTS) -> list[list[int]]:
+    """``texts`` (:data:`PROMPTS`) as the checkpoint's tokenizer encodes them."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(checkpoint(name))
-    return [tok(p)["input_ids"] for p in PROMPTS]
+    return [tok(p)["input_ids"] for p in texts]
 
 
 #: the Ms of the tables: the decode steps (1) and the prompts' prefills (up to 8 tokens; without an entry there a
@@ -118,3 +122,4 @@ def arm_fault(kind: str, weight: torch.Tensor) -> None:
 
 def clear_faults() -> None:
     fault_backend.FAULTS.clear()
+    fault_backend.FAULT_MS.clear()

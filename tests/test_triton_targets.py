@@ -24,6 +24,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from filelock import FileLock
 
 # The slow tier (`python -m pytest -q -m slow`, run by .ci/run):
 # every launched Triton kernel compiled to PTX and AMDGCN.
@@ -67,9 +68,17 @@ def _launched_kernels() -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory) -> dict:
-    """One compile run for all tests of this module (~40 s of compiles on one core)."""
-    out = tmp_path_factory.mktemp("triton_targets") / "report.json"
+def report(session_dir: Path) -> dict:
+    """One compile run for all tests of this module (~140 s of compiles on one core of two busy ones), shared by
+    the test run's workers: the first to need it compiles, the others wait on the lock and read its report."""
+    out = session_dir / "triton_targets_report.json"
+    with FileLock(f"{out}.lock"):
+        if not out.exists():
+            _compile_report(out)
+    return json.loads(out.read_text())
+
+
+def _compile_report(out: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_ALLOW_NON_CONSTEXPR_GLOBALS")}
     cmd = [sys.executable, str(REPO / "tests" / "triton_targets.py"), "--json", str(out),
            "--cases", "repo", "--cases", f"{Path(__file__).resolve()}:negative_cases"]
@@ -77,7 +86,6 @@ def report(tmp_path_factory) -> dict:
     # rc 1 is expected (the negative case fails); anything else, or no report, is a crash
     if proc.returncode not in (0, 1) or not out.exists():
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode} without a report:\n{proc.stderr[-8000:]}")
-    return json.loads(out.read_text())
 
 
 def _format_failures(rows: list[dict]) -> str:
