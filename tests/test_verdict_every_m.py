@@ -6,8 +6,6 @@ at M = 4 alone fails at the verify width; the correct table passes at every M.""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import fault_backend
 import pytest
 import real_checkpoints as rc
