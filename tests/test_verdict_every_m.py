@@ -33,7 +33,7 @@ def subject(request, tmp_path_factory) -> dict:
             "table": rc.table_for(model, tmp_path_factory.mktemp("t") / "table.json")}
 
 
-def _judge(s: dict, fault_ms: set[int], widths=WIDTHS) -> tuple[dict, dict]:
+def _judge(s: dict, fault_ms: set[int]) -> tuple[dict, dict]:
     """(the M = 1 verdict, the per-M one) of the correct table with the calls at ``fault_ms`` zeroed."""
     ops.load_tables([])
     rc.clear_faults()
@@ -42,7 +42,7 @@ def _judge(s: dict, fault_ms: set[int], widths=WIDTHS) -> tuple[dict, dict]:
         try:
             fault_backend.FAULT_MS.update(fault_ms)
             m1 = forced_hf.decode_record(s["model"], s["prompts"], STEPS, TOPK, forced=s["forced"])
-            arms = forced_hf.every_m(s["model"], s["prompts"], s["forced"], TOPK, BATCHES, widths)
+            arms = forced_hf.every_m(s["model"], s["prompts"], s["forced"], TOPK, BATCHES, WIDTHS)
         finally:
             tunekit.unpatch(s["model"])
             rc.clear_faults()
@@ -75,9 +75,9 @@ def test_a_defect_at_m_2_to_4_passes_at_m1_and_fails_at_every_m_it_hits(subject)
 
 
 def test_a_defect_at_a_verify_width_alone_fails_there(subject) -> None:
-    m1, doc = _judge(subject, {4}, widths=(4,))
+    m1, doc = _judge(subject, {4})
     assert m1["verdict"] == "pass" and doc["M=2 (batch 2)"]["verdict"] == "pass"
-    assert "M=4 (verify 1+3)" in doc["failed_at"], doc["failed_at"]
+    assert doc["failed_at"] == ["M=4 (batch 4)", "M=4 (verify 1+3)"], doc["failed_at"]
 
 
 def test_prompts_of_one_length_are_needed_for_a_batch() -> None:
