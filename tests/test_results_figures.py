@@ -523,3 +523,39 @@ def test_h100_chain_pdl_and_load_check() -> None:
     pattern = r"(\d+) entries at every M they serve, (\d+) calls \(([\d.]+) s, (\d+) ms an entry\); all passed"
     costs = [re.search(pattern, line).groups() for line in lines if line.startswith("tunekit: load check")]
     assert costs == [("66", "1266", "17.05", "258"), ("66", "1266", "3.39", "51")]
+
+
+def test_bf16_margins_over_eight_prompts() -> None:
+    """The verdict's margins per real checkpoint over eight prompts (CPU numerics), from margins.json."""
+    doc = json.loads((RESULTS / "cpu-bf16-margins-c34c265" / "margins.json").read_text())
+    assert len(doc["prompts"]) == 8 and doc["steps"] == 6
+
+    def arm(model: str, name: str) -> dict[str, Any]:
+        figures = doc["models"][model]["arms"][name]
+        assert figures["positions"] == 48
+        return figures
+
+    stated_rows = {  # model -> arm -> (max |dlogprob|, KL, share of the cap in %, verdict)
+        "smollm2 bf16": {"vanilla spread (one forward)": ("0.311", "7.8e-03", "57", None),
+                         "correct, unfolded": ("0.368", "8.2e-03", "67", "pass"),
+                         "correct, folded": ("0.387", "1.0e-02", "70", "pass"),
+                         "one down_proj drops a K block": ("0.871", "2.4e-02", "158", "fail")},
+        "gemma3-270m bf16": {"vanilla spread (one forward)": ("0.281", "5.3e-03", "51", None),
+                             "correct, unfolded": ("0.396", "2.3e-03", "72", "pass"),
+                             "correct, folded": ("0.375", "2.9e-03", "68", "pass"),
+                             "one down_proj drops a K block": ("0.940", "4.9e-02", "171", "fail")},
+    }
+    for model, rows in stated_rows.items():
+        for name, (lp, kl, share, verdict) in rows.items():
+            figures = arm(model, name)
+            stated(figures["max_abs_logprob_diff"], lp)
+            assert f"{figures['kl_max']:.1e}" == kl, (model, name, figures["kl_max"])
+            stated(100 * figures["share_of_logprob_cap"], share)
+            assert figures.get("verdict") == verdict, (model, name)
+    for model in ("smollm2 fp32", "gemma3-270m fp32"):
+        for name in ("correct, unfolded", "correct, folded"):
+            assert arm(model, name)["verdict"] == "pass" and arm(model, name)["share_of_logprob_cap"] < 0.04
+        for name in ("one down_proj drops a K block", "one residual dropped"):
+            assert arm(model, name)["verdict"] == "fail" and arm(model, name)["share_of_logprob_cap"] > 800
+    stated(arm("smollm2 bf16", "one residual dropped")["max_abs_logprob_diff"], "16.3")
+    stated(arm("gemma3-270m bf16", "one residual dropped")["max_abs_logprob_diff"], "8.46")
