@@ -39,8 +39,6 @@ def resolve(op: str, dtype: str, m: int, n: int, k: int, device: torch.device, c
     if choice is not None:
         return choice
     index, reason = tables_for(device, dev_key)
-    if index is None and reason == "not_built_at_capture":
-        return Choice(f"fallback:{reason}")  # the tables are checked at the next eager call: not cached
     if index is None:
         choice = Choice(f"fallback:{reason}")
     else:

@@ -215,9 +215,10 @@ def tables_for(device: torch.device, dev_key: str) -> tuple[TableIndex | None, s
             result = (None, info)
         elif device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # the load check runs kernels and reads their outputs back: never inside a capture (vLLM's
-            # warm-up, dispatch.warmup, builds this index before capturing); nothing cached, the next eager
-            # call checks and builds it
-            return None, "not_built_at_capture"
+            # warm-up, dispatch.warmup, builds this index before capturing). Under a capture the index is
+            # read for routing only (no kernel is built inside one: decisions, elementwise_fallback), so it
+            # is served unchecked and not cached: the next eager call checks the tables and caches the index
+            return index_mod.build(usable, info, STATE.tp, _warn(dev_key))
         else:
             result = index_mod.build(_load_checked(usable, info), info, STATE.tp, _warn(dev_key))
     with STATE.lock:
