@@ -559,3 +559,19 @@ def test_bf16_margins_over_eight_prompts() -> None:
             assert arm(model, name)["verdict"] == "fail" and arm(model, name)["share_of_logprob_cap"] > 800
     stated(arm("smollm2 bf16", "one residual dropped")["max_abs_logprob_diff"], "16.3")
     stated(arm("gemma3-270m bf16", "one residual dropped")["max_abs_logprob_diff"], "8.46")
+
+
+def test_h100_default_path_served() -> None:
+    """The default path on an H100 (every default: search, then the plugin with its table), from serve.json."""
+    doc = json.loads((RESULTS / "h100-default-30e1f56" / "serve.json").read_text())
+    assert doc["device"].startswith("NVIDIA H100") and doc["settings"]["prompt_len"] == 64
+    by_batch = {b["batch"]: b for b in doc["batches"]}
+    one, four = by_batch[1], by_batch[4]
+    stated(one["vanilla_tpot_ms"], "20.723")
+    stated(one["folded_tpot_ms"], "18.771")
+    stated(one["folded_speedup"], "1.104")
+    stated(one["folded_speedup_min"], "1.1037")
+    stated(one["folded_speedup_max"], "1.1042")
+    stated(one["predicted_speedup"], "1.117")
+    stated(four["folded_speedup"], "1.061")
+    assert (four["predicted_served_calls"], four["predicted_calls"]) == (418, 546)
