@@ -1,4 +1,5 @@
-"""The verbs of evidence: chain, serve-bench, check-serving, campaign (the library is tunekit.evidence)."""
+"""The verbs of evidence: chain, serve-bench, check-serving, verdict, real-weights, campaign (the library is
+tunekit.evidence)."""
 
 from __future__ import annotations
 
@@ -303,6 +304,54 @@ def check_serving(
     if results["failures"]:
         sys.exit(1)
 
+
+
+@app.command()
+def verdict(
+    model_dir: Annotated[Path, typer.Option(help="your checkpoint: a Hugging Face folder with its tokenizer")],
+    table: Annotated[list[Path], typer.Option(help="dispatch table to judge (repeatable; the first wins a key)")],
+    dtype: Annotated[str | None, typer.Option(
+        help="load the checkpoint in bf16, fp16 or fp32 (default: as saved); the tables serve entries of this "
+             "dtype only, and the caps are this dtype's (docs/evidence.md)")] = None,
+    steps: Annotated[int, typer.Option(help="positions per prompt (the first is the prefill's)")] = 6,
+    widths: Annotated[str, typer.Option(
+        help="speculative verify widths 1 + k judged, comma list ('' for none)")] = "4",
+    batches: Annotated[str | None, typer.Option(
+        help="batch sizes judged, comma list (default: the tables' tabulated Ms from 2 to 16)")] = None,
+    fold_norms: Annotated[bool, typer.Option(help="fold the norms where the tables decide (as served)")] = True,
+    prompts: Annotated[int, typer.Option(help="built-in prompts used, 1..8 (repeated up to a whole batch)")] = 8,
+    out: Annotated[Path | None, typer.Option(help="write the figures to this JSON file")] = None,
+) -> None:
+    """Judge a table on your checkpoint at every M it serves: M = 1, each batch size, each verify width.
+
+    The checkpoint decodes its greedy tokens unpatched over eight built-in
+    prompts (prose, code, numbers, lists), then the same positions
+    teacher-forced through tunekit.patch with the tables served: one request
+    at a time (M = 1), as batches of each tabulated M (M = B), and fed W
+    forced tokens per forward (M = W, a speculative verify step). Each M is
+    judged against the unpatched run with the caps of the dtype, vanilla
+    run the same way counting as its spread; the Ms that fail are named.
+    Exit status 0 pass, 1 fail, 3 inconclusive (vanilla's own spread past
+    a cap). Needs the hf extra.
+    """
+    from tunekit.evidence.check_serving import table_verdict
+
+    def ints(text: str | None, name: str) -> tuple[int, ...] | None:
+        if text is None:
+            return None
+        try:
+            return tuple(int(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise UserError(f"--{name} must be a comma list of whole numbers, got {text!r}") from None
+
+    settings = table_verdict.Settings(model_dir=model_dir, tables=[str(t) for t in table], dtype=dtype, steps=steps,
+                                      widths=ints(widths, "widths") or (), fold_norms=fold_norms,
+                                      batches=ints(batches, "batches"), prompts=prompts)
+    doc = table_verdict.run(settings, log=lambda s: console.print(s, markup=False, highlight=False))
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=1, default=str))
+    sys.exit({"pass": 0, "fail": 1}.get(doc["verdict"], 3))
 
 
 @app.command("real-weights")
