@@ -192,15 +192,17 @@ def test_postgres_stopped_mid_search_is_one_line_and_a_rerun_resumes(postgres, t
 
 # ------------------------------------------------------------------ a full disk
 def _fill(folder: Path) -> Path:
-    """Write a file in ``folder`` until its file system is full."""
+    """Write a file in ``folder`` until its file system is full. Unbuffered: a buffered file's close would
+    flush what the full disk refused again, and raise there."""
     filler = folder / "filler"
-    with filler.open("wb") as handle:
-        try:
-            while True:
-                handle.write(b"\0" * 65536)
-                handle.flush()
-        except OSError:
-            pass
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        while True:
+            os.write(fd, b"\0" * 65536)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
     return filler
 
 
