@@ -40,6 +40,20 @@ from tunekit.problems.shapes import (
     Problem,
 )
 
+#: rows of a weight made fp64 at a time by the references and bounds below: a whole lm_head of 248320 x 5120 is
+#: 10 GB in fp64, more than a GPU serving a model has to spare (the load check runs these on it)
+REF_ROWS = 4096
+
+
+def _dot64(a: torch.Tensor, w: torch.Tensor, absolute: bool = False) -> torch.Tensor:
+    """``a`` (fp64, [M, K]) @ ``w``^T in fp64 (``absolute``: of |w|), ``w`` made fp64 :data:`REF_ROWS` rows at a
+    time: the same products as ``a @ w.double().T``, in bounded memory."""
+    out = a.new_empty((a.shape[0], w.shape[0]))
+    for i in range(0, w.shape[0], REF_ROWS):
+        chunk = w[i:i + REF_ROWS].double()
+        out[:, i:i + REF_ROWS] = a @ (chunk.abs() if absolute else chunk).T
+    return out
+
 
 def _gemv_inputs(problem: Problem, device: torch.device, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     dtype = TORCH_DTYPES[problem.dtype]
@@ -57,7 +71,7 @@ def _gemv_output(problem: Problem, device: torch.device) -> torch.Tensor:
 
 def _gemv_reference(inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
     x, w = inputs
-    return x.double() @ w.double().T
+    return _dot64(x.double(), w)
 
 
 def _gemv_bound(problem: Problem, inputs: tuple[torch.Tensor, ...], ref: torch.Tensor) -> torch.Tensor:
@@ -70,7 +84,7 @@ def _gemv_bound(problem: Problem, inputs: tuple[torch.Tensor, ...], ref: torch.T
     magnitude above this bound at the sizes we test.
     """
     x, w = inputs
-    abs_dot = x.double().abs() @ w.double().abs().T
+    abs_dot = _dot64(x.double().abs(), w, absolute=True)
     u_out = UNIT_ROUNDOFF[problem.dtype]
     return 2 * u_out * ref.abs() + problem.k * FP32_U * abs_dot + 1e-30
 
@@ -132,7 +146,7 @@ def _norm_gemv_reference(op: str) -> Callable[[tuple[torch.Tensor, ...]], Output
     def reference(inputs: tuple[torch.Tensor, ...]) -> Outputs:
         """fp64 of the unfused sequence (norm, then GEMV), no intermediate rounding."""
         a, s = _norm_gemv_activations(op, inputs)
-        y = a @ inputs[-1].double().T
+        y = _dot64(a, inputs[-1])
         return (y, s) if op in _NORM_GEMV_ADD_OPS else y
 
     return reference
@@ -156,7 +170,7 @@ def _norm_gemv_bound(problem: Problem, inputs: tuple[torch.Tensor, ...], ref: Ou
     """
     op = problem.op
     a, s = _norm_gemv_activations(op, inputs)
-    abs_dot = a.abs() @ inputs[-1].double().abs().T
+    abs_dot = _dot64(a.abs(), inputs[-1], absolute=True)
     u_out = UNIT_ROUNDOFF[problem.dtype]
     r = 2 * u_out
     c = 4 if op in _NORM_GEMV_ADD_OPS else 2
@@ -208,7 +222,7 @@ def _act_gemv_activations(inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 def _act_gemv_reference(inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """fp64 of the unfused sequence (SiLU-and-mul, then GEMV), no intermediate rounding."""
-    return _act_gemv_activations(inputs) @ inputs[1].double().T
+    return _dot64(_act_gemv_activations(inputs), inputs[1])
 
 
 def _act_gemv_bound(problem: Problem, inputs: tuple[torch.Tensor, ...], ref: torch.Tensor) -> torch.Tensor:
@@ -228,7 +242,7 @@ def _act_gemv_bound(problem: Problem, inputs: tuple[torch.Tensor, ...], ref: tor
     missing SiLU, or the wrong half of gate_up change y by O(abs_dot /
     sqrt(k)) in every element; a dropped or repeated K chunk as the GEMV's.
     """
-    abs_dot = _act_gemv_activations(inputs).abs() @ inputs[1].double().abs().T
+    abs_dot = _dot64(_act_gemv_activations(inputs).abs(), inputs[1], absolute=True)
     u_out = UNIT_ROUNDOFF[problem.dtype]
     r = 2 * u_out
     return 2 * u_out * ref.abs() + (1.01 * 2 * r + (2 * problem.k + 64) * FP32_U) * abs_dot + TINY
@@ -277,7 +291,7 @@ def _gemv_add_bound(problem: Problem, inputs: tuple[torch.Tensor, ...], ref: tor
     """
     x, w, residual = inputs
     dot = ref - residual.double()  # x W^T, already in the reference
-    abs_terms = x.double().abs() @ w.double().abs().T + residual.double().abs()
+    abs_terms = _dot64(x.double().abs(), w, absolute=True) + residual.double().abs()
     u_out = UNIT_ROUNDOFF[problem.dtype]
     return 2 * u_out * (ref.abs() + dot.abs()) + 1.01 * (problem.k + 1) * FP32_U * abs_terms + TINY
 
@@ -311,7 +325,7 @@ def _rms_gemv_reference(inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
     x, w = inputs
     xd = x.double()
     rstd = torch.rsqrt(xd.square().mean(dim=-1, keepdim=True) + EPS)
-    return (xd * rstd) @ w.double().T
+    return _dot64(xd * rstd, w)
 
 
 def _rms_gemv_bound(problem: Problem, inputs: tuple[torch.Tensor, ...], ref: torch.Tensor) -> torch.Tensor:
@@ -330,7 +344,7 @@ def _rms_gemv_bound(problem: Problem, inputs: tuple[torch.Tensor, ...], ref: tor
     x, w = inputs
     xd = x.double()
     rstd = torch.rsqrt(xd.square().mean(dim=-1, keepdim=True) + EPS)
-    abs_dot = xd.abs() @ w.double().abs().T
+    abs_dot = _dot64(xd.abs(), w, absolute=True)
     u_out = UNIT_ROUNDOFF[problem.dtype]
     return (2 * u_out * ref.abs() + 1.01 * (u_out + problem.k * FP32_U) * rstd * abs_dot
             + 1.01 * (problem.k + 8) * FP32_U * ref.abs() + TINY)
@@ -364,16 +378,16 @@ def _glu_dots(inputs: tuple[torch.Tensor, ...], rms: bool, u_out: float) -> tupl
     x / rms(x); ``u_out``: the unit roundoff of the GEMV's output type."""
     x, w = inputs
     k = x.shape[-1]
-    xd, wd = x.double(), w.double()
-    abs_dot = xd.abs() @ wd.abs().T
+    xd = x.double()
+    abs_dot = _dot64(xd.abs(), w, absolute=True)
     if rms:
         rstd = torch.rsqrt(xd.square().mean(dim=-1, keepdim=True) + EPS)
-        dots = (xd * rstd) @ wd.T
+        dots = _dot64(xd * rstd, w)
         # rms_gemv's bound (the norm's BF16 output in the unfused sequence included), then the GEMV's
         # BF16 output before silu-and-mul
         err = 1.01 * (u_out + k * FP32_U) * rstd * abs_dot + (1.01 * (k + 8) * FP32_U + u_out) * dots.abs()
     else:
-        dots = xd @ wd.T
+        dots = _dot64(xd, w)
         err = 1.01 * k * FP32_U * abs_dot + u_out * dots.abs()
     return dots[:, 0::2], dots[:, 1::2], err[:, 0::2], err[:, 1::2]
 
