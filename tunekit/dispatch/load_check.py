@@ -19,14 +19,15 @@ An entry that fails anywhere is dropped (its calls take the next entry above, el
 the M, the inputs and the call. One line says what was checked, what it cost and what was dropped. The shipped
 tables (``auto``) get the same check inside ``dispatch.auto``, which also refuses a foreign GPU's.
 
-Cost (``tunekit show``'s line and the log's): a Qwen3.5-27B table on the CPU interpreter is not checked this
-way (its shapes are too large to interpret); on a GPU each M is a few launches and one fp64 reference.
+Cost (the line's): on an H100, 51 ms an entry for a Qwen3.5-27B table with Triton's cache warm, 258 ms on a
+fresh machine (``benchmarks/results/h100-chain-pdl-loadcheck-f9e2499``). On the CPU interpreter every call is
+interpreted Python, so there it is opt-in (:data:`ENV`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 #: the largest activation magnitude checked: real decode activations reach 10^3-10^4 in a few channels
@@ -117,19 +118,17 @@ def entry_failure(entry: dict[str, Any], ms: Sequence[int], info: Any) -> str | 
     return None
 
 
-def check(tables: Sequence[tuple[str, dict[str, Any]]], info: Any,
-          failure: Callable[[dict[str, Any], Sequence[int], Any], str | None] = entry_failure,
-          ) -> tuple[list[tuple[str, dict[str, Any]]], str]:
+def check(tables: Sequence[tuple[str, dict[str, Any]]], info: Any) -> tuple[list[tuple[str, dict[str, Any]]], int]:
     """``tables`` ((path, table)) with every entry that fails :func:`entry_failure` at one of its served Ms
-    dropped, and the one line saying what was checked, its cost and what was dropped. ``info``: the device's
-    ``DeviceInfo``. A table keeps its other sections (fusions, stamp) as loaded."""
+    dropped, and how many were; the one line saying what was checked, its cost and what was dropped goes to
+    :data:`LAST`. ``info``: the device's ``DeviceInfo``. A table keeps its other sections (fusions, stamp)."""
     start = time.perf_counter()
     out, dropped, checked, calls = [], [], 0, 0
     for path, table in tables:
         kept = []
         for entry in table["entries"]:
             ms = served_ms(table["entries"], entry)
-            why = failure(entry, ms, info) if ms else None
+            why = entry_failure(entry, ms, info) if ms else None
             checked += 1
             calls += 2 * CALLS * len(ms)
             if why is None:
@@ -142,4 +141,5 @@ def check(tables: Sequence[tuple[str, dict[str, Any]]], info: Any,
     line = (f"tunekit: load check on {info.name}: {checked} entries at every M they serve, {calls} calls "
             f"({took:.2f} s, {1000 * took / max(checked, 1):.0f} ms an entry)")
     line += f"; dropped {len(dropped)}: {'; '.join(dropped)}" if dropped else "; all passed"
-    return out, line
+    LAST[:] = [line]
+    return out, len(dropped)

@@ -237,14 +237,12 @@ def _load_checked(usable: list[tuple[str, Any]], info: Any) -> list[tuple[str, A
             if not shipped.is_shipped(path) and not index_mod.mismatch(table, info)]
     if not mine or not load_check.enabled(info):
         return usable
-    checked, line = load_check.check([usable[i] for i in mine], info)
+    checked, dropped = load_check.check([usable[i] for i in mine], info)
     out = list(usable)
     for i, pair in zip(mine, checked, strict=True):
         out[i] = pair
-    dropped = "; dropped " in line
     log_once(f"load-check:{STATE.epoch}:{info.torch_device}", logging.WARNING if dropped else logging.INFO, "%s",
-             line)
-    load_check.LAST[:] = [line]
+             load_check.LAST[0])
     return out
 
 

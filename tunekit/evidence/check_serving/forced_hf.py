@@ -154,14 +154,15 @@ def every_m(model: Any, prompts: Sequence[Sequence[int]], forced: Sequence[Seque
 
 def per_m(reference: dict[str, Any], arms: dict[str, dict[str, Any]], vanilla: dict[str, dict[str, Any]],
           spread: Iterable[dict[str, Any]] = (), caps: Caps | None = None, dtype: str = "bf16") -> dict[str, Any]:
-    """Per label of :func:`every_m`, the arm's record judged against ``reference`` (``agreement``), its spread
-    ``spread`` plus vanilla run the same way (``vanilla[label]``: the rounding another M brings by itself); and
-    ``"verdict"``, the worst of them (``verdict.overall``): a defect at one M fails the whole, and the label
-    names where."""
+    """Per label of ``arms`` (:func:`every_m`'s, and any other record of the same positions), the arm's record
+    judged against ``reference`` (``agreement``), its spread ``spread`` plus vanilla run the same way where
+    ``vanilla`` has the label (the rounding another M brings by itself); and ``"verdict"``, the worst of them
+    (``verdict.overall``): a defect at one M fails the whole, and ``"failed_at"`` names where."""
     from tunekit.evidence.verdict import overall
 
     spread = list(spread)
-    doc: dict[str, Any] = {label: agreement(reference, record, [*spread, vanilla[label]], caps, dtype)
+    doc: dict[str, Any] = {label: agreement(reference, record, [*spread, *([vanilla[label]] if label in vanilla
+                                                                          else [])], caps, dtype)
                            for label, record in arms.items()}
     doc["verdict"] = overall(d["verdict"] for d in list(doc.values()))
     doc["failed_at"] = [label for label, d in doc.items() if isinstance(d, dict) and d.get("verdict") == "fail"]

@@ -101,7 +101,6 @@ def run(s: Settings, log: Callable[[str], None] = print) -> dict[str, Any]:
     import tunekit
     from tunekit import ops
     from tunekit.evidence.check_serving import forced_hf
-    from tunekit.evidence.verdict import overall
 
     kwargs = {"dtype": getattr(torch, DTYPES[s.dtype])} if s.dtype else {}
     try:
@@ -131,11 +130,8 @@ def run(s: Settings, log: Callable[[str], None] = print) -> dict[str, Any]:
     if not any(impl.startswith("tuned:") for per in served.values() for impl in per):
         raise UserError(f"the tables served no call of this model in {dtype}: nothing to judge (are they tuned "
                         "for its shapes and dtype, on this device?)")
-    doc = forced_hf.per_m(ref, arms, vanilla, [spread], dtype=dtype)
-    doc["M=1 (decode)"] = forced_hf.agreement(ref, at_1, [spread], dtype=dtype)
     labels = ["M=1 (decode)", *arms]
-    doc["verdict"] = overall(doc[label]["verdict"] for label in labels)
-    doc["failed_at"] = [label for label in labels if doc[label]["verdict"] == "fail"]
+    doc = forced_hf.per_m(ref, {"M=1 (decode)": at_1, **arms}, vanilla, [spread], dtype=dtype)
     doc["served"] = {str(m): per for m, per in sorted(served.items())}
     doc["served_at_1"] = {str(m): per for m, per in sorted(served_1.items())}
     for label in labels:
