@@ -99,12 +99,14 @@ class _MmBf16:
 
 def test_the_peers_are_registered_with_their_kinds() -> None:
     assert "vllm_skinny" in backends.TUNED
-    assert backends.PEERS == ("vllm_skinny_heuristic", "flashinfer")
+    assert backends.PEERS == ("vllm_skinny_heuristic", "flashinfer", "inductor_max_autotune", "triton_autotune")
     assert set(backends.PEERS) <= set(backends.BASELINES) and backends.BASELINES[:2] == ("vendor", "inductor")
     kinds = {name: (backends.get(name).kind, backends.get(name).ops) for name in ("vllm_skinny", *backends.PEERS)}
     assert kinds == {"vllm_skinny": ("tuned", ("gemv", "gemv_add")),
                      "vllm_skinny_heuristic": ("baseline", ("gemv", "gemv_add")),
-                     "flashinfer": ("baseline", ("gemv",))}
+                     "flashinfer": ("baseline", ("gemv",)),
+                     "inductor_max_autotune": ("baseline", ("gemv",)),
+                     "triton_autotune": ("baseline", ("gemv",))}
 
 
 def test_without_the_peers_the_default_backends_skip_vllm_skinny(monkeypatch) -> None:
@@ -151,25 +153,40 @@ def test_skinny_unavailable_reasons(name: str, installed, monkeypatch) -> None:
 
 
 def test_here_every_reason_is_one_line_and_nothing_raises() -> None:
-    for name in ("vllm_skinny", *backends.PEERS):
+    for name in ("vllm_skinny", "vllm_skinny_heuristic", "flashinfer"):  # the peers that need packages
         for device in (detect(), CPU, H200, B200, T4, MI250):
             why = backends.get(name).unavailable_reason(device)
             assert why and "\n" not in why, (name, device.arch, why)
     assert backends.get("vllm_skinny").unavailable_reason(H200).startswith("vLLM is not installed")
     assert backends.get("flashinfer").unavailable_reason(B200).startswith("flashinfer-python is not installed")
+    assert backends.get("inductor_max_autotune").unavailable_reason(CPU) == (
+        "torch.compile max-autotune is measured on GPUs only (its autotuning times on the device)")
+    assert backends.get("triton_autotune").unavailable_reason(CPU) == (
+        "the plain @triton.autotune GEMV is measured on GPUs only (its autotuner times on the device)")
+    for name in ("inductor_max_autotune", "triton_autotune"):  # no package beyond torch and Triton
+        assert backends.get(name).unavailable_reason(H200) is None
 
 
 def test_flashinfer_unavailable_reasons(installed, monkeypatch) -> None:
     backend = backends.get("flashinfer")
     monkeypatch.setattr(fi, "_mm_bf16", lambda: _MmBf16)
+    monkeypatch.setattr(fi.shutil, "which", lambda name: "/usr/local/cuda/bin/nvcc")
     assert backend.unavailable_reason(B200) is None
     assert backend.unavailable_reason(dataclasses.replace(B200, arch="sm_103")) is None
+    # SM90 runs tinygemm_bf16: no CuTe DSL needed, nvcc is (FlashInfer JIT-compiles it)
+    installed.discard("cutlass")
+    assert backend.unavailable_reason(H200) is None
+    monkeypatch.setattr(fi.shutil, "which", lambda name: None)
+    monkeypatch.delenv("CUDA_HOME", raising=False)
     assert backend.unavailable_reason(H200) == (
-        "architecture sm_90 unsupported (FlashInfer's BF16 mm behind vLLM's --linear-backend flashinfer_cutedsl, "
-        "mm_bf16 backend 'cute-dsl', runs on sm_100, sm_103, sm_107)")
+        "nvcc not found: FlashInfer JIT-compiles tinygemm_bf16 on sm_90 (set CUDA_HOME)")
+    installed.add("cutlass")
+    assert backend.unavailable_reason(dataclasses.replace(H200, arch="sm_89")) == (
+        "architecture sm_89 unsupported (FlashInfer's BF16 small-M GEMM: tinygemm_bf16 on sm_90, mm_bf16 backend "
+        "'cute-dsl' (vLLM's --linear-backend flashinfer_cutedsl) on sm_100, sm_103, sm_107)")
     assert backend.unavailable_reason(dataclasses.replace(B200, runtime="cuda 12.6")) == (
-        "cuda 12.6: FlashInfer's BF16 mm ('cute-dsl') needs CUDA 12.8 or newer")
-    assert backend.unavailable_reason(CPU) == "no GPU (FlashInfer's BF16 mm runs on NVIDIA GPUs)"
+        "cuda 12.6: FlashInfer's BF16 small-M GEMM ('cute-dsl') needs CUDA 12.8 or newer")
+    assert backend.unavailable_reason(CPU) == "no GPU (FlashInfer's BF16 small-M GEMM runs on NVIDIA GPUs)"
     assert backend.unavailable_reason(MI250).startswith("architecture gfx90a unsupported")
 
     def broken():
@@ -184,18 +201,25 @@ def test_flashinfer_unavailable_reasons(installed, monkeypatch) -> None:
         "pip install -e .[peers])")
     installed.discard("flashinfer")
     assert backend.unavailable_reason(B200) == "flashinfer-python is not installed (pip install -e .[peers])"
+    assert backend.unavailable_reason(H200) == "flashinfer-python is not installed (pip install -e .[peers])"
 
 
 def test_flashinfer_shapes() -> None:
     backend = backends.get("flashinfer")
     assert backend.invalid_reason(Problem("gemv", "bf16", 1, 5120, 17408), {}) is None
-    assert backend.invalid_reason(Problem("gemv", "bf16", 1, 96, 5120 + 64), {}) == (
-        "shape unsupported: K=5184 is not a multiple of 128 (vLLM runs F.linear there under --linear-backend "
-        "flashinfer_cutedsl)")
     assert backend.invalid_reason(Problem("gemv", "fp16", 1, 96, 5120), {}) == (
-        "shape unsupported: FlashInfer's mm_bf16 takes BF16 only (got fp16)")
+        "shape unsupported: FlashInfer's BF16 GEMMs take BF16 only (got fp16)")
     assert backend.invalid_reason(Problem("gemv_add", "bf16", 1, 96, 5120), {}) == (
         "no FlashInfer baseline for op 'gemv_add'")
+    # the kernel that runs is known with the device: tinygemm on SM90, mm_bf16 (cute-dsl) on SM100+
+    odd_k = Problem("gemv", "bf16", 1, 96, 5120 + 64)
+    assert backend.shape_reason(odd_k, "sm_90") is None
+    assert backend.shape_reason(odd_k, "sm_100") == (
+        "shape unsupported: K=5184 is not a multiple of 128 (vLLM runs F.linear there under --linear-backend "
+        "flashinfer_cutedsl)")
+    assert backend.shape_reason(Problem("gemv", "bf16", 1, 100, 5120), "sm_90") == (
+        "shape unsupported: tinygemm_bf16 needs K % 64 == 0 and N % 16 == 0 (N=100, K=5120)")
+    assert backend.shape_reason(Problem("gemv", "bf16", 16, 248320, 5120), "sm_90") is None
     with pytest.raises(BuildError, match="no GPU"):
         backend.build(Problem("gemv", "bf16", 1, 96, 5120), {}, CPU)
 
@@ -434,3 +458,35 @@ def test_without_cuda_bindings_the_build_is_unavailable_in_one_line(vllm_standin
         assert why.startswith("unavailable: cuda-bindings cannot be imported (ModuleNotFoundError") and "\n" not in why
         assert why.endswith("pip install -e .[peers])"), why
     assert gemm._compiled == {}
+
+
+# ----------------------------------------------------------------------------- the plain Triton peer
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_the_afternoon_triton_gemv_is_correct_at_each_config_shape(m: int, monkeypatch) -> None:
+    """The @triton.autotune peer's kernel (its autotuner times on the device, so here one config of its list
+    runs directly, under the interpreter): masked tails in N and K, every M it serves. In FP16: the
+    interpreter's tl.dot of BF16 tiles returns garbage (Triton 3.9; FP16 and FP32 are exact), and the kernel
+    is the same for both types."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kernels_triton import autotune_gemv as ag
+
+    gen = torch.Generator().manual_seed(m)
+    n, k = 40, 200  # neither a multiple of BLOCK_N nor of BLOCK_K
+    x = torch.randn(m, k, generator=gen).to(torch.float16)
+    w = torch.randn(n, k, generator=gen).to(torch.float16)
+    out = torch.full((m, n), float("nan"), dtype=torch.float16)
+    config = ag.CONFIGS[0]
+    ag._gemv_kernel.fn[(triton_cdiv(n, config.kwargs["BLOCK_N"]),)](
+        x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), BLOCK_M=ag.BLOCK_M, **config.kwargs)
+    exact = x.double() @ w.double().t()
+    assert torch.isfinite(out).all()
+    assert (out.double() - exact).abs().max() <= 0.01 * exact.abs().max()
+    assert ag.invalid_reason(17, n, k) == "the afternoon GEMV holds M in one tile of 16 rows (M=17)"
+    assert backends.get("triton_autotune").invalid_reason(Problem("gemv", "bf16", 17, n, k), {}).startswith(
+        "shape unsupported: the afternoon GEMV")
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -5,8 +5,8 @@ last is vLLM's CuTe-DSL skinny GEMM searched over its SkinnyGemmConfig, where
 vLLM and the CuTe DSL are installed), ``vendor`` (cuBLAS / rocBLAS for GEMV,
 the PyTorch eager composition for elementwise ops), ``inductor``
 (torch.compile of that composition) and the peers (``PEERS``: other projects'
-kernels as their stacks run them, ``vllm_skinny_heuristic`` and
-``flashinfer``; each says in one line why it cannot run where it cannot,
+kernels as their stacks run them, ``vllm_skinny_heuristic``,
+``flashinfer``, ``inductor_max_autotune`` and ``triton_autotune``; each says in one line why it cannot run where it cannot,
 ``unavailable_reason``, or why a shape is not its, ``invalid_reason``). Any other name of the
 form ``package.module:ATTR`` is imported as a third-party backend (used by
 tests to inject failing candidates, and by plugins).
@@ -28,13 +28,16 @@ BUILTIN: dict[str, str] = {
     "vllm_skinny": "tunekit.backends.vllm_skinny:BACKEND",
     "vllm_skinny_heuristic": "tunekit.backends.vllm_skinny:HEURISTIC",
     "flashinfer": "tunekit.backends.flashinfer:BACKEND",
+    "inductor_max_autotune": "tunekit.backends.inductor:MAX_AUTOTUNE",
+    "triton_autotune": "tunekit.backends.triton_autotune:BACKEND",
 }
 #: Searchable families, in report order. The default ``--backend`` is every one usable here
 #: (``unavailable_reason`` None): vllm_skinny only where vLLM and the CuTe DSL run.
 TUNED = ("triton", "hip", "vllm_skinny")
-#: Baselines from other projects (kind "baseline"): vLLM's skinny GEMM at its heuristic config, FlashInfer's
-#: BF16 mm as vLLM's --linear-backend runs it. Report order.
-PEERS = ("vllm_skinny_heuristic", "flashinfer")
+#: What a user could pick instead of tunekit (kind "baseline"): vLLM's skinny GEMM at its heuristic config,
+#: FlashInfer's BF16 small-M GEMM, torch.compile max-autotune of the linear and a plain @triton.autotune
+#: GEMV. Report order.
+PEERS = ("vllm_skinny_heuristic", "flashinfer", "inductor_max_autotune", "triton_autotune")
 #: Baselines (kind "baseline"), never searched: "vendor" is always measured; the
 #: others join the final re-measure for the ops they implement where they can
 #: run (else one logged line says why).

@@ -69,3 +69,54 @@ class InductorBackend:
 
 
 BACKEND = InductorBackend()
+
+
+def linear_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    """F.linear(x, w) written into ``out``: what Inductor compiles for the max-autotune peer. The store into
+    ``out`` is the epilogue of Inductor's mm template (or a copy after its extern cuBLAS choice)."""
+    out.copy_(torch.nn.functional.linear(x, w))
+
+
+class InductorMaxAutotuneBackend:
+    """``inductor_max_autotune``: ``torch.compile(mode="max-autotune")`` of the linear, what a PyTorch user
+    reaches for. Inductor benchmarks its mm templates (Triton tiles, and cuBLAS as an extern choice) per
+    shape at the first call and keeps the fastest. ``-no-cudagraphs``: the timing harness captures its own
+    graph; Inductor's cudagraph trees inside that capture would not run."""
+
+    name = "inductor_max_autotune"
+    kind = "baseline"
+    ops = ("gemv",)
+    MODE = "max-autotune-no-cudagraphs"
+
+    def unavailable_reason(self, device: DeviceInfo) -> str | None:
+        if not device.is_gpu:
+            return "torch.compile max-autotune is measured on GPUs only (its autotuning times on the device)"
+        return None
+
+    def space(self, problem: Problem) -> SearchSpace:
+        return SearchSpace(op=problem.op, backend=self.name, domains={}, default={}, reference={})
+
+    def invalid_reason(self, problem: Problem, params: Params) -> str | None:
+        return None if problem.op in self.ops else f"no torch.compile max-autotune baseline for op {problem.op!r}"
+
+    def build(self, problem: Problem, params: Params, device: DeviceInfo) -> Kernel:
+        why = self.unavailable_reason(device) or self.invalid_reason(problem, params)
+        if why:
+            raise BuildError(why)
+        torch._dynamo.reset()  # one shape per compile: see InductorBackend.build
+        compiled = torch.compile(linear_into, mode=self.MODE, fullgraph=True, dynamic=False)
+
+        def kernel(inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+            x, w = inputs
+            compiled(x, w, out)
+
+        return kernel
+
+    def source_hash(self) -> str:
+        return f"torch-{torch.__version__}-inductor-{self.MODE}"
+
+    def kernel_name(self, problem: Problem) -> str:
+        return f"torch.compile(F.linear, mode={self.MODE!r})"
+
+
+MAX_AUTOTUNE = InductorMaxAutotuneBackend()
