@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Builds the peer kit for the lent GPU (README.md beside this file): the pinned wheels of wheels.txt for
 # CPython 3.12 manylinux x86_64, vLLM 0.33.0's two skinny-GEMM files out of its wheel with the shim that
-# stands in for the rest of vLLM, packed into parts of at most PART_MIB (default 53) MiB with SHA256SUMS.
+# stands in for the rest of vLLM, packed into parts of at most PART_MIB (default 42) MiB with SHA256SUMS.
 #   benchmarks/peer_kit/build.sh [OUT]      (OUT defaults to .peer-kit, git-ignored)
 # VLLM_WHEEL=path reuses a downloaded vllm-0.33.0 wheel (336 MB).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=${1:-.peer-kit}
-PART_MIB=${PART_MIB:-53}
+PART_MIB=${PART_MIB:-42}
 PY=${PYTHON:-python3}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT

@@ -3,7 +3,7 @@
 A device call carries at most 64 MiB, so the kit (about 160 MiB of wheels) travels as parts, one per call,
 stashed under /var/tmp on the GPU machine until all have arrived::
 
-    python3 kit.py pack TREE OUT [--part-mib 53]   # OUT/peers.tar.part-00 ..., OUT/SHA256SUMS
+    python3 kit.py pack TREE OUT [--part-mib 42]   # OUT/peers.tar.part-00 ..., OUT/SHA256SUMS
     python3 kit.py unpack PARTS DEST               # checks every part and the whole, then extracts into DEST
     python3 kit.py missing PARTS                   # the parts not there yet (exit 1 while any is missing)
 
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("pack")
     p.add_argument("tree", type=Path)
     p.add_argument("out", type=Path)
-    p.add_argument("--part-mib", type=int, default=53)
+    p.add_argument("--part-mib", type=int, default=42)
     u = sub.add_parser("unpack")
     u.add_argument("parts", type=Path)
     u.add_argument("dest", type=Path)
