@@ -109,7 +109,7 @@ def test_every_config_vllm_ships_in_its_plans_is_legal_for_its_shape() -> None:
     assert checked > 50
 
 
-def test_unavailability_with_the_real_packages() -> None:
+def test_unavailability_with_the_real_packages(monkeypatch) -> None:
     skinny, heuristic, flashinfer = (backends.get(n) for n in ("vllm_skinny", "vllm_skinny_heuristic", "flashinfer"))
     assert detect().vendor == "cpu"
     assert skinny.unavailable_reason(detect()) == "no GPU (vLLM's CuTe-DSL skinny GEMM runs on NVIDIA GPUs)"
@@ -117,9 +117,13 @@ def test_unavailability_with_the_real_packages() -> None:
     assert skinny.unavailable_reason(dataclasses.replace(H200, arch="sm_75")) == (
         "architecture sm_75 unsupported (the CuTe DSL targets sm_80 and newer)")
     assert flashinfer.unavailable_reason(B200) is None
-    assert flashinfer.unavailable_reason(H200) == (
-        "architecture sm_90 unsupported (FlashInfer's BF16 mm behind vLLM's --linear-backend flashinfer_cutedsl, "
-        "mm_bf16 backend 'cute-dsl', runs on sm_100, sm_103, sm_107)")
+    from tunekit.backends import flashinfer as fi
+
+    monkeypatch.setattr(fi.shutil, "which", lambda name: "/usr/local/cuda/bin/nvcc")
+    assert flashinfer.unavailable_reason(H200) is None  # tinygemm_bf16, JIT-compiled with nvcc
+    assert flashinfer.unavailable_reason(dataclasses.replace(H200, arch="sm_89")) == (
+        "architecture sm_89 unsupported (FlashInfer's BF16 small-M GEMM: tinygemm_bf16 on sm_90, mm_bf16 backend "
+        "'cute-dsl' (vLLM's --linear-backend flashinfer_cutedsl) on sm_100, sm_103, sm_107)")
     assert len(skinny.source_hash()) == 16 and skinny.source_hash() == heuristic.source_hash()
 
 
