@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from tunekit.evidence.comparison import Comparison, Measure, format_gbps, format_value, load_comparison
@@ -177,7 +178,6 @@ _CPU_WARNING = ("CPU TIMINGS: these are Triton/PyTorch interpreter timings on th
 
 def print_comparison(console: Console, comp: Comparison) -> None:
     """Print the per-problem table, the per-token prediction and the Amdahl table with rich."""
-    from rich.markup import escape
 
     for line in _header_lines(comp):
         console.print(escape(line))
@@ -251,6 +251,9 @@ def write_markdown(comp: Comparison, plots: list[Path], path: Path | None = None
         out += ["## Best configs", "", "The config of each backend's best candidate (the kernel's own tunable "
                 "names), to read which variant won: for GEMV, Triton's `M_MODE`, HIP's `MMA`.", "",
                 _md_table(*configs), ""]
+    from tunekit.evidence.time_split import split_lines
+
+    out += split_lines(comp.run_dir)
     notes = plot_notes(comp)  # one line per chart left out, in its place
     if plots or notes:
         out += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [f"- {n}" for n in notes] + [""]
@@ -271,6 +274,14 @@ def compare_run(run_dir: Path, console: Console) -> Comparison:
     except ImportError:
         plots = []
         console.print("[yellow]matplotlib is not installed: no plots (pip install matplotlib)[/]")
+    from tunekit.evidence.time_split import split_table
+
+    split = split_table(Path(run_dir))
+    if split is not None:
+        table = Table(*split[0], title="where the search's time went (report.md)")
+        for row in split[1]:
+            table.add_row(*(escape(cell) for cell in row))
+        console.print(table)
     md = write_markdown(comp, plots)
     tables = write_csv(comp)
     console.print(f"wrote {md}" + "".join(f", {p.name}" for p in [*tables, *plots]))

@@ -10,6 +10,8 @@ change under ``Run.lock``); :class:`WorkerContext` is one worker: its device pro
 
 from __future__ import annotations
 
+import datetime as _dt
+
 import json
 import threading
 import time
@@ -101,6 +103,8 @@ class WorkerContext:
     worker: Worker
     live: Liveness
     device: dict[str, Any] = field(default_factory=dict)
+    #: wall seconds of this worker's phases ("trials", "finals"), for the run's time split
+    phase_s: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -112,6 +116,9 @@ class Run:
     url: str
     outcome: SearchOutcome
     started: float
+    #: the same moment as a local ISO time, as Optuna stamps a trial's start (the trials this invocation ran
+    #: start after it: tunekit.evidence.time_split)
+    started_at: str = field(default_factory=lambda: _dt.datetime.now().isoformat())
     contexts: list[WorkerContext] = field(default_factory=list)
     usable: list[str] = field(default_factory=list)
     stamp: str = ""

@@ -198,13 +198,16 @@ def _run_locked(run: Run, slots: Sequence[fleet.Slot], progress: bool | str,
         run.bar = Progress(progress, log, studies=studies, trials=cfg.trials, workers=len(run.contexts),
                            cpu=probe["kind"] == "cpu")
         run.bar.plan(len(cfg.problems), len(run.usable))
+        setup_s = time.monotonic() - run.started
         try:
             if len(run.contexts) == 1:
                 _worker_main(run, run.contexts[0])  # in this thread: Ctrl-C stays deferred around each ask
             else:
                 _run_threads(run)
             STOPS.check()
+            t0 = time.monotonic()
             outcome.fusions = fusion_phase(run, run.contexts[0])  # every final is in: the entries are known
+            fusion_s = time.monotonic() - t0
         finally:
             run.bar.stop()
     finally:
@@ -236,6 +239,9 @@ def _run_locked(run: Run, slots: Sequence[fleet.Slot], progress: bool | str,
     table = table_mod.build_table(outcome.final_rows, device, probe, cfg.min_gain, run.usable, tp=cfg.tp,
                                   fusions=outcome.fusions)
     outcome.table_path = table_mod.save(table, out_dir / "table.json")
+    results.write_time(out_dir, {
+        "started": run.started_at, "wall_s": time.monotonic() - run.started, "setup_s": setup_s, "fusion_s": fusion_s,
+        "workers": [{"label": ctx.slot.label, **ctx.phase_s} for ctx in run.contexts]})
     return outcome
 
 
@@ -273,9 +279,13 @@ def _run_threads(run: Run) -> None:
 def _worker_main(run: Run, ctx: WorkerContext) -> None:
     """Trials of every study that still needs some, then the final re-measures no one has claimed."""
     studies = [(problem, backend) for problem in run.cfg.problems for backend in run.backends_for(problem)]
+    t0 = time.monotonic()
     trial_phase(run, ctx, _rotated(studies, ctx.index, len(run.contexts)))
+    ctx.phase_s["trials"] = time.monotonic() - t0
     if not run.stop.is_set():
+        t0 = time.monotonic()
         final_phase(run, ctx, _rotated(list(run.cfg.problems), ctx.index, len(run.contexts)))
+        ctx.phase_s["finals"] = time.monotonic() - t0
 
 
 def _rotated(items: list, index: int, count: int) -> list:

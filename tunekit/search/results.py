@@ -313,6 +313,7 @@ def trials_frame(storage, study_prefix: str | None = None) -> pd.DataFrame:
                 "k": problem.get("k"),
                 "trial": trial.number,
                 "state": trial.state.name,
+                "started": trial.datetime_start.isoformat() if trial.datetime_start else None,
                 "params": json.dumps(trial.params, sort_keys=True),
             }
             row.update({f"p_{k}": v for k, v in trial.params.items()})
@@ -331,6 +332,18 @@ def write_trials(out_dir: Path, storage, cfg, device: dict, probe: dict) -> Path
         stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         path = out_dir / f"trials-{stamp}.csv"
     _atomic_write(path, lambda tmp: frame.to_csv(tmp, index=False))
+    return path
+
+
+#: RUN/time.json: the last search's wall time by phase (read by tunekit.evidence.time_split).
+TIME_FILE = "time.json"
+
+
+def write_time(out_dir: Path, phases: dict[str, Any]) -> Path:
+    """Write RUN/time.json: the search's wall seconds, its set-up (device, probe), fusion phase, and each
+    worker's trial and final phases. Per trial, the worker's split (compile, verify, time) is in trials.csv."""
+    path = out_dir / TIME_FILE
+    _atomic_write(path, lambda tmp: tmp.write_text(json.dumps(phases, indent=1, sort_keys=True)))
     return path
 
 

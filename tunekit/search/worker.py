@@ -122,7 +122,9 @@ class Worker:
                 if time.monotonic() >= deadline:
                     break
             else:  # a reply came
-                return self._conn.recv()
+                reply = self._conn.recv()
+                reply["wall_s"] = time.perf_counter() - t0  # the call's whole time, as this side waited it
+                return reply
             reply = {"status": "timeout", "error": f"no reply within {timeout:.0f} s (hang?); worker restarted"}
         except (EOFError, OSError, BrokenPipeError):
             self._proc.join(timeout=10)
@@ -293,16 +295,20 @@ class _ChildState:
             space = backend.space(problem)
             # the fixed values (numerics choices such as VLLM_ROUNDING) belong to the reference too
             reference_kernel = self._build(task["backend"], problem, dict(space.fixed) | space.reference)
+        t0 = time.perf_counter()
         result = verify.verify(
             kernel, spec, problem, tdev, seed=int(task.get("seed", 0)),
             numerics=task.get("numerics", "bounded"), reference_kernel=reference_kernel,
         )
-        record.update(max_abs_err=result.max_abs_err, err_ratio=result.err_ratio)
+        record.update(max_abs_err=result.max_abs_err, err_ratio=result.err_ratio,
+                      verify_s=time.perf_counter() - t0)  # with the exact policy's reference build
         if not result.ok:
             record["error"] = f"verification failed: {result.reason}"
             return record
+        t0 = time.perf_counter()
         timing = time_kernel(kernel, rotation)
-        record.update(status="ok", error="", **_timing_fields(timing, spec.bytes_moved(problem)))
+        record.update(status="ok", error="", time_s=time.perf_counter() - t0,
+                      **_timing_fields(timing, spec.bytes_moved(problem)))
         return record
 
     def _final(self, task: dict[str, Any]) -> dict[str, Any]:

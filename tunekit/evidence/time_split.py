@@ -1,0 +1,89 @@
+"""Where a search's wall time went: per backend the workers' compile, verify and timing seconds, and the rest.
+
+Reads RUN/time.json (the last search's phases: set-up, each worker's trial and final phases, the fusion
+phase; ``tunekit.search.results.write_time``) and RUN/trials.csv (per trial: ``wall_s``, the worker call as
+the search waited it; ``compile_s``, build and first launch; ``verify_s``; ``time_s``). Only trials that
+started during that search count (a resumed run's earlier trials are not its time).
+
+Call protocol: ``split_table(run_dir)`` -> (header, rows) or None where the run has no time.json (a run
+written before it, or one stopped before its files).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from tunekit.search.results import TIME_FILE
+
+PARTS = ("compile_s", "verify_s", "time_s")
+
+
+def _seconds(frame: pd.DataFrame, column: str) -> float:
+    return float(pd.to_numeric(frame[column], errors="coerce").fillna(0.0).sum()) if column in frame else 0.0
+
+
+def read_time(run_dir: Path) -> dict[str, Any] | None:
+    path = Path(run_dir) / TIME_FILE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def split_table(run_dir: Path) -> tuple[list[str], list[list[str]]] | None:
+    """Header and rows: each backend's compile / verify / time / other seconds in the worker, then the
+    search process's own share of the trial phase, the final re-measure, the fusion phase and the set-up."""
+    phases = read_time(run_dir)
+    if phases is None:
+        return None
+    trials_path = Path(run_dir) / "trials.csv"
+    frame = pd.read_csv(trials_path) if trials_path.is_file() and trials_path.stat().st_size else pd.DataFrame()
+    if not frame.empty and "started" in frame and phases.get("started"):
+        frame = frame[frame["started"].astype(str) >= str(phases["started"])]
+    workers = phases.get("workers", [])
+    worker_s = sum(w.get("trials", 0.0) + w.get("finals", 0.0) for w in workers)
+    budget = worker_s + phases.get("setup_s", 0.0) + phases.get("fusion_s", 0.0)
+
+    def row(part: str, trials: str, values: list[float]) -> list[str]:
+        total = sum(values)
+        return [part, trials, *(f"{v:.1f}" for v in values), f"{total:.1f}",
+                f"{100.0 * total / budget:.1f}%" if budget > 0 else "-"]
+
+    rows = []
+    calls = 0.0
+    if not frame.empty and "backend" in frame:
+        for backend, group in frame.groupby("backend", sort=True):
+            parts = [_seconds(group, c) for c in PARTS]
+            wall = _seconds(group, "wall_s")
+            calls += wall
+            rows.append(row(f"{backend}: worker", str(len(group)), [*parts, max(wall - sum(parts), 0.0)]))
+    trial_phase = sum(w.get("trials", 0.0) for w in workers)
+    rows.append(row("search process in the trial phase (sampling, storage, seeds, waiting)", "",
+                    [0.0, 0.0, 0.0, max(trial_phase - calls, 0.0)]))
+    rows.append(row("final re-measure (build, verify and time every candidate and peer)", "",
+                    [0.0, 0.0, 0.0, sum(w.get("finals", 0.0) for w in workers)]))
+    rows.append(row("fusion phase", "", [0.0, 0.0, 0.0, phases.get("fusion_s", 0.0)]))
+    rows.append(row("set-up (worker start, device, bandwidth probe)", "", [0.0, 0.0, 0.0, phases.get("setup_s", 0.0)]))
+    head = ["part", "trials", "compile s", "verify s", "time s", "other s", "total s",
+            f"share of {budget:.0f} worker-s" if len(workers) > 1 else f"share of {budget:.0f} s"]
+    return head, rows
+
+
+def split_lines(run_dir: Path) -> list[str]:
+    """report.md's section: a sentence and the table, or nothing where the run has no time.json."""
+    from tunekit.evidence.compare import _md_table
+
+    table = split_table(run_dir)
+    if table is None:
+        return []
+    phases = read_time(run_dir) or {}
+    workers = len(phases.get("workers", []))
+    return ["## Where the search's time went", "",
+            f"The last search's wall time, {phases.get('wall_s', 0.0):.0f} s with {workers} worker(s), by part: "
+            "in each worker call, compile (build and first launch), verify (the fp64 check) and time (the "
+            "measurement); other = the rest of the call (failed candidates, transfer). A worker times on the "
+            "device only during `time s` and the final re-measure.", "", _md_table(*table), ""]
