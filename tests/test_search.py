@@ -59,6 +59,21 @@ def test_cli_search_leaves_trials_and_a_table_that_show_accepts(tmp_path) -> Non
     # an entry exists exactly when a tuned candidate beat vendor by >= 1% in the re-measure
     beat = (final[final["backend"] == "triton"]["speedup"] >= 1.01).any()
     assert bool(table["entries"]) == bool(beat)
+    # where the time went: every measured trial split into compile, verify and time inside its worker call,
+    # and the parts of the split add up to the phases the search recorded
+    from tunekit.evidence.time_split import read_time, split_table
+
+    ok_parts = ok[["compile_s", "verify_s", "time_s"]].sum(axis=1)
+    assert (ok[["compile_s", "verify_s", "time_s"]] > 0).all().all() and (ok_parts <= ok["wall_s"]).all()
+    phases = read_time(out)
+    head, rows = split_table(out)
+    by_part = {r[0]: r for r in rows}
+    assert by_part["triton: worker"][1] == "4"
+    totals = sum(float(r[head.index("total s")]) for r in rows)
+    budget = phases["setup_s"] + phases["fusion_s"] + sum(w["trials"] + w["finals"] for w in phases["workers"])
+    assert abs(totals - budget) < 0.5 and budget <= phases["wall_s"]
+    assert abs(sum(float(r[-1].rstrip("%")) for r in rows) - 100.0) < 0.5
+    assert "## Where the search's time went" in (out / "report.md").read_text()
 
 
 @pytest.mark.slow  # over 10 s on 2 cores: the slow tier

@@ -44,6 +44,8 @@ def split_table(run_dir: Path) -> tuple[list[str], list[list[str]]] | None:
     frame = pd.read_csv(trials_path) if trials_path.is_file() and trials_path.stat().st_size else pd.DataFrame()
     if not frame.empty and "started" in frame and phases.get("started"):
         frame = frame[frame["started"].astype(str) >= str(phases["started"])]
+    if not frame.empty and "measured" in frame:  # the others never reached a worker (duplicates, pruned)
+        frame = frame[frame["measured"].astype(str) == "True"]
     workers = phases.get("workers", [])
     worker_s = sum(w.get("trials", 0.0) + w.get("finals", 0.0) for w in workers)
     budget = worker_s + phases.get("setup_s", 0.0) + phases.get("fusion_s", 0.0)
