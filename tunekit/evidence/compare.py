@@ -158,14 +158,22 @@ def amdahl_table(comp: Comparison) -> tuple[list[str], list[list[str]]]:
     return head, rows
 
 
+def _limit_source(probe: dict, kind: str) -> str:
+    """Where a limit came from: the probe's streaming kernel, or the faster verified kernel that raised it."""
+    by = probe.get(f"{kind}_raised_by")
+    if not by:
+        return "probe"
+    return f"the best measured: {by}, above the probe's {format_gbps(probe.get(f'{kind}_probe_gbps'))} GB/s"
+
+
 def _header_lines(comp: Comparison) -> list[str]:
     meta, probe = comp.meta, comp.meta.get("probe", {})
     device = meta.get("device", {})
     return [
         f"GPU: {comp.gpu}, {device.get('cu_count', '?')} CUs, {device.get('runtime', '?')}",
         "read limit: none (CPU interpreter timing is not bandwidth evidence)" if comp.is_interpreter else
-        f"read limit: {format_gbps(comp.read_gbps)} GB/s (probe, {probe.get('kind', '?')} timing; "
-        f"copy {format_gbps(probe.get('copy_gbps'))} GB/s)",
+        f"read limit: {format_gbps(comp.read_gbps)} GB/s ({_limit_source(probe, 'read')}, {probe.get('kind', '?')} "
+        f"timing; copy {format_gbps(probe.get('copy_gbps'))} GB/s, {_limit_source(probe, 'copy')})",
         f"model: {meta.get('model') or '-'}; tuned backends in this run: {', '.join(comp.present) or 'none'}",
         f"command: {meta.get('command', '?')}",
         f"timing kind: {comp.timing_kind}; source: {comp.run_dir}/final.csv (interleaved final re-measure)",

@@ -208,3 +208,22 @@ def limit_gbps(problem: Problem, probe: dict[str, Any]) -> float | None:
     if probe.get("kind") == "cpu":
         return None
     return probe.get(f"{opspec.get(problem.op).limit}_gbps") or None
+
+
+def raise_limit(run: Run, problem: Problem, gbps: float | None, what: str) -> None:
+    """Make the limit a measured upper bound: a verified candidate (or baseline) that moves its bytes faster
+    than the probe's best streaming kernel raises the limit of its kind (read or copy) to its own rate,
+    recorded as ``<kind>_raised_by`` with the probe's figure as ``<kind>_probe_gbps``. So no trial and no
+    re-measured row reads above 100% of the limit the run reports. Nothing on the CPU interpreter."""
+    from tunekit.problems import opspec
+
+    limit = limit_gbps(problem, run.probe)
+    if limit is None or not gbps or gbps <= limit:
+        return
+    kind = opspec.get(problem.op).limit
+    with run.lock:
+        probe = run.probe
+        if gbps > (probe.get(f"{kind}_gbps") or 0.0):
+            probe.setdefault(f"{kind}_probe_gbps", probe.get(f"{kind}_gbps"))
+            probe[f"{kind}_gbps"] = gbps
+            probe[f"{kind}_raised_by"] = what

@@ -28,7 +28,7 @@ from optuna.trial import TrialState
 from tunekit import backends as backend_registry
 from tunekit.problems.shapes import Problem
 from tunekit.search import fleet
-from tunekit.search.common import Run, WorkerContext, limit_gbps, retrying, study_name, tell
+from tunekit.search.common import Run, WorkerContext, limit_gbps, raise_limit, retrying, study_name, tell
 from tunekit.search.liveness import fail_dead_trials
 from tunekit.search.stops import STOPS
 
@@ -225,6 +225,8 @@ def _final_remeasure(run: Run, ctx: WorkerContext, problem: Problem,
     baselines = [c["label"] for c in measured if c["backend"] in backend_registry.STOCK]
     base_label = min(baselines, key=lambda label: timings[label]["time_us"])
     base = timings[base_label]
+    for label, t in timings.items():  # the re-measure's rates count too: the limit stays an upper bound
+        raise_limit(run, problem, t.get("gbps"), f"{label} in the final re-measure of {problem.key}")
     limit = limit_gbps(problem, probe)
     peers = json.dumps(peer_record(candidates, timings, reply.get("dropped", {}), peer_arms(problem, run.device)[1]),
                        sort_keys=True)

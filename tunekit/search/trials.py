@@ -30,6 +30,7 @@ from tunekit.search.common import (
     best_us,
     limit_gbps,
     params_key,
+    raise_limit,
     retrying,
     tell,
     trial_index,
@@ -164,6 +165,8 @@ def _run_trials(run: Run, ctx: WorkerContext, st: OpenStudy, mine: _WorkerStudy,
                 stopping = True
                 return "done"
             stats.measured_now += 1
+            if reply.get("status") == "ok":
+                raise_limit(run, problem, reply.get("gbps"), f"{stats.backend} trial {trial.number} on {problem.key}")
             _store_reply(trial, reply, limit_gbps(problem, run.probe))
             if reply.get("status") == "ok":
                 tell(study, trial, reply["time_us"])
