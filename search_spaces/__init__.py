@@ -43,6 +43,10 @@ def _read(op: str) -> dict[str, Any]:
         raise SpaceError(f"search_spaces/{op}.toml: {exc}") from exc
 
 
+#: The keys of a backend's table; the kernel a backend builds is its own (``tunekit.backends``), not the TOML's.
+KEYS = frozenset({"domains", "default", "reference", "fixed"})
+
+
 def load(op: str, backend: str):
     """The ``SearchSpace`` of ``backend`` for ``op``; checks default/reference lie in the domains."""
     from tunekit.backends.base import SearchSpace
@@ -52,6 +56,9 @@ def load(op: str, backend: str):
     if backend not in data:
         raise SpaceError(f"search_spaces/{stem}.toml has no [{backend}] table")
     table = data[backend]
+    unknown = sorted(set(table) - KEYS)
+    if unknown:  # a key nothing reads would look like a setting that works
+        raise SpaceError(f"[{backend}] of {stem}.toml has unknown keys {unknown} (known: {', '.join(sorted(KEYS))})")
     domains = {name: list(values) for name, values in table.get("domains", {}).items()}
     default = dict(table.get("default", {}))
     reference = dict(table.get("reference", default))

@@ -74,3 +74,19 @@ def test_the_records_import_nothing() -> None:
             "and m not in ('tunekit.problems', 'tunekit.problems.oprecords'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_a_search_space_key_nothing_reads_is_refused(tmp_path) -> None:
+    """A backend table holds domains, default, reference and fixed only: a stale key (the kernel's module,
+    which the backend itself names) would read like a setting that works."""
+    import pytest
+
+    import search_spaces
+
+    path = tmp_path / "toy.toml"
+    path.write_text('[triton]\nkernel = "kernels_triton.gemv"\n[triton.domains]\nA = [1, 2]\n[triton.default]\nA = 1\n')
+    with pytest.raises(search_spaces.SpaceError, match=r"unknown keys \['kernel'\]"):
+        search_spaces.load(str(path), "triton")
+    good = tmp_path / "toy2.toml"
+    good.write_text('[triton.domains]\nA = [1, 2]\n[triton.default]\nA = 1\n')
+    assert search_spaces.load(str(good), "triton").domains == {"A": [1, 2]}
