@@ -161,7 +161,7 @@ class FlashInferBackend:
             importlib.import_module("flashinfer.gemm.routergemm").get_tinygemm2_module()
         except Exception as exc:  # noqa: BLE001 - nvcc's and ninja's failures: a failed baseline, one line
             raise BuildError(f"FlashInfer's tinygemm_bf16 JIT build failed: {type(exc).__name__}: {exc}") from None
-        tinygemm = flashinfer.tinygemm_bf16
+        tinygemm = importlib.import_module("flashinfer.gemm").tinygemm_bf16  # not re-exported at the top
 
         def kernel(inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
             x, w = inputs
