@@ -575,3 +575,56 @@ def test_h100_default_path_served() -> None:
     stated(one["predicted_speedup"], "1.117")
     stated(four["folded_speedup"], "1.061")
     assert (four["predicted_served_calls"], four["predicted_calls"]) == (418, 546)
+
+
+def test_h100_peers_per_token() -> None:
+    """Every row of the README's per-token table of the peers on an H100, from each run's final.csv."""
+    folder = RESULTS / "h100-peers-5db322d"
+    names = {"Qwen3.5-27B": "qwen3.5-27b", "Llama-3.1-8B": "llama-3.1-8b"}
+    peers = ("vllm_skinny_heuristic", "flashinfer", "inductor_max_autotune", "triton_autotune")
+    rows = [line.split("|")[1:-1] for line in (folder / "README.md").read_text().splitlines()
+            if line.startswith(("| Qwen3.5-27B |", "| Llama-3.1-8B |"))]
+    rows = [cells for cells in rows if len(cells) == 9]  # the per-token table's (the time split has 5 cells)
+    assert len(rows) == 10
+    comps = {}
+    for cells in rows:
+        model, m, *figures = (c.strip().strip("*") for c in cells)
+        comp = comps.setdefault(model, comparison(f"h100-peers-5db322d/{names[model]}"))
+        t = next(t for t in comp.tokens if t.m == int(m))
+        values = [t.vendor_us / t.tuned_us, *(t.vendor_us / t.peer_us[p] for p in peers),
+                  t.vendor_us / t.best_peer_us, t.best_peer_us / t.tuned_us]
+        for value, text in zip(values, figures, strict=True):
+            stated(value, text)
+    for comp in comps.values():  # every peer timed on every problem, on the H100
+        assert comp.gpu.startswith("NVIDIA H100")
+        assert all(set(peers) <= set(p.baselines) for p in comp.problems)
+
+
+def test_h100_peers_time_split() -> None:
+    from tunekit.evidence.time_split import split_table
+
+    head, rows = split_table(RESULTS / "h100-peers-5db322d" / "qwen3.5-27b")
+    by_part = {r[0]: r for r in rows}
+    final = by_part["final re-measure (build, verify and time every candidate and peer)"]
+    stated(float(final[head.index("total s")]), "230.0")
+    assert final[-1] == "66.8%"
+    workers = [by_part["triton: worker"], by_part["hip: worker"]]
+    stated(sum(float(r[head.index("compile s")]) for r in workers), "0.8")
+    assert sum(int(r[1]) for r in workers) == 210
+
+
+def test_h100_canary_cost() -> None:
+    """README: the canary's cost per eager call, two processes per setting, medians of 5 repeats."""
+    lines = [json.loads(x) for x in (RESULTS / "h100-canary-cost-5db322d" / "canary.jsonl").read_text().splitlines()]
+    med = {}
+    for doc in lines:
+        assert doc["tuned_calls"] == 505 and doc["shapes"] == 7
+        med.setdefault(doc["canary"], []).append(sorted(doc["us_per_call"])[2])
+    off, hundred, every = med[""], med["100"], med["1"]
+    for value, text in zip(off + hundred + every, ("160.3", "162.0", "161.6", "163.7", "5160", "5238"), strict=True):
+        stated(value, text)
+    stated(100 * (hundred[0] / off[0] - 1), "0.8")
+    stated(100 * (hundred[1] / off[1] - 1), "1.0")
+    stated(every[0] / off[0], "32")
+    spikes = [max(doc["us_per_call"]) for doc in lines if doc["canary"] == "100"]
+    assert [f"{s:.0f}" for s in spikes] == ["416", "424"]

@@ -6,7 +6,8 @@ vLLM and the CuTe DSL are installed), ``vendor`` (cuBLAS / rocBLAS for GEMV,
 the PyTorch eager composition for elementwise ops), ``inductor``
 (torch.compile of that composition) and the peers (``PEERS``: other projects'
 kernels as their stacks run them, ``vllm_skinny_heuristic``,
-``flashinfer``, ``inductor_max_autotune`` and ``triton_autotune``; each says in one line why it cannot run where it cannot,
+``flashinfer``, ``inductor_max_autotune`` and ``triton_autotune``; each
+says in one line why it cannot run where it cannot,
 ``unavailable_reason``, or why a shape is not its, ``invalid_reason``). Any other name of the
 form ``package.module:ATTR`` is imported as a third-party backend (used by
 tests to inject failing candidates, and by plugins).

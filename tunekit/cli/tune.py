@@ -280,7 +280,9 @@ def search(
     )
     try:
         with _stop_signals():
-            outcome = run_search(cfg, progress=_progress_mode(progress), log=lambda s: console.print(s))
+            # markup off: a log line is plain text ("pip install -e .[peers]" would lose its brackets)
+            outcome = run_search(cfg, progress=_progress_mode(progress),
+                                 log=lambda s: console.print(s, markup=False, highlight=False))
             print_summary(console, outcome)
             report_after_search(console, outcome.run_dir)
     except Interrupted:

@@ -18,7 +18,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from tunekit.evidence.comparison import Comparison, Measure, format_gbps, format_value, load_comparison
+from tunekit.evidence.comparison import (
+    Comparison,
+    Measure,
+    format_gbps,
+    format_value,
+    load_comparison,
+    winning_peer_lines,
+)
 from tunekit.evidence.plots import plot_notes, write_plots
 
 #: Shares of decode time spent in these GEMVs for the Amdahl service prediction.
@@ -237,6 +244,10 @@ def write_markdown(comp: Comparison, plots: list[Path], path: Path | None = None
             "with the same weight rotation and graphs, on each problem it can run. Where a peer was not timed, "
             "the run's record says why.", ""]
     out += [f"- {line}" for line in comp.peer_lines] + [""]
+    winners = winning_peer_lines(comp)
+    if winners:
+        out += ["### Peers that win", "", "Where a peer is faster than what the table serves, and why the table does "
+                "not serve it:", ""] + [f"- {line}" for line in winners] + [""]
     out += ["## Per problem", "", "Best candidate of each backend; GB/s over the bytes one call must move, "
             "% of the measured read limit; speedup over vendor in the same session; winner = fastest incl. "
             "vendor and the peers. tuned = the best tuned candidate where it beats the stock path (the dispatch "

@@ -372,6 +372,35 @@ def peer_lines(comp: Comparison) -> list[str]:
     return lines
 
 
+#: Why the table does not serve a peer that beats the tuned kernel, per peer (tunekit compare's "Peers that win").
+#: The table holds tunekit's searched families only and falls back to the stock path, never to a peer.
+PEER_NOT_SERVED = {
+    "vllm_skinny_heuristic": "the same kernel is the searched family vllm_skinny: the table serves it where the "
+                             "run searched it (--backend ...,vllm_skinny) and it won; serving it needs vLLM >= 0.33",
+    "flashinfer": "FlashInfer is not a tunekit family: the table serves tunekit's families and the stock path only",
+    "inductor_max_autotune": "Inductor's pick inside a compiled graph, not a kernel the table can name; vLLM runs "
+                             "it where the whole model is compiled with max-autotune",
+    "triton_autotune": "a plain Triton tile loop inside the Triton family's space (M_MODE=dot): the search did not "
+                       "reach it; more trials, or its configs as seeds",
+}
+
+
+def winning_peer_lines(comp: Comparison) -> list[str]:
+    """One line per problem where a peer beats what the table serves: the peer, both times, and why the table
+    does not serve it (:data:`PEER_NOT_SERVED`), or that the table serves it."""
+    lines = []
+    for p in comp.problems:
+        peer, served = p.best_peer, p.served_us()
+        if peer is None or peer.time_us >= served:
+            continue
+        why = PEER_NOT_SERVED.get(peer.label, "not a tunekit family: the table cannot serve it")
+        if peer.label == "vllm_skinny_heuristic" and "vllm_skinny" in p.best:
+            why = "vllm_skinny was searched in this run and its best is slower than vLLM's heuristic here"
+        lines.append(f"{p.op} {p.label}: {peer.label} {peer.time_us:.2f} µs vs served {served:.2f} µs "
+                     f"({served / peer.time_us:.3f}x slower): {why}")
+    return lines
+
+
 def _problems_text(problems: list[ProblemResult]) -> str:
     """``3 problems (gemv m1, m2; rms_gemv m1)``: how many, and their ops with their Ms."""
     by_op: dict[str, list[int]] = {}

@@ -40,8 +40,9 @@ def split_table(run_dir: Path) -> tuple[list[str], list[list[str]]] | None:
     phases = read_time(run_dir)
     if phases is None:
         return None
-    trials_path = Path(run_dir) / "trials.csv"
-    frame = pd.read_csv(trials_path) if trials_path.is_file() and trials_path.stat().st_size else pd.DataFrame()
+    # trials.csv, or trials.csv.gz where a recorded run keeps it compressed
+    found = [p for p in (Path(run_dir) / "trials.csv", Path(run_dir) / "trials.csv.gz") if p.is_file()]
+    frame = pd.read_csv(found[0]) if found and found[0].stat().st_size else pd.DataFrame()
     if not frame.empty and "started" in frame and phases.get("started"):
         frame = frame[frame["started"].astype(str) >= str(phases["started"])]
     if not frame.empty and "measured" in frame:  # the others never reached a worker (duplicates, pruned)

@@ -11,7 +11,6 @@ change under ``Run.lock``); :class:`WorkerContext` is one worker: its device pro
 from __future__ import annotations
 
 import datetime as _dt
-
 import json
 import threading
 import time

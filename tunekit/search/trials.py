@@ -233,7 +233,8 @@ def _store_reply(trial: optuna.Trial, reply: dict[str, Any], limit_gbps: float |
     status = reply.get("status", "fail")
     trial.set_user_attr("status", status)
     trial.set_user_attr("error", str(reply.get("error", ""))[:2000])
-    for key in ("wall_s", "compile_s", "verify_s", "time_s", "rtc_compile_s", "rtc_cache_hit", "max_abs_err", "err_ratio", "time_us",
+    for key in ("wall_s", "compile_s", "verify_s", "time_s", "rtc_compile_s", "rtc_cache_hit", "max_abs_err",
+                "err_ratio", "time_us",
                 "time_min_us", "time_p25_us", "time_p75_us", "spread", "repeats", "launches", "copies",
                 "timing_kind", "gbps"):
         value = reply.get(key)
