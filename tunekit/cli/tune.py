@@ -195,7 +195,8 @@ def search(
              "bar) to enter the table (0.01: 1%; >= 0)")] = 0.01,
     seed: Annotated[int, typer.Option(help="sampler and input seed")] = 0,
     warm_start: Annotated[int, typer.Option(
-        help="first measure the N best configs of every other study of the op in the storage")] = 3,
+        help="first measure the N best configs of every other study of the op in the storage, the same "
+             "shape at the nearest M first")] = 3,
     seed_from: Annotated[list[Path] | None, typer.Option(
         help="table.json or trials.csv of an earlier run (repeatable): its best configs of the same op and "
              "backend are measured first, nearest shape and M first; auto (the default): the shipped tables "
