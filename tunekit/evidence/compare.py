@@ -27,6 +27,7 @@ from tunekit.evidence.comparison import (
     winning_peer_lines,
 )
 from tunekit.evidence.plots import plot_notes, write_plots
+from tunekit.evidence.time_split import read_time, split_table
 
 #: Shares of decode time spent in these GEMVs for the Amdahl service prediction.
 AMDAHL_SHARES = (0.5, 0.7, 0.9)
@@ -225,6 +226,20 @@ def _md_table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _time_split_lines(run_dir: Path) -> list[str]:
+    """report.md's section on where the search's time went, or nothing where the run has no time.json."""
+    table = split_table(run_dir)
+    if table is None:
+        return []
+    phases = read_time(run_dir) or {}
+    workers = len(phases.get("workers", []))
+    return ["## Where the search's time went", "",
+            f"The last search's wall time, {phases.get('wall_s', 0.0):.0f} s with {workers} worker(s), by part: "
+            "in each worker call, compile (build and first launch), verify (the fp64 check) and time (the "
+            "measurement); other = the rest of the call (failed candidates, transfer). A worker times on the "
+            "device only during `time s` and the final re-measure.", "", _md_table(*table), ""]
+
+
 def write_markdown(comp: Comparison, plots: list[Path], path: Path | None = None) -> Path:
     """Write RUN/report.md: header, the three tables, the plot links."""
     path = path or comp.run_dir / "report.md"
@@ -270,9 +285,7 @@ def write_markdown(comp: Comparison, plots: list[Path], path: Path | None = None
         out += ["## Best configs", "", "The config of each backend's best candidate (the kernel's own tunable "
                 "names), to read which variant won: for GEMV, Triton's `M_MODE`, HIP's `MMA`.", "",
                 _md_table(*configs), ""]
-    from tunekit.evidence.time_split import split_lines
-
-    out += split_lines(comp.run_dir)
+    out += _time_split_lines(comp.run_dir)
     notes = plot_notes(comp)  # one line per chart left out, in its place
     if plots or notes:
         out += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [f"- {n}" for n in notes] + [""]
@@ -293,8 +306,6 @@ def compare_run(run_dir: Path, console: Console) -> Comparison:
     except ImportError:
         plots = []
         console.print("[yellow]matplotlib is not installed: no plots (pip install matplotlib)[/]")
-    from tunekit.evidence.time_split import split_table
-
     split = split_table(Path(run_dir))
     if split is not None:
         table = Table(*split[0], title="where the search's time went (report.md)")

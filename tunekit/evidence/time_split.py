@@ -6,7 +6,8 @@ the search waited it; ``compile_s``, build and first launch; ``verify_s``; ``tim
 started during that search count (a resumed run's earlier trials are not its time).
 
 Call protocol: ``split_table(run_dir)`` -> (header, rows) or None where the run has no time.json (a run
-written before it, or one stopped before its files).
+written before it, or one stopped before its files); ``read_time(run_dir)`` -> the phases or None.
+``tunekit compare`` prints the table and puts it into report.md.
 """
 
 from __future__ import annotations
@@ -74,19 +75,3 @@ def split_table(run_dir: Path) -> tuple[list[str], list[list[str]]] | None:
     head = ["part", "trials", "compile s", "verify s", "time s", "other s", "total s",
             f"share of {budget:.0f} worker-s" if len(workers) > 1 else f"share of {budget:.0f} s"]
     return head, rows
-
-
-def split_lines(run_dir: Path) -> list[str]:
-    """report.md's section: a sentence and the table, or nothing where the run has no time.json."""
-    from tunekit.evidence.compare import _md_table
-
-    table = split_table(run_dir)
-    if table is None:
-        return []
-    phases = read_time(run_dir) or {}
-    workers = len(phases.get("workers", []))
-    return ["## Where the search's time went", "",
-            f"The last search's wall time, {phases.get('wall_s', 0.0):.0f} s with {workers} worker(s), by part: "
-            "in each worker call, compile (build and first launch), verify (the fp64 check) and time (the "
-            "measurement); other = the rest of the call (failed candidates, transfer). A worker times on the "
-            "device only during `time s` and the final re-measure.", "", _md_table(*table), ""]
