@@ -1,6 +1,6 @@
 """Search spaces as data: one TOML file per op, one table per backend.
 
-``load(op, backend)`` returns a ``tunekit.backends.base.SearchSpace``. The
+``load(op, backend)`` returns a :class:`SearchSpace` (``tunekit.backends.base`` re-exports it). The
 TOML holds domains, the default (fallback) config and the exact-numerics
 reference config; validity predicates live in Python next to each kernel.
 Which file an op reads is its record's (``tunekit.problems.oprecords``): the
@@ -11,6 +11,7 @@ a ``.toml`` path of its own.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -19,10 +20,32 @@ from typing import Any
 import tomllib
 
 
+@dataclass(frozen=True)
+class SearchSpace:
+    """Domains of one backend's tunables for one op, as read from TOML.
+
+    ``domains`` maps a parameter name (equal to the kernel's constexpr/define
+    name) to the list of its allowed values; ``default`` is a parameter set
+    valid for every problem of the op (the fallback config, enqueued first).
+    ``reference`` is the designated config whose output bits define the
+    ``exact`` numerics policy for this family.
+    """
+
+    op: str
+    backend: str
+    domains: dict[str, list[Any]]
+    default: dict[str, Any]
+    reference: dict[str, Any]
+    fixed: dict[str, Any] = field(default_factory=dict)
+
+    def is_empty(self) -> bool:
+        return not self.domains
+
+
 def _file(op: str) -> str:
     """The space file of ``op``: its record's (``tunekit.problems.oprecords``; ops of one kernel share a
     file, the Gemma-weight norms their plain-weight op's), else ``<op>.toml``'s stem."""
-    from tunekit.problems import oprecords
+    from tunekit.problems import oprecords  # here: a space's TOML loads without the op records' torch
 
     record = oprecords.RECORDS.get(op)
     return op if record is None or record.space is None else record.space
@@ -49,8 +72,6 @@ KEYS = frozenset({"domains", "default", "reference", "fixed"})
 
 def load(op: str, backend: str):
     """The ``SearchSpace`` of ``backend`` for ``op``; checks default/reference lie in the domains."""
-    from tunekit.backends.base import SearchSpace
-
     stem = _file(op)
     data = _read(stem)
     if backend not in data:

@@ -30,39 +30,17 @@ Backends never import optuna: search code adapts ``SearchSpace`` to samplers.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
+from search_spaces import SearchSpace  # noqa: F401  (defined with the TOMLs it is read from)
 from tunekit.errors import BuildError  # noqa: F401  (defined below the backends, for tunekit.rtc)
 from tunekit.measure.device import DeviceInfo
 from tunekit.problems.shapes import Problem
 
 Params = dict[str, Any]
 Kernel = Callable[[tuple[torch.Tensor, ...], torch.Tensor | tuple[torch.Tensor, ...]], None]
-
-
-@dataclass(frozen=True)
-class SearchSpace:
-    """Domains of one backend's tunables for one op, as read from TOML.
-
-    ``domains`` maps a parameter name (equal to the kernel's constexpr/define
-    name) to the list of its allowed values; ``default`` is a parameter set
-    valid for every problem of the op (the fallback config, enqueued first).
-    ``reference`` is the designated config whose output bits define the
-    ``exact`` numerics policy for this family.
-    """
-
-    op: str
-    backend: str
-    domains: dict[str, list[Any]]
-    default: Params
-    reference: Params
-    fixed: Params = field(default_factory=dict)
-
-    def is_empty(self) -> bool:
-        return not self.domains
 
 
 class Backend(Protocol):
