@@ -79,7 +79,8 @@ def load(op: str, backend: str):
     table = data[backend]
     unknown = sorted(set(table) - KEYS)
     if unknown:  # a key nothing reads would look like a setting that works
-        raise SpaceError(f"[{backend}] of {stem}.toml has unknown keys {unknown} (known: {', '.join(sorted(KEYS))})")
+        where = stem if stem.endswith(".toml") else f"search_spaces/{stem}.toml"
+        raise SpaceError(f"[{backend}] of {where} has unknown keys {unknown} (known: {', '.join(sorted(KEYS))})")
     domains = {name: list(values) for name, values in table.get("domains", {}).items()}
     default = dict(table.get("default", {}))
     reference = dict(table.get("reference", default))

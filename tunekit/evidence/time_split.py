@@ -16,18 +16,18 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
-
-from tunekit.search.results import TIME_FILE
-
 PARTS = ("compile_s", "verify_s", "time_s")
 
 
-def _seconds(frame: pd.DataFrame, column: str) -> float:
+def _seconds(frame, column: str) -> float:
+    import pandas as pd
+
     return float(pd.to_numeric(frame[column], errors="coerce").fillna(0.0).sum()) if column in frame else 0.0
 
 
 def read_time(run_dir: Path) -> dict[str, Any] | None:
+    from tunekit.search.results import TIME_FILE  # here: that module loads pandas, the summary's import must not
+
     path = Path(run_dir) / TIME_FILE
     try:
         return json.loads(path.read_text())
@@ -41,6 +41,8 @@ def split_table(run_dir: Path) -> tuple[list[str], list[list[str]]] | None:
     phases = read_time(run_dir)
     if phases is None:
         return None
+    import pandas as pd  # here: compare's module is imported by the end-of-search summary, which reads no csv
+
     # trials.csv, or trials.csv.gz where a recorded run keeps it compressed
     found = [p for p in (Path(run_dir) / "trials.csv", Path(run_dir) / "trials.csv.gz") if p.is_file()]
     frame = pd.read_csv(found[0]) if found and found[0].stat().st_size else pd.DataFrame()
