@@ -471,10 +471,34 @@ def stream_cases() -> list[Case]:
     return cases
 
 
+def autotune_gemv_cases() -> list[Case]:
+    """The plain @triton.autotune peer, its first and last config at M = 1 and 16 (the autotuner times on the
+    device, so each config's kernel is launched directly, as the autotuner launches it)."""
+    import torch
+    import triton
+
+    from kernels_triton import autotune_gemv as ag
+
+    n, k = 40, 300  # masked tails in N and K
+    cases: list[Case] = []
+    for m, config in itertools.product((1, 16), (ag.CONFIGS[0], ag.CONFIGS[-1])):
+        x, w = _bf16(m, k), _bf16(n, k)
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+
+        def call(x=x, w=w, out=out, m=m, config=config):
+            grid = (triton.cdiv(n, config.kwargs["BLOCK_N"]),)
+            ag._gemv_kernel.fn[grid](x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
+                                     BLOCK_M=ag.BLOCK_M, num_warps=config.num_warps,
+                                     num_stages=config.num_stages, **config.kwargs)
+
+        cases.append((f"autotune_gemv[M={m},N={n},K={k}] {config.kwargs} w{config.num_warps}", call))
+    return cases
+
+
 def repo_cases() -> list[Case]:
     """Every Triton kernel of kernels_triton, through its wrapper."""
     return (gemv_cases() + gemv_add_cases() + rms_gemv_cases() + glu_gemv_cases() + elementwise_cases()
-            + norm_gemv_cases() + act_gemv_cases() + stream_cases())
+            + norm_gemv_cases() + act_gemv_cases() + stream_cases() + autotune_gemv_cases())
 
 
 # ---------------------------------------------------------------------------------------------
