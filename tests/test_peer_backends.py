@@ -477,16 +477,10 @@ def test_the_afternoon_triton_gemv_is_correct_at_each_config_shape(m: int, monke
     x = torch.randn(m, k, generator=gen).to(torch.float16)
     w = torch.randn(n, k, generator=gen).to(torch.float16)
     out = torch.full((m, n), float("nan"), dtype=torch.float16)
-    config = ag.CONFIGS[0]
-    ag._gemv_kernel.fn[(triton_cdiv(n, config.kwargs["BLOCK_N"]),)](
-        x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), BLOCK_M=ag.BLOCK_M, **config.kwargs)
+    ag.launch_config(x, w, out, ag.CONFIGS[0])
     exact = x.double() @ w.double().t()
     assert torch.isfinite(out).all()
     assert (out.double() - exact).abs().max() <= 0.01 * exact.abs().max()
     assert ag.invalid_reason(17, n, k) == "the afternoon GEMV holds M in one tile of 16 rows (M=17)"
     assert backends.get("triton_autotune").invalid_reason(Problem("gemv", "bf16", 17, n, k), {}).startswith(
         "shape unsupported: the afternoon GEMV")
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)

@@ -475,7 +475,6 @@ def autotune_gemv_cases() -> list[Case]:
     """The plain @triton.autotune peer, its first and last config at M = 1 and 16 (the autotuner times on the
     device, so each config's kernel is launched directly, as the autotuner launches it)."""
     import torch
-    import triton
 
     from kernels_triton import autotune_gemv as ag
 
@@ -484,14 +483,8 @@ def autotune_gemv_cases() -> list[Case]:
     for m, config in itertools.product((1, 16), (ag.CONFIGS[0], ag.CONFIGS[-1])):
         x, w = _bf16(m, k), _bf16(n, k)
         out = torch.empty(m, n, dtype=torch.bfloat16)
-
-        def call(x=x, w=w, out=out, m=m, config=config):
-            grid = (triton.cdiv(n, config.kwargs["BLOCK_N"]),)
-            ag._gemv_kernel.fn[grid](x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-                                     BLOCK_M=ag.BLOCK_M, num_warps=config.num_warps,
-                                     num_stages=config.num_stages, **config.kwargs)
-
-        cases.append((f"autotune_gemv[M={m},N={n},K={k}] {config.kwargs} w{config.num_warps}", call))
+        cases.append((f"autotune_gemv[M={m},N={n},K={k}] {config.kwargs} w{config.num_warps}",
+                      lambda x=x, w=w, out=out, config=config: ag.launch_config(x, w, out, config)))
     return cases
 
 
