@@ -68,10 +68,12 @@ def test_a_record_cannot_take_a_name_twice_nor_remove_a_builtin() -> None:
 
 
 def test_the_records_import_nothing() -> None:
-    """The bottom of the layers: importing the records imports neither torch nor any other tunekit module."""
+    """The bottom of the layers: importing the records imports no torch and no other tunekit module than the
+    pure-Python layouts (what an op's (n, k) mean) and the error type those raise."""
     code = ("import sys; import tunekit.problems.oprecords; "
             "print(sorted(m for m in sys.modules if m == 'torch' or (m.startswith('tunekit.') "
-            "and m not in ('tunekit.problems', 'tunekit.problems.oprecords'))))")
+            "and m not in ('tunekit.problems', 'tunekit.problems.oprecords', 'tunekit.problems.layouts', "
+            "'tunekit.errors'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
 
@@ -90,3 +92,28 @@ def test_a_search_space_key_nothing_reads_is_refused(tmp_path) -> None:
     good = tmp_path / "toy2.toml"
     good.write_text('[triton.domains]\nA = [1, 2]\n[triton.default]\nA = 1\n')
     assert search_spaces.load(str(good), "triton").domains == {"A": [1, 2]}
+
+
+def test_every_problem_op_has_a_layout_and_the_problem_reads_its_dimensions_from_it() -> None:
+    """What (n, k) mean comes from the op's record alone: a new op with the glu layout gets glu's weight bytes,
+    shape text and --shape form without a line about it anywhere else."""
+    import pytest
+
+    from tunekit.errors import UserError
+    from tunekit.problems import layouts, oprecords, shapes
+
+    for record in oprecords.RECORDS.values():
+        assert (record.layout is None) == (record.kind == "serving"), record.name
+    assert shapes.Problem("gemv", "bf16", 1, 96, 5120).weight_bytes == 96 * 5120 * 2
+    assert shapes.Problem("gated_rms_norm", "bf16", 1, 6144, 128).shape_text == "48x128"
+    record = oprecords.OpRecord("toy_glu", "elementwise", "pointwise", spec="x:Y", layout="glu")
+    with oprecords.registered(record):
+        problem = shapes.Problem("toy_glu", "bf16", 1, 64, 128)
+        assert (problem.weight_bytes, problem.shape_text) == (0, "128->64")
+        assert oprecords.layout("toy_glu").parse("toy_glu", "toy_glu:64", 64, None) == (64, 128)
+    with pytest.raises(ValueError, match="layout 'diagonal'"):
+        oprecords.OpRecord("bad", "elementwise", "pointwise", layout="diagonal")
+    with pytest.raises(KeyError, match="no layout"):
+        oprecords.layout("sibling_gemv")
+    with pytest.raises(UserError, match="takes GROUPSxSIZE"):
+        layouts.GROUPS.parse("gated_rms_norm", "gated_rms_norm:48", 48, None)

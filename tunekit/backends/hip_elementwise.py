@@ -113,8 +113,10 @@ def pointwise_invalid_reason(params: Params, problem: Problem) -> str | None:
     p = int_params(params, POINTWISE_PARAMS)
     if isinstance(p, str):
         return p
-    want_k = 2 * problem.n if problem.op == "silu_and_mul" else problem.n
-    if problem.n < 1 or problem.k != want_k:
+    if problem.n < 1:
+        return f"{problem.op} needs N >= 1 (got N={problem.n})"
+    want_k = oprecords.layout(problem.op).dims(problem.op, problem.n)[1]  # glu: K = 2N; a row: K = N
+    if problem.k != want_k:
         return f"{problem.op} needs K={want_k} for N={problem.n} (got K={problem.k})"
     threads, vec, unroll, rpb = p["THREADS"], p["VEC"], p["UNROLL"], p["ROWS_PER_BLOCK"]
     if vec not in (1, 2, 4, 8):

@@ -8,8 +8,9 @@ with the run-time and fake impls that serve it, its stock composition (what
 a compile pass puts back where no table serves), and the vLLM plugin's hook
 that routes vLLM's layers to it. Code is named by ``"module:ATTR"`` strings
 and imported only when used (:func:`resolve`), as a plug-in backend is, so
-this module imports nothing (no torch) and sits at the bottom of the
-layers; every other registry of ops reads it:
+this module imports no torch (only the pure-Python ``layouts``: what an
+op's (n, k) mean) and sits at the bottom of the layers; every other
+registry of ops reads it:
 
 * ``problems.shapes``: the op groups (``ELEMENTWISE_OPS``, ``FUSED_GEMV_OPS``
   ...), ``OP_FAMILIES`` (``--ops``) and ``MODEL_OPS`` are derived from here;
@@ -46,6 +47,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
+
+from tunekit.problems.layouts import LAYOUTS, Layout
 
 #: What a problem's (n, k) mean, per kind (``tunekit.problems.shapes.Problem``).
 KINDS = ("gemv", "elementwise", "fused_gemv", "serving")
@@ -85,11 +88,18 @@ class OpRecord:
     selected_by: tuple[str, ...] = ()
     #: tuned by ``tunekit search --model`` unless ``--ops`` narrows it (``shapes.MODEL_OPS``)
     default_search: bool = False
+    #: what its problems' (n, k) mean (``tunekit.problems.layouts``): by default "matrix" for a GEMV kind,
+    #: "row" for an elementwise one; None for a "serving" op
+    layout: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"op {self.name!r}: kind {self.kind!r} is not one of {KINDS}")
         object.__setattr__(self, "kernels", MappingProxyType(dict(self.kernels)))
+        if self.layout is None and self.kind != "serving":
+            object.__setattr__(self, "layout", "row" if self.kind == "elementwise" else "matrix")
+        if self.layout is not None and self.layout not in LAYOUTS:
+            raise ValueError(f"op {self.name!r}: layout {self.layout!r} is not one of {tuple(LAYOUTS)}")
 
     @property
     def tabulated(self) -> bool:
@@ -139,13 +149,13 @@ _BUILTIN: tuple[OpRecord, ...] = (
     _norm("gemma_fused_add_rms_norm", fused_add=True, gemma=True),
     OpRecord("gated_rms_norm", "elementwise", "gated_norm", spec=f"{_EW}:GATED_RMS_NORM", space="gated_rms_norm",
              kernels={"triton": "kernels_triton.gated_rms_norm", "hip": "gated_rms_norm"},
-             vendor=f"{_VENDOR}:gated_rms_norm",
+             vendor=f"{_VENDOR}:gated_rms_norm", layout="groups",
              schema="gated_rms_norm(Tensor x, Tensor z, Tensor weight, float eps) -> Tensor",
              impl=f"{_D_EW}:gated_rms_norm_impl", fake=f"{_D_EW}:fake_like", stock=f"{_D_EW}:stock_gated_rms_norm",
              vllm_hook="RMSNormGated", selected_by=("gated_rms_norm",), default_search=True),
     OpRecord("silu_and_mul", "elementwise", "pointwise", spec=f"{_EW}:SILU_AND_MUL", space="silu_and_mul",
              kernels={"triton": "kernels_triton.silu_and_mul", "hip": "silu_and_mul"},
-             vendor=f"{_VENDOR}:silu_and_mul", schema="silu_and_mul(Tensor x) -> Tensor",
+             vendor=f"{_VENDOR}:silu_and_mul", layout="glu", schema="silu_and_mul(Tensor x) -> Tensor",
              impl=f"{_D_EW}:silu_and_mul_impl", fake=f"{_D_EW}:fake_silu_and_mul",
              stock=f"{_D_EW}:stock_silu_and_mul", vllm_hook="SiluAndMul", selected_by=("silu_and_mul",),
              default_search=True),
@@ -210,6 +220,15 @@ def kernel(op: str, backend: str) -> str | None:
     """Where ``backend``'s kernel of ``op`` lives (see :attr:`OpRecord.kernels`), or None."""
     record = RECORDS.get(op)
     return None if record is None else record.kernels.get(backend)
+
+
+def layout(op: str) -> Layout:
+    """What ``op``'s (n, k) mean (:mod:`tunekit.problems.layouts`); ``KeyError`` for an unknown op or a
+    "serving" one (it has no problems of its own)."""
+    name = get(op).layout
+    if name is None:
+        raise KeyError(f"op {op!r} is served under other ops' entries: its problems have no layout")
+    return LAYOUTS[name]
 
 
 def resolve(target: str) -> Any:

@@ -45,19 +45,26 @@ _GELU_C = math.sqrt(2.0 / math.pi)
 _GELU_A = 0.044715
 
 
+# Unit-variance rows and an N(0, 1) weight: a (1 + w) / w mix-up, a wrong
+# group or a missing residual changes outputs by O(1), far above the bound.
 def _norm_inputs(problem: Problem, device: torch.device, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
-    # Unit-variance rows and an N(0, 1) weight: a (1 + w) / w mix-up, a wrong
-    # group or a missing residual changes outputs by O(1), far above the bound.
+    dtype = TORCH_DTYPES[problem.dtype]
+    x = scaled_randn((problem.m, problem.n), gen, device, dtype)
+    return x, scaled_randn((problem.n,), gen, device, dtype)
+
+
+def _fused_add_inputs(problem: Problem, device: torch.device, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     dtype = TORCH_DTYPES[problem.dtype]
     m, n = problem.m, problem.n
-    x = scaled_randn((m, n), gen, device, dtype)
-    if problem.op in ("fused_add_rms_norm", "gemma_fused_add_rms_norm"):
-        residual = scaled_randn((m, n), gen, device, dtype)
-        return x, residual, scaled_randn((n,), gen, device, dtype)
-    if problem.op == "gated_rms_norm":
-        z = scaled_randn((m, n), gen, device, dtype, scale=2.0)
-        return x, z, scaled_randn((problem.k,), gen, device, dtype)
-    return x, scaled_randn((n,), gen, device, dtype)
+    x, residual = scaled_randn((m, n), gen, device, dtype), scaled_randn((m, n), gen, device, dtype)
+    return x, residual, scaled_randn((n,), gen, device, dtype)
+
+
+def _gated_inputs(problem: Problem, device: torch.device, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    dtype = TORCH_DTYPES[problem.dtype]
+    m, n = problem.m, problem.n
+    x, z = scaled_randn((m, n), gen, device, dtype), scaled_randn((m, n), gen, device, dtype, scale=2.0)
+    return x, z, scaled_randn((problem.k,), gen, device, dtype)
 
 
 def _rows_output(problem: Problem, device: torch.device) -> torch.Tensor:
@@ -145,13 +152,16 @@ def _fused_add_bound(problem: Problem, inputs: tuple[torch.Tensor, ...],
 
 
 def _norm_bytes(problem: Problem) -> int:
-    size = DTYPE_BYTES[problem.dtype]
-    m, n = problem.m, problem.n
-    if problem.op in ("fused_add_rms_norm", "gemma_fused_add_rms_norm"):
-        return (4 * m * n + n) * size  # x, residual in; y, residual out; w
-    if problem.op == "gated_rms_norm":
-        return (3 * m * n + problem.k) * size  # x, z in; y out; w[k]
-    return (2 * m * n + n) * size  # x in, y out, w
+    return (2 * problem.m * problem.n + problem.n) * DTYPE_BYTES[problem.dtype]  # x in, y out, w
+
+
+def _fused_add_bytes(problem: Problem) -> int:
+    # x, residual in; y, residual out; w
+    return (4 * problem.m * problem.n + problem.n) * DTYPE_BYTES[problem.dtype]
+
+
+def _gated_bytes(problem: Problem) -> int:
+    return (3 * problem.m * problem.n + problem.k) * DTYPE_BYTES[problem.dtype]  # x, z in; y out; w[k]
 
 
 def _silu_and_mul_inputs(problem: Problem, device: torch.device, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -231,18 +241,18 @@ GEMMA_RMS_NORM = _elementwise(
     error_bound=_norm_bound(2), bytes_moved=_norm_bytes, rotated_input=(0,),
 )
 FUSED_ADD_RMS_NORM = _elementwise(
-    "fused_add_rms_norm", make_inputs=_norm_inputs, make_output=_two_rows_outputs,
-    reference=_fused_add_reference(gemma=False), error_bound=_fused_add_bound, bytes_moved=_norm_bytes,
+    "fused_add_rms_norm", make_inputs=_fused_add_inputs, make_output=_two_rows_outputs,
+    reference=_fused_add_reference(gemma=False), error_bound=_fused_add_bound, bytes_moved=_fused_add_bytes,
     rotated_input=(0, 1), output_names=("out", "residual_out"),
 )
 GEMMA_FUSED_ADD_RMS_NORM = _elementwise(
-    "gemma_fused_add_rms_norm", make_inputs=_norm_inputs, make_output=_two_rows_outputs,
-    reference=_fused_add_reference(gemma=True), error_bound=_fused_add_bound, bytes_moved=_norm_bytes,
+    "gemma_fused_add_rms_norm", make_inputs=_fused_add_inputs, make_output=_two_rows_outputs,
+    reference=_fused_add_reference(gemma=True), error_bound=_fused_add_bound, bytes_moved=_fused_add_bytes,
     rotated_input=(0, 1), output_names=("out", "residual_out"),
 )
 GATED_RMS_NORM = _elementwise(
-    "gated_rms_norm", make_inputs=_norm_inputs, make_output=_rows_output, reference=_gated_reference,
-    error_bound=_norm_bound(2), bytes_moved=_norm_bytes, rotated_input=(0, 1),
+    "gated_rms_norm", make_inputs=_gated_inputs, make_output=_rows_output, reference=_gated_reference,
+    error_bound=_norm_bound(2), bytes_moved=_gated_bytes, rotated_input=(0, 1),
 )
 SILU_AND_MUL = _elementwise(
     "silu_and_mul", make_inputs=_silu_and_mul_inputs, make_output=_rows_output,

@@ -120,26 +120,13 @@ class Problem:
     def weight_bytes(self) -> int:
         """Bytes of weight read per call (GEMV: the matrix, its roofline numerator;
         norms: the weight vector; bias_gelu: the bias; silu_and_mul: none)."""
-        size = DTYPE_BYTES[self.dtype]
-        if self.op == "gemv" or self.op in FUSED_GEMV_OPS:
-            return self.n * self.k * size
-        if self.op == "silu_and_mul":
-            return 0
-        if self.op == "gated_rms_norm":
-            return self.k * size
-        return self.n * size
+        return oprecords.layout(self.op).weight_elems(self.n, self.k) * DTYPE_BYTES[self.dtype]
 
     @property
     def shape_text(self) -> str:
         """Human form of the per-token shape: ``NxK`` (gemv), ``GROUPSxSIZE`` (gated
         norm), ``2N->N`` (silu_and_mul), ``N`` (the other elementwise ops)."""
-        if self.op == "gemv" or self.op in FUSED_GEMV_OPS:
-            return f"{self.n}x{self.k}"
-        if self.op == "gated_rms_norm":
-            return f"{self.n // self.k}x{self.k}"
-        if self.op == "silu_and_mul":
-            return f"{self.k}->{self.n}"
-        return str(self.n)
+        return oprecords.layout(self.op).text(self.n, self.k)
 
     def as_dict(self) -> dict:
         return {
@@ -250,17 +237,7 @@ def elementwise_dims(op: str, size: int, group: int | None = None) -> tuple[int,
     """
     if op not in ELEMENTWISE_OPS:
         raise UserError(f"unknown elementwise op {op!r} (known: {', '.join(ELEMENTWISE_OPS)})")
-    if size < 1:
-        raise UserError(f"{op}: size must be positive, got {size}")
-    if op == "gated_rms_norm":
-        if group is None or group < 1 or size % group:
-            raise UserError(f"gated_rms_norm: width {size} is not a whole number of groups of {group}")
-        return size, group
-    if group is not None:
-        raise UserError(f"{op} takes no group size")
-    if op == "silu_and_mul":
-        return size, 2 * size
-    return size, size
+    return oprecords.layout(op).dims(op, size, group)
 
 
 def elementwise_problems(
@@ -295,25 +272,9 @@ def parse_op_shape(text: str) -> tuple[str, int, int]:
         raise UserError(f"bad --shape {text!r}: expected NxK (gemv) or OP:SIZE, for example bias_gelu:4096 "
                         "or gated_rms_norm:48x128")
     op, first, second = match.group(1), int(match.group(2)), match.group(3)
-    if op in FUSED_GEMV_OPS:
-        if second is None or first < 1 or int(second) < 1:
-            raise UserError(f"bad --shape {text!r}: {op} takes the GEMV's NxK, for example {op}:96x5120")
-        return op, first, int(second)
-    if op not in ELEMENTWISE_OPS:
+    if op not in FUSED_GEMV_OPS and op not in ELEMENTWISE_OPS:
         raise UserError(f"bad --shape {text!r}: unknown op {op!r} (known: {', '.join(ELEMENTWISE_OPS)})")
-    if op == "gated_rms_norm":
-        if second is None:
-            raise UserError(f"bad --shape {text!r}: gated_rms_norm takes GROUPSxSIZE, for example 48x128")
-        groups, size = first, int(second)
-        if groups < 1 or size < 1:
-            raise UserError(f"bad --shape {text!r}: groups and group size must be positive")
-        n, k = elementwise_dims(op, groups * size, size)
-        return op, n, k
-    if second is not None:
-        raise UserError(f"bad --shape {text!r}: {op} takes one size (OP:SIZE)")
-    if first < 1:
-        raise UserError(f"bad --shape {text!r}: the size must be positive")
-    n, k = elementwise_dims(op, first)
+    n, k = oprecords.layout(op).parse(op, text, first, None if second is None else int(second))
     return op, n, k
 
 
