@@ -68,14 +68,10 @@ class TritonBackend:
             return self.space(problem)
         return SearchSpace(op=problem.op, backend=self.name, domains={}, default=default.as_params(), reference={})
 
-    @staticmethod
-    def _config_class(module, op: str):
-        return module.GemvConfig if op == "gemv" else module.Config
-
     def invalid_reason(self, problem: Problem, params: Params) -> str | None:
         module = self._module(problem.op)
         try:
-            config = self._config_class(module, problem.op).from_params(params)
+            config = module.Config.from_params(params)
         except TypeError as exc:
             return f"bad params: {exc}"
         return module.invalid_reason(config, problem.m, problem.n, problem.k)
@@ -83,7 +79,7 @@ class TritonBackend:
     def build(self, problem: Problem, params: Params, device: DeviceInfo) -> Kernel:
         module = self._module(problem.op)
         try:
-            config = self._config_class(module, problem.op).from_params(params)
+            config = module.Config.from_params(params)
         except TypeError as exc:
             raise BuildError(f"bad params: {exc}") from None
         reason = module.invalid_reason(config, problem.m, problem.n, problem.k)

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from tunekit.cli.app import app, console
 from tunekit.errors import Interrupted, UserError
+from tunekit.problems import oprecords
 from tunekit.problems.budget import FULL_TRIALS, QUICK_SHARE, QUICK_TRIALS
 
 
@@ -104,8 +105,8 @@ def shapes(
     an elementwise op any M (1, 256, 4096 ...).
     """
     _, problems = _problems(model, shape, tp, m, config, ops)
-    gemvs = [p for p in problems if p.op == "gemv"]
-    others = [p for p in problems if p.op != "gemv"]
+    gemvs = [p for p in problems if oprecords.get(p.op).kind == "gemv"]  # weight reads; the rest: bytes moved
+    others = [p for p in problems if p not in gemvs]
     moved = _moved_bytes(others)
     if as_json:
         rows = [p.as_dict() | {"bytes_per_token": p.weight_bytes * p.count}
