@@ -146,6 +146,14 @@ def need(name: str) -> None:
     pytest.skip(reason)
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one worker more than the cores. Many tests wait rather than compute (searches in subprocesses,
+    the fixed-cost backend's sleeps, a stopped server's restart), and the extra worker fills a core meanwhile: the
+    fast tier ran 9% shorter with 3 workers than with 2 on a 2-core machine (537 s against 592 s); pyproject's
+    ``--maxprocesses`` still caps it."""
+    return (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1) + 1
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "needs(extra, ...): the test needs these extras of tests/conftest.py's EXTRAS "
                                        f"({', '.join(EXTRAS)}); skipped without one, failed under its switch")

@@ -206,7 +206,7 @@ def test_folds_under_realistic_gains_and_outlier_activations_pass_their_check(tm
     # what was checked is what serves: rms_gemv on the folded weight within the bound of the unfolded math
     plan = report.folded[0]
     x = fold_check.activations(2, H, torch.bfloat16, torch.device("cpu"), 5)
-    scale = fold_check.fold_scale(plan.norm.weight, gemma=True)
+    scale = fold_check.fold_scale(plan.norm.weight, "gemma_rms_norm")
     raw = layer.linear_attn.in_proj_qkvz.weight.float() / scale.where(scale != 0, torch.ones(()))
     y = torch.ops.tunekit.rms_gemv(x, layer.linear_attn.in_proj_qkvz.weight, 1e-6)
     xf = x.float()

@@ -72,3 +72,13 @@ class Backend(Protocol):
 
     def kernel_name(self, problem: Problem) -> str:
         """Name of the kernel function that serves ``problem`` (for reports)."""
+
+
+def build_m(backend: Backend, op: str, served_m: int, entry_m: int) -> int:
+    """The M to build for when an entry tuned at ``entry_m`` serves ``served_m``.
+
+    A kernel compiled for every M up to a define (HIP's GEMV: MAX_M, the backend's optional
+    ``builds_up_to_m(op)``) is built once at the entry's M and serves each smaller M; every other is
+    built, and its config checked, at the M it serves."""
+    up_to = getattr(backend, "builds_up_to_m", None)
+    return entry_m if up_to is not None and up_to(op) else served_m

@@ -295,6 +295,11 @@ class HipBackend:
     def source_hash(self) -> str:
         return rtc.sources_hash()[:16]
 
+    def builds_up_to_m(self, op: str) -> bool:
+        """The GEMV compiles MAX_M in (one build serves every M up to it); the elementwise families take M at
+        launch time."""
+        return op not in FAMILIES
+
     def kernel_name(self, problem: Problem) -> str:
         if problem.op in FAMILIES:
             family = FAMILIES[problem.op]

@@ -72,6 +72,7 @@ def resolve(op: str, dtype: str, m: int, n: int, k: int, device: torch.device, c
 
 def _build(op: str, dtype: str, m: int, n: int, k: int, entry: dict[str, Any], device: Any) -> Choice:
     from tunekit import backends
+    from tunekit.backends import base
     from tunekit.problems.shapes import Problem
 
     name = entry["backend"]
@@ -89,9 +90,7 @@ def _build(op: str, dtype: str, m: int, n: int, k: int, entry: dict[str, Any], d
                                            need_space=False)
         if refused is not None:
             raise ValueError(refused)
-        # HIP kernels are built for M up to MAX_M = the tabulated M (one build
-        # serves every smaller M); Triton's config is checked for the real M.
-        build_m = entry["m"] if (name == "hip" and op == "gemv") else m
+        build_m = base.build_m(backend, op, m, entry["m"])
         # the one test of whether an entry runs at this M, shared with the predictions (table.serving_lookup)
         invalid = table_mod.invalid_at_m(entry, m)
         if invalid is not None:

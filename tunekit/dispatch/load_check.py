@@ -89,6 +89,7 @@ def entry_failure(entry: dict[str, Any], ms: Sequence[int], info: Any) -> str | 
     import torch
 
     from tunekit import backends
+    from tunekit.backends import base
     from tunekit.measure import verify
     from tunekit.problems import opspec
     from tunekit.problems.shapes import Problem
@@ -103,7 +104,7 @@ def entry_failure(entry: dict[str, Any], ms: Sequence[int], info: Any) -> str | 
         spec = opspec.get(op)
         built: dict[int, Any] = {}
         for m in ms:
-            build_m = entry["m"] if (entry["backend"] == "hip" and op == "gemv") else m
+            build_m = base.build_m(backend, op, m, entry["m"])
             if build_m not in built:
                 built[build_m] = backend.build(Problem(op, dtype, build_m, n, k), entry["params"], info)
             problem = Problem(op, dtype, m, n, k)

@@ -51,6 +51,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from tunekit.problems import oprecords
+
 __all__ = ["CheckResult", "activations", "check_norm_fold", "check_residual_add", "checked_ms", "fold_scale",
            "quiet_markers", "refuse_kernels", "tables_hold"]
 
@@ -88,10 +90,10 @@ class CheckResult:
                 f"M={self.m}; the unfolded sequence: ratio {self.unfolded_ratio:.3g})")
 
 
-def fold_scale(gain: torch.Tensor, gemma: bool) -> torch.Tensor:
-    """The fp32 column scale a fold multiplies the consumers' weights by: g, or 1 + g (zero-centred norms)."""
-    g = gain.detach().float()
-    return 1.0 + g if gemma else g
+def fold_scale(gain: torch.Tensor, norm_op: str) -> torch.Tensor:
+    """The fp32 column scale a fold multiplies the consumers' weights by: g, or 1 + g (zero-centred norms: the
+    op record's ``gain_offset``)."""
+    return gain.detach().float() + oprecords.get(norm_op).gain_offset
 
 
 @contextlib.contextmanager
@@ -203,9 +205,8 @@ def check_norm_fold(norm_op: str, gain: torch.Tensor, eps: float, raw: torch.Ten
     dtype = _dtype_name(raw.dtype)
     if dtype is None or folded.dtype != raw.dtype or gain.dtype != raw.dtype:
         return CheckResult(False, reason=f"no correctness bound for {raw.dtype} weights")
-    gemma = norm_op.startswith("gemma")
     n, k = raw.shape
-    scale = fold_scale(gain, gemma)
+    scale = fold_scale(gain, norm_op)
     outs, xs = [], []
     with quiet_markers():
         for i, m in enumerate(checked_ms("rms_gemv", dtype, n, k, str(raw.device))):
@@ -216,7 +217,7 @@ def check_norm_fold(norm_op: str, gain: torch.Tensor, eps: float, raw: torch.Ten
                 outs.append((m, served, F.linear(normed, raw)))
                 xs.append(x)
     x_all = torch.cat(xs)
-    spec = "gemma_rms_norm_gemv" if gemma else "rms_norm_gemv"
+    spec = f"{norm_op}_gemv"  # the norm in the GEMV's prologue: the unfolded sequence's bound
     return _compare(spec, dtype, lambda cols: (x_all, gain, raw[cols]), n, k, outs)
 
 

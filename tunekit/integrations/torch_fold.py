@@ -44,6 +44,7 @@ from tunekit.integrations.torch_routes import (
     _needs_autograd,
     _set_forward,
 )
+from tunekit.problems import oprecords
 
 logger = logging.getLogger("tunekit")
 
@@ -81,7 +82,8 @@ def _folded_linear_forward(module: nn.Linear, eps: float) -> Callable[[torch.Ten
 
 def _norm_op(module: nn.Module) -> str | None:
     op = ELEMENTWISE_ROUTES.get(type(module).__name__)
-    return op if op in ("rms_norm", "gemma_rms_norm") else None
+    # a plain norm (one with a fused-add form): what a fold takes into the GEMVs that read it
+    return op if op is not None and oprecords.get(op).with_residual is not None else None
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -158,7 +160,7 @@ def _fold_pays(op: str, norm: nn.Module, consumers: list[nn.Linear]) -> tuple[bo
 def _folded(norm: nn.Module, op: str, raws: list[torch.Tensor]) -> tuple[list[torch.Tensor], CheckResult]:
     """The folded weights (W diag(g), Gemma diag(1 + g), in fp32, rounded once to the weight's dtype) and the
     worst of their checks against the unfolded sequence on ``raws``."""
-    scale = fold_scale(norm.weight, op == "gemma_rms_norm")
+    scale = fold_scale(norm.weight, op)
     weights = [(w.detach().float() * scale).to(w.dtype) for w in raws]
     worst: CheckResult | None = None
     for raw, folded in zip(raws, weights, strict=True):

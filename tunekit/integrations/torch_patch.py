@@ -81,6 +81,7 @@ from tunekit.integrations.torch_routes import (
     _op_call,
     _set_forward,
 )
+from tunekit.problems import oprecords
 
 __all__ = ["ELEMENTWISE_ROUTES", "SIBLING_LINEARS", "fold_shapes", "linear_shapes", "merged_shapes",
            "patch", "unpatch"]
@@ -93,7 +94,7 @@ def _norm_forward(op: str) -> Callable[[nn.Module], Callable[..., Any]]:
         original = module.forward
         eps = _eps(module)
         # _op_call(op), inlined, with this module's own EagerNorm as the impl
-        eager, traced = EagerNorm(op == "gemma_rms_norm", eps), getattr(torch.ops.tunekit, op)
+        eager, traced = EagerNorm(oprecords.get(op).gain_offset == 1.0, eps), getattr(torch.ops.tunekit, op)
         (is_compiling, is_tracing), plain = _TRACING, torch.Tensor
 
         def forward(hidden_states: torch.Tensor) -> torch.Tensor:

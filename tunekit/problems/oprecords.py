@@ -88,6 +88,11 @@ class OpRecord:
     selected_by: tuple[str, ...] = ()
     #: tuned by ``tunekit search --model`` unless ``--ops`` narrows it (``shapes.MODEL_OPS``)
     default_search: bool = False
+    #: a norm's gain is its weight plus this (Gemma's zero-centred weights: y = x / rms * (1 + w))
+    gain_offset: float = 0.0
+    #: the op that adds the residual first, then runs this norm (``fused_add_rms_norm`` for ``rms_norm``); set
+    #: on the plain norms a fold can take into the GEMVs that read them
+    with_residual: str | None = None
     #: what its problems' (n, k) mean (``tunekit.problems.layouts``): by default "matrix" for a GEMV kind,
     #: "row" for an elementwise one; None for a "serving" op
     layout: str | None = None
@@ -126,7 +131,9 @@ def _norm(name: str, *, fused_add: bool, gemma: bool) -> OpRecord:
         schema=(_FUSED_ADD_SCHEMA if fused_add else _NORM_SCHEMA).format(name),
         impl=f"{_D_EW}:{name}_impl", fake=f"{_D_EW}:{'fake_pair' if fused_add else 'fake_like'}",
         stock=f"{_D_EW}:stock_{name}", vllm_hook="GemmaRMSNorm" if gemma else "RMSNorm",
-        selected_by=((stem, f"gemma_{stem}") if gemma else (stem,)), default_search=True)
+        selected_by=((stem, f"gemma_{stem}") if gemma else (stem,)), default_search=True,
+        gain_offset=1.0 if gemma else 0.0,
+        with_residual=None if fused_add else ("gemma_" if gemma else "") + "fused_add_rms_norm")
 
 
 def _norm_gemv(norm: str) -> OpRecord:

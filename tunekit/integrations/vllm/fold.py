@@ -64,6 +64,7 @@ from torch import nn
 from tunekit.integrations.fold_check import CheckResult, check_norm_fold, fold_scale
 from tunekit.integrations.fold_graph import decoder_layers, norm_readers
 from tunekit.integrations.vllm.marks import FOLD_EPS, FOLDED, sibling_groups
+from tunekit.problems import oprecords
 
 __all__ = ["LORA", "QUANTIZED", "ZERO_SCALE", "FoldPlan", "FoldReport", "check_fold", "commit", "fold_model",
            "fold_plan", "folded_norm_forward", "folded_weights", "survey", "zero_columns"]
@@ -211,7 +212,7 @@ def _fold_decision(op: str, norm: nn.Module, consumers: list[nn.Module], joined:
     """
     from tunekit.ops import fold_decision
 
-    fused_add = "gemma_fused_add_rms_norm" if op == "gemma_rms_norm" else "fused_add_rms_norm"
+    fused_add = oprecords.get(op).with_residual
     return fold_decision(op, norm.weight, [tuple(c.weight.shape) for c in consumers], joined, (fused_add, op))
 
 
@@ -219,7 +220,7 @@ def _fold_decision(op: str, norm: nn.Module, consumers: list[nn.Module], joined:
 def folded_weights(op: str, gain: torch.Tensor, consumers: list[nn.Module]) -> list[torch.Tensor]:
     """Each consumer's weight times the norm's scale (g; Gemma 1 + g) along K, in fp32, rounded once: new
     tensors, the consumers untouched."""
-    scale = fold_scale(gain, op == "gemma_rms_norm")
+    scale = fold_scale(gain, op)
     return [(c.weight.detach().float() * scale).to(c.weight.dtype) for c in consumers]
 
 
@@ -252,7 +253,7 @@ ZERO_SCALE = 2.0**-100
 def zero_columns(op: str, gain: torch.Tensor, raws: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The channels whose fold scale is (near) 0 and each raw weight's columns there (copies, few: a norm
     has at most a handful of dead channels)."""
-    scale = fold_scale(gain, op == "gemma_rms_norm")
+    scale = fold_scale(gain, op)
     channels = torch.nonzero(scale.abs() < ZERO_SCALE).flatten()
     return channels, [w[:, channels].clone() for w in raws]
 

@@ -188,8 +188,7 @@ def _candidates(rec: Folded, changed: list[torch.Tensor], gain_changed: bool
     their folded values came from (W' / g_old, within one rounding; the columns a 0 gain multiplied away
     from the copies the fold kept, ``FoldPlan.zero_columns``)."""
     plan = rec.plan
-    gemma = plan.op == "gemma_rms_norm"
-    s_new, s_old = fold_scale(plan.norm.weight, gemma), fold_scale(rec.gain, gemma)
+    s_new, s_old = fold_scale(plan.norm.weight, plan.op), fold_scale(rec.gain, plan.op)
     safe_old = torch.where(s_old == 0, torch.ones_like(s_old), s_old)
     zeros = plan.zero_channels
     raws, weights = [], []
