@@ -1,8 +1,9 @@
 """HIP backend: the ``kernels_hip`` sources, compiled at run time per config.
 
-Ops: ``gemv`` (below) and the elementwise families of
-``tunekit.backends.hip_elementwise`` (``FAMILIES``: op -> kernels_hip source,
-kernel, tunable defines, predicate, launcher), which this backend routes to.
+Ops: every op whose record names a kernels_hip source, each a ``Family``
+(source, kernel, tunable defines, predicate, derived defines, launcher):
+``GEMV_FAMILY`` below and the elementwise families of
+``tunekit.backends.hip_elementwise``, together in ``FAMILIES`` (op -> family).
 
 One source serves both vendors: NVRTC builds it for NVIDIA (WAVE=32), hipRTC
 for AMD/DCU (WAVE=64 on gfx9). Search-space keys are the kernel's compile-time
@@ -38,7 +39,8 @@ import torch
 import search_spaces
 from tunekit import rtc
 from tunekit.backends.base import BuildError, Kernel, Params, SearchSpace
-from tunekit.backends.hip_elementwise import FAMILIES, ElementwiseLauncher, int_params
+from tunekit.backends.hip_elementwise import FAMILIES as ELEMENTWISE_FAMILIES
+from tunekit.backends.hip_elementwise import Family, int_params
 from tunekit.measure.device import DeviceInfo
 from tunekit.problems import oprecords
 from tunekit.problems.shapes import Problem
@@ -61,8 +63,6 @@ GEMV_PARAMS: tuple[str, ...] = (
 #: Defines added after tables and trials were first written: a params dict
 #: without one means the kernel as it was before (MMA absent = CUDA-core path).
 _ADDED_LATER: dict[str, int] = {"MMA": 0}
-#: Defines the backend sets itself; a params dict may not override them.
-_DERIVED = ("WAVE", "MAX_M")
 #: Largest MAX_M the kernel accepts (static_assert in gemv.hip).
 MAX_M_LIMIT = 16
 #: Threads of a block: whole 32-lane groups (full-mask shuffles need whole
@@ -248,31 +248,23 @@ class HipBackend:
         """The names serving checks an entry's params against, each an integer define (the kernel's own list,
         Python next to its predicate, not the search-time TOML); no default config (HIP serves no fallback)."""
         self._check_op(problem.op)
-        names = GEMV_PARAMS if problem.op == "gemv" else FAMILIES[problem.op].params
+        names = FAMILIES[problem.op].params
         return SearchSpace(op=problem.op, backend=self.name, domains={name: [0] for name in names}, default={},
                            reference={})
 
     def invalid_reason(self, problem: Problem, params: Params) -> str | None:
         if problem.op not in self.ops:
             return f"hip backend has no kernel for op {problem.op!r}"
+        family = FAMILIES[problem.op]
         if problem.dtype != "bf16":
-            source = "gemv" if problem.op == "gemv" else FAMILIES[problem.op].source
-            return f"{source}.hip is BF16 only (got {problem.dtype})"
-        if problem.op != "gemv":
-            return FAMILIES[problem.op].invalid_reason(params, problem)
-        return gemv_invalid_reason(params, problem.m, problem.n, problem.k)
+            return f"{family.source}.hip is BF16 only (got {problem.dtype})"
+        return family.invalid_reason(params, problem)
 
     def defines(self, problem: Problem, params: Params, device: DeviceInfo) -> dict[str, int]:
         """The full define set a build of ``params`` compiles with (tunables + WAVE + MAX_M,
         or for an elementwise op + the shape-derived defines of its family)."""
         wave = device.wave_size if device.wave_size in (32, 64) else (64 if device.vendor == "amd" else 32)
-        if problem.op != "gemv":
-            return FAMILIES[problem.op].defines(params, problem, wave)
-        overridden = sorted(set(params) & set(_DERIVED))
-        if overridden:
-            raise BuildError(f"{overridden} are set by the backend (device wave, problem M), not by params")
-        params = _ADDED_LATER | dict(params)
-        return {name: int(params[name]) for name in GEMV_PARAMS} | {"WAVE": wave, "MAX_M": problem.m}
+        return FAMILIES[problem.op].defines(params, problem, wave)
 
     def build(self, problem: Problem, params: Params, device: DeviceInfo) -> Kernel:
         self._check_op(problem.op)
@@ -284,13 +276,8 @@ class HipBackend:
             raise BuildError(f"invalid config: {reason}")
         defines = self.defines(problem, params, device)
         index = torch.device(device.torch_device).index or 0
-        if problem.op != "gemv":
-            family = FAMILIES[problem.op]
-            module = rtc.compile_kernel(family.source, defines, device)
-            return ElementwiseLauncher(family, module, defines, index, problem)
-        module = rtc.compile_kernel(problem.op, defines, device)
-        launcher = _GemvLauncher(module, defines, index)
-        return launcher
+        family = FAMILIES[problem.op]
+        return family.build(rtc.compile_kernel(family.source, defines, device), defines, index, problem)
 
     def source_hash(self) -> str:
         return rtc.sources_hash()[:16]
@@ -298,13 +285,11 @@ class HipBackend:
     def builds_up_to_m(self, op: str) -> bool:
         """The GEMV compiles MAX_M in (one build serves every M up to it); the elementwise families take M at
         launch time."""
-        return op not in FAMILIES
+        return FAMILIES[op].built_up_to_m if op in FAMILIES else False
 
     def kernel_name(self, problem: Problem) -> str:
-        if problem.op in FAMILIES:
-            family = FAMILIES[problem.op]
-            return f"kernels_hip/{family.source}.hip:{family.kernel}"
-        return "kernels_hip/gemv.hip:tunekit_gemv"
+        family = FAMILIES[problem.op]
+        return f"kernels_hip/{family.source}.hip:{family.kernel}"
 
     def _check_op(self, op: str) -> None:
         if op not in self.ops:
@@ -320,7 +305,8 @@ class _GemvLauncher:
     left zero by every call.
     """
 
-    def __init__(self, module: rtc.CompiledModule, defines: dict[str, int], device_index: int) -> None:
+    def __init__(self, family: Family, module: rtc.CompiledModule, defines: dict[str, int], device_index: int,
+                 problem: Problem) -> None:
         self.module = module
         self.defines = defines
         self.compile_s = module.compile_s
@@ -397,3 +383,12 @@ class _GemvLauncher:
 
 
 BACKEND = HipBackend()
+
+
+#: kernels_hip/gemv.hip as a family like the elementwise ones: MAX_M = the problem's M (every smaller M runs
+#: on the same build), WAVE from the device, MMA absent in older tables = the CUDA-core path.
+GEMV_FAMILY = Family("gemv", "tunekit_gemv", GEMV_PARAMS,
+                     lambda params, p: gemv_invalid_reason(params, p.m, p.n, p.k), lambda p: {"MAX_M": p.m},
+                     None, defaults=_ADDED_LATER, launcher=_GemvLauncher, built_up_to_m=True)
+#: op -> the kernels_hip family that serves it (the record's ``kernels["hip"]``)
+FAMILIES: dict[str, Family] = {"gemv": GEMV_FAMILY, **ELEMENTWISE_FAMILIES}

@@ -1,8 +1,8 @@
 """The HIP elementwise families: predicates, defines and launchers of kernels_hip's
 rms_norm.hip, fused_add_rms_norm.hip, gated_rms_norm.hip, silu_and_mul.hip, bias_gelu.hip.
 
-``tunekit.backends.hip`` owns the protocol and routes every op but ``gemv``
-here through ``FAMILIES`` (op -> ``Family``). Search-space keys are the
+``tunekit.backends.hip`` owns the protocol and routes every op through its
+``FAMILIES`` (op -> ``Family``): these and the GEMV's, a ``Family`` too. Search-space keys are the
 kernels' tunable defines (``search_spaces/<family>.toml``, ``[hip]``); the
 backend adds ``WAVE`` (from the device) and the problem-derived defines
 (``N_COLS`` = the row or group length, ``GEMMA`` from the op name), so every
@@ -14,7 +14,7 @@ Call protocol (through the HIP backend)::
     family.invalid_reason(params, problem)      # pure predicate, no compile
     defines = family.defines(params, problem, wave)
     module = rtc.compile_kernel(family.source, defines, device)
-    launcher = ElementwiseLauncher(family, module, defines, device_index)
+    launcher = family.build(module, defines, device_index, problem)
     launcher(inputs, out[, eps=eps])            # async, on torch's current stream
 
 Kernel arguments are 8-byte integers (pointers, int64 scalars); the norms'
@@ -24,8 +24,9 @@ epsilon travels as the bits of its fp32 value.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -147,15 +148,29 @@ class Family:
     params: tuple[str, ...]  # tunable defines (search-space keys)
     invalid_reason: Callable[[Params, Problem], str | None]
     derived: Callable[[Problem], dict[str, int]]  # defines the backend sets from the problem
-    launch_args: LaunchArgs  # (defines, inputs, outputs, eps) -> (grid, block, args); eps: the norms
+    launch_args: LaunchArgs | None  # (defines, inputs, outputs, eps) -> (grid, block, args); eps: the norms
+    #: tunables added after tables were first written, with the value their absence means
+    defaults: Mapping[str, int] = field(default_factory=dict)
+    #: (family, module, defines, device index, problem) -> the launcher; None: ElementwiseLauncher
+    launcher: Callable[..., Any] | None = None
+    #: compiled for every M up to the problem's (a MAX_M define): one build serves each smaller M
+    built_up_to_m: bool = False
 
     def defines(self, params: Params, problem: Problem, wave: int) -> dict[str, int]:
-        """The full define set: tunables + WAVE + the problem-derived defines."""
+        """The full define set: tunables (absent later ones at their defaults) + WAVE + the problem-derived
+        defines."""
         derived = self.derived(problem)
         overridden = sorted(set(params) & (set(derived) | {"WAVE"}))
         if overridden:
             raise BuildError(f"{overridden} are set by the backend (device wave, problem shape), not by params")
+        params = {**self.defaults, **params}
         return {name: int(params[name]) for name in self.params} | {"WAVE": wave} | derived
+
+    def build(self, module: rtc.CompiledModule, defines: dict[str, int], device_index: int,
+              problem: Problem) -> Any:
+        """The launcher of a compiled ``module``: ``launcher(inputs, out[, eps=eps])``."""
+        make = self.launcher or ElementwiseLauncher
+        return make(self, module, defines, device_index, problem)
 
 
 def _rows_grid(rows: int, d: dict[str, int]) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
