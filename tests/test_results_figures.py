@@ -628,3 +628,26 @@ def test_h100_canary_cost() -> None:
     stated(every[0] / off[0], "32")
     spikes = [max(doc["us_per_call"]) for doc in lines if doc["canary"] == "100"]
     assert [f"{s:.0f}" for s in spikes] == ["416", "424"]
+
+
+def test_cpu_commands_and_tiers() -> None:
+    """README: the two commands' times and the CI tiers, from the recorded runs on the 2-core CPU machine."""
+    folder = RESULTS / "cpu-ci-workers-e70d0a4"
+    times = dict(line.split() for line in (folder / "commands.txt").read_text().splitlines())
+    readme = (REPO / "README.md").read_text()
+    for key, text in (("total_s", "183"), ("setup_s", "167"), ("demo_s", "15")):
+        stated(float(times[key]), text)
+        assert f"{text} s" in readme, text
+
+    def tiers(name: str) -> list[float]:
+        text = (folder / name).read_text()
+        return [float(x) for x in re.findall(r"passed.* in ([0-9.]+)s", text)] + \
+            [float(re.findall(r"\[(\d+) s\]: done", text)[0])]
+
+    fast, slow, lean, lean_slow, whole = tiers("ci-e70d0a4-3-workers.txt")
+    stated(fast, "672")  # pytest's own figure; the step line rounds the same run to 673 s
+    assert "673 s on the same machine" in readme and f"tiers {whole:.0f} s" in readme
+    before = tiers("ci-4e12ea4-2-workers.txt")
+    assert [f"{t:.0f}" for t in before] == ["721", "1122", "318", "73", "2443"]
+    ab = dict(re.findall(r"-n (\d): .* in ([0-9.]+)s", (folder / "fast-tier-ab.txt").read_text()))
+    stated(100 * (1 - float(ab["3"]) / float(ab["2"])), "9")
