@@ -93,7 +93,8 @@ class CheckResult:
 def fold_scale(gain: torch.Tensor, norm_op: str) -> torch.Tensor:
     """The fp32 column scale a fold multiplies the consumers' weights by: g, or 1 + g (zero-centred norms: the
     op record's ``gain_offset``)."""
-    return gain.detach().float() + oprecords.get(norm_op).gain_offset
+    g, offset = gain.detach().float(), oprecords.get(norm_op).gain_offset
+    return g + offset if offset else g  # g + 0.0 would turn a gain of -0.0 into +0.0
 
 
 @contextlib.contextmanager
