@@ -651,3 +651,34 @@ def test_cpu_commands_and_tiers() -> None:
     assert [f"{t:.0f}" for t in before] == ["721", "1122", "318", "73", "2443"]
     ab = dict(re.findall(r"-n (\d): .* in ([0-9.]+)s", (folder / "fast-tier-ab.txt").read_text()))
     stated(100 * (1 - float(ab["3"]) / float(ab["2"])), "9")
+
+
+def test_h100_cold_search_split() -> None:
+    """The fresh-machine split: compiling is 70% of the workers' trial time but a quarter of the wall; the final
+    re-measure and the search process are as large."""
+    from tunekit.evidence.time_split import split_table
+
+    folder = RESULTS / "h100-cold-search-split-7462051"
+    head, rows = split_table(folder)
+    assert head[-1] == "share of 192 s"
+    by_part = {r[0].split(" (")[0]: r for r in rows}
+    workers = [by_part["triton: worker"], by_part["hip: worker"]]
+    assert sum(int(r[1]) for r in workers) == 255
+    compile_s = sum(float(r[head.index("compile s")]) for r in workers)
+    stated(compile_s, "47.5")
+    stated(sum(float(r[head.index("total s")]) for r in workers), "67.7")
+    stated(sum(float(r[head.index("time s")]) for r in workers), "12.1")
+    stated(100 * compile_s / sum(float(r[head.index("total s")]) for r in workers), "70")
+    phases = json.loads((folder / "time.json").read_text())
+    wall = sum(w["trials"] + w["finals"] for w in phases["workers"]) + phases["setup_s"] + phases["fusion_s"]
+    stated(wall, "192")
+    stated(100 * compile_s / wall, "24.7")
+    assert by_part["final re-measure"][-1] == "35.7%"
+    assert by_part["search process in the trial phase"][-1] == "22.4%"
+    text = (folder / "README.md").read_text()
+    for figure in ("47.5 s", "67.7 s", "(70%)", "(24.7%)", "(35.7%)", "(22.4%)", "1.0991x"):
+        assert figure in text, figure
+    import pandas as pd
+
+    tokens = pd.read_csv(folder / "compare_tokens.csv")
+    stated(float(tokens.loc[tokens["M"] == 1, "s (tuned)"].iloc[0]), "1.0991")
