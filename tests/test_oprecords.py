@@ -116,4 +116,4 @@ def test_every_problem_op_has_a_layout_and_the_problem_reads_its_dimensions_from
     with pytest.raises(KeyError, match="no layout"):
         oprecords.layout("sibling_gemv")
     with pytest.raises(UserError, match="takes GROUPSxSIZE"):
-        layouts.GROUPS.parse("gated_rms_norm", "gated_rms_norm:48", 48, None)
+        layouts.LAYOUTS["groups"].parse("gated_rms_norm", "gated_rms_norm:48", 48, None)

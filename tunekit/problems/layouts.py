@@ -25,8 +25,6 @@ class Layout:
     """One form of (n, k); see the module docstring."""
 
     name: str
-    #: what ``--shape OP:...`` takes, as a user would type it
-    form: str
 
     def weight_elems(self, n: int, k: int) -> int:
         """Elements of weight read per call (the GEMV's matrix, a norm's gain, a bias; none)."""
@@ -69,9 +67,4 @@ class Layout:
         return self.dims(op, first)
 
 
-MATRIX = Layout("matrix", "NxK")
-ROW = Layout("row", "SIZE")
-GLU = Layout("glu", "SIZE (the output width d; the input is 2d)")
-GROUPS = Layout("groups", "GROUPSxSIZE")
-
-LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (MATRIX, ROW, GLU, GROUPS)}
+LAYOUTS: dict[str, Layout] = {name: Layout(name) for name in ("matrix", "row", "glu", "groups")}
