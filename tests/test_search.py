@@ -73,6 +73,15 @@ def test_cli_search_leaves_trials_and_a_table_that_show_accepts(tmp_path) -> Non
     budget = phases["setup_s"] + phases["fusion_s"] + sum(w["trials"] + w["finals"] for w in phases["workers"])
     assert abs(totals - budget) < 0.5 and budget <= phases["wall_s"]
     assert abs(sum(float(r[-1].rstrip("%")) for r in rows) - 100.0) < 0.5
+    # the final re-measure split by part: each candidate's backend built, the inputs, the graphs and timing
+    final_split = phases["workers"][0]["final_split"]
+    assert final_split["problems"] == 1 and final_split["time_s"] > 0 and final_split["rotation_s"] > 0
+    assert set(final_split["build_s"]) >= {"vendor", "triton"}
+    final_parts = [r for r in rows if r[0].startswith("final re-measure: ")]
+    assert {"final re-measure: triton (build, first call, check)", "final re-measure: graphs and timing",
+            "final re-measure: inputs and memory release"} <= {r[0] for r in final_parts}
+    final_total = sum(float(r[head.index("total s")]) for r in final_parts)
+    assert abs(final_total - phases["workers"][0]["finals"]) < 0.05
     assert "## Where the search's time went" in (out / "report.md").read_text()
 
 

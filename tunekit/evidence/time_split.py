@@ -35,6 +35,32 @@ def read_time(run_dir: Path) -> dict[str, Any] | None:
         return None
 
 
+def _final_rows(workers: list[dict[str, Any]], row) -> list[list[str]]:
+    """The final re-measure's rows: per backend its build and check, the inputs, the graphs and timing, and the
+    rest (claims, storage); one row for a time.json written before the split was recorded."""
+    finals = sum(w.get("finals", 0.0) for w in workers)
+    splits = [w["final_split"] for w in workers if w.get("final_split")]
+    if not splits:
+        return [row("final re-measure (build, verify and time every candidate and peer)", "", [0.0, 0.0, 0.0, finals])]
+    problems = sum(s.get("problems", 0) for s in splits)
+    backends = sorted({b for s in splits for part in ("build_s", "verify_s") for b in s.get(part, {})})
+    rows, counted = [], 0.0
+    for backend in backends:
+        build = sum(s.get("build_s", {}).get(backend, 0.0) for s in splits)
+        check = sum(s.get("verify_s", {}).get(backend, 0.0) for s in splits)
+        counted += build + check
+        rows.append(row(f"final re-measure: {backend} (build, first call, check)", "", [build, check, 0.0, 0.0]))
+    for part, label, column in (("rotation_s", "inputs and memory release", 3), ("time_s", "graphs and timing", 2)):
+        seconds = sum(s.get(part, 0.0) for s in splits)
+        counted += seconds
+        values = [0.0, 0.0, 0.0, 0.0]
+        values[column] = seconds
+        rows.append(row(f"final re-measure: {label}", "", values))
+    rows.append(row(f"final re-measure: the rest (claims, storage; {problems} problems)", "",
+                    [0.0, 0.0, 0.0, max(finals - counted, 0.0)]))
+    return rows
+
+
 def split_table(run_dir: Path) -> tuple[list[str], list[list[str]]] | None:
     """Header and rows: each backend's compile / verify / time / other seconds in the worker, then the
     search process's own share of the trial phase, the final re-measure, the fusion phase and the set-up."""
@@ -70,8 +96,7 @@ def split_table(run_dir: Path) -> tuple[list[str], list[list[str]]] | None:
     trial_phase = sum(w.get("trials", 0.0) for w in workers)
     rows.append(row("search process in the trial phase (sampling, storage, seeds, waiting)", "",
                     [0.0, 0.0, 0.0, max(trial_phase - calls, 0.0)]))
-    rows.append(row("final re-measure (build, verify and time every candidate and peer)", "",
-                    [0.0, 0.0, 0.0, sum(w.get("finals", 0.0) for w in workers)]))
+    rows += _final_rows(workers, row)
     rows.append(row("fusion phase", "", [0.0, 0.0, 0.0, phases.get("fusion_s", 0.0)]))
     rows.append(row("set-up (worker start, device, bandwidth probe)", "", [0.0, 0.0, 0.0, phases.get("setup_s", 0.0)]))
     head = ["part", "trials", "compile s", "verify s", "time s", "other s", "total s",

@@ -104,6 +104,9 @@ class WorkerContext:
     device: dict[str, Any] = field(default_factory=dict)
     #: wall seconds of this worker's phases ("trials", "finals"), for the run's time split
     phase_s: dict[str, float] = field(default_factory=dict)
+    #: the final phase's seconds by part: "rotation_s", "time_s" (graphs and interleaved timing), and
+    #: "build_s" / "verify_s" per backend (a peer's compile is its build); ``finals.add_spent`` fills it
+    final_split: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

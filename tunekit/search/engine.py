@@ -241,7 +241,8 @@ def _run_locked(run: Run, slots: Sequence[fleet.Slot], progress: bool | str,
     outcome.table_path = table_mod.save(table, out_dir / "table.json")
     results.write_time(out_dir, {
         "started": run.started_at, "wall_s": time.monotonic() - run.started, "setup_s": setup_s, "fusion_s": fusion_s,
-        "workers": [{"label": ctx.slot.label, **ctx.phase_s} for ctx in run.contexts]})
+        "workers": [{"label": ctx.slot.label, **ctx.phase_s, "final_split": ctx.final_split}
+                    for ctx in run.contexts]})
     return outcome
 
 

@@ -206,6 +206,21 @@ def _final_candidates(run: Run, problem: Problem) -> list[dict[str, Any]]:
     return candidates
 
 
+def add_spent(split: dict[str, Any], candidates: list[dict[str, Any]], spent: dict[str, Any] | None) -> None:
+    """Add one re-measure's seconds (the worker's ``spent``: per candidate label) to ``split``, per backend."""
+    if not spent:
+        return
+    backend_of = {c["label"]: c["backend"] for c in candidates}
+    split["problems"] = split.get("problems", 0) + 1
+    for part in ("rotation_s", "time_s"):
+        split[part] = split.get(part, 0.0) + float(spent.get(part, 0.0))
+    for part in ("build_s", "verify_s"):
+        per_backend = split.setdefault(part, {})
+        for label, seconds in spent.get(part, {}).items():
+            backend = backend_of.get(label, label)
+            per_backend[backend] = per_backend.get(backend, 0.0) + float(seconds)
+
+
 def _final_remeasure(run: Run, ctx: WorkerContext, problem: Problem,
                      candidates: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The candidates timed interleaved in one session; ``baseline_us`` and ``speedup`` of every
@@ -218,6 +233,7 @@ def _final_remeasure(run: Run, ctx: WorkerContext, problem: Problem,
         bar.log(f"final re-measure of {problem.key} failed: {reply.get('error')}")
         return []
     timings = reply["timings"]
+    add_spent(ctx.final_split, candidates, reply.get("spent"))
     for label, error in reply.get("dropped", {}).items():
         bar.log(f"final re-measure of {problem.key}: baseline {label} dropped ({error})")
     measured = [c for c in candidates if c["label"] in timings]

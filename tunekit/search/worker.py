@@ -320,36 +320,50 @@ class _ChildState:
 
         problem = self._problem(task)
         spec = opspec.get(problem.op)
+        clock = time.perf_counter
+        t0 = clock()
         rotation = self._rotation_for(problem)
+        # where the re-measure's seconds go (the report's split): inputs, each candidate's build and check, timing
+        spent: dict[str, Any] = {"rotation_s": clock() - t0, "build_s": {}, "verify_s": {}}
         kernels = {}
         dropped = {}
         for cand in task["candidates"]:
+            t0 = clock()
             if not cand.get("optional"):
                 kernels[cand["label"]] = self._build(cand["backend"], problem, cand["params"])
+                spent["build_s"][cand["label"]] = clock() - t0
                 continue
             # An optional baseline (Inductor, a peer) compiles at its first call: do that
             # here, so a failure drops it instead of the whole re-measure. It is verified
             # as a candidate is (a peer computing wrong results is never timed, never a bar
             # to beat): vendor is the reference's own composition, the others are not.
+            stage = "build_s"
             try:
                 kernel = self._build(cand["backend"], problem, cand["params"])
                 kernel(rotation.inputs[0], rotation.outputs[0])
                 self._sync_free()
+                spent[stage][cand["label"]] = clock() - t0
+                stage, t0 = "verify_s", clock()
                 checked = verify.verify(kernel, spec, problem, torch.device(self.device.torch_device),
                                         seed=int(task.get("seed", 0)), numerics="bounded")
             except Exception as exc:  # noqa: BLE001 - any compile error: record it, go on
                 dropped[cand["label"]] = f"{type(exc).__name__}: {str(exc)[:500]}"
+                spent[stage][cand["label"]] = clock() - t0
                 continue
+            spent["verify_s"][cand["label"]] = clock() - t0
             if not checked.ok:
                 dropped[cand["label"]] = f"verification failed: {checked.reason}"
                 continue
             kernels[cand["label"]] = kernel
+        t0 = clock()
         timings = time_interleaved(kernels, rotation, repeats=task.get("repeats"))
+        spent["time_s"] = clock() - t0
         nbytes = spec.bytes_moved(problem)
         return {
             "status": "ok",
             "timings": {label: _timing_fields(t, nbytes) for label, t in timings.items()},
             "dropped": dropped,
+            "spent": spent,
         }
 
 
