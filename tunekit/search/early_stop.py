@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 from optuna.trial import FrozenTrial, TrialState
 
+from tunekit.search.figures import trial_figure
+
 
 @dataclass(frozen=True)
 class StopRule:
@@ -72,7 +74,7 @@ def stop_reason(measured: Iterable[FrozenTrial], rule: StopRule) -> str | None:
             best = trial
     if best is None:
         return None  # nothing verified yet: the study goes on to --trials (a failing family says so there)
-    pct = best.user_attrs.get("pct_of_limit")
+    pct = trial_figure(best, "pct_of_limit")
     if rule.near_limit > 0 and isinstance(pct, (int, float)) and pct >= 100.0 * (1.0 - rule.near_limit):
         return (f"near the limit: best {float(best.value):.2f} us at {pct:.1f}% of the measured limit "
                 f"(--stop-near-limit {rule.near_limit:g}) after {len(trials)} trials")

@@ -29,6 +29,7 @@ from tunekit import backends as backend_registry
 from tunekit.problems.shapes import Problem
 from tunekit.search import fleet
 from tunekit.search.common import Run, WorkerContext, limit_gbps, raise_limit, retrying, study_name, tell
+from tunekit.search.figures import trial_figure
 from tunekit.search.liveness import fail_dead_trials
 from tunekit.search.stops import STOPS
 
@@ -201,7 +202,7 @@ def _final_candidates(run: Run, problem: Problem) -> list[dict[str, Any]]:
             candidates.append({
                 "label": f"{backend_name}#{trial.number}", "backend": backend_name,
                 "params": dict(fixed) | dict(trial.params), "trial": trial.number, "rank": rank,
-                "max_abs_err": trial.user_attrs.get("max_abs_err"), "err_ratio": trial.user_attrs.get("err_ratio"),
+                "max_abs_err": trial_figure(trial, "max_abs_err"), "err_ratio": trial_figure(trial, "err_ratio"),
             })
     return candidates
 

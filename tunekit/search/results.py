@@ -30,6 +30,7 @@ from typing import Any
 import pandas as pd
 
 from tunekit.errors import UserError
+from tunekit.search.figures import trial_figures
 
 
 def make_run_dir(path: Path) -> None:
@@ -296,6 +297,7 @@ def trials_frame(storage, study_prefix: str | None = None) -> pd.DataFrame:
     """All trials of all studies in ``storage`` as one table (negative results included)."""
     import optuna
 
+
     rows = []
     for summary in optuna.get_all_study_summaries(storage, include_best_trial=False):
         if study_prefix and not summary.study_name.startswith(study_prefix):
@@ -317,7 +319,7 @@ def trials_frame(storage, study_prefix: str | None = None) -> pd.DataFrame:
                 "params": json.dumps(trial.params, sort_keys=True),
             }
             row.update({f"p_{k}": v for k, v in trial.params.items()})
-            row.update({k: v for k, v in trial.user_attrs.items() if k != "build_log"})
+            row.update({k: v for k, v in trial_figures(trial.user_attrs).items() if k != "build_log"})
             rows.append(row)
     return pd.DataFrame(rows)
 

@@ -36,6 +36,7 @@ from tunekit.search.common import (
     trial_index,
 )
 from tunekit.search.early_stop import stop_reason
+from tunekit.search.figures import MEASURE_ATTR
 from tunekit.search.liveness import fail_dead_trials
 from tunekit.search.stops import STOPS
 from tunekit.search.studies import PRUNE_LIMIT, OpenStudy, shared_study
@@ -229,18 +230,20 @@ def _enqueue_unmeasured_grid(study: optuna.Study, st: OpenStudy, seen: dict[str,
 
 
 def _store_reply(trial: optuna.Trial, reply: dict[str, Any], limit_gbps: float | None) -> None:
-    trial.set_user_attr("measured", True)
-    status = reply.get("status", "fail")
-    trial.set_user_attr("status", status)
-    trial.set_user_attr("error", str(reply.get("error", ""))[:2000])
+    """The worker's reply as three attributes: its figures in one (``MEASURE_ATTR``), then its status, then
+    ``measured``, the mark every reader of a measured trial looks for, last."""
+    figures: dict[str, Any] = {"error": str(reply.get("error", ""))[:2000]}
     for key in ("wall_s", "compile_s", "verify_s", "time_s", "rtc_compile_s", "rtc_cache_hit", "max_abs_err",
                 "err_ratio", "time_us",
                 "time_min_us", "time_p25_us", "time_p75_us", "spread", "repeats", "launches", "copies",
                 "timing_kind", "gbps"):
         value = reply.get(key)
         if value is not None and not (isinstance(value, float) and math.isnan(value)):
-            trial.set_user_attr(key, value)
+            figures[key] = value
     if reply.get("build_log"):
-        trial.set_user_attr("build_log", reply["build_log"])
+        figures["build_log"] = reply["build_log"]
     if reply.get("gbps") and limit_gbps:
-        trial.set_user_attr("pct_of_limit", 100.0 * reply["gbps"] / limit_gbps)
+        figures["pct_of_limit"] = 100.0 * reply["gbps"] / limit_gbps
+    trial.set_user_attr(MEASURE_ATTR, figures)
+    trial.set_user_attr("status", reply.get("status", "fail"))
+    trial.set_user_attr("measured", True)
