@@ -60,6 +60,7 @@ def test_models_lists_the_builtins() -> None:
         (["search", "--shape", "96x256", "--backend", "triton", "--restrict", "M_MODE=wide"], "outside its domain"),
         (["search", "--shape", "96x256", "--backend", "triton", "--restrict", "M_MODE"], "NAME=VALUE"),
         (["search", "--shape", "96x256", "--backend", "triton", "--restrict", "M_MODE=,dot"], "NAME=VALUE"),
+        (["search", "--shape", "96x256", "--peers", "cublaslt"], "unknown peer cublaslt (known: all, none, "),
         (["show", "/nonexistent/table.json"], "no such table"),
         (["export", "/nonexistent/run"], "not a tunekit run folder"),
     ],

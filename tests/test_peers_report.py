@@ -201,6 +201,43 @@ def test_peer_arms_record_each_reason() -> None:
     assert all("\n" not in why for why in left_out.values())
 
 
+def test_peers_not_asked_are_recorded_as_such() -> None:
+    """``search --peers``: a peer not asked is left out with its own reason; Inductor, a stock baseline (the bar
+    of the elementwise ops), is asked whatever the list says."""
+    problem = Problem("gemv", "bf16", 1, 1024, 512)
+    candidates, left_out = finals.peer_arms(problem, GPU, asked=())
+    assert candidates == []
+    assert left_out == {"inductor": "no inductor kernel for op gemv", SKINNY: finals.NOT_ASKED,
+                        MISSING: finals.NOT_ASKED}
+    candidates, left_out = finals.peer_arms(problem, GPU, asked=(SKINNY,))
+    assert [c["label"] for c in candidates] == [SKINNY] and left_out[MISSING] == finals.NOT_ASKED
+    _, left_out = finals.peer_arms(Problem("gemma_rms_norm", "bf16", 1, 5120, 5120), dict(GPU, vendor="cpu"), ())
+    assert left_out["inductor"] == "unavailable here: the Inductor baseline is measured on GPUs only"
+
+
+@pytest.mark.slow  # two CPU searches: the slow tier
+def test_peers_asked_later_rerun_only_the_final_re_measure(tmp_path) -> None:
+    """A search without peers, then the same --out with them: no trial is measured again, and the final
+    re-measure runs again with the peer interleaved (its record "ok" where it said "not asked")."""
+    from tunekit.search.common import SearchConfig
+    from tunekit.search.engine import run_search
+
+    def search(peers):
+        cfg = SearchConfig(problems=[Problem("gemv", "bf16", 1, 128, 64)], backends=["triton"], out_dir=tmp_path,
+                           trials=2, sampler="grid", warm_start=0, peers=peers)
+        return run_search(cfg, progress=False, log=lambda s: None)
+
+    first = search(())
+    assert {r["backend"] for r in first.final_rows} == {"vendor", "triton"}
+    assert json.loads(first.final_rows[0][finals.PEERS_COLUMN])[SKINNY] == finals.NOT_ASKED
+    measured = len(pd.read_csv(first.trials_path).query("measured == True"))
+    second = search(None)
+    assert len(pd.read_csv(second.trials_path).query("measured == True")) == measured
+    assert sum(s.measured_now for s in second.stats) == 0
+    assert {r["backend"] for r in second.final_rows} == {"vendor", "triton", SKINNY}
+    assert json.loads(second.final_rows[0][finals.PEERS_COLUMN])[SKINNY] == "ok"
+
+
 def test_final_rows_carry_the_peer_record() -> None:
     """The re-measure's rows (final.csv) hold every peer's outcome: timed, dropped by the worker, left out."""
     backends.BASELINES = ("vendor", SKINNY, "peer_backends:FAILS_BUILD", MISSING)
@@ -216,10 +253,10 @@ def test_final_rows_carry_the_peer_record() -> None:
                     "dropped": {"peer_backends:FAILS_BUILD": "BuildError: stand-in peer: injected build failure"}}
 
     logged = []
-    run = SimpleNamespace(cfg=SimpleNamespace(trial_timeout_s=10, numerics="bounded"),
+    run = SimpleNamespace(cfg=SimpleNamespace(trial_timeout_s=10, numerics="bounded", peers=None),
                           bar=SimpleNamespace(log=logged.append), probe=PROBE, device=GPU)
     candidates = [{"label": "vendor", "backend": "vendor", "params": {}}, *finals.peer_arms(problem, GPU)[0]]
-    rows = finals._final_remeasure(run, SimpleNamespace(worker=Worker()), problem, candidates)
+    rows = finals._final_remeasure(run, SimpleNamespace(worker=Worker(), final_split={}), problem, candidates)
     assert [c["label"] for c in calls[0]["candidates"]] == ["vendor", SKINNY, "peer_backends:FAILS_BUILD"]
     assert [r["label"] for r in rows] == ["vendor", SKINNY]
     record = json.loads(rows[0][finals.PEERS_COLUMN])

@@ -148,6 +148,22 @@ def _moved_bytes(problems: list) -> dict[str, int]:
     return {p.key: opspec.get(p.op).bytes_moved(p) for p in problems}
 
 
+def _peers_option(text: str) -> tuple[str, ...] | None:
+    """``--peers``: all (None), none (()), or the named peers."""
+    from tunekit import backends as registry  # here: the registry imports torch, the CLI's start does not
+
+    words = [w.strip() for w in text.split(",") if w.strip()]
+    if words == ["all"]:
+        return None
+    if words in ([], ["none"]):
+        return ()
+    unknown = [w for w in words if w not in registry.PEERS]
+    if unknown:
+        raise UserError(f"--peers {text}: unknown peer {', '.join(unknown)} (known: all, none, "
+                        f"{', '.join(registry.PEERS)})")
+    return tuple(dict.fromkeys(words))
+
+
 @app.command()
 def search(
     model: Annotated[str | None, typer.Option(help="built-in model name")] = None,
@@ -206,6 +222,11 @@ def search(
     restrict: Annotated[list[str] | None, typer.Option(
         help="NAME=V1,V2 (repeatable): search only these values of a tunable, in every backend that has it, "
              "e.g. MMA=1 or M_MODE=dot,dot_w (an empty value where the domain has one)")] = None,
+    peers: Annotated[str, typer.Option(
+        help="what a user could pick instead (vLLM's skinny GEMM, FlashInfer, torch.compile max-autotune, a "
+             "plain @triton.autotune GEMV), timed in each problem's final re-measure beside the winners: all, "
+             "none, or a comma list of their names (docs/search.md); each is built and autotuned per problem, "
+             "most of a search's time, and some need the peers extra")] = "none",
     progress: Annotated[bool, typer.Option(
         help="progress bars on a terminal; elsewhere (a pipe, a file) a progress line per finished study and at "
              "most one per 10 s between, with an ETA")] = True,
@@ -278,7 +299,7 @@ def search(
         seed_from=seeds, restrict=restricted,
         trial_timeout_s=trial_timeout, command=shlex.join(["tunekit"] + sys.argv[1:]),
         model=spec.name if spec else None, gpus=gpus, add=add, tp=tp if spec else None,
-        fusion_groups=model_groups(spec, tp) if spec else [],
+        fusion_groups=model_groups(spec, tp) if spec else [], peers=_peers_option(peers),
     )
     try:
         with _stop_signals():

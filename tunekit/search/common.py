@@ -58,6 +58,10 @@ class SearchConfig:
     #: the model's layer groups whose fusion the search decides (``table_fusions.model_groups``; none: an
     #: empty ``fusions`` section, as for a ``--shape`` search)
     fusion_groups: list[Any] = field(default_factory=list)
+    #: the peers (``backends.PEERS``) timed in the final re-measure beside the winners (None: every one);
+    #: each is built, autotuned and checked per problem, two thirds of a search's time on an H100
+    #: (h100-peers-5db322d), so ``tunekit search`` times none unless asked
+    peers: tuple[str, ...] | None = None
 
 
 @dataclass

@@ -191,7 +191,7 @@ def _run_locked(run: Run, slots: Sequence[fleet.Slot], progress: bool | str,
                 f"{probe['kind']} timing)")
         STOPS.check()
         results.write_run_json(out_dir, cfg, run.url, device, probe, run.usable)
-        _log_unavailable_peers(cfg.problems, device, log)
+        _log_unavailable_peers(cfg.problems, device, log, cfg.peers)
         STOPS.check()
 
         studies = sum(len(run.backends_for(p)) for p in cfg.problems)
@@ -330,14 +330,19 @@ def _usable_backends(requested: Sequence[str], device: dict[str, Any]) -> list[s
     return usable
 
 
-def _log_unavailable_peers(problems: Sequence[Problem], device: dict[str, Any], log: Callable[[str], None]) -> None:
+def _log_unavailable_peers(problems: Sequence[Problem], device: dict[str, Any], log: Callable[[str], None],
+                           asked: Sequence[str] | None = None) -> None:
     """One line at the start per baseline besides vendor that cannot run here for any of the problems (each
-    problem's re-measure records the same reason: ``finals.peer_arms``)."""
+    problem's re-measure records the same reason: ``finals.peer_arms``), and one for the peers not asked."""
     from tunekit.measure.device import DeviceInfo
 
     info = DeviceInfo(**device)
+    if asked is not None:
+        left = [name for name in backend_registry.PEERS if name not in asked]
+        if left:
+            log(f"peers not timed ({', '.join(left)}): --peers all times them beside the winners")
     for name in backend_registry.BASELINES:
-        if name == "vendor":
+        if name == "vendor" or (asked is not None and name in backend_registry.PEERS and name not in asked):
             continue
         backend = backend_registry.get(name)
         if not any(p.op in backend.ops for p in problems):

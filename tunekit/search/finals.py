@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import json
 import warnings
+from collections.abc import Collection
 from typing import Any
 
 import optuna
@@ -69,12 +70,22 @@ def _peer_here(name: str, device_json: str) -> tuple[str | None, tuple[str, ...]
     return (None if why is None else _one_line(f"unavailable here: {why}")), ops
 
 
-def peer_arms(problem: Problem, device: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, str]]:
+#: Why a peer the search was not asked to time has no figure (``peer_arms``).
+NOT_ASKED = "not asked: tunekit search --peers all (or a list) times it beside the winners"
+
+
+def peer_arms(problem: Problem, device: dict[str, Any],
+              asked: Collection[str] | None = None) -> tuple[list[dict[str, Any]], dict[str, str]]:
     """The peers that join ``problem``'s final re-measure, as optional candidates (a failed build costs that
-    peer, not the re-measure), and why each other peer does not: {peer: one-line reason}."""
+    peer, not the re-measure), and why each other peer does not: {peer: one-line reason}. ``asked``: the
+    peers of ``backends.PEERS`` the search times (None: all); Inductor, a stock baseline and the bar for the
+    elementwise ops, is always timed."""
     candidates: list[dict[str, Any]] = []
     left_out: dict[str, str] = {}
     for name in peer_names():
+        if asked is not None and name not in asked and name not in backend_registry.STOCK:
+            left_out[name] = NOT_ASKED
+            continue
         why, ops = _peer_here(name, json.dumps(device, sort_keys=True, default=str))
         if ops and problem.op not in ops:  # the op first: true on any device
             why = f"no {name} kernel for op {problem.op}"
@@ -188,7 +199,7 @@ def _final_candidates(run: Run, problem: Problem) -> list[dict[str, Any]]:
     candidate the worker may drop (a failed compile costs that peer, not the re-measure).
     """
     candidates = [{"label": "vendor", "backend": "vendor", "params": {}}]
-    candidates += peer_arms(problem, run.device)[0]
+    candidates += peer_arms(problem, run.device, run.cfg.peers)[0]
     for backend_name in run.backends_for(problem):
         name = study_name(run.device["arch"], problem, backend_name, run.cfg.numerics)
         study = optuna.load_study(study_name=name, storage=run.storage)
@@ -245,8 +256,8 @@ def _final_remeasure(run: Run, ctx: WorkerContext, problem: Problem,
     for label, t in timings.items():  # the re-measure's rates count too: the limit stays an upper bound
         raise_limit(run, problem, t.get("gbps"), f"{label} in the final re-measure of {problem.key}")
     limit = limit_gbps(problem, probe)
-    peers = json.dumps(peer_record(candidates, timings, reply.get("dropped", {}), peer_arms(problem, run.device)[1]),
-                       sort_keys=True)
+    left_out = peer_arms(problem, run.device, run.cfg.peers)[1]
+    peers = json.dumps(peer_record(candidates, timings, reply.get("dropped", {}), left_out), sort_keys=True)
     rows = []
     for cand in measured:
         t = timings[cand["label"]]
