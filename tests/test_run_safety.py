@@ -187,8 +187,8 @@ def test_a_tuning_trial_told_while_a_search_reads_the_final_candidates_opens_no_
         in_flight.set_user_attr(key, value)
 
     def run_of(name: str) -> SimpleNamespace:
-        return SimpleNamespace(cfg=SimpleNamespace(numerics="bounded"), storage=storage, device={"arch": "cpu"},
-                               usable=["triton"], probe={}, stamp_text="", name=name,
+        return SimpleNamespace(cfg=SimpleNamespace(numerics="bounded", peers=()), storage=storage,
+                               device={"arch": "cpu"}, usable=["triton"], probe={}, stamp_text="", name=name,
                                backends_for=lambda problem: ["triton"])
 
     def ctx_of(name: str) -> SimpleNamespace:
