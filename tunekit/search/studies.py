@@ -224,6 +224,8 @@ def _best_params(storage, study: Any, count: int) -> list[dict[str, Any]]:
     """The ``count`` fastest verified configs of a study, read once per trial count: late
     studies of a long run would otherwise sort every earlier study's trials again."""
     key = (id(storage), study.study_name)
+    # ``study``: a FrozenStudy of storage.get_all_studies(), whose id Optuna keeps as _study_id (no public
+    # getter; get_study_id_from_name would cost a query per study asked)
     trials = storage.get_all_trials(study._study_id, deepcopy=False)
     cached = _BEST_CACHE.get(key)
     if cached is None or cached[0] != len(trials) or len(cached[1]) < count:
