@@ -64,7 +64,7 @@ def _base() -> dict:
         params = triton.space(Problem(op, "bf16", m, n, k)).default
         rows.append({"op": op, "dtype": "bf16", "m": m, "n": n, "k": k, "backend": "triton", "params": params,
                      "time_us": 1.0, "baseline_us": 2.0, "speedup": 2.0, "gbps": 1.0})
-    return table_mod.build_table(rows, detect().as_dict(), {}, 0.0, ["triton"])
+    return table_mod.as_json(table_mod.build_table(rows, detect().as_dict(), {}, 0.0, ["triton"]))
 
 
 BASE = _base()
@@ -254,7 +254,8 @@ def test_ten_thousand_hostile_documents_load_and_serve_right_or_are_refused_in_o
                 rejected = None
                 if choice.impl.startswith("tuned:"):
                     seen["tuned"] += 1
-                    served = choice.entry  # the entry the lookup chose for M (this one, or a larger M's)
+                    # the entry the lookup chose for M (this one, or a larger M's), as the document holds it
+                    served = choice.entry.to_json()
                     rejected = _predicate_rejects(served, served["m"]) or _predicate_rejects(served, m)
                     assert rejected is None, (served, m, rejected)
                     assert table_mod.params_problem(
@@ -307,4 +308,4 @@ def test_a_100000_entry_table_loads_and_serves_within_the_stated_time(tmp_path: 
     assert seconds < BIG_WALL_S, f"{seconds:.1f} s"
     # every key's lookup is one dict access and a bisection of its Ms: the last key costs what the first does
     index = ops.serving_table("cpu")
-    assert index.size == BIG_ENTRIES and index.lookup("gemv", "bf16", 3, 16 + (BIG_ENTRIES - 1) // 4, 64)["m"] == 4
+    assert index.size == BIG_ENTRIES and index.lookup("gemv", "bf16", 3, 16 + (BIG_ENTRIES - 1) // 4, 64).m == 4

@@ -35,23 +35,28 @@ def _table():
     return table_mod.build_table(ROWS, DEVICE, PROBE, min_gain=0.01, backends=["triton"])
 
 
+def _json_table():
+    """:func:`_table` as its JSON file holds it (entries as JSON objects, to be broken by the tests)."""
+    return table_mod.as_json(_table())
+
+
 def test_round_trip(tmp_path) -> None:
     table = _table()
     path = table_mod.save(table, tmp_path / "table.json")
     loaded = table_mod.load(path)
-    assert loaded == json.loads(json.dumps(table))
+    assert loaded == table and table_mod.as_json(loaded) == json.loads(path.read_text())
     assert loaded["format"] == table_mod.FORMAT
-    keys = {(e["m"], e["n"], e["k"]) for e in loaded["entries"]}
+    keys = {(e.m, e.n, e.k) for e in table_mod.entries(loaded)}
     assert keys == {(1, 96, 5120), (4, 96, 5120)}  # 5120x6144 gained < min_gain
-    best = next(e for e in loaded["entries"] if e["m"] == 1)
-    assert best["params"] == {"BLOCK_N": 2} and best["time_us"] == 2.5
+    best = next(e for e in table_mod.entries(loaded) if e.m == 1)
+    assert best.params == {"BLOCK_N": 2} and best.time_us == 2.5
     env = loaded["environment"]
     assert env["gpu"] == "NVIDIA H200" and env["arch"] == "sm_90" and "triton" in env["kernel_hash"]
 
 
 def test_min_gain_zero_admits_the_marginal_winner() -> None:
     table = table_mod.build_table(ROWS, DEVICE, PROBE, min_gain=0.0, backends=["triton"])
-    assert any(e["n"] == 5120 for e in table["entries"])
+    assert any(e.n == 5120 for e in table_mod.entries(table))
 
 
 @pytest.mark.parametrize(
@@ -68,7 +73,7 @@ def test_min_gain_zero_admits_the_marginal_winner() -> None:
     ],
 )
 def test_invalid_tables_are_refused(tmp_path, mutate, fragment) -> None:
-    table = _table()
+    table = _json_table()
     mutate(table)
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(table))
@@ -83,15 +88,15 @@ def test_a_cpu_table_records_no_read_limit_as_the_report_says_none(tmp_path) -> 
     cpu_probe = {"read_gbps": 0.05, "copy_gbps": 0.04, "kind": "cpu"}
     table = table_mod.build_table(ROWS, DEVICE, cpu_probe, min_gain=0.01, backends=["triton"])
     assert table["read_limit_gbps"] is None
-    assert table["entries"] and all(e["pct_of_limit"] is None for e in table["entries"])
+    assert table["entries"] and all(e.pct_of_limit is None for e in table_mod.entries(table))
     loaded = table_mod.load(table_mod.save(table, tmp_path / "cpu.json"), strict=True)
     assert loaded["read_limit_gbps"] is None
     # a GPU probe keeps its figure; a table written before (the CPU figure recorded) or without the field loads
     assert _table()["read_limit_gbps"] == 4600.0
-    old = dict(table, read_limit_gbps=0.05)
+    old = dict(table_mod.as_json(table), read_limit_gbps=0.05)
     (tmp_path / "old.json").write_text(json.dumps(old))
     assert table_mod.load(tmp_path / "old.json")["read_limit_gbps"] == 0.05
-    older = {k: v for k, v in table.items() if k != "read_limit_gbps"}
+    older = {k: v for k, v in table_mod.as_json(table).items() if k != "read_limit_gbps"}
     (tmp_path / "older.json").write_text(json.dumps(older))
     assert "read_limit_gbps" not in table_mod.load(tmp_path / "older.json")
 
@@ -107,8 +112,8 @@ def test_corrupt_json_is_one_clear_error(tmp_path) -> None:
 
 def test_lookup_takes_exact_m_then_the_smallest_larger_m() -> None:
     table = _table()
-    assert table_mod.lookup(table, "gemv", "bf16", 1, 96, 5120)["m"] == 1
-    assert table_mod.lookup(table, "gemv", "bf16", 2, 96, 5120)["m"] == 4
+    assert table_mod.lookup(table, "gemv", "bf16", 1, 96, 5120).m == 1
+    assert table_mod.lookup(table, "gemv", "bf16", 2, 96, 5120).m == 4
     assert table_mod.lookup(table, "gemv", "bf16", 5, 96, 5120) is None
     assert table_mod.lookup(table, "gemv", "bf16", 1, 97, 5120) is None
 
@@ -130,3 +135,4 @@ def test_changed_kernel_sources_are_a_mismatch() -> None:
     table["environment"]["kernel_hash"]["triton"] = "0000000000000000"
     diffs = table_mod.environment_mismatch(table, here)
     assert len(diffs) == 1 and diffs[0].startswith("triton kernel sources")
+
