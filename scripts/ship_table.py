@@ -76,7 +76,7 @@ def ship(run: Path, root: Path) -> Path:
     except ValueError:
         source = str(run)
     table["shipped"] = {
-        "gpu": table["environment"]["gpu"], "model": model, "ms": sorted({e["m"] for e in table["entries"]}),
+        "gpu": table["environment"]["gpu"], "model": model, "ms": sorted({e.m for e in table_mod.entries(table)}),
         "search": meta_run.get("command"), "created": table.get("created"),
         "speedup_per_token": per_token_speedups(run / "report.md"), "source": source,
     }

@@ -244,7 +244,7 @@ def test_a_valid_table_passes_strict_and_pct_of_limit_may_be_null(tmp_path) -> N
     table = _valid_table()
     table["entries"][0]["pct_of_limit"] = None
     path.write_text(json.dumps(table))
-    assert table_mod.load(path, strict=True)["entries"][0]["pct_of_limit"] is None
+    assert table_mod.entries(table_mod.load(path, strict=True))[0].pct_of_limit is None
 
 
 def test_show_of_an_empty_table_says_it_has_no_entries_instead_of_an_empty_grid(tmp_path, monkeypatch) -> None:
@@ -288,7 +288,7 @@ def test_serving_still_loads_what_only_strict_validation_refuses(tmp_path) -> No
     # an entry the kernel no longer accepts takes the vendor path on its own when served (tunekit.ops)
     path = tmp_path / "table.json"
     path.write_text(json.dumps(_params(_valid_table(), BLOCK_N=3)))
-    assert table_mod.load(path)["entries"][0]["params"]["BLOCK_N"] == 3
+    assert table_mod.entries(table_mod.load(path))[0].params["BLOCK_N"] == 3
     with pytest.raises(table_mod.TableError):
         table_mod.load(path, strict=True)
 

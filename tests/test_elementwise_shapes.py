@@ -214,9 +214,9 @@ ROWS = [
 
 def test_table_gates_on_the_faster_of_eager_and_inductor() -> None:
     table = table_mod.build_table(ROWS, DEVICE, PROBE, min_gain=0.01, backends=["triton"])
-    (entry,) = table["entries"]
-    assert (entry["m"], entry["backend"], entry["baseline_us"]) == (4096, "triton", 50.0)
-    assert entry["speedup"] == pytest.approx(1.25)
+    (entry,) = table_mod.entries(table)
+    assert (entry.m, entry.backend, entry.baseline_us) == (4096, "triton", 50.0)
+    assert entry.speedup == pytest.approx(1.25)
 
 
 def test_report_takes_inductor_as_a_baseline(tmp_path) -> None:

@@ -158,7 +158,7 @@ def test_the_decision_follows_the_same_run_measurement_both_ways(tmp_path: Path,
     table = table_mod.build_table(rows, device, run.probe, 0.0, run.usable)
     assert fusion_phase.redecide(tmp_path / "b", table, rows, device, run.cfg.problems) == section
     # another table's steps (here: a norm on the stock path) were never timed: not fused, saying so
-    other = dict(table, entries=[e for e in table["entries"] if e["op"] != "rms_norm"])
+    other = dict(table, entries=[e for e in table_mod.entries(table) if e.op != "rms_norm"])
     again = fusion_phase.redecide(tmp_path / "b", other, rows, device, run.cfg.problems)[GROUP.key]
     assert not again["fuse"] and again["why"].startswith("M=1: not measured with this table's entries")
 
@@ -213,8 +213,8 @@ def test_a_search_seeded_from_another_gpus_table_measures_its_own_decision(tmp_p
                             seed_from=(seed,), fusion_groups=[GROUP]), progress=False, log=lambda s: None)
     table = table_mod.load(out / "table.json")
     assert table["environment"]["gpu"] == detect().as_dict()["name"]  # this device's table, not the seed's
-    assert {e["op"] for e in table["entries"]} == {"gemv", "rms_gemv", "rms_norm"}
-    assert all(e["time_us"] > 1000 for e in table["entries"])  # measured here (ms sleeps), not the seed's 0.5 us
+    assert {e.op for e in table_mod.entries(table)} == {"gemv", "rms_gemv", "rms_norm"}
+    assert all(e.time_us > 1000 for e in table_mod.entries(table))  # measured here (ms sleeps), not the seed's 0.5 us
     rec = table["fusions"][GROUP.key]
     assert rec["fuse"] is False and rec["why"].startswith("slower at M=1")  # measured here, against the seed's word
     assert rec["per_m"]["1"]["fused_us"] > rec["per_m"]["1"]["unfused_us"]

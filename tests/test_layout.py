@@ -220,9 +220,11 @@ def _op_name_tests(tree: ast.AST) -> list[str]:
 #: forms and the HIP families): the fused GEMV families' own semantics (rms_gemv's eps, gemv_add's residual) in
 #: the vLLM compile pass, the merge, the fused dispatch label and the skinny GEMM's epilogue; the gated norm's
 #: layout in the warm-up; the Triton backend's plain GEMV launch (kernels_triton/gemv.py's bytes stamp the
-#: shipped tables, so its launch() takes the plain GEMV once a retune reships them). Lower it as they move
-#: into the records; never raise it.
-OP_NAME_BRANCHES = 8
+#: shipped tables, so its launch() takes the plain GEMV once a retune reships them); table.invalid_at_m's HIP
+#: GEMV (built for its tabulated M; asked without importing the backend and its torch, which the HIP family's
+#: ``built_up_to_m`` needs): there before, uncounted while entries were dicts (``entry["op"]`` is no ``.op``).
+#: Lower it as they move into the records; never raise it.
+OP_NAME_BRANCHES = 9
 
 
 def test_op_names_are_not_branched_on_outside_the_records():
@@ -241,3 +243,93 @@ def test_op_names_are_not_branched_on_outside_the_records():
 def test_the_op_name_check_can_fail():
     assert _op_name_tests(ast.parse('x = 1 if op in ("rms_norm", "gemma_rms_norm") else 2')) == [
         "op in ('rms_norm', 'gemma_rms_norm')"]
+
+
+#: The keys of a table entry (``tunekit.table.ENTRY_KEYS``): outside the table module an entry is a
+#: ``tunekit.table.Entry``, read by attribute.
+ENTRY_KEYS = frozenset(("op", "dtype", "m", "n", "k", "backend", "kernel", "params", "time_us", "baseline_us",
+                        "speedup", "gbps", "pct_of_limit", "max_abs_err", "err_ratio", "count", "timing_kind"))
+#: The names entries go by in the package (search rows, trial records and problem dicts share the keys but
+#: not these names: ``r``, ``row``, ``best`` (a search row), ``record``, ``p`` are not counted).
+ENTRY_NAMES = frozenset(("e", "entry", "candidate", "merged", "plain", "gemv", "served"))
+#: What hands out an entry: a call of one of these subscripted at once (``lookup(...)["m"]``) is an entry read.
+ENTRY_GETTERS = frozenset(("lookup", "serving_lookup", "served_entry"))
+#: The names tables go by: their ``["entries"]`` read outside the table module bypasses ``table.entries``,
+#: the one converter (a hand-written table's entries are JSON objects until it makes them entries).
+TABLE_NAMES = frozenset(("table", "t", "doc", "loaded", "served", "merged"))
+
+
+def _names(node: ast.AST) -> str | None:
+    """The name an expression goes by: ``x`` of a name, ``y`` of an attribute ``x.y``, ``f`` of a call ``f(...)``
+    or ``x.f(...)``."""
+    if isinstance(node, ast.Call):
+        node = node.func
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None
+
+
+def _string_key(node: ast.AST) -> tuple[ast.AST, str] | None:
+    """(what is read, the key) of a read by string key: ``x["key"]`` (not a store) or ``x.get("key", ...)``."""
+    if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and isinstance(node.slice, ast.Constant) \
+            and isinstance(node.slice.value, str):
+        return node.value, node.slice.value
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" and node.args \
+            and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+        return node.func.value, node.args[0].value
+    return None
+
+
+def _entry_key_reads(tree: ast.AST) -> list[str]:
+    """Table entries read by string key: an entry field of an entry-like expression (a name of
+    :data:`ENTRY_NAMES` or one ending ``entry``, ``choice.entry``, ``table["entries"][i]``, ``lookup(...)``),
+    and ``["entries"]`` of a table-like name (:data:`TABLE_NAMES`, ``lt.table``): a reader around the converter."""
+    found = []
+    for node in ast.walk(tree):
+        read = _string_key(node)
+        if read is None:
+            continue
+        target, key = read
+        name = _names(target)
+        inner = _string_key(target.value) if isinstance(target, ast.Subscript) else None
+        entry_like = (not isinstance(target, ast.Call) and name is not None
+                      and (name in ENTRY_NAMES or name.endswith("entry"))) \
+            or (isinstance(target, ast.Call) and name in ENTRY_GETTERS) \
+            or (inner is not None and inner[1] == "entries")
+        table_like = not isinstance(target, ast.Call) and name is not None and \
+            (name in TABLE_NAMES or name.endswith("table"))
+        if (key in ENTRY_KEYS and entry_like) or (key == "entries" and table_like):
+            found.append(ast.unparse(node))
+    return found
+
+
+#: Entry reads by string key left outside tunekit/table.py: 136 by this count before entries were typed (116
+#: entry fields, 20 tables' "entries"). Never raise it.
+ENTRY_KEY_READS = 0
+
+
+def test_table_entries_are_read_by_attribute_outside_the_table_module():
+    """An entry's fields are ``Entry`` attributes (checked once, where the table is read), not string keys a
+    typo or an older table's missing field turns into a KeyError at serving time; a table's entries are had
+    through ``tunekit.table.entries``, which makes a hand-written table's JSON objects entries."""
+    found = []
+    for path in sorted([*(REPO / "tunekit").rglob("*.py"), *(REPO / "scripts").rglob("*.py")]):
+        rel = path.relative_to(REPO).as_posix()
+        if rel == "tunekit/table.py":
+            continue
+        found += [f"{rel}: {text}" for text in _entry_key_reads(ast.parse(path.read_text()))]
+    assert len(found) <= ENTRY_KEY_READS, "\n".join(found)
+
+
+def test_the_entry_key_check_can_fail():
+    from tunekit.table import ENTRY_KEYS as keys  # no torch: the table module is the serving path's
+
+    assert ENTRY_KEYS == frozenset(keys)
+    text = ('x = entry["m"]\ny = e.get("backend")\nz = choice.entry["time_us"]\nw = table["entries"][0]["params"]\n'
+            'v = lookup(t, "gemv", "bf16", 1, 8, 8)["m"]\nfor e in lt.table["entries"]: pass\n'
+            'ok = row["m"] + r.get("op") + entry.m + problem["k"] + report["entries"]\ntable["entries"] = []\n')
+    assert _entry_key_reads(ast.parse(text)) == [
+        "entry['m']", "e.get('backend')", "choice.entry['time_us']", "table['entries'][0]['params']",
+        "lookup(t, 'gemv', 'bf16', 1, 8, 8)['m']", "lt.table['entries']", "table['entries']"]

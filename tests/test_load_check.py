@@ -50,7 +50,7 @@ def test_served_ms_run_from_the_next_smaller_tabulated_m(tmp_path) -> None:
     from tunekit import table as table_mod
 
     path = make_table(tmp_path / "t.json", [timed_entry("gemv", N, K, m=m) for m in (1, 4, 16)])
-    entries = sorted(table_mod.load(path)["entries"], key=lambda e: e["m"])
+    entries = sorted(table_mod.entries(table_mod.load(path)), key=lambda e: e.m)
     assert [load_check.served_ms(entries, e) for e in entries] == [(1,), (2, 3, 4), tuple(range(5, 17))]
 
 
@@ -89,7 +89,7 @@ def test_the_same_check_through_tunekit_patch_and_tunekit_table(tmp_path, monkey
     tunekit.patch(torch.nn.Sequential(torch.nn.Linear(K, N)), table=path)
     with caplog.at_level(logging.INFO, logger="tunekit"):
         _call(1)
-    assert ops.served_entry("gemv", "bf16", 1, N, K, "cpu")["m"] == 4  # M = 1 now takes the M = 4 entry
+    assert ops.served_entry("gemv", "bf16", 1, N, K, "cpu").m == 4  # M = 1 now takes the M = 4 entry
     assert "gemv m1 8x64 fault_backend:ZERO_ABOVE_8: M=1, |x| up to 1e+04 inputs" in _line(caplog)
     caplog.clear()
     monkeypatch.setenv("TUNEKIT_TABLE", str(path))

@@ -51,8 +51,8 @@ def make_table(path: Path, rows: list[dict], device: dict | None = None) -> Path
     # built as Triton rows, then the backend names put back: build_table asks
     # each backend for its kernel name, which test backends need not have.
     backends = {(r["op"], r["m"], r["n"], r["k"]): r["backend"] for r in rows}
-    table = table_mod.build_table([{**r, "backend": "triton"} for r in rows], device or detect().as_dict(), {},
-                                  0.0, ["triton"])
+    table = table_mod.as_json(table_mod.build_table([{**r, "backend": "triton"} for r in rows],
+                                                    device or detect().as_dict(), {}, 0.0, ["triton"]))
     for e in table["entries"]:
         e["backend"] = backends[(e["op"], e["m"], e["n"], e["k"])]
     return table_mod.save(table, path)
@@ -760,7 +760,7 @@ def test_above_the_table_the_fallback_kernel_borrows_the_nearest_tuned_config(tm
     default = {"BLOCK_N": 1024, "ROWS": 1, "num_warps": 4, "VLLM_ROUNDING": 1}  # search_spaces' default + fixed
     assert built[1:] == [("gemma_rms_norm", 7, tuple(sorted(default.items())))]
     # the nearest M below the call's is preferred, then the nearest above
-    entries = [{"op": "rms_norm", "dtype": "bf16", "n": 8, "k": 8, "m": m, "backend": "triton", "params": {"M": m}}
+    entries = [table_mod.Entry("rms_norm", "bf16", m, 8, 8, "triton", "k", {"M": m}, 1.0, 2.0, 2.0, 1.0)
                for m in (1, 4, 16)]
     nearest = elementwise_fallback._nearest_config
     assert [nearest(entries, "rms_norm", "bf16", m, 8, 8, "triton") for m in (2, 9, 32)] == [

@@ -239,7 +239,7 @@ def test_without_vllm_the_space_says_why_and_a_table_entry_keeps_its_structure(t
     # a table searched where vLLM runs loads where it does not (its entries checked for structure only)
     path = _table(tmp_path, {"block_size": 64, "outputs_per_block": 2, "k_unroll": 2, "vector_width": 8,
                              "static_k": 0, "num_rows": 1})
-    assert table_mod.load(path, strict=True)["entries"][0]["backend"] == "vllm_skinny"
+    assert table_mod.entries(table_mod.load(path, strict=True))[0].backend == "vllm_skinny"
 
 
 # ----------------------------------------------------------------------------- the space and its rules (stand-in)
@@ -334,7 +334,7 @@ def test_problems_the_kernel_does_not_serve(vllm_standin) -> None:
 
 def test_table_validation_checks_an_entry_against_the_kernels_rules(tmp_path: Path, vllm_standin) -> None:
     good = {"num_rows": 1, "block_size": 64, "outputs_per_block": 2, "k_unroll": 1, "vector_width": 8, "static_k": 0}
-    assert table_mod.load(_table(tmp_path, good), strict=True)["entries"][0]["params"] == good
+    assert table_mod.entries(table_mod.load(_table(tmp_path, good), strict=True))[0].params == good
     with pytest.raises(table_mod.TableError, match="N must be divisible by outputs_per_block"):
         table_mod.load(_table(tmp_path, good | {"outputs_per_block": 5}), strict=True)
 

@@ -70,8 +70,9 @@ def _summarize(vanilla_steps: dict[str, int] | None) -> dict[str, Any]:
     tuned_fig = {"counters": counters, "steps": {"decode_m": {"8": 10}}}
     vanilla_fig = {"counters": counters, "steps": None if vanilla_steps is None else {"decode_m": vanilla_steps}}
     results = {"vanilla": [_result("vanilla", 2, 4.0, vanilla_fig)], "tuned": [_result("tuned", 2, 3.99, tuned_fig)]}
-    # as a loaded table holds them: params a dict (a search row's are its JSON text)
-    table = {"entries": [{**_timed(m, saving), "params": dict(TILE)} for m, saving in ((1, 10.0), (4, 6.0), (8, 2.0))]}
+    # as a table's JSON holds them: params a dict (a search row's are its JSON text), the kernel named
+    table = {"entries": [{**_timed(m, saving), "params": dict(TILE), "kernel": "gemv"}
+                         for m, saving in ((1, 10.0), (4, 6.0), (8, 2.0))]}
     settings = {"batches": [2], "speculative": "ngram:3", "weights": "dummy", "prompt_len": 64}
     return analysis.summarize(settings, results, {}, _spec(), [("t.json", table)])
 
@@ -110,9 +111,9 @@ def test_an_m_between_two_entries_is_predicted_from_the_entry_serving_takes(tmp_
     # M = 4's entry cannot run M = 3: serving passes it over for M = 8's, and so does the prediction
     path = make_table(tmp_path / "t.json", [_timed(2, 9.0), _timed(4, 6.0, backend=EVEN), _timed(8, 2.0)])
     table = table_mod.load(path)
-    assert table_mod.lookup(table, "gemv", "bf16", 3, N, K)["m"] == 4  # the bare M rule would take it
-    assert table_mod.serving_lookup(table, "gemv", "bf16", 3, N, K)["m"] == 8
-    assert table_mod.serving_lookup(table, "gemv", "bf16", 4, N, K)["backend"] == EVEN  # its own M it runs
+    assert table_mod.lookup(table, "gemv", "bf16", 3, N, K).m == 4  # the bare M rule would take it
+    assert table_mod.serving_lookup(table, "gemv", "bf16", 3, N, K).m == 8
+    assert table_mod.serving_lookup(table, "gemv", "bf16", 4, N, K).backend == EVEN  # its own M it runs
     assert analysis.predicted_saving_us(_spec(), table, 3)["saving_us"] == pytest.approx(3 * 2.0)
     assert analysis.predicted_saving_us(_spec(), table, 4)["saving_us"] == pytest.approx(3 * 6.0)
 
@@ -124,5 +125,5 @@ def test_an_m_between_two_entries_is_predicted_from_the_entry_serving_takes(tmp_
         (marker,) = _rows(shape=f"{N}x{K}", m=m)
         served[m] = (marker["impl"], marker["served_m"])
     assert served == {2: ("tuned:triton", 2), 3: ("tuned:triton", 8), 4: (f"tuned:{EVEN}", 4)}
-    assert {m: table_mod.serving_lookup(table, "gemv", "bf16", m, N, K)["m"] for m in served} == \
+    assert {m: table_mod.serving_lookup(table, "gemv", "bf16", m, N, K).m for m in served} == \
         {m: s for m, (_, s) in served.items()}

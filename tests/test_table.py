@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -35,23 +37,28 @@ def _table():
     return table_mod.build_table(ROWS, DEVICE, PROBE, min_gain=0.01, backends=["triton"])
 
 
+def _json_table():
+    """:func:`_table` as its JSON file holds it (entries as JSON objects, to be broken by the tests)."""
+    return table_mod.as_json(_table())
+
+
 def test_round_trip(tmp_path) -> None:
     table = _table()
     path = table_mod.save(table, tmp_path / "table.json")
     loaded = table_mod.load(path)
-    assert loaded == json.loads(json.dumps(table))
+    assert loaded == table and table_mod.as_json(loaded) == json.loads(path.read_text())
     assert loaded["format"] == table_mod.FORMAT
-    keys = {(e["m"], e["n"], e["k"]) for e in loaded["entries"]}
+    keys = {(e.m, e.n, e.k) for e in table_mod.entries(loaded)}
     assert keys == {(1, 96, 5120), (4, 96, 5120)}  # 5120x6144 gained < min_gain
-    best = next(e for e in loaded["entries"] if e["m"] == 1)
-    assert best["params"] == {"BLOCK_N": 2} and best["time_us"] == 2.5
+    best = next(e for e in table_mod.entries(loaded) if e.m == 1)
+    assert best.params == {"BLOCK_N": 2} and best.time_us == 2.5
     env = loaded["environment"]
     assert env["gpu"] == "NVIDIA H200" and env["arch"] == "sm_90" and "triton" in env["kernel_hash"]
 
 
 def test_min_gain_zero_admits_the_marginal_winner() -> None:
     table = table_mod.build_table(ROWS, DEVICE, PROBE, min_gain=0.0, backends=["triton"])
-    assert any(e["n"] == 5120 for e in table["entries"])
+    assert any(e.n == 5120 for e in table_mod.entries(table))
 
 
 @pytest.mark.parametrize(
@@ -68,7 +75,7 @@ def test_min_gain_zero_admits_the_marginal_winner() -> None:
     ],
 )
 def test_invalid_tables_are_refused(tmp_path, mutate, fragment) -> None:
-    table = _table()
+    table = _json_table()
     mutate(table)
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(table))
@@ -83,15 +90,15 @@ def test_a_cpu_table_records_no_read_limit_as_the_report_says_none(tmp_path) -> 
     cpu_probe = {"read_gbps": 0.05, "copy_gbps": 0.04, "kind": "cpu"}
     table = table_mod.build_table(ROWS, DEVICE, cpu_probe, min_gain=0.01, backends=["triton"])
     assert table["read_limit_gbps"] is None
-    assert table["entries"] and all(e["pct_of_limit"] is None for e in table["entries"])
+    assert table["entries"] and all(e.pct_of_limit is None for e in table_mod.entries(table))
     loaded = table_mod.load(table_mod.save(table, tmp_path / "cpu.json"), strict=True)
     assert loaded["read_limit_gbps"] is None
     # a GPU probe keeps its figure; a table written before (the CPU figure recorded) or without the field loads
     assert _table()["read_limit_gbps"] == 4600.0
-    old = dict(table, read_limit_gbps=0.05)
+    old = dict(table_mod.as_json(table), read_limit_gbps=0.05)
     (tmp_path / "old.json").write_text(json.dumps(old))
     assert table_mod.load(tmp_path / "old.json")["read_limit_gbps"] == 0.05
-    older = {k: v for k, v in table.items() if k != "read_limit_gbps"}
+    older = {k: v for k, v in table_mod.as_json(table).items() if k != "read_limit_gbps"}
     (tmp_path / "older.json").write_text(json.dumps(older))
     assert "read_limit_gbps" not in table_mod.load(tmp_path / "older.json")
 
@@ -107,8 +114,8 @@ def test_corrupt_json_is_one_clear_error(tmp_path) -> None:
 
 def test_lookup_takes_exact_m_then_the_smallest_larger_m() -> None:
     table = _table()
-    assert table_mod.lookup(table, "gemv", "bf16", 1, 96, 5120)["m"] == 1
-    assert table_mod.lookup(table, "gemv", "bf16", 2, 96, 5120)["m"] == 4
+    assert table_mod.lookup(table, "gemv", "bf16", 1, 96, 5120).m == 1
+    assert table_mod.lookup(table, "gemv", "bf16", 2, 96, 5120).m == 4
     assert table_mod.lookup(table, "gemv", "bf16", 5, 96, 5120) is None
     assert table_mod.lookup(table, "gemv", "bf16", 1, 97, 5120) is None
 
@@ -130,3 +137,77 @@ def test_changed_kernel_sources_are_a_mismatch() -> None:
     table["environment"]["kernel_hash"]["triton"] = "0000000000000000"
     diffs = table_mod.environment_mismatch(table, here)
     assert len(diffs) == 1 and diffs[0].startswith("triton kernel sources")
+
+
+@pytest.mark.parametrize("path", sorted((Path(table_mod.__file__).parent / "tables").glob("*/*.json")),
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_a_shipped_table_loads_as_entries_and_saves_byte_for_byte(tmp_path, path) -> None:
+    """Every shipped table: its entries typed at load, and written back by ``save`` as the same bytes ``save``
+    writes for its JSON (the entries' key order and number types kept)."""
+    raw = json.loads(path.read_text())
+    loaded = table_mod.load(path)
+    assert loaded["entries"] and all(type(e) is table_mod.Entry for e in loaded["entries"])
+    assert json.dumps(table_mod.as_json(loaded)) == json.dumps(raw)  # the same keys, in the same order
+    typed = table_mod.save(loaded, tmp_path / "typed.json").read_bytes()
+    assert typed == table_mod.save(raw, tmp_path / "raw.json").read_bytes()
+    assert table_mod.load(tmp_path / "typed.json") == loaded
+
+
+def test_an_entry_is_frozen_and_its_params_read_only() -> None:
+    entry = table_mod.entries(_table())[0]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        entry.m = 2
+    with pytest.raises(TypeError):
+        entry.params["BLOCK_N"] = 8
+    assert dict(**entry.params) == {"BLOCK_N": 2} and {**entry.params} == {"BLOCK_N": 2}  # what kernels are given
+    mine = dict(entry.params)
+    mine["BLOCK_N"] = 8
+    assert entry.params == {"BLOCK_N": 2} and entry.key == ("gemv", "bf16", 1, 96, 5120)
+    assert entry.problem.key == "gemv|bf16|m1|n96|k5120" and entry.shape_key == ("gemv", "bf16", 96, 5120)
+    assert {entry: 1}[table_mod.entries(_table())[0]] == 1  # hashable, equal by value
+    # a dict given is copied behind the view: the caller's later writes do not reach the entry
+    params = {"BLOCK_N": 4}
+    made = table_mod.Entry("gemv", "bf16", 1, 8, 8, "triton", "k", params, 1.0, 2.0, 2.0, 1.0)
+    params["BLOCK_N"] = 16
+    assert made.params == {"BLOCK_N": 4}
+    assert dataclasses.replace(made, time_us=0.5).params == {"BLOCK_N": 4}
+
+
+def test_from_json_refuses_a_bad_entry_as_load_does(tmp_path) -> None:
+    good = _json_table()["entries"][0]
+    assert table_mod.Entry.from_json(good).to_json() == good
+    bad = dict(good, time_us=-1.0)
+    with pytest.raises(table_mod.TableError) as err:
+        table_mod.Entry.from_json(bad, 3, "t.json")
+    assert str(err.value) == "t.json: entry 3 (gemv bf16 m1 96x5120 triton): time_us=-1.0 (must be finite and > 0)"
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(dict(_json_table(), entries=[bad])))
+    with pytest.raises(table_mod.TableError, match=r"entry 0 \(gemv bf16 m1 96x5120 triton\): time_us=-1.0"):
+        table_mod.load(path)
+    with pytest.raises(table_mod.TableError, match="entry 0 is not an object"):
+        table_mod.Entry.from_json([1])
+
+
+def test_entries_converts_a_plain_dict_table_and_keeps_what_the_json_had() -> None:
+    """A table written as a dict (tests, an integration) goes through the one converter; an older entry's
+    missing optional fields read as their defaults and stay missing in its JSON; keys beyond the schema are
+    kept."""
+    table = _json_table()
+    sparse = {k: v for k, v in table["entries"][0].items() if k not in ("count", "timing_kind", "err_ratio")}
+    table["entries"][0] = dict(sparse, note="hand-edited")
+    typed = table_mod.entries(table)
+    assert [type(e) for e in typed] == [table_mod.Entry, table_mod.Entry]
+    assert typed[0].count == 1 and typed[0].timing_kind is None and typed[0].err_ratio is None
+    assert typed[0].to_json() == table["entries"][0] and list(typed[0].to_json()) == list(table["entries"][0])
+    assert table_mod.entries({"entries": typed}) == typed  # entries already made pass as they are
+    assert table_mod.lookup(table, "gemv", "bf16", 1, 96, 5120) == typed[0]
+    table["entries"][1] = dict(table["entries"][1], m=0)
+    with pytest.raises(table_mod.TableError, match=r"t.json: entry 1 \(gemv bf16 m0 96x5120 triton\): m=0"):
+        table_mod.entries(table, "t.json")
+
+
+def test_validate_checks_an_entry_made_directly() -> None:
+    table = _table()
+    table["entries"].append(dataclasses.replace(table["entries"][0], m=2, speedup=float("nan")))
+    with pytest.raises(table_mod.TableError, match=r"entry 2 \(gemv bf16 m2 96x5120 triton\): speedup=nan"):
+        table_mod.validate(table)

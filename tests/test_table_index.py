@@ -49,8 +49,8 @@ def test_the_index_keeps_what_serving_keeps_and_answers_by_key() -> None:
     index, why = index_mod.build([("a", first), ("b", second), ("c", foreign), ("d", other_tp)], detect(), 2)
     assert why is None and index.size == 5
     assert index.ms("gemv", "bf16", 16, 64) == (1, 2, 4)  # sorted; the foreign table's M=16 left out
-    assert index.lookup("gemv", "bf16", 1, 16, 64)["params"] == GEMV  # the first table wins a key
-    assert index.lookup("gemv", "bf16", 3, 16, 64)["m"] == 4 and index.lookup("gemv", "bf16", 5, 16, 64) is None
+    assert index.lookup("gemv", "bf16", 1, 16, 64).params == GEMV  # the first table wins a key
+    assert index.lookup("gemv", "bf16", 3, 16, 64).m == 4 and index.lookup("gemv", "bf16", 5, 16, 64) is None
     assert index.largest_m("gemv", "bf16", 16, 64) == 4 and index.largest_m("gemv", "bf16", None, 64) == 4
     assert index.largest_rows("rms_norm", "bf16", 64) == 8 and index.widths("gemv", "bf16", 64) == (16, 24)
     assert index.other_tp == {("gemv", "bf16", 32, 64): 1} and index.unmeasured == ("a", "b")

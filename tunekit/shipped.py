@@ -80,14 +80,19 @@ def for_device(device: dict[str, Any], root: Path | None = None) -> list[Shipped
 
 def describe(s: Shipped) -> dict[str, Any]:
     """One row of ``tunekit tables``: GPU, model, Ms, when, recorded per-token speedup, source, the file."""
+    from tunekit import table as table_mod
+
     meta = s.meta
     env = s.table["environment"]
-    ms = sorted({e["m"] for e in s.table["entries"]})
+    entries = table_mod.entries(s.table, str(s.path))
+    ms = sorted({e.m for e in entries})
     return {"gpu": meta.get("gpu", env["gpu"]), "model": meta.get("model"), "ms": meta.get("ms", ms),
-            "entries": len(s.table["entries"]), "created": meta.get("created", s.table.get("created")),
+            "entries": len(entries), "created": meta.get("created", s.table.get("created")),
             "speedup_per_token": meta.get("speedup_per_token") or {}, "search": meta.get("search"),
             "source": meta.get("source"), "path": str(s.path)}
 
 
 def dumps(table: dict[str, Any]) -> str:
-    return json.dumps(table, indent=1, sort_keys=False) + "\n"
+    from tunekit import table as table_mod
+
+    return json.dumps(table_mod.as_json(table), indent=1, sort_keys=False) + "\n"

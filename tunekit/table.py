@@ -1,26 +1,20 @@
 """Dispatch table: schema, export, load, validate, lookup (and ``serving_lookup``: the M rule serving applies,
 for the predictions to use the same).
 
-A table maps (op, dtype, n, k, m) to the fastest *verified* candidate that
-beat the baseline by at least ``min_gain`` in the same run. It carries
-an environment stamp (device, arch, versions, kernel source hash) so that a
+A table maps (op, dtype, n, k, m) to the fastest *verified* candidate that beat the baseline by at least
+``min_gain`` in the same run. It carries an environment stamp (device, arch, versions, kernel source hash) so that a
 table tuned elsewhere is refused rather than silently used.
 
 This module must stay importable without optuna (the serving path loads it).
 
-The baseline a candidate must beat (``build_table``): the *fastest* baseline
-row of its problem in the same interleaved re-measure. For GEMV that is the
-vendor path (cuBLAS / rocBLAS). For the elementwise ops it is the faster of
-the PyTorch eager composition ("vendor") and its Inductor compilation
-("inductor", when measured): vLLM runs these ops either eagerly or, by
-default, inside torch.compile'd graphs where Inductor fuses them, so a kernel
-that only beats eager would replace nothing in a compiled deployment. Peers
-(vLLM's skinny GEMM, FlashInfer: ``backends.PEERS``) are timed in the same
-re-measure and reported, but are no bar: where a shape has no entry the
-plugin serves the stock path, not the peer. Entries
-record that time as ``baseline_us`` and the speedup over it; ``speedup`` is
-recomputed here from the rows, so a table re-exported from final.csv gates
-the same way.
+The baseline a candidate must beat (``build_table``): the *fastest* baseline row of its problem in the same
+interleaved re-measure. For GEMV that is the vendor path (cuBLAS / rocBLAS). For the elementwise ops it is the
+faster of the PyTorch eager composition ("vendor") and its Inductor compilation ("inductor", when measured): vLLM
+runs these ops either eagerly or, by default, inside torch.compile'd graphs where Inductor fuses them, so a kernel
+that only beats eager would replace nothing in a compiled deployment. Peers (vLLM's skinny GEMM, FlashInfer:
+``backends.PEERS``) are timed in the same re-measure and reported, but are no bar: where a shape has no entry the
+plugin serves the stock path, not the peer. Entries record that time as ``baseline_us`` and the speedup over it;
+``speedup`` is recomputed here from the rows, so a table re-exported from final.csv gates the same way.
 
 Format (``format`` = ``tunekit.dispatch/1``)::
 
@@ -32,7 +26,7 @@ Format (``format`` = ``tunekit.dispatch/1``)::
      "tp": int or null,
      "entries": [{"op", "dtype", "m", "n", "k", "backend", "kernel", "params",
                   "time_us", "baseline_us", "speedup", "gbps", "pct_of_limit",
-                  "max_abs_err", "err_ratio", "count"}],
+                  "max_abs_err", "err_ratio", "count", "timing_kind"}],
      "fusions": {group key: {"fuse", "margin", "why", "per_m", ...}}}
 
 ``fusions`` (``tunekit.table_fusions``): per layer group, whether serving fuses it (a folded norm, the residual
@@ -48,15 +42,16 @@ that records the CPU probe's figure, and still loads.
 rank's shards); null or absent (tables written before it was recorded, and ``--shape`` searches, whose
 shapes are given as they run): unknown, served at any TP size.
 
-Validation (``validate``; ``load`` runs it): the structure and every field's
-type and range always (finite positive times, ``pct_of_limit`` a number or
-null, the stamp's fields, known op and dtype, params a flat dict). With
-``strict=True`` (``tunekit show``) also what each entry means: a tuned
-backend that serves its op, params non-empty, named and typed as the
-backend's search space has them, and accepted by the kernel's own predicate
-(``Backend.invalid_reason``) for the entry's problem. Serving loads tables
-without ``strict``: an entry that does not build there takes the vendor path
-on its own (``tunekit.ops``), and a backend that cannot be imported on the
+In memory (``load``, ``build_table``) a table is its JSON object with each entry a frozen :class:`Entry`, read
+by attribute; ``entries(table)`` is how code outside this module reaches them, from a loaded table or one
+written as a plain dict (whose JSON objects it checks and converts); ``save`` and ``as_json`` give the JSON back.
+
+Validation (``validate``; ``load`` runs it): the structure and every field's type and range always (finite positive
+times, ``pct_of_limit`` a number or null, the stamp's fields, known op and dtype, params a flat dict). With
+``strict=True`` (``tunekit show``) also what each entry means: a tuned backend that serves its op, params non-empty,
+named and typed as the backend's search space has them, and accepted by the kernel's own predicate
+(``Backend.invalid_reason``) for the entry's problem. Serving loads tables without ``strict``: an entry that does
+not build there takes the vendor path on its own (``tunekit.ops``), and a backend that cannot be imported on the
 serving machine does not make the rest of the table unusable.
 """
 
@@ -66,27 +61,22 @@ import datetime as _dt
 import json
 import math
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from operator import itemgetter
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from tunekit.errors import UserError
 from tunekit.problems import oprecords
-from tunekit.problems.shapes import DTYPE_BYTES
+from tunekit.problems.shapes import DTYPE_BYTES, Problem
 
 FORMAT = "tunekit.dispatch/1"
 
 _ENTRY_FIELDS: dict[str, tuple[type, ...]] = {
-    "op": (str,),
-    "dtype": (str,),
-    "m": (int,),
-    "n": (int,),
-    "k": (int,),
-    "backend": (str,),
-    "kernel": (str,),
-    "params": (dict,),
-    "time_us": (int, float),
-    "baseline_us": (int, float),
-    "speedup": (int, float),
+    "op": (str,), "dtype": (str,), "m": (int,), "n": (int,), "k": (int,), "backend": (str,), "kernel": (str,),
+    "params": (dict,), "time_us": (int, float), "baseline_us": (int, float), "speedup": (int, float),
     "gbps": (int, float),
 }
 _ENV_FIELDS = ("gpu", "arch", "cu_count", "wave_size", "runtime", "torch", "triton", "tunekit", "kernel_hash")
@@ -101,6 +91,131 @@ _PARAM_VALUE_TYPES = (int, float, str, bool)
 
 class TableError(UserError):
     """An invalid or corrupt dispatch table."""
+
+
+#: An entry's keys in the order :func:`build_table` writes them (and ``Entry.to_json`` gives them back).
+ENTRY_KEYS = ("op", "dtype", "m", "n", "k", "backend", "kernel", "params", "time_us", "baseline_us", "speedup",
+              "gbps", "pct_of_limit", "max_abs_err", "err_ratio", "count", "timing_kind")
+#: The keys an entry may leave out (tables written before them were recorded), and what a reader gets then.
+_OPTIONAL = {"pct_of_limit": None, "max_abs_err": None, "err_ratio": None, "count": 1, "timing_kind": None}
+_KNOWN = frozenset(ENTRY_KEYS)
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One entry of a dispatch table: the config that serves (op, dtype, M, N, K) and the figures it won by.
+
+    Made and checked once, where a table is read or built (:func:`load`, :func:`build_table`, :func:`entries`),
+    so no reader meets a missing key or a wrong type later. Frozen, ``params`` a read-only view: a loaded
+    table's entries are shared by every reader (the serving index, the load check, the predictions), and one
+    writing into an entry would change what the others serve; ``dict(entry.params)`` is a copy of one's own.
+    ``to_json`` gives back the JSON object the entry was read from: a table loaded and saved is the same file."""
+
+    op: str
+    dtype: str
+    m: int
+    n: int
+    k: int
+    backend: str
+    kernel: str
+    params: Mapping[str, Any]
+    time_us: float
+    baseline_us: float
+    speedup: float
+    gbps: float
+    pct_of_limit: float | None = None
+    max_abs_err: float | None = None
+    err_ratio: float | None = None
+    count: int = 1
+    timing_kind: str | None = None
+    #: the optional keys (:data:`_OPTIONAL`) the JSON object left out: ``to_json`` leaves them out again
+    omitted: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
+    #: keys beyond the schema (the format never refused them), kept so that a load and a save lose nothing
+    extra: tuple[tuple[str, Any], ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        # a copy behind the view (the caller's dict may change after); a view given is this module's, kept
+        if type(self.params) is not MappingProxyType:
+            object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
+
+    def __hash__(self) -> int:  # params (a view) has no hash; a table holds one entry per key anyway
+        return hash((self.op, self.dtype, self.m, self.n, self.k, self.backend))
+
+    @property
+    def key(self) -> tuple[str, str, int, int, int]:  # (op, dtype, M, N, K): one entry per key in a table
+        return (self.op, self.dtype, self.m, self.n, self.k)
+
+    @property
+    def shape_key(self) -> tuple[str, str, int, int]:  # (op, dtype, N, K): what its Ms share (TableIndex's key)
+        return (self.op, self.dtype, self.n, self.k)
+
+    @property
+    def problem(self) -> Problem:
+        return Problem(self.op, self.dtype, self.m, self.n, self.k)
+
+    @classmethod
+    def from_json(cls, data: Any, index: int = 0, source: str = "table") -> Entry:
+        """The entry of JSON object ``data`` (the ``index``-th of table ``source``), or :func:`validate`'s
+        TableError for it."""
+        if not isinstance(data, dict):
+            raise TableError(f"{source}: entry {index} is not an object")
+        why = _entry_problem(data)
+        if why is not None:
+            raise TableError(f"{source}: {_entry_label(index, data)}: {why}")
+        return cls._from_checked(data, owned=False)
+
+    @classmethod
+    def _from_checked(cls, data: dict[str, Any], owned: bool) -> Entry:
+        """The entry of a JSON object :func:`_entry_problem` passed; ``owned``: dropped after (a load's), no copy."""
+        params = MappingProxyType(data["params"] if owned else dict(data["params"]))
+        if len(data) == len(ENTRY_KEYS) and _KNOWN.issuperset(data):  # every key and no other: what tables hold
+            return _made(_ALL_KEYS(data), params, _NONE_OMITTED, ())
+        return _made(tuple(data.get(name, _OPTIONAL.get(name)) for name in ENTRY_KEYS), params,
+                     frozenset(name for name in _OPTIONAL if name not in data),
+                     tuple((name, value) for name, value in data.items() if name not in _KNOWN))
+
+    def to_json(self) -> dict[str, Any]:
+        """The entry as its table's JSON holds it (:data:`ENTRY_KEYS`' order, then the extra keys); own params."""
+        out = {name: getattr(self, name) for name in ENTRY_KEYS if name not in self.omitted}
+        out["params"] = dict(self.params)
+        return out | dict(self.extra)
+
+
+_ALL_KEYS, _NONE_OMITTED = itemgetter(*ENTRY_KEYS), frozenset()
+
+
+def _slot_maker() -> Any:
+    """``_made(values, params, omitted, extra)``: the Entry of the :data:`ENTRY_KEYS` ``values`` (params given
+    apart, as its view), its slots set by their own descriptors: the frozen ``__init__`` sets each through
+    ``object.__setattr__``, and 100,000 entries took 0.33 s of CPU made through it, 0.21 s made so (timeit, best of
+    7; checking them takes 0.21 s). Generated as ``dataclasses`` generates ``__init__``, one line per slot."""
+    slots = (*ENTRY_KEYS, "omitted", "extra")
+    assert tuple(Entry.__dataclass_fields__) == slots
+    scope = {"new": object.__new__, "Entry": Entry} | {f"set_{name}": getattr(Entry, name).__set__ for name in slots}
+    given = {"params": "params", "omitted": "omitted", "extra": "extra"}
+    body = "".join(f"    set_{name}(e, {given.get(name, f'v[{i}]')})\n" for i, name in enumerate(slots))
+    exec(f"def _made(v, params, omitted, extra):\n    e = new(Entry)\n{body}    return e\n", scope)
+    return scope["_made"]
+
+
+_made = _slot_maker()
+
+
+def entries(table: Mapping[str, Any], source: str = "table") -> list[Entry]:
+    """The entries of ``table`` as :class:`Entry`: the one door to them outside this module. A table from
+    :func:`load` or :func:`build_table` holds them already (no second check); a table written as a plain dict
+    (the tests', an integration's) holds JSON objects, each checked as :func:`load` checks it (TableError
+    naming the first bad one). The table's other sections are :func:`validate`'s to check."""
+    found = table["entries"]
+    if all(type(e) is Entry for e in found):
+        return list(found)
+    return [e if type(e) is Entry else Entry.from_json(e, i, source) for i, e in enumerate(found)]
+
+
+def as_json(table: Mapping[str, Any]) -> dict[str, Any]:
+    """``table`` as its JSON file holds it: every :class:`Entry` given back as its JSON object (``json.dumps``
+    takes no Entry). What :func:`save` writes; also for a caller that hashes or copies a table as JSON."""
+    return dict(table, entries=[e.to_json() if type(e) is Entry else e for e in table["entries"]])
 
 
 def tunekit_version() -> str:
@@ -126,17 +241,9 @@ def environment_stamp(device: dict[str, Any], backends: list[str]) -> dict[str, 
             hashes[name] = registry.get(name).source_hash()
         except Exception as exc:  # a broken backend must not prevent stamping the others
             hashes[name] = f"unavailable: {exc}"
-    return {
-        "gpu": device["name"],
-        "arch": device["arch"],
-        "cu_count": device["cu_count"],
-        "wave_size": device["wave_size"],
-        "runtime": device["runtime"],
-        "torch": torch.__version__,
-        "triton": triton_version,
-        "tunekit": tunekit_version(),
-        "kernel_hash": hashes,
-    }
+    return {"gpu": device["name"], "arch": device["arch"], "cu_count": device["cu_count"],
+            "wave_size": device["wave_size"], "runtime": device["runtime"], "torch": torch.__version__,
+            "triton": triton_version, "tunekit": tunekit_version(), "kernel_hash": hashes}
 
 
 def build_table(
@@ -154,7 +261,6 @@ def build_table(
     (kind "cpu") gives no read limit: ``read_limit_gbps`` and every ``pct_of_limit`` are null. ``fusions``:
     the section of ``tunekit.table_fusions`` (None: the table has none)."""
     from tunekit import backends as registry
-    from tunekit.problems.shapes import Problem
 
     # on the CPU interpreter no read-bandwidth limit is measured (the search and the report say "none")
     cpu = probe.get("kind") == "cpu"
@@ -179,27 +285,17 @@ def build_table(
             continue
         if key not in best or row["time_us"] < best[key]["time_us"]:
             best[key] = row
-    entries = []
+    made = []
     for (op, dtype, m, n, k), row in sorted(best.items()):
         params = row["params"]
         if isinstance(params, str):
             params = json.loads(params)
-        problem = Problem(op, dtype, m, n, k)
-        entries.append({
-            "op": op, "dtype": dtype, "m": m, "n": n, "k": k,
-            "backend": row["backend"],
-            "kernel": registry.get(row["backend"]).kernel_name(problem),
-            "params": params,
-            "time_us": float(row["time_us"]),
-            "baseline_us": float(row["baseline_us"]),
-            "speedup": float(row["speedup"]),
-            "gbps": float(row["gbps"]),
-            "pct_of_limit": None if cpu else _num(row.get("pct_of_limit")),
-            "max_abs_err": _num(row.get("max_abs_err")),
-            "err_ratio": _num(row.get("err_ratio")),
-            "count": int(row.get("count") or 1),
-            "timing_kind": row.get("timing_kind", "gpu"),
-        })
+        made.append(Entry(
+            op, dtype, m, n, k, row["backend"], registry.get(row["backend"]).kernel_name(Problem(op, dtype, m, n, k)),
+            params, float(row["time_us"]), float(row["baseline_us"]), float(row["speedup"]), float(row["gbps"]),
+            pct_of_limit=None if cpu else _num(row.get("pct_of_limit")), max_abs_err=_num(row.get("max_abs_err")),
+            err_ratio=_num(row.get("err_ratio")), count=int(row.get("count") or 1),
+            timing_kind=row.get("timing_kind", "gpu")))
     table = {
         "format": FORMAT,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -207,7 +303,7 @@ def build_table(
         "read_limit_gbps": None if cpu else probe.get("read_gbps"),
         "min_gain": min_gain,
         "tp": tp,
-        "entries": entries,
+        "entries": made,
     }
     if fusions is not None:
         table["fusions"] = fusions
@@ -221,17 +317,20 @@ def _num(value: Any) -> float | None:
     return None if math.isnan(value) else value
 
 
-def save(table: dict[str, Any], path: Path) -> Path:
+def save(table: Mapping[str, Any], path: Path) -> Path:
+    """Write ``table`` (its entries :class:`Entry` or JSON objects) to ``path`` once :func:`validate` passes it;
+    a table :func:`load` read is written back byte for byte."""
     validate(table, source=str(path))
     path = Path(path)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(table, indent=2) + "\n")
+    tmp.write_text(json.dumps(as_json(table), indent=2) + "\n")
     os.replace(tmp, path)
     return path
 
 
 def load(path: str | Path, strict: bool = False) -> dict[str, Any]:
-    """Read and validate a table; TableError (one line) if unreadable or invalid.
+    """Read and validate a table; TableError (one line) if unreadable or invalid. The table's JSON object, its
+    ``entries`` a list of :class:`Entry` (:func:`as_json` gives the JSON back).
 
     ``strict``: also check every entry against its backend (see the module docstring)."""
     path = Path(path)
@@ -241,7 +340,7 @@ def load(path: str | Path, strict: bool = False) -> dict[str, Any]:
         table = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise TableError(f"{path}: corrupt table (not JSON: {exc})") from None
-    validate(table, source=str(path), strict=strict)
+    table["entries"] = _checked(table, str(path), strict)
     return table
 
 
@@ -303,7 +402,6 @@ def _entry_problem(entry: dict[str, Any]) -> str | None:
 def _entry_meaning(entry: dict[str, Any]) -> str | None:
     """Why a well-formed entry cannot serve its problem (strict validation), else None."""
     from tunekit import backends as registry
-    from tunekit.problems.shapes import Problem
 
     name, params = entry["backend"], entry["params"]
     if name in registry.BASELINES:
@@ -365,8 +463,15 @@ def params_problem(backend: Any, name: str, problem: Any, params: dict[str, Any]
 
 
 def validate(table: Any, source: str = "table", strict: bool = False) -> None:
-    """TableError (one line naming the entry and why) unless ``table`` is a valid table;
+    """TableError (one line naming the entry and why) unless ``table`` is a valid table (its entries JSON
+    objects or :class:`Entry`, each checked: an Entry made directly, not read, was never checked);
     ``strict`` also checks each entry against its backend (see the module docstring)."""
+    _checked(table, source, strict, build=False)
+
+
+def _checked(table: Any, source: str, strict: bool, build: bool = True) -> list[Entry]:
+    """:func:`validate`'s check, and (``build``) the entries it passed as :class:`Entry`: one pass, so that a load
+    checks each entry and makes it once."""
     if not isinstance(table, dict):
         raise TableError(f"{source}: a table must be a JSON object")
     if table.get("format") != FORMAT:
@@ -401,8 +506,11 @@ def validate(table: Any, source: str = "table", strict: bool = False) -> None:
         raise TableError(f"{source}: 'entries' must be a list")
     seen = set()
     problems: list[str] = []
+    out: list[Entry] = []
     for i, entry in enumerate(entries):
-        if not isinstance(entry, dict):
+        if type(entry) is Entry:
+            entry = entry.to_json()
+        elif not isinstance(entry, dict):
             problems.append(f"entry {i} is not an object")
             continue
         why = _entry_problem(entry)
@@ -412,9 +520,12 @@ def validate(table: Any, source: str = "table", strict: bool = False) -> None:
             seen.add(key)
         if why is not None:
             problems.append(f"{_entry_label(i, entry)}: {why}")
+        elif build and not problems:
+            out.append(Entry._from_checked(entry, owned=True))
     if problems:
         more = f" (and {len(problems) - 1} more invalid entries)" if len(problems) > 1 else ""
         raise TableError(f"{source}: {problems[0]}{more}")
+    return out
 
 
 def table_tp(table: dict[str, Any]) -> int | None:
@@ -422,12 +533,13 @@ def table_tp(table: dict[str, Any]) -> int | None:
     return table.get("tp")
 
 
-def environment_mismatch(table: dict[str, Any], device: dict[str, Any]) -> list[str]:
+def environment_mismatch(table: Mapping[str, Any], device: dict[str, Any]) -> list[str]:
     """Fields of the stamp that differ from the running device/software."""
     env = table["environment"]
     # the kernel sources of every backend the entries use: a tuned config was
     # verified and timed on those sources, not on whatever the files hold now
-    used = sorted({e["backend"] for e in table.get("entries", []) if e.get("backend") in env["kernel_hash"]})
+    used = sorted({e.backend for e in (entries(table) if "entries" in table else ())
+                   if e.backend in env["kernel_hash"]})
     current = environment_stamp(device, used)
     diffs = []
     for name in ("gpu", "arch", "wave_size", "runtime", "torch", "triton"):
@@ -440,48 +552,45 @@ def environment_mismatch(table: dict[str, Any], device: dict[str, Any]) -> list[
     return diffs
 
 
-def saving_us(entry: dict[str, Any]) -> float:
+def saving_us(entry: Entry) -> float:
     """What one call served by ``entry`` saves by its standalone figures: baseline minus tuned time (us)."""
-    return float(entry["baseline_us"]) - float(entry["time_us"])
+    return float(entry.baseline_us) - float(entry.time_us)
 
 
-def lookup(table: dict[str, Any], op: str, dtype: str, m: int, n: int, k: int) -> dict[str, Any] | None:
+def lookup(table: Mapping[str, Any], op: str, dtype: str, m: int, n: int, k: int) -> Entry | None:
     """Entry for the exact M, else the smallest tabulated M >= m, else None (vendor path). Whether that
     entry's config runs at ``m`` is not asked: :func:`serving_lookup` is what the ops serve."""
-    candidates = [
-        e for e in table["entries"]
-        if e["op"] == op and e["dtype"] == dtype and e["n"] == n and e["k"] == k and e["m"] >= m
-    ]
+    shape = (op, dtype, n, k)
+    candidates = [e for e in entries(table) if e.shape_key == shape and e.m >= m]
     if not candidates:
         return None
-    return min(candidates, key=lambda e: e["m"])
+    return min(candidates, key=lambda e: e.m)
 
 
-def invalid_at_m(entry: dict[str, Any], m: int) -> str | None:
-    """Why ``entry`` (tabulated at ``entry["m"]`` >= ``m``) cannot serve a call at M = ``m``, None where it can:
+def invalid_at_m(entry: Entry, m: int) -> str | None:
+    """Why ``entry`` (tabulated at ``entry.m`` >= ``m``) cannot serve a call at M = ``m``, None where it can:
     its kernel's own predicate at that M (a Triton config of per-row accumulators, ``M_MODE="rows"``, does not
     run M = 1). An entry always runs its own M, and a HIP GEMV is built for its tabulated M, which serves every
     smaller M. The one test serving applies (``tunekit.dispatch.decisions``) and the predictions with it
     (:func:`serving_lookup`); it imports the entry's backend (torch) only where the Ms differ."""
-    if entry["m"] == m or (entry["backend"] == "hip" and entry["op"] == "gemv"):
+    if entry.m == m or (entry.backend == "hip" and entry.op == "gemv"):
         return None
     from tunekit import backends as registry
-    from tunekit.problems.shapes import Problem
 
-    backend = registry.get(entry["backend"])
+    backend = registry.get(entry.backend)
     if not hasattr(backend, "invalid_reason"):
         return None
-    return backend.invalid_reason(Problem(entry["op"], entry["dtype"], m, entry["n"], entry["k"]), entry["params"])
+    return backend.invalid_reason(Problem(entry.op, entry.dtype, m, entry.n, entry.k), dict(entry.params))
 
 
-def serving_lookup(table: dict[str, Any], op: str, dtype: str, m: int, n: int, k: int) -> dict[str, Any] | None:
+def serving_lookup(table: Mapping[str, Any], op: str, dtype: str, m: int, n: int, k: int) -> Entry | None:
     """The entry the ops serve a call at M = ``m`` from: of the entries at M or above, smallest M first
     (:func:`lookup`'s order), the first whose config runs at ``m`` (:func:`invalid_at_m`); None where none
     does or none is tabulated (the stock path). An M between two tabulated ones, M = 3 with entries at 2 and
     4, is served by the one at 4 where its config runs at 3, else by the next above. An entry whose backend
     cannot be loaded here ends the walk with None, as its build error does in serving."""
-    candidates = sorted((e for e in table["entries"] if e["op"] == op and e["dtype"] == dtype and e["n"] == n
-                         and e["k"] == k and e["m"] >= m), key=lambda e: e["m"])
+    shape = (op, dtype, n, k)
+    candidates = sorted((e for e in entries(table) if e.shape_key == shape and e.m >= m), key=lambda e: e.m)
     for entry in candidates:
         try:
             if invalid_at_m(entry, m) is None:

@@ -455,7 +455,8 @@ def export(
             table["fusions"] = fusions
     path = table_mod.save(table, target)
     problems = len({(r["op"], r["m"], r["n"], r["k"]) for r in rows})
-    console.print(f"wrote {path}: {len(table['entries'])} entries from {problems} problems (min gain {gain:.1%})")
+    console.print(f"wrote {path}: {len(table_mod.entries(table))} entries from {problems} problems "
+                  f"(min gain {gain:.1%})")
 
 
 def _storage_finals(url: str, stamp: str | None) -> tuple[list[dict], dict, dict, list[str]]:
@@ -516,8 +517,9 @@ def show(
     from tunekit import table as table_mod
 
     table = table_mod.load(table_path, strict=True)
+    entries = table_mod.entries(table)
     env = table["environment"]
-    console.print(f"{table_path}: {table['format']}, {len(table['entries'])} entries, tuned on {env['gpu']} "
+    console.print(f"{table_path}: {table['format']}, {len(entries)} entries, tuned on {env['gpu']} "
                   f"({env['arch']}, {env['runtime']}, torch {env['torch']}, triton {env['triton']})")
     if check:
         from tunekit.measure.device import detect
@@ -537,17 +539,17 @@ def show(
     else:
         console.print("fusions: no section (a table written before tunekit measured fusions): serving decides "
                       "folds from the M=1 entries as before", soft_wrap=True, markup=False, highlight=False)
-    if not table["entries"]:
+    if not entries:
         gain = table.get("min_gain")
         console.print("no entries: every shape served with this table takes the stock path (no tuned "
                       "candidate beat it" + ("" if gain is None else f" by the min gain {gain:.1%}") + ")")
         return
     rows = Table("op", "M", "N", "K", "backend", "params", "us", "vendor us", "speedup", "GB/s", "% limit")
-    for e in table["entries"]:
-        pct = e.get("pct_of_limit")
-        rows.add_row(e["op"], str(e["m"]), str(e["n"]), str(e["k"]), e["backend"],
-                     json.dumps(e["params"], sort_keys=True), f"{e['time_us']:.2f}", f"{e['baseline_us']:.2f}",
-                     f"{e['speedup']:.3f}", f"{e['gbps']:.0f}", "-" if pct is None else f"{pct:.1f}")
+    for e in entries:
+        pct = e.pct_of_limit
+        rows.add_row(e.op, str(e.m), str(e.n), str(e.k), e.backend, json.dumps(dict(e.params), sort_keys=True),
+                     f"{e.time_us:.2f}", f"{e.baseline_us:.2f}", f"{e.speedup:.3f}", f"{e.gbps:.0f}",
+                     "-" if pct is None else f"{pct:.1f}")
     console.print(rows)
 
 

@@ -61,23 +61,23 @@ def check(loaded: list[tuple[str, dict[str, Any]]],
         if foreign:
             notes.append(f"refused {label}: measured on another GPU ({'; '.join(foreign)})")
             continue
-        kept, dropped = [], []
-        for entry in table["entries"]:
-            why = load_check.entry_failure(entry, load_check.served_ms(table["entries"], entry), info)
+        kept, dropped, every = [], [], table_mod.entries(table, path)
+        for entry in every:
+            why = load_check.entry_failure(entry, load_check.served_ms(every, entry), info)
             if why is None:
                 kept.append(entry)
             else:
-                dropped.append(f"{entry['op']} m{entry['m']} {entry['n']}x{entry['k']} {entry['backend']}: {why}")
+                dropped.append(f"{load_check.label(entry)}: {why}")
         software = table_mod.environment_mismatch(table, device)  # its GPU fields match: checked above
         served = dict(table, entries=kept)
         if software:
             # each kept entry was checked here; the stamp now names this host's software, so serving's stamp
             # check (dispatch.index) takes it, and the line says the timings were taken with other software
-            hashes = table_mod.environment_stamp(device, sorted({e["backend"] for e in kept}))["kernel_hash"]
+            hashes = table_mod.environment_stamp(device, sorted({e.backend for e in kept}))["kernel_hash"]
             served["environment"] = dict(table["environment"], runtime=here["runtime"], torch=here["torch"],
                                          triton=here["triton"],
                                          kernel_hash=dict(table["environment"]["kernel_hash"], **hashes))
-        note = f"used {label}: {len(kept)} of {len(table['entries'])} entries passed their check on {info.name}"
+        note = f"used {label}: {len(kept)} of {len(every)} entries passed their check on {info.name}"
         if software:
             note += f" (timed with other software: {'; '.join(software)})"
         if dropped:

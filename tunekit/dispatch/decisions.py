@@ -7,7 +7,7 @@ M, else the smallest tabulated M above; an M between two entries, M = 3 with
 entries at 2 and 4, takes the next entry above whose config runs at that M,
 ``tunekit.table.invalid_at_m``, passing over one that cannot), builds the
 entry's kernel through its backend and caches the :class:`~tunekit.dispatch.state.Choice` (a built kernel, whose
-``entry["m"]`` the markers record as ``served_m``, or ``fallback:<reason>``). Under CUDA-graph capture
+``entry.m`` the markers record as ``served_m``, or ``fallback:<reason>``). Under CUDA-graph capture
 (:func:`is_capturing`) nothing is built and the fallback is not cached. A fused op (``rms_gemv``,
 ``gemv_add``) at a tabulated M where its layer group chose the unfused path (the fusions section's
 ``fused_m``, ``TableIndex.fused_at``) is ``fallback:unfused_at_m``: the op's unfused sequence serves. A
@@ -28,6 +28,7 @@ import torch
 from tunekit import table as table_mod
 from tunekit.dispatch.state import STATE, Choice, log_once
 from tunekit.dispatch.tables import largest_m, tables_for
+from tunekit.table import Entry
 
 
 def resolve(op: str, dtype: str, m: int, n: int, k: int, device: torch.device, capturing: bool) -> Choice:
@@ -50,7 +51,7 @@ def resolve(op: str, dtype: str, m: int, n: int, k: int, device: torch.device, c
                 choice = Choice("fallback:tp_mismatch")  # held by a table of another TP size only
             else:
                 choice = Choice("fallback:no_entry")
-        elif index.fused_at(op, dtype, entry["m"], n, k) is False:
+        elif index.fused_at(op, dtype, entry.m, n, k) is False:
             # the layer group measured its unfused path faster at the M this entry serves: the op runs the
             # unit-gain norm + GEMV (or GEMV + add) on the same folded weights here, the fused kernel elsewhere
             choice = Choice("fallback:unfused_at_m", entry=entry)
@@ -61,7 +62,7 @@ def resolve(op: str, dtype: str, m: int, n: int, k: int, device: torch.device, c
         else:
             # the entries at M or above, smallest M first (``entry`` the first): the first whose config
             # runs at this M serves it; none does: the last one's reasoned fallback (config_invalid_at_m)
-            for candidate in (e for e in index.entries_of(op, dtype, n, k) if e["m"] >= m):
+            for candidate in (e for e in index.entries_of(op, dtype, n, k) if e.m >= m):
                 choice = _build(op, dtype, m, n, k, candidate, index.device)
                 if choice.impl != "fallback:config_invalid_at_m":
                     break
@@ -70,12 +71,13 @@ def resolve(op: str, dtype: str, m: int, n: int, k: int, device: torch.device, c
         return STATE.choices[key]
 
 
-def _build(op: str, dtype: str, m: int, n: int, k: int, entry: dict[str, Any], device: Any) -> Choice:
+def _build(op: str, dtype: str, m: int, n: int, k: int, entry: Entry, device: Any) -> Choice:
     from tunekit import backends
     from tunekit.backends import base
     from tunekit.problems.shapes import Problem
 
-    name = entry["backend"]
+    name = entry.backend
+    params = dict(entry.params)  # a plain dict for the backends and the build key's JSON (the entry's is a view)
     try:
         backend = backends.get(name)
         why = backend.unavailable_reason(device)
@@ -86,11 +88,10 @@ def _build(op: str, dtype: str, m: int, n: int, k: int, entry: dict[str, Any], d
         # Never build what the kernel's own predicate refuses (a hostile or hand-edited table: params of
         # the wrong names or types, or past the predicate's edge), whatever the backend's build checks.
         refused = table_mod.params_problem(_Served(backend) if hasattr(backend, "serving_space") else backend,
-                                           name, Problem(op, dtype, entry["m"], n, k), entry["params"],
-                                           need_space=False)
+                                           name, Problem(op, dtype, entry.m, n, k), params, need_space=False)
         if refused is not None:
             raise ValueError(refused)
-        build_m = base.build_m(backend, op, m, entry["m"])
+        build_m = base.build_m(backend, op, m, entry.m)
         # the one test of whether an entry runs at this M, shared with the predictions (table.serving_lookup)
         invalid = table_mod.invalid_at_m(entry, m)
         if invalid is not None:
@@ -98,13 +99,13 @@ def _build(op: str, dtype: str, m: int, n: int, k: int, entry: dict[str, Any], d
             # (M_MODE="rows" at M=1): a reasoned fallback, not a build error
             log_once(f"invalid:{op}:{dtype}:{m}:{n}:{k}:{name}", logging.INFO,
                       "tunekit: %s %s M=%d N=%d K=%d: the M=%d entry's %s config does not run at this M (%s); "
-                      "vendor path", op, dtype, m, n, k, entry["m"], name, invalid)
+                      "vendor path", op, dtype, m, n, k, entry.m, name, invalid)
             return Choice("fallback:config_invalid_at_m", entry=entry)
-        build_key = (name, op, dtype, build_m, n, k, json.dumps(entry["params"], sort_keys=True), device.torch_device)
+        build_key = (name, op, dtype, build_m, n, k, json.dumps(params, sort_keys=True), device.torch_device)
         with STATE.lock:
             kernel = STATE.built.get(build_key)
         if kernel is None:
-            kernel = backend.build(Problem(op, dtype, build_m, n, k), entry["params"], device)
+            kernel = backend.build(Problem(op, dtype, build_m, n, k), params, device)
             with STATE.lock:
                 STATE.built[build_key] = kernel
         takes_eps = kernel_takes_eps(kernel)

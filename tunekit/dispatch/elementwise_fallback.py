@@ -33,6 +33,7 @@ from tunekit.dispatch.state import (
 )
 from tunekit.dispatch.tables import tables_for
 from tunekit.dispatch.vendors import vendor_serves_first
+from tunekit.table import Entry
 
 
 def _launch_ew(kernel: Callable[..., None], takes_eps: bool, inputs: tuple[torch.Tensor, ...], out: Any,
@@ -172,7 +173,7 @@ def _launch_default(route: _EwRoute, dk: DefaultKernel, inputs: tuple[torch.Tens
     route.drun(inputs, out)
 
 
-def _nearest_config(entries: Iterable[dict[str, Any]], op: str, dtype: str, m: int, n: int, k: int,
+def _nearest_config(entries: Iterable[Entry], op: str, dtype: str, m: int, n: int, k: int,
                     backend: str) -> dict[str, Any] | None:
     """The params of the table's ``backend`` entry for (op, dtype, N, K) at the M nearest ``m`` (the
     largest M below it first), or None.
@@ -185,12 +186,11 @@ def _nearest_config(entries: Iterable[dict[str, Any]], op: str, dtype: str, m: i
     1.9-2.7 for the H200's Gemma norms at M=1..8), where the tuned configs,
     one pass over the row, beat them at every M they were tuned for.
     """
-    found = [e for e in entries if e["op"] == op and e["dtype"] == dtype and e["n"] == n and e["k"] == k
-             and e.get("backend") == backend and isinstance(e.get("params"), dict)]
+    found = [e for e in entries if e.shape_key == (op, dtype, n, k) and e.backend == backend]
     if not found:
         return None
-    best = min(found, key=lambda e: (e["m"] > m, abs(e["m"] - m)))
-    return dict(best["params"])
+    best = min(found, key=lambda e: (e.m > m, abs(e.m - m)))
+    return dict(best.params)
 
 
 def _build_default(op: str, dtype: str, m: int, n: int, k: int, device: torch.device) -> DefaultKernel:

@@ -65,17 +65,17 @@ def fold_pays(norm_ops: tuple[str, ...], norm_weight: torch.Tensor, consumer_sha
 
     dtype, device, width = dtype_name(norm_weight.dtype), str(norm_weight.device), norm_weight.shape[0]
     norm_entry = next((e for op in norm_ops if (e := served_entry(op, dtype, 1, width, width, device))), None)
-    unfused = norm_entry["time_us"] if norm_entry else 0.0
+    unfused = norm_entry.time_us if norm_entry else 0.0
     for n, k in consumer_shapes:
         gemv = served_entry("gemv", dtype, 1, n, k, device)
-        unfused += gemv["time_us"] if gemv else 0.0
+        unfused += gemv.time_us if gemv else 0.0
     fused_shapes = [(sum(n for n, _ in consumer_shapes), consumer_shapes[0][1])] if joined else consumer_shapes
     fused = 0.0
     for n, k in fused_shapes:
         entry = served_entry("rms_gemv", dtype, 1, n, k, device)
         if entry is None:
             return False
-        fused += entry["time_us"]
+        fused += entry.time_us
     return fused < unfused
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from tunekit import shipped, table_fusions
 from tunekit import table as table_mod
+from tunekit.table import Entry
 
 #: The tables to serve (os.pathsep-separated paths), read by :func:`table_paths` alone.
 TABLE_ENV = "TUNEKIT_TABLE"
@@ -75,14 +76,14 @@ def table_paths(text: str | None = None) -> list[str]:
 class TableIndex:
     """The entries serving keeps for one device and TP size, keyed by (op, dtype, N, K) with the Ms sorted.
 
-    Immutable: built once by :func:`build`; its mappings are read-only views and its sequences tuples (the
-    entries themselves are the loaded tables' dicts, shared, never to be written).
+    Immutable: built once by :func:`build`; its mappings are read-only views, its sequences tuples and its
+    entries the loaded tables' frozen ``tunekit.table.Entry`` objects, shared.
     """
 
     __slots__ = ("_keys", "_tops", "_widths", "_ops", "other_tp", "device", "tp", "fusions", "unmeasured", "size",
                  "per_m")
 
-    def __init__(self, keys: dict[Key, tuple[tuple[int, ...], tuple[dict[str, Any], ...]]],
+    def __init__(self, keys: dict[Key, tuple[tuple[int, ...], tuple[Entry, ...]]],
                  other_tp: dict[Key, int], device: Any, tp: int | None, fusions: dict[str, Any],
                  unmeasured: Sequence[str]) -> None:
         self._keys = MappingProxyType(keys)
@@ -112,7 +113,7 @@ class TableIndex:
     def __repr__(self) -> str:
         return f"TableIndex({self.size} entries, {len(self._keys)} keys, tp={self.tp})"
 
-    def lookup(self, op: str, dtype: str, m: int, n: int, k: int) -> dict[str, Any] | None:
+    def lookup(self, op: str, dtype: str, m: int, n: int, k: int) -> Entry | None:
         """The entry that serves a call: the exact M, else the smallest tabulated M above it, else None
         (``tunekit.table.lookup``'s rule)."""
         found = self._keys.get((op, dtype, n, k))
@@ -134,7 +135,7 @@ class TableIndex:
         found = self._keys.get((op, dtype, n, k))
         return () if found is None else found[0]
 
-    def entries_of(self, op: str, dtype: str, n: int, k: int) -> tuple[dict[str, Any], ...]:
+    def entries_of(self, op: str, dtype: str, n: int, k: int) -> tuple[Entry, ...]:
         """The entries of (op, dtype, N, K), by ascending M."""
         found = self._keys.get((op, dtype, n, k))
         return () if found is None else found[1]
@@ -170,7 +171,7 @@ class TableIndex:
     def keys(self) -> Iterator[Key]:
         return iter(self._keys)
 
-    def entries(self) -> Iterator[dict[str, Any]]:
+    def entries(self) -> Iterator[Entry]:
         """Every entry kept, key by key, by ascending M."""
         for _, found in self._keys.items():
             yield from found[1]
@@ -189,7 +190,7 @@ def stamped_here(table: Mapping[str, Any], device: Any) -> dict[str, Any]:
     """``table`` with its stamp replaced by this host's (``device``: its ``DeviceInfo``; None: the software
     only), so that :func:`build` keeps every entry of it: a shipped table counted before its check can run
     (``dispatch.tables.host_index``), never served so."""
-    backends = sorted({e["backend"] for e in table["entries"]})
+    backends = sorted({e.backend for e in table_mod.entries(table)})
     here = table_mod.environment_stamp(device.as_dict() if device is not None else _NO_DEVICE, backends)
     return dict(table, environment=here)
 
@@ -205,7 +206,7 @@ def build(tables: Sequence[tuple[str, Mapping[str, Any]]], device: Any, tp: int 
 
 def _build(tables: Sequence[tuple[str, Mapping[str, Any]]], device: Any, tp: int | None,
            warn: Any) -> tuple[TableIndex | None, str | None]:
-    keys: dict[Key, dict[int, dict[str, Any]]] = {}
+    keys: dict[Key, dict[int, Entry]] = {}
     other_tp: dict[Key, int] = {}
     fusions: dict[str, Any] = {}
     unmeasured: list[str] = []
@@ -220,8 +221,8 @@ def _build(tables: Sequence[tuple[str, Mapping[str, Any]]], device: Any, tp: int
         if table_tp is not None and tp is not None and table_tp != tp:
             if warn is not None:
                 warn("tp", path, table_tp)
-            for e in table["entries"]:
-                other_tp.setdefault((e["op"], e["dtype"], e["n"], e["k"]), table_tp)
+            for e in table_mod.entries(table, path):
+                other_tp.setdefault(e.shape_key, table_tp)
             continue
         matched += 1
         if "fusions" in table:
@@ -229,9 +230,9 @@ def _build(tables: Sequence[tuple[str, Mapping[str, Any]]], device: Any, tp: int
                 fusions.setdefault(group, decision)
         else:
             unmeasured.append(path)
-        for e in table["entries"]:
-            by_m = keys.setdefault((e["op"], e["dtype"], e["n"], e["k"]), {})
-            by_m.setdefault(e["m"], e)  # the first path given wins a duplicate key
+        for e in table_mod.entries(table, path):
+            by_m = keys.setdefault(e.shape_key, {})
+            by_m.setdefault(e.m, e)  # the first path given wins a duplicate key
     if not matched and not other_tp:
         return None, "env_mismatch"
     index = {key: (tuple(sorted(by_m)), tuple(by_m[m] for m in sorted(by_m))) for key, by_m in keys.items()}

@@ -28,7 +28,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tunekit.table import Entry
 
 #: the largest activation magnitude checked: real decode activations reach 10^3-10^4 in a few channels
 MAGNITUDE = 1.0e4
@@ -58,15 +61,20 @@ def enabled(info: Any) -> bool:
     return value == "1" or (value == "auto" and bool(info.is_gpu))
 
 
-def served_ms(entries: Sequence[dict[str, Any]], entry: dict[str, Any]) -> tuple[int, ...]:
+def served_ms(entries: Sequence[Entry], entry: Entry) -> tuple[int, ...]:
     """The Ms at which ``entry`` serves among ``entries`` (one table's): above the next smaller tabulated M of
     its (op, dtype, N, K), up to its own, less those its config cannot run (``table.invalid_at_m``)."""
     from tunekit import table as table_mod
 
-    key = (entry["op"], entry["dtype"], entry["n"], entry["k"])
-    below = [e["m"] for e in entries if (e["op"], e["dtype"], e["n"], e["k"]) == key and e["m"] < entry["m"]]
+    key = entry.shape_key
+    below = [e.m for e in entries if e.shape_key == key and e.m < entry.m]
     low = max(below, default=0)
-    return tuple(m for m in range(low + 1, entry["m"] + 1) if table_mod.invalid_at_m(entry, m) is None)
+    return tuple(m for m in range(low + 1, entry.m + 1) if table_mod.invalid_at_m(entry, m) is None)
+
+
+def label(entry: Entry) -> str:
+    """``gemv m4 96x5120 triton``: an entry as the check's line names it."""
+    return f"{entry.op} m{entry.m} {entry.n}x{entry.k} {entry.backend}"
 
 
 def outlier_inputs(inputs: tuple[Any, ...], gen: Any, magnitude: float = MAGNITUDE) -> tuple[Any, ...]:
@@ -83,7 +91,7 @@ def outlier_inputs(inputs: tuple[Any, ...], gen: Any, magnitude: float = MAGNITU
     return (wide.to(x.dtype), *inputs[1:])
 
 
-def entry_failure(entry: dict[str, Any], ms: Sequence[int], info: Any) -> str | None:
+def entry_failure(entry: Entry, ms: Sequence[int], info: Any) -> str | None:
     """Why ``entry`` cannot serve at the Ms ``ms`` on this device (``info``: its ``DeviceInfo``), None where
     it serves every one of them correctly: its backend, its build, or the first failing call."""
     import torch
@@ -94,19 +102,19 @@ def entry_failure(entry: dict[str, Any], ms: Sequence[int], info: Any) -> str | 
     from tunekit.problems import opspec
     from tunekit.problems.shapes import Problem
 
-    op, dtype, n, k = entry["op"], entry["dtype"], entry["n"], entry["k"]
+    op, dtype, n, k = entry.shape_key
     device = torch.device(info.torch_device)
     try:
-        backend = backends.get(entry["backend"])
+        backend = backends.get(entry.backend)
         reason = backend.unavailable_reason(info)
         if reason:
-            return f"backend {entry['backend']} cannot run here ({reason})"
+            return f"backend {entry.backend} cannot run here ({reason})"
         spec = opspec.get(op)
         built: dict[int, Any] = {}
         for m in ms:
-            build_m = base.build_m(backend, op, m, entry["m"])
+            build_m = base.build_m(backend, op, m, entry.m)
             if build_m not in built:
-                built[build_m] = backend.build(Problem(op, dtype, build_m, n, k), entry["params"], info)
+                built[build_m] = backend.build(Problem(op, dtype, build_m, n, k), dict(entry.params), info)
             problem = Problem(op, dtype, m, n, k)
             gen = torch.Generator(device=device).manual_seed(m)
             unit = spec.make_inputs(problem, device, gen)
@@ -115,7 +123,7 @@ def entry_failure(entry: dict[str, Any], ms: Sequence[int], info: Any) -> str | 
                 if why is not None:
                     return f"M={m}, {label} inputs, {why}"
     except Exception as exc:  # noqa: BLE001 - any failure of an entry drops it, with its reason
-        return f"M={ms[0] if ms else entry['m']}: {type(exc).__name__}: {exc}"
+        return f"M={ms[0] if ms else entry.m}: {type(exc).__name__}: {exc}"
     return None
 
 
@@ -123,21 +131,22 @@ def check(tables: Sequence[tuple[str, dict[str, Any]]], info: Any) -> tuple[list
     """``tables`` ((path, table)) with every entry that fails :func:`entry_failure` at one of its served Ms
     dropped, and how many were; the one line saying what was checked, its cost and what was dropped goes to
     :data:`LAST`. ``info``: the device's ``DeviceInfo``. A table keeps its other sections (fusions, stamp)."""
+    from tunekit import table as table_mod
+
     start = time.perf_counter()
     out, dropped, checked, calls = [], [], 0, 0
     for path, table in tables:
-        kept = []
-        for entry in table["entries"]:
-            ms = served_ms(table["entries"], entry)
+        kept, every = [], table_mod.entries(table, path)
+        for entry in every:
+            ms = served_ms(every, entry)
             why = entry_failure(entry, ms, info) if ms else None
             checked += 1
             calls += 2 * CALLS * len(ms)
             if why is None:
                 kept.append(entry)
             else:
-                dropped.append(f"{path}: {entry['op']} m{entry['m']} {entry['n']}x{entry['k']} "
-                               f"{entry['backend']}: {why}")
-        out.append((path, dict(table, entries=kept) if len(kept) != len(table["entries"]) else table))
+                dropped.append(f"{path}: {label(entry)}: {why}")
+        out.append((path, dict(table, entries=kept) if len(kept) != len(every) else table))
     took = time.perf_counter() - start
     line = (f"tunekit: load check on {info.name}: {checked} entries at every M they serve, {calls} calls "
             f"({took:.2f} s, {1000 * took / max(checked, 1):.0f} ms an entry)")

@@ -67,7 +67,7 @@ def served_m(choice: Any) -> int | None:
     """The tabulated M a tuned choice's kernel was taken from (a call at M = 3 served by the M = 4 entry:
     4); None where no tuned kernel serves (a fallback)."""
     if choice.impl.startswith("tuned:") and choice.entry is not None:
-        return int(choice.entry["m"])
+        return choice.entry.m
     return None
 
 

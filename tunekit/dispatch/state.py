@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from tunekit.problems import oprecords
+from tunekit.table import Entry
 
 logger = logging.getLogger("tunekit.ops")
 
@@ -153,7 +154,7 @@ class Choice:
 
     impl: str  # "tuned:<backend>" or "fallback:<reason>"
     kernel: Callable[..., None] | None = None
-    entry: dict[str, Any] | None = None
+    entry: Entry | None = None
     #: the built kernel takes ``eps=`` (the norms); without it only DEFAULT_EPS is served tuned
     takes_eps: bool = False
 

@@ -75,7 +75,8 @@ def check_shipped(paths: str | os.PathLike | Sequence[str | os.PathLike] | None 
     heard: list[tuple[int, str]] = []
     loaded = _read(paths, log=lambda level, line: heard.append((level, line)))
     _serve(loaded)
-    kept = [[lt.path, lt.table["entries"]] for lt in loaded if lt.table is not None and shipped.is_shipped(lt.path)]
+    kept = [[lt.path, [e.to_json() for e in table_mod.entries(lt.table)]] for lt in loaded
+            if lt.table is not None and shipped.is_shipped(lt.path)]
     digest = hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
     level, line = heard[-1] if heard else (logging.ERROR, "tunekit: auto tables: not checked, nothing served from them")
     return level, line, digest
@@ -146,7 +147,7 @@ def loaded_tables() -> list[dict[str, Any]]:
     tables = all_tables()
     out = []
     for lt in tables:
-        row: dict[str, Any] = {"path": lt.path, "entries": len(lt.table["entries"]) if lt.table else 0,
+        row: dict[str, Any] = {"path": lt.path, "entries": len(table_mod.entries(lt.table)) if lt.table else 0,
                                "tp": table_mod.table_tp(lt.table) if lt.table else None}
         if lt.error:
             row["error"] = lt.error
@@ -351,7 +352,7 @@ def tabulated_ms(op: str, dtype: str, n: int, k: int, device: str) -> list[int]:
     return [] if index is None else list(index.ms(op, dtype, n, k))
 
 
-def served_entry(op: str, dtype: str, m: int, n: int, k: int, device: str) -> dict[str, Any] | None:
+def served_entry(op: str, dtype: str, m: int, n: int, k: int, device: str) -> table_mod.Entry | None:
     """The table entry that serves (op, dtype, M, N, K) on ``device`` (the lookup rule of the ops:
     exact M, else the smallest tabulated larger M), or None for the vendor path. Never raises.
 

@@ -8,12 +8,12 @@ Imports neither optuna nor torch: the outcome carries everything printed.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
+from tunekit import table as table_mod
 from tunekit.evidence.compare import compare_run
 from tunekit.evidence.comparison import Comparison, baseline_names, read_final_rows
 
@@ -79,10 +79,10 @@ def print_summary(console: Console, outcome) -> None:
 def empty_table_advice(outcome) -> str | None:
     """Why a search's dispatch table came out empty, with counts, and what to try next; None if it has entries."""
     try:
-        table = json.loads(Path(outcome.table_path).read_text())
-    except (OSError, ValueError):
+        table = table_mod.load(outcome.table_path)
+    except table_mod.TableError:
         return None
-    if table.get("entries"):
+    if table_mod.entries(table):
         return None
     problems = {(s.problem.op, s.problem.m, s.problem.n, s.problem.k) for s in outcome.stats}
     verified = {(r["op"], r["m"], r["n"], r["k"]) for r in outcome.final_rows

@@ -128,7 +128,7 @@ def _merge_pays(linears: Sequence[nn.Linear], only_covered: bool) -> bool:
     apart = [ops.served_entry("gemv", dtype, 1, c.weight.shape[0], k, device) for c in linears]
     if merged is None or any(e is None for e in apart):
         return True
-    return merged["time_us"] <= sum(e["time_us"] for e in apart)
+    return merged.time_us <= sum(e.time_us for e in apart)
 
 
 def _merge(linears: Sequence[nn.Linear]) -> None:

@@ -90,13 +90,13 @@ class Planner:
         entry = table_mod.lookup(self.table, op, dtype, m, n, k)
         if entry is None:
             return None
-        name = entry["backend"]
+        name = entry.backend
         try:
             why = table_mod.params_problem(backend_registry.get(name), name, Problem(op, dtype, m, n, k),
-                                           entry["params"], need_space=False)
+                                           dict(entry.params), need_space=False)
         except Exception as exc:  # noqa: BLE001 - a backend that does not load here serves nothing
             why = str(exc)
-        return None if why is not None else _step(op, dtype, m, n, k, name, entry["params"])
+        return None if why is not None else _step(op, dtype, m, n, k, name, entry.params)
 
     def _stock_norm(self, op: str, dtype: str, m: int, width: int) -> Step:
         name = self.stock.get((op, dtype, m, width, width))

@@ -315,7 +315,7 @@ def read_seed_records(path: Path) -> list[dict[str, Any]]:
     if path.suffix == ".json":
         from tunekit import table as table_mod
 
-        return [dict(e) for e in table_mod.load(path)["entries"]]
+        return [e.to_json() for e in table_mod.entries(table_mod.load(path))]  # the records trials files give
     import pandas as pd
 
     from tunekit.search import results

@@ -16,7 +16,7 @@ import torch
 
 from tunekit.evidence.chain.steps import Step
 from tunekit.evidence.chain.variants import Chain
-from tunekit.table import saving_us
+from tunekit.table import Entry, saving_us
 
 
 @dataclass
@@ -55,7 +55,7 @@ def variant_result(variant: str, times: list[float], kinds: list[str], logits: t
                          fused_kernels)
 
 
-def predicted_saving_us(chain: Chain, entry_for: Callable[[Step], dict[str, Any]], variant: str) -> float:
+def predicted_saving_us(chain: Chain, entry_for: Callable[[Step], Entry], variant: str) -> float:
     """Sum over the steps the bound ``variant`` serves tuned, and its fused kernels, of (baseline -
     tuned) standalone time, from the table entries: what the microbenchmarks predict the step saves
     (a fused entry's baseline is the unfused eager sequence it replaces)."""

@@ -7,7 +7,6 @@ a fused entry serves only where its standalone time beats the tuned steps it rep
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -24,6 +23,7 @@ from tunekit.evidence.chain.variants import Chain
 from tunekit.measure.bench import release_memory
 from tunekit.problems.models.spec import ModelSpec
 from tunekit.problems.shapes import FUSED_GEMV_OPS, Problem
+from tunekit.table import Entry
 
 
 def run(spec: ModelSpec, tables: Sequence[str], m_list: Sequence[int], tp: int = 1, layers: int | None = None,
@@ -66,7 +66,7 @@ def run(spec: ModelSpec, tables: Sequence[str], m_list: Sequence[int], tp: int =
         chain = Chain(steps, m, device, seed, weights=weights)
         weights = chain.weights
 
-        def entry_for(step: Step, m: int = m) -> dict[str, Any] | None:
+        def entry_for(step: Step, m: int = m) -> Entry | None:
             return ops.served_entry(step.op, dtype, m, step.n, step.k, str(device))
 
         def fused_kernel(op: str, n: int, k: int, replaced: list[Step], added: list[Step],
@@ -78,14 +78,14 @@ def run(spec: ModelSpec, tables: Sequence[str], m_list: Sequence[int], tp: int =
             # Fuse only where it pays: the fused kernel (and what it adds) must beat the tuned kernels
             # of the steps it replaces (standalone times of the tables; a step no table serves counts 0
             # here, so the vendor part of the pair is the fused kernel's margin, never its excuse).
-            fused_us = entry["time_us"] + sum(e["time_us"] for e in extra)
-            tuned_us = sum(e["time_us"] for e in map(entry_for, replaced) if e is not None)
+            fused_us = entry.time_us + sum(e.time_us for e in extra)
+            tuned_us = sum(e.time_us for e in map(entry_for, replaced) if e is not None)
             if tuned_us and fused_us >= tuned_us:
                 key = (m, op, n, k)
                 if key not in unpaid:
                     unpaid.add(key)
-                    plus = "".join(f" + {s.op} {e['time_us']:.2f}" for s, e in zip(added, extra, strict=True))
-                    log(f"M={m} {op} {n}x{k}: fused {entry['time_us']:.2f} us{plus} >= the tuned steps it "
+                    plus = "".join(f" + {s.op} {e.time_us:.2f}" for s, e in zip(added, extra, strict=True))
+                    log(f"M={m} {op} {n}x{k}: fused {entry.time_us:.2f} us{plus} >= the tuned steps it "
                         f"replaces {tuned_us:.2f} us ({'+'.join(s.name for s in replaced)}): left unfused")
                 return None
             return _build_fused(entry, Problem(op, dtype, m, n, k), info)
@@ -125,15 +125,12 @@ def run(spec: ModelSpec, tables: Sequence[str], m_list: Sequence[int], tp: int =
     return report
 
 
-def _build_fused(entry: dict[str, Any], problem: Problem, device: Any) -> Callable[..., None]:
+def _build_fused(entry: Entry, problem: Problem, device: Any) -> Callable[..., None]:
     """The kernel of a fused op's table entry, built through its backend for this M (a UserError if
     it does not build: the table promised it)."""
     from tunekit import backends
 
-    params = entry["params"]
-    if isinstance(params, str):
-        params = json.loads(params)
     try:
-        return backends.get(entry["backend"]).build(problem, params, device)
+        return backends.get(entry.backend).build(problem, dict(entry.params), device)
     except Exception as exc:  # noqa: BLE001 - named in one line
-        raise UserError(f"building the fused kernel {problem.key} ({entry['backend']}) failed: {exc}") from None
+        raise UserError(f"building the fused kernel {problem.key} ({entry.backend}) failed: {exc}") from None

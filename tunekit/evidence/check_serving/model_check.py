@@ -151,7 +151,7 @@ def predicted_saving(rows: list[dict[str, Any]], steps: int, device: str) -> dic
         entry = served_entry(row["op"], row["dtype"], row["m"], n, k, device)
         if entry is not None and row["op"] == "rms_gemv":
             plain = served_entry("gemv", row["dtype"], row["m"], n, k, device)
-            entry = None if plain is None else {**entry, "baseline_us": plain["baseline_us"]}
+            entry = None if plain is None else replace(entry, baseline_us=plain.baseline_us)
         if entry is None:
             unpriced += row["calls"]
             continue

@@ -29,13 +29,15 @@ from tunekit.evidence.check_serving.checks import (
 )
 from tunekit.problems import opspec
 from tunekit.problems.shapes import Problem
+from tunekit.table import Entry
 
 #: Ops whose schema has no eps argument.
 NO_EPS_OPS = ("gemv", "silu_and_mul", "bias_gelu")
 
 
-def table_entries(paths: Sequence[str]) -> list[dict[str, Any]]:
-    """Entries of the tables that load, first path winning a duplicate key (as tunekit.ops merges them).
+def table_entries(paths: Sequence[str]) -> list[tuple[str, Entry]]:
+    """(table path, entry) of the tables that load, first path winning a duplicate key (as tunekit.ops merges
+    them).
 
     A table that does not load is skipped here (run_check reports it as a FAIL).
     """
@@ -45,14 +47,13 @@ def table_entries(paths: Sequence[str]) -> list[dict[str, Any]]:
     out = []
     for path in paths:
         try:
-            entries = table_mod.load(path)["entries"]
+            entries = table_mod.entries(table_mod.load(path))
         except Exception:
             continue
         for entry in entries:
-            key = (entry["op"], entry["dtype"], entry["m"], entry["n"], entry["k"])
-            if key not in seen:
-                seen.add(key)
-                out.append({**entry, "table": str(path)})
+            if entry.key not in seen:
+                seen.add(entry.key)
+                out.append((str(path), entry))
     return out
 
 
@@ -96,16 +97,17 @@ def _max_abs_diff(a: Outputs, b: Outputs) -> float:
     return max(float((x.double() - y.double().reshape(x.shape)).abs().max()) for x, y in pairs)
 
 
-def check_entry(report: Report, entry: dict[str, Any], device: torch.device, seed: int,
+def check_entry(report: Report, entry: Entry, table: str, device: torch.device, seed: int,
                 compile_backend: str) -> dict[str, Any]:
-    """Eager / torch.compile / CUDA graph of one table entry's op; returns the numbers."""
+    """Eager / torch.compile / CUDA graph of one table entry's op (of the table at path ``table``); returns the
+    numbers."""
     from tunekit import ops
 
-    problem = Problem(entry["op"], entry["dtype"], entry["m"], entry["n"], entry["k"])
-    name = f"{problem.key} [{entry['backend']}]"
-    row: dict[str, Any] = {"key": problem.key, "backend": entry["backend"], "table": entry["table"],
-                           "table_speedup": entry.get("speedup")}
-    expected = f"tuned:{entry['backend']}"
+    problem = entry.problem
+    name = f"{problem.key} [{entry.backend}]"
+    row: dict[str, Any] = {"key": problem.key, "backend": entry.backend, "table": table,
+                           "table_speedup": entry.speedup}
+    expected = f"tuned:{entry.backend}"
     try:
         spec = opspec.get(problem.op)
         gen = torch.Generator(device=device).manual_seed(seed)
@@ -220,10 +222,9 @@ def check_ops(report: Report, paths: Sequence[str], device: torch.device, seed: 
         return []
     report.info(f"ops: {len(entries)} table entries, compile backend {compile_backend}")
     rows = []
-    for i, entry in enumerate(entries):
+    for i, (table, entry) in enumerate(entries):
         try:
-            rows.append(check_entry(report, entry, device, seed + i, compile_backend))
+            rows.append(check_entry(report, entry, table, device, seed + i, compile_backend))
         except Exception as exc:  # check_entry guards itself; this is the last net
-            report.add("FAIL", f"ops {entry.get('op')} m{entry.get('m')} n{entry.get('n')} k{entry.get('k')}",
-                       error_text(exc))
+            report.add("FAIL", f"ops {entry.op} m{entry.m} n{entry.n} k{entry.k}", error_text(exc))
     return rows

@@ -55,7 +55,7 @@ def tabulated_ms(tables: Sequence[str]) -> list[int]:
     """The Ms the tables' entries are tabulated at."""
     from tunekit import table as table_mod
 
-    return sorted({int(e["m"]) for path in tables for e in table_mod.load(path)["entries"]})
+    return sorted({e.m for path in tables for e in table_mod.entries(table_mod.load(path))})
 
 
 def validate(s: Settings) -> tuple[int, ...]:

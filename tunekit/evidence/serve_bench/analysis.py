@@ -56,6 +56,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from tunekit import table as table_mod
 from tunekit.errors import UserError
 from tunekit.evidence.serve_bench import ARMS, TABLE_ARMS, first_token, spec_decode
 from tunekit.evidence.serve_bench.agreement import DEFAULT_TOL, agreement_row
@@ -225,10 +226,9 @@ def merged_table(tables: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """The entries the ops serve from these tables, in order: the first table wins a duplicate key."""
     entries, seen = [], set()
     for table in tables:
-        for e in table["entries"]:
-            key = (e["op"], e["dtype"], e["m"], e["n"], e["k"])
-            if key not in seen:
-                seen.add(key)
+        for e in table_mod.entries(table):
+            if e.key not in seen:
+                seen.add(e.key)
                 entries.append(e)
     return {"entries": entries}
 

@@ -284,7 +284,7 @@ def in_process_kernel_times() -> dict[str, dict[str, float]]:
         problem = Problem(op, dtype, m, n, k)
         key = f"{op} {m}x{n}x{k}"
         row: dict[str, Any] = {"us": float("nan"),
-                               "table_us": float(choice.entry["time_us"]) if choice.entry else float("nan")}
+                               "table_us": float(choice.entry.time_us) if choice.entry else float("nan")}
         if rotation_size(opspec.get(op), problem, info)[1] > IN_PROCESS_MAX_BYTES:
             out[key] = row | {"error": "rotated operand too large beside the KV cache"}
             continue

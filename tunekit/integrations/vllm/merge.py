@@ -86,7 +86,7 @@ def merge_pays(op: str, weight: torch.Tensor, rows: list[int]) -> bool:
     parts = [served_entry(op, dtype, 1, n, k, device) for n in rows]
     if op == "rms_gemv" and any(p is None for p in parts):
         return True
-    return entry["time_us"] < sum(p["time_us"] for p in parts if p is not None)
+    return entry.time_us < sum(p.time_us for p in parts if p is not None)
 
 
 @torch.no_grad()
