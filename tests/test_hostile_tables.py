@@ -278,11 +278,12 @@ def test_ten_thousand_hostile_documents_load_and_serve_right_or_are_refused_in_o
 # ----------------------------------------------------------------------------- a 100,000-entry table
 
 #: CPU seconds to load a 100,000-entry table (39 MB) and serve its first call, measured on the development machine
-#: (2 cores shared with other work) at 1.58-1.93 s since entries are typed (1.36-2.31 s there the same day before,
-#: 0.80-0.86 s when first measured): parsing the JSON ~0.42, checking the entries ~0.32 and making them ~0.29, the
-#: index ~0.19 (docs/serving.md states it); the test allows this multiple of it. The wall clock there, a loaded
-#: machine's (load averages of 25 on the 2 cores were seen), stretched the same work to 3-10 s: it is bounded loosely.
-BIG_ENTRIES, BIG_MEASURED_CPU_S, BIG_MARGIN, BIG_WALL_S = 100_000, 1.9, 3, 24
+#: (2 cores shared with other work): medians of 1.89 and 2.22 s since entries are typed, 1.50 and 1.64 s before in
+#: the same runs (0.80-0.86 s when first measured, on a quieter machine); parsing the JSON ~0.42, checking the
+#: entries ~0.32, the index ~0.19 (docs/serving.md states it); the test allows this multiple of it. The wall
+#: clock there, a loaded machine's (load averages of 25 on the 2 cores were seen), stretched the same work to
+#: 3-10 s: it is bounded loosely.
+BIG_ENTRIES, BIG_MEASURED_CPU_S, BIG_MARGIN, BIG_WALL_S = 100_000, 2.2, 3, 24
 
 
 def test_a_100000_entry_table_loads_and_serves_within_the_stated_time(tmp_path: Path) -> None:
