@@ -85,12 +85,12 @@ def test_malformed_config_and_corrupt_table(tmp_path) -> None:
 
 
 def test_restrict_values_are_parsed_against_the_selected_spaces() -> None:
-    from tunekit.cli import _parse_restrict
+    from tunekit.cli.search_options import parse_restrict
     from tunekit.problems.shapes import Problem
 
     problems = [Problem("gemv", "bf16", 1, 96, 256)]
-    parsed = _parse_restrict(["M_MODE=dot, dot_w", "MMA=1"], problems, ["triton", "hip"])
+    parsed = parse_restrict(["M_MODE=dot, dot_w", "MMA=1"], problems, ["triton", "hip"])
     assert parsed == {"M_MODE": ("dot", "dot_w"), "MMA": ("1",)}
     # W_EVICT is fixed (not searched: it cost served time), so it cannot be restricted either
     with pytest.raises(UserError, match="W_EVICT: no selected backend has this tunable"):
-        _parse_restrict(["W_EVICT=evict_first"], problems, ["triton"])
+        parse_restrict(["W_EVICT=evict_first"], problems, ["triton"])

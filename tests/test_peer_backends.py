@@ -110,10 +110,10 @@ def test_the_peers_are_registered_with_their_kinds() -> None:
 
 
 def test_without_the_peers_the_default_backends_skip_vllm_skinny(monkeypatch) -> None:
-    from tunekit.cli import tune
+    from tunekit.cli.search_options import default_backends
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    names = tune._default_backends()
+    names = default_backends()
     assert "triton" in names and "vllm_skinny" not in names  # skipped for its reason, not an error
     assert backends.get("vllm_skinny").unavailable_reason(detect()) is not None
 

@@ -160,14 +160,14 @@ def test_host_index_counts_the_shipped_tables_unchecked(shipped_dir, monkeypatch
 
 
 def test_search_takes_the_shipped_tables_as_seeds_unless_told_none() -> None:
-    from tunekit.cli.tune import _seed_sources
+    from tunekit.cli.search_options import seed_sources
     from tunekit.errors import UserError
 
-    assert _seed_sources(None) == (Path("auto"),)  # the default: the shipped tables of the search's GPU
-    assert _seed_sources([Path("run/table.json")]) == (Path("run/table.json"),)
-    assert _seed_sources([Path("none")]) == ()
+    assert seed_sources(None) == (Path("auto"),)  # the default: the shipped tables of the search's GPU
+    assert seed_sources([Path("run/table.json")]) == (Path("run/table.json"),)
+    assert seed_sources([Path("none")]) == ()
     with pytest.raises(UserError, match="none means no seeds"):
-        _seed_sources([Path("none"), Path("run/table.json")])
+        seed_sources([Path("none"), Path("run/table.json")])
 
 
 @pytest.mark.slow  # a search on the interpreter: the slow tier

@@ -38,7 +38,7 @@ def _missing_extra(exc: ModuleNotFoundError) -> str | None:
 _MISSING: str | None = None
 try:
     from tunekit.cli.app import app
-    from tunekit.cli.tune import _parse_restrict, search  # noqa: F401  (the tuning verbs, registered first)
+    from tunekit.cli.tune import search  # noqa: F401  (the tuning verbs, registered first)
 
     # the evidence verbs register after the tuning ones: the order of `tunekit --help` and docs/commands.md
     importlib.import_module("tunekit.cli.evidence")

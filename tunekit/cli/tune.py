@@ -14,6 +14,7 @@ import typer
 from rich.table import Table
 
 from tunekit.cli.app import app, console
+from tunekit.cli.search_options import default_backends, parse_restrict, peers_option, seed_sources
 from tunekit.errors import Interrupted, UserError
 from tunekit.problems import oprecords
 from tunekit.problems.budget import FULL_TRIALS, QUICK_SHARE, QUICK_TRIALS
@@ -148,22 +149,6 @@ def _moved_bytes(problems: list) -> dict[str, int]:
     return {p.key: opspec.get(p.op).bytes_moved(p) for p in problems}
 
 
-def _peers_option(text: str) -> tuple[str, ...] | None:
-    """``--peers``: all (None), none (()), or the named peers."""
-    from tunekit import backends as registry  # here: the registry imports torch, the CLI's start does not
-
-    words = [w.strip() for w in text.split(",") if w.strip()]
-    if words == ["all"]:
-        return None
-    if words in ([], ["none"]):
-        return ()
-    unknown = [w for w in words if w not in registry.PEERS]
-    if unknown:
-        raise UserError(f"--peers {text}: unknown peer {', '.join(unknown)} (known: all, none, "
-                        f"{', '.join(registry.PEERS)})")
-    return tuple(dict.fromkeys(words))
-
-
 @app.command()
 def search(
     model: Annotated[str | None, typer.Option(help="built-in model name")] = None,
@@ -274,7 +259,7 @@ def search(
     problems, trials = planned.problems, planned.trials
     if numerics not in NUMERICS:
         raise UserError(f"--numerics must be one of {', '.join(NUMERICS)}")
-    names = [b.strip() for b in backend.split(",") if b.strip()] if backend else _default_backends()
+    names = [b.strip() for b in backend.split(",") if b.strip()] if backend else default_backends()
     if "vendor" in names:
         raise UserError("the vendor baseline is always measured; --backend takes tuned families (triton, hip)")
     if any(name in registry.BASELINES for name in names):
@@ -283,11 +268,11 @@ def search(
     for name in names:
         if name not in registry.BUILTIN and ":" not in name:
             raise UserError(f"unknown backend {name!r} (known: {', '.join(registry.TUNED)})")
-    seeds = _seed_sources(seed_from)
+    seeds = seed_sources(seed_from)
     for path in seeds:
         if str(path) != "auto":  # the shipped tables of the device's GPU, named once the device is known
             read_seed_records(path)  # a bad file fails now, not after the bandwidth probe
-    restricted = _parse_restrict(restrict or [], problems, names)
+    restricted = parse_restrict(restrict or [], problems, names)
     run_name = spec.name if spec else "shapes"
     out_dir = out or Path("runs") / run_name
     if planned.note:
@@ -299,7 +284,7 @@ def search(
         seed_from=seeds, restrict=restricted,
         trial_timeout_s=trial_timeout, command=shlex.join(["tunekit"] + sys.argv[1:]),
         model=spec.name if spec else None, gpus=gpus, add=add, tp=tp if spec else None,
-        fusion_groups=model_groups(spec, tp) if spec else [], peers=_peers_option(peers),
+        fusion_groups=model_groups(spec, tp) if spec else [], peers=peers_option(peers),
     )
     try:
         with _stop_signals():
@@ -341,69 +326,6 @@ def _progress_mode(progress: bool) -> str | bool:
     if not progress:
         return False
     return "bars" if sys.stdout.isatty() else "lines"
-
-
-def _seed_sources(given: list[Path] | None) -> tuple[Path, ...]:
-    """``--seed-from`` as the search takes it: ``auto`` when not given (a GPU with a shipped table only
-    re-measures and refines its winners; the entries and fusion decisions are still this search's own
-    measurements), nothing for ``none``."""
-    if not given:
-        return (Path("auto"),)
-    if any(str(path) == "none" for path in given):
-        if len(given) > 1:
-            raise UserError("--seed-from none means no seeds: it cannot be given with other --seed-from values")
-        return ()
-    return tuple(given)
-
-
-def _parse_restrict(items: list[str], problems: list, backends: list[str]) -> dict[str, tuple[str, ...]]:
-    """``--restrict NAME=V1,V2`` options as {tunable: allowed values (text)}, checked against the spaces."""
-    from tunekit import backends as registry
-
-    domains: dict[str, set[str]] = {}
-    for name in backends:
-        backend = registry.get(name)
-        for op in sorted({p.op for p in problems}):
-            if op in backend.ops:
-                for key, values in backend.space(next(p for p in problems if p.op == op)).domains.items():
-                    domains.setdefault(key, set()).update(str(v) for v in values)
-    out: dict[str, tuple[str, ...]] = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise UserError(f"--restrict {item!r}: expected NAME=VALUE[,VALUE...]")
-        # an empty value is a value where the domain has one (a plugin's space, say)
-        values = tuple(dict.fromkeys(v.strip() for v in text.split(",")))
-        if "" in values and "" not in domains.get(key, ()):
-            raise UserError(f"--restrict {item!r}: expected NAME=VALUE[,VALUE...]")
-        if key not in domains:
-            raise UserError(f"--restrict {key}: no selected backend has this tunable "
-                            f"(known: {', '.join(sorted(domains))})")
-        unknown = [v for v in values if v not in domains[key]]
-        if unknown:
-            raise UserError(f"--restrict {key}: {unknown} outside its domain {sorted(domains[key])}")
-        out[key] = values
-    return out
-
-
-def _default_backends() -> list[str]:
-    """Every tuned family usable on this machine (decided in the worker's device)."""
-    from tunekit import backends as registry
-    from tunekit.measure.device import detect
-
-    device = detect()
-    usable = []
-    for name in registry.TUNED:
-        try:
-            backend = registry.get(name)
-        except ImportError:
-            continue
-        if backend.unavailable_reason(device) is None:
-            usable.append(name)
-    if not usable:
-        raise UserError("no tuned backend can run here (no GPU? set TRITON_INTERPRET=1 for the CPU interpreter)")
-    return usable
 
 
 @app.command()
