@@ -682,3 +682,45 @@ def test_h100_cold_search_split() -> None:
 
     tokens = pd.read_csv(folder / "compare_tokens.csv")
     stated(float(tokens.loc[tokens["M"] == 1, "s (tuned)"].iloc[0]), "1.0991")
+
+
+def test_h100_search_ab() -> None:
+    """The same bounded search by the tree before (A) and after (B) the host-loop and peers changes, one call,
+    cold caches each: the final re-measure, the search process per trial, the trials and the prediction."""
+    import pandas as pd
+
+    from tunekit.evidence.time_split import split_table
+
+    folder = RESULTS / "h100-search-ab-673617e"
+    assert (folder / "gpu.txt").read_text().splitlines()[1].startswith("NVIDIA H100 80GB HBM3")
+    figures = {}
+    for arm in ("A", "B"):
+        head, rows = split_table(folder / arm)
+        by_part = {r[0].split(" (")[0]: r for r in rows}
+        trials = sum(int(by_part[f"{b}: worker"][1]) for b in ("triton", "hip"))
+        host = float(by_part["search process in the trial phase"][head.index("total s")])
+        phases = json.loads((folder / arm / "time.json").read_text())
+        final = sum(w["finals"] for w in phases["workers"])
+        tokens = pd.read_csv(folder / arm / "compare_tokens.csv")
+        figures[arm] = {"trials": trials, "host": host, "per_trial_ms": 1e3 * host / trials, "final": final,
+                        "wall": phases["wall_s"], "token": float(tokens.loc[tokens["M"] == 1, "s (tuned)"].iloc[0])}
+    a, b = figures["A"], figures["B"]
+    assert (a["trials"], b["trials"]) == (291, 352)
+    for value, text in ((a["wall"], "196.1"), (b["wall"], "138.0"), (a["final"], "69.4"), (b["final"], "11.6"),
+                        (a["host"], "46.6"), (b["host"], "37.0"), (a["per_trial_ms"], "160"),
+                        (b["per_trial_ms"], "105"), (a["token"], "1.0914"), (b["token"], "1.1084"),
+                        (100 * (1 - b["per_trial_ms"] / a["per_trial_ms"]), "34"),
+                        (100 * (b["trials"] / a["trials"] - 1), "21"), (a["final"] - b["final"], "58"),
+                        (100 * (a["final"] - b["final"]) / a["final"], "83"),
+                        (100 * (b["token"] / a["token"] - 1), "1.6")):
+        stated(value, text)
+    # B's re-measure by part: no peer built, Inductor the one baseline compiled (the elementwise bar)
+    head, rows = split_table(folder / "B")
+    parts = {r[0]: float(r[head.index("total s")]) for r in rows if r[0].startswith("final re-measure: ")}
+    stated(parts["final re-measure: graphs and timing"], "6.9")
+    stated(parts["final re-measure: inductor (build, first call, check)"], "2.9")
+    assert not any("autotune" in part for part in parts)
+    text = (folder / "README.md").read_text()
+    for figure in ("196.1 s", "138.0 s", "| 291 | 352 |", "160 ms (46.6 s)", "105 ms (37.0 s)", "69.4 s (36.1%)",
+                   "1.0914x", "1.1084x", "83%"):
+        assert figure in text, figure
