@@ -170,7 +170,7 @@ def test_a_vllm_skinny_entry_routes_and_falls_back_for_lack_of_a_gpu(plugin, vll
     table = {"format": table_mod.FORMAT, "created": "test", "read_limit_gbps": None, "entries": [entry],
              "environment": table_mod.environment_stamp(detect().as_dict(), ["vllm_skinny"])}
     path = table_mod.save(table, tmp_path / "skinny.json")
-    assert table_mod.load(path, strict=True)["entries"][0]["params"] == params  # valid against vLLM's class
+    assert table_mod.load(path, strict=True)["entries"][0].params == params  # valid against vLLM's class
     records = _Records()
     logging.getLogger("tunekit.ops").addHandler(records)
     try:
