@@ -165,10 +165,15 @@ def trial_index(study: optuna.Study, me: str) -> tuple[dict[str, Any], dict[str,
     seen: dict[str, Any] = {}
     inflight: dict[str, Any] = {}
     for trial in study.get_trials(deepcopy=False):
+        # an enqueued trial's whole config is known from the moment it is popped (Optuna's "fixed_params"), while
+        # its params are stored one commit at a time: keyed by those, a copy popped by another search at the
+        # same moment is seen in flight with its config, not as a partial one (three searches sharing a storage
+        # each enqueue the default, and one ran it twice)
+        params = trial.system_attrs.get("fixed_params") or trial.params
         if trial.user_attrs.get("measured"):
             seen.setdefault(params_key(trial.params), trial)
-        elif trial.state == TrialState.RUNNING and trial.params and trial.user_attrs.get("worker") != me:
-            inflight.setdefault(params_key(trial.params), trial)
+        elif trial.state == TrialState.RUNNING and params and trial.user_attrs.get("worker") != me:
+            inflight.setdefault(params_key(params), trial)
     return seen, {k: t for k, t in inflight.items() if k not in seen}
 
 
