@@ -194,10 +194,7 @@ def entries(table: Mapping[str, Any], source: str = "table") -> list[Entry]:
     :func:`load` or :func:`build_table` holds them already (no second check); a table written as a plain dict
     (the tests', an integration's) holds JSON objects, each checked as :func:`load` checks it (TableError
     naming the first bad one). The table's other sections are :func:`validate`'s to check."""
-    found = table["entries"]
-    if all(type(e) is Entry for e in found):
-        return list(found)
-    return [e if type(e) is Entry else Entry.from_json(e, i, source) for i, e in enumerate(found)]
+    return [e if type(e) is Entry else Entry.from_json(e, i, source) for i, e in enumerate(table["entries"])]
 
 
 def as_json(table: Mapping[str, Any]) -> dict[str, Any]:
