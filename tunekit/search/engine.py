@@ -60,7 +60,7 @@ from tunekit.errors import UserError
 from tunekit.problems.shapes import Problem
 from tunekit.search import fleet
 from tunekit.search.common import Run, SearchConfig, SearchOutcome, StudyStats, WorkerContext, study_name
-from tunekit.search.finals import final_phase, final_rows
+from tunekit.search.finals import final_phase, final_rows, peer_asked
 from tunekit.search.fusion_phase import fusion_phase
 from tunekit.search.liveness import HEARTBEAT_S, STALE_AFTER_S, Liveness
 from tunekit.search.progress import Progress
@@ -337,12 +337,11 @@ def _log_unavailable_peers(problems: Sequence[Problem], device: dict[str, Any], 
     from tunekit.measure.device import DeviceInfo
 
     info = DeviceInfo(**device)
-    if asked is not None:
-        left = [name for name in backend_registry.PEERS if name not in asked]
-        if left:
-            log(f"peers not timed ({', '.join(left)}): --peers all times them beside the winners")
+    left = [name for name in backend_registry.PEERS if not peer_asked(name, asked)]
+    if left:
+        log(f"peers not timed ({', '.join(left)}): --peers all times them beside the winners")
     for name in backend_registry.BASELINES:
-        if name == "vendor" or (asked is not None and name in backend_registry.PEERS and name not in asked):
+        if name == "vendor" or not peer_asked(name, asked):
             continue
         backend = backend_registry.get(name)
         if not any(p.op in backend.ops for p in problems):

@@ -74,6 +74,12 @@ def _peer_here(name: str, device_json: str) -> tuple[str | None, tuple[str, ...]
 NOT_ASKED = "not asked: tunekit search --peers all (or a list) times it beside the winners"
 
 
+def peer_asked(name: str, asked: Collection[str] | None) -> bool:
+    """Whether the search times baseline ``name``: every one where ``asked`` is None (``--peers all``), else the
+    peers named; Inductor, a stock baseline and the bar for the elementwise ops, always."""
+    return asked is None or name in asked or name in backend_registry.STOCK
+
+
 def peer_arms(problem: Problem, device: dict[str, Any],
               asked: Collection[str] | None = None) -> tuple[list[dict[str, Any]], dict[str, str]]:
     """The peers that join ``problem``'s final re-measure, as optional candidates (a failed build costs that
@@ -83,7 +89,7 @@ def peer_arms(problem: Problem, device: dict[str, Any],
     candidates: list[dict[str, Any]] = []
     left_out: dict[str, str] = {}
     for name in peer_names():
-        if asked is not None and name not in asked and name not in backend_registry.STOCK:
+        if not peer_asked(name, asked):
             left_out[name] = NOT_ASKED
             continue
         why, ops = _peer_here(name, json.dumps(device, sort_keys=True, default=str))
